@@ -1,0 +1,124 @@
+"""The ``rlix`` command. It parses arguments and calls one library function per subcommand; no logic lives here.
+
+Every subcommand has ``--help``. Errors of rlix-plugins (``RlixError``) and bad arguments exit non-zero with
+a one-line reason on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+
+from rlix_plugins.errors import RlixError
+
+
+def _cmd_up(args: argparse.Namespace) -> int:
+    from rlix_plugins.control.admin import up
+
+    return up(address=args.address, num_gpus=args.num_gpus, num_cpus=args.num_cpus)
+
+
+def _cmd_down(args: argparse.Namespace) -> int:
+    from rlix_plugins.control.admin import down
+
+    return down(address=args.address, stop_ray=args.stop_ray)
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    from rlix_plugins.control.admin import status
+
+    return status(address=args.address, as_json=args.json)
+
+
+def _cmd_timeline(args: argparse.Namespace) -> int:
+    from rlix_plugins.control.admin import timeline
+
+    return timeline(address=args.address, out=args.out)
+
+
+def _cmd_simulate(args: argparse.Namespace) -> int:
+    from rlix_plugins.control.simulator import run_cli
+
+    return run_cli(args)
+
+
+def _cmd_patch(args: argparse.Namespace) -> int:
+    from rlix_plugins.patching import run_cli
+
+    return run_cli(action=args.action, nemo_rl=args.nemo_rl)
+
+
+def _add_address(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--address",
+        default=None,
+        help="Ray cluster address (default: RAY_ADDRESS, else the local cluster started by `rlix up`)",
+    )
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rlix", description="GPU time-sharing for NeMo RL async GRPO.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    handlers: dict[str, Callable[[argparse.Namespace], int]] = {}
+
+    def add(name: str, fn: Callable[[argparse.Namespace], int], help_: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help_, description=help_)
+        handlers[name] = fn
+        p.set_defaults(_handler=fn)
+        return p
+
+    p = add("up", _cmd_up, "Start (or join) a Ray cluster and the rlix control plane on it.")
+    _add_address(p)
+    p.add_argument("--num-gpus", type=_positive_int, default=None, help="GPUs to declare when starting a local Ray cluster")
+    p.add_argument("--num-cpus", type=_positive_int, default=None, help="CPUs to declare when starting a local Ray cluster")
+
+    p = add("down", _cmd_down, "Stop the rlix control plane (and, with --stop-ray, the local Ray cluster).")
+    _add_address(p)
+    p.add_argument("--stop-ray", action="store_true", help="also stop the local Ray cluster `rlix up` started")
+
+    p = add("status", _cmd_status, "Show pipelines, allocations, pending requests and idle GPUs.")
+    _add_address(p)
+    p.add_argument("--json", action="store_true", help="print machine-readable JSON")
+
+    p = add("timeline", _cmd_timeline, "Render the scheduler trace as a Gantt chart (one row per GPU).")
+    _add_address(p)
+    p.add_argument("--out", required=True, help="output picture, e.g. timeline.png")
+
+    p = add("simulate", _cmd_simulate, "Simulate N pipelines time-sharing G GPUs with the real planner.")
+    from rlix_plugins.control.simulator import add_arguments as add_sim_arguments
+
+    add_sim_arguments(p)
+
+    p = add("patch", _cmd_patch, "Apply, check or revert the pinned NeMo RL patch series.")
+    p.add_argument("action", choices=["apply", "check", "revert"])
+    p.add_argument("--nemo-rl", required=True, metavar="PATH", help="path to the NeMo RL checkout")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args._handler(args))
+    except RlixError as exc:
+        print(f"rlix {args.command}: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"rlix {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,211 @@
+"""Control-plane records shared by the planner (pure), the scheduler actor, the simulator and the CLI.
+
+Everything here is plain Python (no Ray, no torch) and frozen, so a snapshot can be handed to the planner,
+hashed, compared in property tests and pickled across Ray without surprises.
+
+Vocabulary
+----------
+* A **pipeline** is one training run (``pipeline_id`` like ``ft_0123456789ab``; never contains ``:``).
+* A **cluster** is one role of a pipeline that needs GPUs: ``actor_train`` (Megatron/DTensor workers, one GPU
+  each, ``tp_size=1``) or ``actor_infer`` (vLLM, ``tp_size = vllm TP``), ... Its id is
+  ``f"{pipeline_id}_{cluster_name}"`` and is parsed by suffix only.
+* A cluster's **device mapping** is the ordered tuple of GPU ids it may use. It is cut into **bundles** of
+  ``tp_size`` consecutive entries; bundle ``i`` is **DP rank** ``i``. A generation cluster is granted GPUs one
+  bundle (DP rank) at a time; every other cluster gets its whole mapping or nothing.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Final
+
+
+class Priority(enum.IntEnum):
+    """Lower value wins. GENERATION is the only preemptable, partially-grantable priority."""
+
+    INITIALIZATION = 0
+    ACTOR_TRAINING = 1
+    CRITIC_TRAINING = 2
+    OLD_LOG_PROBS = 3
+    REF_LOG_PROBS = 4
+    VALUE_COMPUTE = 5
+    GENERATION = 6
+
+
+#: Cluster names a pipeline may register, with whether they are generation (vLLM) clusters.
+CLUSTER_NAMES: Final[dict[str, bool]] = {
+    "actor_train": False,
+    "actor_infer": True,
+    "critic": False,
+    "reference": False,
+}
+GENERATION_CLUSTER: Final = "actor_infer"
+TRAIN_CLUSTER: Final = "actor_train"
+
+#: Namespace of the singleton actors (orchestrator, scheduler).
+RLIX_NAMESPACE: Final = "rlix"
+ORCHESTRATOR_NAME: Final = "rlix:orchestrator"
+SCHEDULER_NAME: Final = "rlix:scheduler"
+
+
+def pipeline_namespace(pipeline_id: str) -> str:
+    """Ray namespace of a pipeline's own actors (coordinator, pipeline-side helpers)."""
+    return f"pipeline_{pipeline_id}_NS"
+
+
+def coordinator_name(pipeline_id: str) -> str:
+    return f"rlix:coordinator:{pipeline_id}"
+
+
+def cluster_id(pipeline_id: str, cluster_name: str) -> str:
+    return f"{pipeline_id}_{cluster_name}"
+
+
+def parse_cluster_id(cid: str) -> tuple[str, str]:
+    """Split ``<pipeline>_<cluster_name>`` by known suffix. Raises ValueError for an unknown suffix."""
+    for name in CLUSTER_NAMES:
+        suffix = "_" + name
+        if cid.endswith(suffix) and len(cid) > len(suffix):
+            return cid[: -len(suffix)], name
+    raise ValueError(
+        f"cluster id {cid!r} does not end with a known cluster name; expected '<pipeline>_<name>' with "
+        f"name in {sorted(CLUSTER_NAMES)}"
+    )
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """One registered cluster of a pipeline."""
+
+    cluster_id: str
+    pipeline_id: str
+    name: str  #: one of CLUSTER_NAMES
+    device_mapping: tuple[int, ...]  #: GPU ids, canonical (sorted) order
+    tp_size: int  #: GPUs per bundle (DP rank); 1 for training clusters
+
+    @property
+    def is_generation(self) -> bool:
+        return CLUSTER_NAMES[self.name]
+
+    @property
+    def num_dp_ranks(self) -> int:
+        return len(self.device_mapping) // self.tp_size
+
+    def bundle(self, dp_rank: int) -> tuple[int, ...]:
+        """GPU ids of DP rank ``dp_rank``."""
+        start = dp_rank * self.tp_size
+        return self.device_mapping[start : start + self.tp_size]
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """GPUs a cluster currently holds. For generation clusters ``active_dp_ranks`` says which bundles."""
+
+    cluster_id: str
+    priority: Priority
+    gpus: frozenset[int]
+    active_dp_ranks: frozenset[int] = frozenset()
+
+
+@dataclass(frozen=True)
+class PendingRequest:
+    """A blocked ``request_gpus`` call. ``seq`` gives FIFO order within a priority."""
+
+    cluster_id: str
+    priority: Priority
+    seq: int
+    step: int | None = None
+    step_target_estimate: int | None = None  #: GENERATION only: trajectories the step needs (>= 1)
+
+
+@dataclass(frozen=True)
+class Progress:
+    """Aggregated rollout progress of one pipeline for its current step.
+
+    ``completed`` is already clamped to ``step_target`` by the coordinator (raw ``collected`` may overshoot).
+    """
+
+    pipeline_id: str
+    step_target: int
+    completed: int
+    step: int | None = None
+
+    @property
+    def remaining(self) -> int:
+        return max(self.step_target - min(self.completed, self.step_target), 0)
+
+
+@dataclass(frozen=True)
+class SchedulerSnapshot:
+    """Everything the planner needs, nothing it may mutate."""
+
+    gpus: frozenset[int]  #: every GPU of the pool
+    gpus_per_node: int  #: GPU ``g`` is on node ``g // gpus_per_node``
+    clusters: dict[str, ClusterSpec]  #: by cluster id (registered and admitted pipelines only)
+    allocations: dict[str, Allocation]  #: by cluster id
+    pending: tuple[PendingRequest, ...] = ()
+    progress: dict[str, Progress] = field(default_factory=dict)  #: by pipeline id
+    planned_releases: frozenset[str] = frozenset()  #: generation cluster ids to shrink to zero now
+
+    @property
+    def idle_gpus(self) -> frozenset[int]:
+        used: set[int] = set()
+        for alloc in self.allocations.values():
+            used |= alloc.gpus
+        return self.gpus - used
+
+
+@dataclass(frozen=True)
+class ShrinkOp:
+    """Put DP ranks of a generation cluster to sleep (remove from routing → abort → drain → sleep)."""
+
+    cluster_id: str
+    dp_ranks: tuple[int, ...]
+    reason: str  #: "preempt" (for a higher priority), "rebalance" (gap ratio) or "release" (planned)
+
+
+@dataclass(frozen=True)
+class ExpandOp:
+    """Wake DP ranks of a generation cluster (wake → sync weights → finalize → publish version → route)."""
+
+    cluster_id: str
+    dp_ranks: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Grant:
+    """A pending request that this cycle satisfies; its waiter is signalled after all resize calls returned."""
+
+    cluster_id: str
+    priority: Priority
+    seq: int
+    gpus: frozenset[int]
+
+
+@dataclass(frozen=True)
+class CyclePlan:
+    """What one scheduling cycle decided. Executed as: all shrinks → all expands → commit → signal grants."""
+
+    shrinks: tuple[ShrinkOp, ...] = ()
+    expands: tuple[ExpandOp, ...] = ()
+    grants: tuple[Grant, ...] = ()
+    allocations: dict[str, Allocation] = field(default_factory=dict)  #: the complete allocation table after
+    released: frozenset[str] = frozenset()  #: planned releases completed by this plan
+
+    @property
+    def is_noop(self) -> bool:
+        return not (self.shrinks or self.expands or self.grants or self.released)
+
+
+@dataclass(frozen=True)
+class TraceEvent:
+    """One recorded decision or state change, rendered by ``rlix timeline``."""
+
+    time: float  #: seconds since the epoch
+    pipeline_id: str
+    cluster_id: str
+    op: str  #: "allocate", "release", "shrink", "expand", "register", "unregister", "fail", ...
+    gpus: tuple[int, ...]
+    priority: int | None = None
+    detail: str = ""

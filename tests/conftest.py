@@ -1,0 +1,58 @@
+"""Shared fixtures: one Ray cluster per test session (GPUs declared on CPU machines), hardware markers."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+
+# Quiet, offline, bounded: the same settings the CLI and demo use.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+
+#: GPUs declared to the session's Ray cluster when no real GPU is present.
+DECLARED_GPUS = 4
+
+
+def _has_cuda() -> bool:
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except Exception:
+        return False
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    cuda = _has_cuda()
+    nemo_src = os.environ.get("NEMO_RL_SRC")
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU (run on the device machine: pytest -m gpu)")
+    skip_nemo = pytest.mark.skip(
+        reason="needs a NeMo RL checkout at the pinned commit: set NEMO_RL_SRC=/path/to/RL (see README)"
+    )
+    for item in items:
+        if "gpu" in item.keywords and not cuda:
+            item.add_marker(skip_gpu)
+        if "nemo_rl" in item.keywords and not nemo_src:
+            item.add_marker(skip_nemo)
+
+
+@pytest.fixture(scope="session")
+def ray_cluster() -> Iterator[dict[str, float]]:
+    """A local Ray cluster, started once per session. On CPU machines it declares DECLARED_GPUS GPUs."""
+    import ray
+
+    if not ray.is_initialized():
+        num_gpus = None if _has_cuda() else DECLARED_GPUS
+        ray.init(
+            num_cpus=max(8, os.cpu_count() or 2),
+            num_gpus=num_gpus,
+            include_dashboard=False,
+            log_to_driver=True,
+            namespace="rlix_tests",
+        )
+    yield ray.cluster_resources()
+    ray.shutdown()
