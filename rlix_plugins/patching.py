@@ -1,0 +1,219 @@
+"""``rlix patch apply|check|revert --nemo-rl PATH``: the pinned NeMo RL patch series.
+
+A series is a directory ``patches/nemo-rl/<commit prefix>/`` of numbered ``0001-*.patch`` files (git
+format-patch output) applied in name order. The series is chosen by the checkout's ``HEAD`` (the
+directory name is a prefix of it); when ``HEAD`` is not a pinned commit, a series is used only if it
+applies (or is applied) cleanly, hunk for hunk.
+
+States (per patch and for the series): ``applied`` (the patch reverts cleanly), ``not applied`` (it
+applies cleanly), ``drifted`` (neither; the report names the file and hunk). ``apply`` and ``revert`` are
+all or nothing: one ``git apply`` call over every patch, which writes nothing when any hunk fails.
+They refuse checkouts whose touched files carry uncommitted changes (``apply``) and partial states.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from rlix_plugins._patch_series import Patch, Series, discover_series
+from rlix_plugins.errors import PatchError
+
+APPLIED = "applied"
+NOT_APPLIED = "not applied"
+DRIFTED = "drifted"
+PARTIAL = "partially applied"
+
+#: Where a checkout of rlix-plugins keeps its series; ``RLIX_PATCHES_DIR`` overrides it.
+DEFAULT_SERIES_ROOT = Path(__file__).resolve().parent.parent / "patches" / "nemo-rl"
+_GIT_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True)
+class PatchState:
+    patch: Patch
+    state: str  # APPLIED, NOT_APPLIED or DRIFTED
+    #: For DRIFTED: one line per hunk that neither applies nor reverts ("file: hunk i/n @@ ... @@").
+    drift: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class SeriesStatus:
+    checkout: Path
+    head: str
+    series: Series
+    patches: tuple[PatchState, ...]
+    #: True when HEAD is the commit the series was written for.
+    at_pin: bool
+
+    @property
+    def state(self) -> str:
+        states = {p.state for p in self.patches}
+        if DRIFTED in states:
+            return DRIFTED
+        if states == {APPLIED}:
+            return APPLIED
+        if states == {NOT_APPLIED}:
+            return NOT_APPLIED
+        return PARTIAL
+
+    def report(self) -> str:
+        pin = "the pinned commit" if self.at_pin else f"not the pin {self.series.name} (series chosen by content)"
+        lines = [f"NeMo RL checkout {self.checkout} at {self.head[:12]} ({pin}): series {self.series.name} {self.state}"]
+        for p in self.patches:
+            lines.append(f"  {p.patch.name}: {p.state}")
+            lines.extend(f"    drifted: {d}" for d in p.drift)
+        return "\n".join(lines)
+
+
+def _git(checkout: Path, *args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    try:
+        return subprocess.run(
+            ["git", "-C", str(checkout), *args],
+            input=stdin,
+            capture_output=True,
+            text=True,
+            timeout=_GIT_TIMEOUT_S,
+            check=False,
+        )
+    except FileNotFoundError:
+        raise PatchError("`git` is not installed or not on PATH; rlix patch needs it") from None
+    except subprocess.TimeoutExpired:
+        raise PatchError(f"`git {' '.join(args)}` in {checkout} did not finish in {_GIT_TIMEOUT_S:.0f} s") from None
+
+
+def find_checkout(path: str | os.PathLike[str]) -> tuple[Path, str]:
+    """Returns (root, HEAD commit) of the NeMo RL git checkout at ``path``; PatchError if it is not one."""
+    root = Path(path).expanduser().resolve()
+    if not (root / "nemo_rl" / "algorithms" / "grpo.py").is_file():
+        raise PatchError(
+            f"{root} is not a NeMo RL checkout (no nemo_rl/algorithms/grpo.py); pass the repository root "
+            "of a clone of https://github.com/NVIDIA-NeMo/RL"
+        )
+    top = _git(root, "rev-parse", "--show-toplevel")
+    if top.returncode != 0 or Path(top.stdout.strip()).resolve() != root:
+        raise PatchError(f"{root} is not the root of a git checkout (rlix patch needs git to apply and check)")
+    head = _git(root, "rev-parse", "HEAD")
+    if head.returncode != 0:
+        raise PatchError(f"cannot read HEAD of {root}: {head.stderr.strip()}")
+    return root, head.stdout.strip()
+
+
+def _applies(checkout: Path, text: str, *, reverse: bool) -> bool:
+    args = ["apply", "--check", *(["--reverse"] if reverse else []), "-"]
+    return _git(checkout, *args, stdin=text).returncode == 0
+
+
+def _patch_state(checkout: Path, patch: Patch) -> PatchState:
+    if _applies(checkout, patch.text, reverse=True):
+        return PatchState(patch, APPLIED)
+    if _applies(checkout, patch.text, reverse=False):
+        return PatchState(patch, NOT_APPLIED)
+    drift = tuple(
+        f"{h.path}: hunk {h.index}/{h.count} {h.header}"
+        for h in patch.hunks
+        if not _applies(checkout, h.text, reverse=False) and not _applies(checkout, h.text, reverse=True)
+    )
+    return PatchState(patch, DRIFTED, drift or ("hunks apply one by one but not together",))
+
+
+def series_status(checkout: Path, head: str, series_root: Path | None = None) -> SeriesStatus:
+    """The state of the series matching ``head`` (or, failing that, the one that fits the files)."""
+    candidates = discover_series(series_root or _series_root())
+    if not candidates:
+        raise PatchError(f"no patch series found under {series_root or _series_root()}; reinstall rlix-plugins")
+    pinned = [s for s in candidates if head.startswith(s.name)]
+    if pinned:
+        series = pinned[0]
+        return SeriesStatus(checkout, head, series, tuple(_patch_state(checkout, p) for p in series.patches), True)
+    fallback: SeriesStatus | None = None
+    for series in candidates:
+        status = SeriesStatus(
+            checkout, head, series, tuple(_patch_state(checkout, p) for p in series.patches), False
+        )
+        if status.state in (APPLIED, NOT_APPLIED, PARTIAL):
+            return status
+        fallback = fallback or status
+    assert fallback is not None
+    drift = "; ".join(d for p in fallback.patches for d in p.drift)
+    known = ", ".join(s.name for s in candidates)
+    raise PatchError(
+        f"unknown NeMo RL version: HEAD {head[:12]} is not a pinned commit ({known}) and no series applies "
+        f"cleanly (drift: {drift}); check out the pinned commit or upgrade rlix-plugins"
+    )
+
+
+def _series_root() -> Path:
+    env = os.environ.get("RLIX_PATCHES_DIR")
+    return Path(env) if env else DEFAULT_SERIES_ROOT
+
+
+def _dirty(checkout: Path, paths: Sequence[str]) -> list[str]:
+    out = _git(checkout, "status", "--porcelain", "--untracked-files=all", "--", *paths)
+    if out.returncode != 0:
+        raise PatchError(f"git status failed in {checkout}: {out.stderr.strip()}")
+    return [line[3:] for line in out.stdout.splitlines() if line.strip()]
+
+
+def _run_git_apply(checkout: Path, patches: Sequence[Patch], *, reverse: bool) -> None:
+    """One ``git apply`` over every patch: git writes nothing unless every hunk applies."""
+    args = ["apply", "--whitespace=nowarn", *(["--reverse"] if reverse else [])]
+    ordered = list(reversed(patches)) if reverse else list(patches)
+    out = _git(checkout, *args, *[str(p.path) for p in ordered])
+    if out.returncode != 0:
+        what = "revert" if reverse else "apply"
+        raise PatchError(f"git apply failed to {what} the series (nothing was changed): {out.stderr.strip()}")
+
+
+def apply(checkout: Path, head: str, series_root: Path | None = None) -> SeriesStatus:
+    status = series_status(checkout, head, series_root)
+    if status.state == APPLIED:
+        return status
+    if status.state != NOT_APPLIED:
+        raise PatchError(
+            f"series {status.series.name} is {status.state} in {checkout}; "
+            + ("run `rlix patch revert` first" if status.state == PARTIAL else "see `rlix patch check`")
+        )
+    dirty = _dirty(checkout, status.series.touched_paths)
+    if dirty:
+        raise PatchError(
+            f"uncommitted changes in files the series touches: {', '.join(dirty)}; commit or discard them first"
+        )
+    _run_git_apply(checkout, status.series.patches, reverse=False)
+    return series_status(checkout, head, series_root)
+
+
+def revert(checkout: Path, head: str, series_root: Path | None = None) -> tuple[SeriesStatus, list[str]]:
+    """Reverts the applied patches. Returns the new status and the touched files still modified."""
+    status = series_status(checkout, head, series_root)
+    if status.state == DRIFTED:
+        raise PatchError(f"series {status.series.name} has drifted in {checkout}; see `rlix patch check`")
+    applied = [p.patch for p in status.patches if p.state == APPLIED]
+    if applied:
+        _run_git_apply(checkout, applied, reverse=True)
+    return series_status(checkout, head, series_root), _dirty(checkout, status.series.touched_paths)
+
+
+def run_cli(*, action: str, nemo_rl: str) -> int:
+    """``rlix patch``. Exit codes: 0 done / applied, 1 ``check``: not applied, 2 errors and drift."""
+    checkout, head = find_checkout(nemo_rl)
+    if action == "check":
+        status = series_status(checkout, head)
+        print(status.report())
+        return {APPLIED: 0, NOT_APPLIED: 1}.get(status.state, 2)
+    if action == "apply":
+        before = series_status(checkout, head).state
+        status = apply(checkout, head)
+        print(status.report() if before != APPLIED else f"already applied: {status.report()}")
+        return 0
+    if action == "revert":
+        status, left = revert(checkout, head)
+        print(status.report())
+        if left:
+            print(f"note: your other uncommitted changes in {', '.join(left)} were kept", file=sys.stderr)
+        return 0
+    raise PatchError(f"unknown action {action!r}; valid: apply, check, revert")
