@@ -1,0 +1,226 @@
+"""Gap-ratio division of rollout GPUs between generation clusters (pure; called by ``planner.plan_cycle``).
+
+Model (after the reference ``plan_generation_gap_ratio``, with its starvation gap closed):
+
+* **Eligible** receivers: registered generation clusters that are not being released this cycle, do not hold a
+  non-GENERATION allocation (e.g. INITIALIZATION), and have a pending GENERATION request or active ranks.
+* **Demand** of a cluster: ``progress.remaining`` of its pipeline when progress is known, else 0; a pending
+  GENERATION request raises it to at least the request's ``step_target_estimate`` (1 when absent, so a pipeline
+  with neither progress nor an estimate is never skipped: reference debug #27).
+* ``weight = demand x tp``; ``budget`` = idle GPUs that no waiting non-generation request reserves and that
+  some eligible cluster may use, plus all active generation GPUs.
+* ``target = max(round_half_up(weight / Σweight x budget / tp) x tp, tp)`` capped at the mapping size: every
+  eligible receiver is owed at least one bundle.
+* Iteration (one activation per iteration, capped): the acceptor furthest below target (clusters with no active
+  rank first, then normalised gap, gap, pipeline id) takes one bundle. Candidates prefer no shrink, then donors
+  with more remaining work (protecting nearly finished pipelines), then the lower DP rank. Donors are clusters
+  above target and shrink at most down to ``max(1 bundle, target)`` ("donors keep their target"); an acceptor
+  with **no** active rank may also take from a donor at target that keeps ≥1 rank (anti-starvation).
+* Finally a work-conserving fill: idle, unreserved bundles go to eligible clusters with demand > 0 (least GPUs
+  per unit of weight first). It never shrinks anybody.
+
+Ranks woken in this cycle are protected (never shrunk again in the same cycle), so a plan never both removes
+and adds the same rank.
+"""
+
+from __future__ import annotations
+
+import math
+
+from rlix_plugins.control._plan_state import PlanState, rank_index
+from rlix_plugins.control.types import PendingRequest, Priority
+
+#: Safety caps per cycle (the reference used the same numbers).
+MAX_ITERATIONS = 10_000
+MAX_ACTIVATIONS = 1_000
+
+
+def round_half_up(x: float) -> int:
+    return math.floor(x + 0.5)
+
+
+def cluster_demands(state: PlanState) -> dict[str, int]:
+    """Demand (trajectories) of every eligible generation cluster, by cluster id."""
+    snap = state.snap
+    pending_gen: dict[str, PendingRequest] = {}
+    for req in snap.pending:
+        if req.priority == Priority.GENERATION and req.cluster_id not in pending_gen:
+            pending_gen[req.cluster_id] = req
+    demands: dict[str, int] = {}
+    for cid, spec in snap.clusters.items():
+        if not spec.is_generation or cid in snap.planned_releases or cid in state.nongen:
+            continue
+        preq = pending_gen.get(cid)
+        if preq is None and cid not in state.gen_active:
+            continue
+        prog = snap.progress.get(spec.pipeline_id)
+        demand = prog.remaining if prog is not None else 0
+        if preq is not None:
+            demand = max(demand, max(preq.step_target_estimate or 1, 1))
+        demands[cid] = demand
+    return demands
+
+
+def plan_gap_ratio(state: PlanState) -> None:
+    """Mutate ``state`` with rebalance shrinks and expands for the eligible generation clusters."""
+    snap = state.snap
+    clusters = snap.clusters
+    demands = cluster_demands(state)
+    if not demands:
+        return
+    eligible = sorted(demands)
+    usable_free = state.free - state.reserved
+    reachable: set[int] = set()
+    for cid in eligible:
+        reachable.update(usable_free.intersection(clusters[cid].device_mapping))
+    budget = len(reachable) + sum(state.active_gpus(cid) for cid in eligible)
+    weights = {cid: demands[cid] * clusters[cid].tp_size for cid in eligible}
+    total_w = sum(weights.values())
+    targets: dict[str, int] = {}
+    for cid in eligible:
+        spec = clusters[cid]
+        tp = spec.tp_size
+        t = round_half_up(weights[cid] / total_w * budget / tp) * tp if total_w > 0 else tp
+        targets[cid] = min(max(t, tp), len(spec.device_mapping))
+
+    stuck: set[str] = set()
+    activations = 0
+    for _ in range(MAX_ITERATIONS):
+        if activations >= MAX_ACTIVATIONS:
+            break
+        best: str | None = None
+        best_key: tuple[bool, float, int, str, str] | None = None
+        for cid in eligible:
+            if cid in stuck:
+                continue
+            a = state.active_gpus(cid)
+            t = targets[cid]
+            if a >= t:
+                continue
+            gap = t - a
+            key = (a > 0, -gap / t, -gap, clusters[cid].pipeline_id, cid)
+            if best_key is None or key < best_key:
+                best, best_key = cid, key
+        if best is None:
+            break
+        if _activate_one(state, best, targets, demands, allow_shrink=True):
+            activations += 1
+        else:
+            stuck.add(best)
+
+    _fill_idle(state, eligible, weights, demands, targets, MAX_ACTIVATIONS - activations)
+
+
+def _free_candidate(state: PlanState, cid: str) -> int | None:
+    """Lowest inactive DP rank of ``cid`` whose whole bundle is idle and unreserved, if any."""
+    spec = state.snap.clusters[cid]
+    usable = state.free - state.reserved if state.reserved else state.free
+    idx = rank_index(spec)
+    hits = usable.intersection(idx)
+    if not hits:
+        return None
+    shrunk = state.shrunk.get(cid, ())
+    for r in sorted({idx[g] for g in hits}):
+        if r in shrunk:
+            continue
+        if all(g in usable for g in spec.bundle(r)):
+            return r
+    return None
+
+
+def _activate_one(
+    state: PlanState, cid: str, targets: dict[str, int], demands: dict[str, int], *, allow_shrink: bool
+) -> bool:
+    r = _free_candidate(state, cid)
+    if r is not None:
+        state.expand(cid, r)
+        return True
+    if not allow_shrink:
+        return False
+    clusters = state.snap.clusters
+    spec = clusters[cid]
+    starving = cid not in state.gen_active
+    active = state.gen_active.get(cid, set())
+    shrunk = state.shrunk.get(cid, set())
+    # ranks each donor may still give up in this cycle
+    budget_cache: dict[str, int] = {}
+
+    def donor_budget(d: str) -> int:
+        b = budget_cache.get(d)
+        if b is None:
+            dspec = clusters[d]
+            n_active = len(state.gen_active.get(d, ()))
+            keep_target = max(1, targets.get(d, dspec.tp_size) // dspec.tp_size)
+            b = n_active - keep_target
+            if starving:
+                b = max(b, n_active - 1)
+            budget_cache[d] = b
+        return b
+
+    best: tuple[int, int, int] | None = None
+    best_victims: list[tuple[str, int]] = []
+    for r in range(spec.num_dp_ranks):
+        if r in active or r in shrunk:
+            continue
+        victims: dict[tuple[str, int], None] = {}
+        ok = True
+        for g in spec.bundle(r):
+            if g in state.free:
+                if g in state.reserved:
+                    ok = False
+                    break
+                continue
+            d = state.owner[g]
+            if d == cid or d in state.nongen or d not in targets:
+                ok = False
+                break
+            dr = rank_index(clusters[d])[g]
+            if (d, dr) in state.protected:
+                ok = False
+                break
+            victims[(d, dr)] = None
+        if not ok:
+            continue
+        per_donor: dict[str, int] = {}
+        for d, _dr in victims:
+            per_donor[d] = per_donor.get(d, 0) + 1
+        if any(n > donor_budget(d) for d, n in per_donor.items()):
+            continue
+        min_donor_demand = min(demands.get(d, 0) for d in per_donor) if per_donor else 0
+        key = (len(victims), -min_donor_demand, r)
+        if best is None or key < best:
+            best, best_victims = key, list(victims)
+    if best is None:
+        return False
+    for d, dr in best_victims:
+        state.shrink(d, dr, "rebalance")
+    state.expand(cid, best[2])
+    return True
+
+
+def _fill_idle(
+    state: PlanState,
+    eligible: list[str],
+    weights: dict[str, int],
+    demands: dict[str, int],
+    targets: dict[str, int],
+    cap: int,
+) -> None:
+    """Give idle, unreserved bundles to clusters with demand (fewest GPUs per weight first). Never shrinks."""
+    live = [cid for cid in eligible if demands[cid] > 0]
+    done: set[str] = set()
+    while cap > 0:
+        best: str | None = None
+        best_key: tuple[float, str] | None = None
+        for cid in live:
+            if cid in done:
+                continue
+            key = (state.active_gpus(cid) / weights[cid], cid)
+            if best_key is None or key < best_key:
+                best, best_key = cid, key
+        if best is None:
+            return
+        if _activate_one(state, best, targets, demands, allow_shrink=False):
+            cap -= 1
+        else:
+            done.add(best)

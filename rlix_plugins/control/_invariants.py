@@ -1,0 +1,259 @@
+"""Invariants of snapshots and plans (pure). The scheduler calls ``validate_plan`` every cycle before executing.
+
+Each failure raises ``PlanInvariantError(invariant, message)``; ``invariant`` is one of ``INVARIANTS``.
+"""
+
+from __future__ import annotations
+
+from rlix_plugins.control._plan_state import is_generation_alloc, rank_index
+from rlix_plugins.control._registration import bundle_problem
+from rlix_plugins.control.types import (
+    Allocation,
+    ClusterSpec,
+    CyclePlan,
+    Priority,
+    SchedulerSnapshot,
+)
+from rlix_plugins.errors import SchedulerError
+
+INVARIANTS = (
+    "existence",
+    "mapping bounds",
+    "tp bundle",
+    "allocation shape",
+    "no double allocation",
+    "gpu conservation",
+    "generation-only shrink",
+    "generation-only expand",
+    "op uniqueness",
+    "shrink targets active ranks",
+    "expand targets inactive ranks",
+    "allocation transition",
+    "grant consistency",
+    "priority order",
+    "planned release",
+)
+
+
+class PlanInvariantError(SchedulerError):
+    """A snapshot or plan breaks a control-plane invariant. This is a scheduler bug: the plan must not run."""
+
+    def __init__(self, invariant: str, message: str) -> None:
+        super().__init__(f"invariant '{invariant}' broken: {message}")
+        self.invariant = invariant
+
+
+def _check_alloc(cid: str, alloc: Allocation, specs: dict[str, ClusterSpec], pool: frozenset[int], where: str) -> None:
+    spec = specs.get(cid)
+    if spec is None:
+        raise PlanInvariantError("existence", f"{where}: allocation of unregistered cluster {cid!r}")
+    if alloc.cluster_id != cid:
+        raise PlanInvariantError("existence", f"{where}: allocation keyed {cid!r} names {alloc.cluster_id!r}")
+    if not alloc.gpus <= pool:
+        raise PlanInvariantError("mapping bounds", f"{where}: {cid} holds GPUs {sorted(alloc.gpus - pool)} outside the pool")
+    mapping = set(spec.device_mapping)
+    if not alloc.gpus <= mapping:
+        raise PlanInvariantError(
+            "mapping bounds", f"{where}: {cid} holds GPUs {sorted(alloc.gpus - mapping)} outside its device mapping"
+        )
+    if is_generation_alloc(alloc):
+        if not spec.is_generation:
+            raise PlanInvariantError("allocation shape", f"{where}: non-generation cluster {cid} has a GENERATION allocation")
+        if not alloc.active_dp_ranks:
+            raise PlanInvariantError("allocation shape", f"{where}: GENERATION allocation of {cid} has no active rank")
+        bad = sorted(r for r in alloc.active_dp_ranks if not 0 <= r < spec.num_dp_ranks)
+        if bad:
+            raise PlanInvariantError("mapping bounds", f"{where}: {cid} has DP ranks {bad} outside 0..{spec.num_dp_ranks - 1}")
+        expected: set[int] = set()
+        for r in alloc.active_dp_ranks:
+            expected.update(spec.bundle(r))
+        if expected != alloc.gpus:
+            raise PlanInvariantError(
+                "allocation shape",
+                f"{where}: {cid} GPUs {sorted(alloc.gpus)} are not the bundles of its active ranks {sorted(expected)}",
+            )
+    else:
+        if alloc.active_dp_ranks:
+            raise PlanInvariantError("allocation shape", f"{where}: non-GENERATION allocation of {cid} lists DP ranks")
+        if alloc.gpus != mapping:
+            raise PlanInvariantError(
+                "allocation shape", f"{where}: {alloc.priority.name} allocation of {cid} is not its whole device mapping"
+            )
+
+
+def _owners(allocs: dict[str, Allocation], where: str) -> dict[int, str]:
+    owner: dict[int, str] = {}
+    for cid, alloc in allocs.items():
+        for g in alloc.gpus:
+            prev = owner.get(g)
+            if prev is not None:
+                raise PlanInvariantError("no double allocation", f"{where}: GPU {g} held by both {prev} and {cid}")
+            owner[g] = cid
+    return owner
+
+
+def validate_snapshot(snap: SchedulerSnapshot) -> None:
+    """Check that a snapshot is self-consistent (specs, allocations, pending requests, planned releases)."""
+    pool = snap.gpus
+    for cid, spec in snap.clusters.items():
+        if spec.cluster_id != cid:
+            raise PlanInvariantError("existence", f"spec keyed {cid!r} names {spec.cluster_id!r}")
+        if not set(spec.device_mapping) <= pool:
+            raise PlanInvariantError("mapping bounds", f"{cid} mapping has GPUs outside the pool")
+        if len(spec.device_mapping) % spec.tp_size:
+            raise PlanInvariantError("tp bundle", f"{cid} mapping length is not a multiple of tp_size={spec.tp_size}")
+        problem = bundle_problem(spec, snap.gpus_per_node)
+        if problem:
+            raise PlanInvariantError("tp bundle", f"{cid}: {problem}")
+    for cid, alloc in snap.allocations.items():
+        _check_alloc(cid, alloc, snap.clusters, pool, "snapshot")
+    _owners(snap.allocations, "snapshot")
+    seen: set[str] = set()
+    for req in snap.pending:
+        rspec = snap.clusters.get(req.cluster_id)
+        if rspec is None:
+            raise PlanInvariantError("existence", f"pending request of unregistered cluster {req.cluster_id!r}")
+        if req.cluster_id in seen:
+            raise PlanInvariantError("existence", f"two pending requests for {req.cluster_id}")
+        seen.add(req.cluster_id)
+        if req.priority == Priority.GENERATION and not rspec.is_generation:
+            raise PlanInvariantError("existence", f"GENERATION request of non-generation cluster {req.cluster_id}")
+    for cid in snap.planned_releases:
+        pspec = snap.clusters.get(cid)
+        if pspec is None or not pspec.is_generation:
+            raise PlanInvariantError("planned release", f"planned release of non-generation/unknown cluster {cid!r}")
+
+
+def validate_plan(snapshot: SchedulerSnapshot, plan: CyclePlan) -> None:
+    """Raise ``PlanInvariantError`` unless ``plan`` is a legal successor of ``snapshot``."""
+    validate_snapshot(snapshot)
+    specs = snapshot.clusters
+    pool = snapshot.gpus
+    before, after = snapshot.allocations, plan.allocations
+    for cid, alloc in after.items():
+        _check_alloc(cid, alloc, specs, pool, "plan")
+    owner_before = _owners(before, "snapshot")
+    owner_after = _owners(after, "plan")
+
+    # --- ops ---------------------------------------------------------------------------------------------
+    shrunk: dict[str, set[int]] = {}
+    expanded: dict[str, set[int]] = {}
+    for kind, ops, dest in (("shrink", plan.shrinks, shrunk), ("expand", plan.expands, expanded)):
+        for op in ops:
+            spec = specs.get(op.cluster_id)
+            if spec is None or not spec.is_generation:
+                raise PlanInvariantError(f"generation-only {kind}", f"{kind} of non-generation cluster {op.cluster_id!r}")
+            if op.cluster_id in dest:
+                raise PlanInvariantError("op uniqueness", f"two {kind} ops for {op.cluster_id}")
+            ranks = set(op.dp_ranks)
+            if len(ranks) != len(op.dp_ranks) or not ranks:
+                raise PlanInvariantError("op uniqueness", f"{kind} of {op.cluster_id} lists ranks {op.dp_ranks}")
+            dest[op.cluster_id] = ranks
+    for op in plan.shrinks:
+        if op.reason not in ("preempt", "rebalance", "release"):
+            raise PlanInvariantError("generation-only shrink", f"shrink of {op.cluster_id} has reason {op.reason!r}")
+    for cid, spec in specs.items():
+        if not spec.is_generation:
+            continue
+        b = before.get(cid)
+        a = after.get(cid)
+        act_b = set(b.active_dp_ranks) if b is not None and is_generation_alloc(b) else set()
+        act_a = set(a.active_dp_ranks) if a is not None and is_generation_alloc(a) else set()
+        s, e = shrunk.get(cid, set()), expanded.get(cid, set())
+        if not s <= act_b:
+            raise PlanInvariantError("shrink targets active ranks", f"{cid} shrinks inactive ranks {sorted(s - act_b)}")
+        if e & act_b:
+            raise PlanInvariantError("expand targets inactive ranks", f"{cid} expands active ranks {sorted(e & act_b)}")
+        if s & e:
+            raise PlanInvariantError("op uniqueness", f"{cid} both shrinks and expands ranks {sorted(s & e)}")
+        bad = sorted(r for r in e if not 0 <= r < spec.num_dp_ranks)
+        if bad:
+            raise PlanInvariantError("mapping bounds", f"{cid} expands ranks {bad} outside 0..{spec.num_dp_ranks - 1}")
+        if (act_b - s) | e != act_a:
+            raise PlanInvariantError(
+                "allocation transition",
+                f"{cid}: active {sorted(act_b)} - shrink {sorted(s)} + expand {sorted(e)} != planned {sorted(act_a)}",
+            )
+
+    # --- grants ------------------------------------------------------------------------------------------
+    pending = {(r.cluster_id, r.seq): r for r in snapshot.pending}
+    granted: dict[str, Priority] = {}
+    for gr in plan.grants:
+        req = pending.get((gr.cluster_id, gr.seq))
+        if req is None or req.priority != gr.priority:
+            raise PlanInvariantError("grant consistency", f"grant {gr.cluster_id}#{gr.seq} matches no pending request")
+        if gr.cluster_id in granted:
+            raise PlanInvariantError("grant consistency", f"{gr.cluster_id} granted twice")
+        granted[gr.cluster_id] = gr.priority
+        a = after.get(gr.cluster_id)
+        if a is None or a.priority != gr.priority or a.gpus != gr.gpus:
+            raise PlanInvariantError(
+                "grant consistency", f"grant of {gr.cluster_id} does not match its planned allocation"
+            )
+        if gr.priority == Priority.GENERATION and gr.cluster_id in snapshot.planned_releases:
+            raise PlanInvariantError("planned release", f"{gr.cluster_id} granted GENERATION while being released")
+
+    # non-generation allocations change only through grants (the planner never frees them)
+    for cid, b in before.items():
+        if not is_generation_alloc(b) and after.get(cid) != b and cid not in granted:
+            raise PlanInvariantError("allocation transition", f"{b.priority.name} allocation of {cid} changed without a grant")
+    for cid, a in after.items():
+        if not is_generation_alloc(a) and before.get(cid) != a and cid not in granted:
+            raise PlanInvariantError("allocation transition", f"{a.priority.name} allocation of {cid} appeared without a grant")
+
+    # --- GPU conservation: every ownership change is explained by an op or a grant -------------------------
+    for g in pool:
+        ob, oa = owner_before.get(g), owner_after.get(g)
+        if ob == oa and (ob is None or is_generation_alloc(before[ob]) == is_generation_alloc(after[ob])):
+            continue
+        if ob is not None and is_generation_alloc(before[ob]):
+            r = rank_index(specs[ob])[g]
+            if r not in shrunk.get(ob, ()):
+                raise PlanInvariantError("gpu conservation", f"GPU {g} left {ob} rank {r} without a shrink")
+        if oa is not None:
+            if is_generation_alloc(after[oa]):
+                r = rank_index(specs[oa])[g]
+                if r not in expanded.get(oa, ()):
+                    raise PlanInvariantError("gpu conservation", f"GPU {g} joined {oa} rank {r} without an expand")
+            elif oa not in granted:
+                raise PlanInvariantError("gpu conservation", f"GPU {g} joined {oa} without a grant")
+        if ob is not None and oa is not None and ob != oa and not is_generation_alloc(before[ob]):
+            raise PlanInvariantError("gpu conservation", f"GPU {g} moved from {ob} ({before[ob].priority.name}) to {oa}")
+
+    # --- priority order: no grant takes GPUs that an earlier-ordered waiting request needs ------------------
+    waiting = [
+        r for r in snapshot.pending if r.priority != Priority.GENERATION and r.cluster_id not in granted
+    ]
+    if waiting:
+        reserved: set[int] = set()
+        for w in waiting:
+            reserved.update(specs[w.cluster_id].device_mapping)
+        for gr in plan.grants:
+            if gr.priority == Priority.GENERATION:
+                continue
+            b = before.get(gr.cluster_id)
+            if b is not None and b.gpus == gr.gpus:
+                continue  # it already held them
+            for w in waiting:
+                if (w.priority, w.seq) < (gr.priority, gr.seq) and gr.gpus & set(specs[w.cluster_id].device_mapping):
+                    raise PlanInvariantError(
+                        "priority order",
+                        f"{gr.cluster_id} ({gr.priority.name}#{gr.seq}) was granted GPUs that the waiting "
+                        f"{w.cluster_id} ({Priority(w.priority).name}#{w.seq}) needs",
+                    )
+        for cid, ranks in expanded.items():
+            for rank in ranks:
+                for g in specs[cid].bundle(rank):
+                    ob = owner_before.get(g)
+                    if g in reserved and (ob is None or not is_generation_alloc(before[ob])):
+                        raise PlanInvariantError(
+                            "priority order", f"{cid} rank {rank} woke on idle GPU {g} that a waiting request reserves"
+                        )
+
+    # --- planned releases --------------------------------------------------------------------------------
+    if not plan.released <= snapshot.planned_releases:
+        raise PlanInvariantError("planned release", f"released {sorted(plan.released - snapshot.planned_releases)} unasked")
+    for cid in plan.released:
+        a = after.get(cid)
+        if a is not None and is_generation_alloc(a):
+            raise PlanInvariantError("planned release", f"{cid} still has active ranks after its planned release")

@@ -1,0 +1,139 @@
+"""Mutable working state of one planning cycle (private to the planner; pure Python).
+
+``PlanState`` is built from a frozen ``SchedulerSnapshot``, mutated by the planner phases (planned releases →
+non-generation grants → gap ratio → generation grants) and turned back into a frozen ``CyclePlan``. Nothing
+here is shared between cycles except the per-spec GPU→rank index cache (specs are frozen, so it is safe).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from rlix_plugins.control.types import (
+    Allocation,
+    ClusterSpec,
+    CyclePlan,
+    ExpandOp,
+    Grant,
+    Priority,
+    SchedulerSnapshot,
+    ShrinkOp,
+)
+
+_RANK_INDEX: dict[ClusterSpec, dict[int, int]] = {}
+_RANK_INDEX_MAX = 4096
+
+
+def rank_index(spec: ClusterSpec) -> dict[int, int]:
+    """GPU id → DP rank of ``spec`` (cached per frozen spec)."""
+    idx = _RANK_INDEX.get(spec)
+    if idx is None:
+        if len(_RANK_INDEX) >= _RANK_INDEX_MAX:
+            _RANK_INDEX.clear()
+        tp = spec.tp_size
+        idx = {g: i // tp for i, g in enumerate(spec.device_mapping)}
+        _RANK_INDEX[spec] = idx
+    return idx
+
+
+def is_generation_alloc(alloc: Allocation) -> bool:
+    return alloc.priority == Priority.GENERATION
+
+
+#: When a cluster is shrunk for several reasons in one cycle, the op carries the most important one.
+_REASON_RANK = {"release": 0, "preempt": 1, "rebalance": 2}
+
+
+@dataclass
+class PlanState:
+    snap: SchedulerSnapshot
+    owner: dict[int, str]  #: allocated GPU → cluster id
+    gen_active: dict[str, set[int]]  #: generation cluster → active DP ranks (GENERATION allocations only)
+    nongen: dict[str, Allocation]  #: non-GENERATION allocations
+    free: set[int]  #: idle GPUs
+    reserved: set[int] = field(default_factory=set)  #: GPUs that waiting non-generation requests need
+    shrunk: dict[str, set[int]] = field(default_factory=dict)
+    shrink_reason: dict[str, str] = field(default_factory=dict)
+    expanded: dict[str, set[int]] = field(default_factory=dict)
+    protected: set[tuple[str, int]] = field(default_factory=set)  #: ranks woken this cycle (never shrunk again)
+    grants: list[Grant] = field(default_factory=list)
+    released: set[str] = field(default_factory=set)
+
+    @classmethod
+    def from_snapshot(cls, snap: SchedulerSnapshot) -> PlanState:
+        owner: dict[int, str] = {}
+        gen_active: dict[str, set[int]] = {}
+        nongen: dict[str, Allocation] = {}
+        for cid, alloc in snap.allocations.items():
+            if is_generation_alloc(alloc):
+                if alloc.active_dp_ranks:
+                    gen_active[cid] = set(alloc.active_dp_ranks)
+            else:
+                nongen[cid] = alloc
+            for g in alloc.gpus:
+                owner[g] = cid
+        free = set(snap.gpus)
+        free.difference_update(owner)
+        return cls(snap=snap, owner=owner, gen_active=gen_active, nongen=nongen, free=free)
+
+    # ---- generation ops -------------------------------------------------------------------------------
+    def shrink(self, cid: str, rank: int, reason: str) -> None:
+        spec = self.snap.clusters[cid]
+        active = self.gen_active[cid]
+        active.remove(rank)
+        if not active:
+            del self.gen_active[cid]
+        for g in spec.bundle(rank):
+            del self.owner[g]
+            self.free.add(g)
+        self.shrunk.setdefault(cid, set()).add(rank)
+        old = self.shrink_reason.get(cid)
+        if old is None or _REASON_RANK[reason] < _REASON_RANK[old]:
+            self.shrink_reason[cid] = reason
+
+    def expand(self, cid: str, rank: int) -> None:
+        spec = self.snap.clusters[cid]
+        for g in spec.bundle(rank):
+            self.free.remove(g)
+            self.owner[g] = cid
+        self.gen_active.setdefault(cid, set()).add(rank)
+        self.expanded.setdefault(cid, set()).add(rank)
+        self.protected.add((cid, rank))
+
+    def active_gpus(self, cid: str) -> int:
+        ranks = self.gen_active.get(cid)
+        return len(ranks) * self.snap.clusters[cid].tp_size if ranks else 0
+
+    # ---- non-generation --------------------------------------------------------------------------------
+    def allocate(self, cid: str, priority: Priority, gpus: frozenset[int]) -> None:
+        for g in gpus:
+            self.free.remove(g)
+            self.owner[g] = cid
+        self.nongen[cid] = Allocation(cluster_id=cid, priority=priority, gpus=gpus)
+
+    # ---- output ------------------------------------------------------------------------------------------
+    def to_plan(self) -> CyclePlan:
+        clusters = self.snap.clusters
+        allocations: dict[str, Allocation] = dict(self.nongen)
+        for cid, ranks in self.gen_active.items():
+            spec = clusters[cid]
+            gpus: set[int] = set()
+            for r in ranks:
+                gpus.update(spec.bundle(r))
+            allocations[cid] = Allocation(
+                cluster_id=cid, priority=Priority.GENERATION, gpus=frozenset(gpus), active_dp_ranks=frozenset(ranks)
+            )
+        shrinks = tuple(
+            ShrinkOp(cluster_id=cid, dp_ranks=tuple(sorted(ranks)), reason=self.shrink_reason[cid])
+            for cid, ranks in sorted(self.shrunk.items())
+        )
+        expands = tuple(
+            ExpandOp(cluster_id=cid, dp_ranks=tuple(sorted(ranks))) for cid, ranks in sorted(self.expanded.items())
+        )
+        return CyclePlan(
+            shrinks=shrinks,
+            expands=expands,
+            grants=tuple(self.grants),
+            allocations=allocations,
+            released=frozenset(self.released),
+        )

@@ -1,0 +1,121 @@
+"""The scheduling decision, as pure functions over frozen records (no Ray, no torch).
+
+``plan_cycle(snapshot) -> CyclePlan`` is one scheduling cycle. Phases, in order:
+
+1. **Planned releases** (``await_release``): every active rank of each cluster in ``snapshot.planned_releases``
+   is shrunk (reason ``"release"``); the cluster is listed in ``plan.released`` and takes no part in the gap
+   ratio this cycle.
+2. **Non-generation requests** (priorities 0-5), by ``(priority, seq)``. Each needs its cluster's *whole* device
+   mapping. GPUs held by GENERATION ranks (of any pipeline, including its own) are taken by preempting every
+   rank whose bundle overlaps the mapping (reason ``"preempt"``); the rest of such a bundle becomes idle.
+   A request that cannot be satisfied now (a GPU is held by another non-generation allocation, or is needed by
+   an earlier request that is still waiting) **waits and reserves its whole mapping**: no later request (lower
+   priority, or same priority with a larger ``seq``) is granted any of those GPUs, and the gap ratio does not
+   wake ranks on idle reserved GPUs. A waiting request preempts nothing (its generation neighbours keep working
+   until it can really start). A request whose cluster already holds its whole mapping is granted at once.
+3. **Gap ratio** (``_gap_ratio.plan_gap_ratio``): divides rollout GPUs by remaining work x TP.
+4. **Generation grants**: each pending GENERATION request whose cluster has ≥1 active rank after this plan is
+   granted (partial grants; the wake-only signal of the reference that fixed its deadlock).
+
+The scheduler executes a plan as: all shrinks → all expands → commit ``plan.allocations`` → signal grants and
+releases. ``validate_plan`` (re-exported here) checks a plan against its snapshot and must pass first.
+"""
+
+from __future__ import annotations
+
+from rlix_plugins.control._gap_ratio import plan_gap_ratio
+from rlix_plugins.control._invariants import PlanInvariantError, validate_plan, validate_snapshot
+from rlix_plugins.control._plan_state import PlanState, rank_index
+from rlix_plugins.control._registration import validate_cluster_specs
+from rlix_plugins.control.types import Allocation, CyclePlan, Grant, Priority, SchedulerSnapshot
+
+__all__ = [
+    "PlanInvariantError",
+    "plan_cycle",
+    "validate_cluster_specs",
+    "validate_plan",
+    "validate_snapshot",
+]
+
+
+def plan_cycle(snapshot: SchedulerSnapshot) -> CyclePlan:
+    """One scheduling decision. Pure and deterministic: the same snapshot always gives the same plan.
+
+    Raises ``PlanInvariantError`` when the snapshot references unknown clusters (a scheduler bookkeeping bug).
+    """
+    clusters = snapshot.clusters
+    for req in snapshot.pending:
+        if req.cluster_id not in clusters:
+            raise PlanInvariantError(
+                "existence", f"pending request of unregistered cluster {req.cluster_id!r}; drop it on unregister"
+            )
+    for cid in snapshot.allocations:
+        if cid not in clusters:
+            raise PlanInvariantError(
+                "existence", f"allocation of unregistered cluster {cid!r}; free its GPUs on unregister"
+            )
+    state = PlanState.from_snapshot(snapshot)
+    _planned_releases(state)
+    _non_generation(state)
+    plan_gap_ratio(state)
+    _generation_grants(state)
+    return state.to_plan()
+
+
+def _planned_releases(state: PlanState) -> None:
+    clusters = state.snap.clusters
+    for cid in sorted(state.snap.planned_releases):
+        spec = clusters.get(cid)
+        if spec is None or not spec.is_generation:
+            raise PlanInvariantError(
+                "generation-only shrink",
+                f"planned release of {cid!r}, which is not a registered generation cluster; "
+                "await_release accepts only '<pipeline>_actor_infer'",
+            )
+        for r in sorted(state.gen_active.get(cid, ())):
+            state.shrink(cid, r, "release")
+        state.released.add(cid)
+
+
+def _non_generation(state: PlanState) -> None:
+    snap = state.snap
+    clusters = snap.clusters
+    requests = sorted(
+        (r for r in snap.pending if r.priority != Priority.GENERATION), key=lambda r: (r.priority, r.seq)
+    )
+    for req in requests:
+        spec = clusters[req.cluster_id]
+        need = frozenset(spec.device_mapping)
+        held = state.nongen.get(req.cluster_id)
+        if held is not None and held.gpus == need:
+            state.nongen[req.cluster_id] = Allocation(req.cluster_id, Priority(req.priority), need)
+            state.grants.append(Grant(req.cluster_id, Priority(req.priority), req.seq, need))
+            continue
+        blocked = bool(need & state.reserved) or any(
+            (o := state.owner.get(g)) is not None and o in state.nongen for g in need
+        )
+        if blocked:
+            state.reserved |= need
+            continue
+        # Preempt every generation rank that overlaps the mapping (own pipeline's overlap ranks included).
+        for g in sorted(need):
+            owner = state.owner.get(g)
+            if owner is not None:
+                state.shrink(owner, rank_index(clusters[owner])[g], "preempt")
+        state.allocate(req.cluster_id, Priority(req.priority), need)
+        state.grants.append(Grant(req.cluster_id, Priority(req.priority), req.seq, need))
+
+
+def _generation_grants(state: PlanState) -> None:
+    snap = state.snap
+    seen: set[str] = set()
+    for req in sorted((r for r in snap.pending if r.priority == Priority.GENERATION), key=lambda r: r.seq):
+        cid = req.cluster_id
+        if cid in seen or cid in snap.planned_releases or cid not in state.gen_active:
+            continue
+        seen.add(cid)
+        spec = snap.clusters[cid]
+        gpus: set[int] = set()
+        for r in state.gen_active[cid]:
+            gpus.update(spec.bundle(r))
+        state.grants.append(Grant(cid, Priority.GENERATION, req.seq, frozenset(gpus)))
