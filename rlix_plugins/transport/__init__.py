@@ -1,1 +1,134 @@
+"""Weight transport: versioned CPU bucket cache, three transports, comm plan, verification.
 
+Imports torch only (never NeMo RL, vLLM or Ray). This docstring is the contract between the sender
+(training side, ``rlix_plugins.nemo_rl``) and the receiver (the vLLM worker extension,
+``rlix_plugins.vllm``). Everything that crosses a process boundary is plain Python (str, int, float,
+lists, dicts) or ``bytes`` - vLLM's msgpack rejects ``torch.dtype``.
+
+Bucket format
+-------------
+``BucketMeta(names, shapes, dtypes, offsets, used_bytes, index)``: dtypes are strings
+(``"bfloat16"``, ``"float8_e4m3fn"``, ``"bool"``...), offsets are multiples of ``ALIGN_BYTES`` (512),
+``used_bytes`` is the end of the last tensor. ``meta.to_wire()`` / ``BucketMeta.from_wire(d)``
+convert to/from a plain dict. ``BucketRecord(meta, buffer)`` adds the contiguous uint8 buffer.
+``iter_buckets(named_tensors, bucket_size_bytes)`` packs any iterator of ``(name, tensor)``;
+``unpack_bucket(meta, buffer)`` returns zero-copy views. A tensor larger than the bucket is an error
+(``RlixConfigError`` naming the bucket size to use); tensors are never split.
+
+Cache (sender side)
+-------------------
+``VersionedBucketCache(bucket_size_bytes, is_owner=...)``; ``cache.build(version, named_tensors)`` on
+every training rank (only the owner keeps buckets; pinned buffers allocated once and reused);
+``with cache.read(timeout_s) as snap:`` holds the single cache lock (a build takes the same lock),
+``snap.version``, ``snap.buckets``, ``snap.checksums``. At most one model copy of host memory.
+
+Comm plan
+---------
+``build_comm_plan(sender=(node, gpu), targets={dp_rank: [(node, gpu), ...]}, same_gpu_transport)``:
+devices equal to the sender's go by ``cuda_ipc`` (or ``cpu_serialize``), the rest join a broadcast
+group (sender rank 0, then ascending ``(dp_rank, local_rank)``). ``TargetPlan.ipc_local_ranks``,
+``TargetPlan.broadcast_rank_map()`` (local rank -> group rank).
+
+Sender
+------
+``sync_weights(cache, plan, endpoints, staging_device=..., timeout_s=..., verify=...) -> SyncReport``::
+
+    lock cache -> setup group (only if broadcast targets) -> per bucket: stage -> send -> barrier
+    -> destroy (sender first, then receivers) -> unlock -> [verify_model on every target]
+
+``endpoints`` maps dp rank -> an object satisfying ``ReceiverEndpoint`` (a ``typing.Protocol``;
+methods return a ``PendingCall`` i.e. anything with ``.result(timeout)`` such as a
+``concurrent.futures.Future`` or ``ray.ObjectRef.future()``). After a failed sync no group, port or
+staging buffer is left behind, and ``TransportError`` (``RlixTimeoutError`` for timeouts) is raised.
+
+Receiver side (what the vLLM worker extension calls, in each worker process)
+------------------------------------------------------------------------------
+One endpoint = one DP rank (an engine); its workers have local ranks 0..tp-1 and act only when
+their local rank is listed (``ipc_local_ranks`` / ``broadcast_local_ranks`` / ``ranks_by_local_rank``).
+
+* ``setup_collective_group(group_name, master_addr, master_port, rank, world_size, backend, timeout_s, device=None)``
+  - join the per-sync group (``backend`` "nccl" or "gloo"); blocks until all joined (bounded).
+* ``receive_bucket(payload, device)`` -> ``[(name, tensor)]`` for an ``update_parameter_in_bucket``
+  payload (``payload["transport"]`` is ``"cpu_serialize"`` or ``"cuda_ipc"``). cuda_ipc tensors are
+  views of the sender's staging buffer: load, ``torch.cuda.current_stream().synchronize()``, drop them
+  before the RPC returns. (``receive_cpu_serialize`` / ``open_cuda_ipc`` are the two halves.)
+* ``broadcast_parameter(group_name, bucket_meta, device=None)`` -> ``[(name, tensor)]`` - receive one
+  bucket (call once per bucket, in the sender's order).
+* ``destroy_collective_group(group_name)`` -> bool - no-op (False) when this process never joined.
+* ``compute_checksums(named_tensors)`` -> ``{name: [nbytes, word_sum, weighted_sum]}`` and
+  ``verify_checksums(expected, actual)`` - raises ``WeightVerificationError`` naming the first
+  differing parameter. Checksums are exact integer sums of the raw bytes (bit-exact, device-agnostic).
+  The receiver computes them on the received tensors (names as sent), accumulating across buckets.
+* ``check_device_capacity(bucket_bytes, device)`` - the free-memory guard the receive functions apply.
+
+The receiver never knows about vLLM models: it returns named tensors; the extension loads them.
+"""
+
+from __future__ import annotations
+
+from rlix_plugins.transport._broadcast import (
+    BACKENDS,
+    GroupHost,
+    broadcast_parameter,
+    destroy_collective_group,
+    group_names,
+    setup_collective_group,
+)
+from rlix_plugins.transport._bucket import (
+    ALIGN_BYTES,
+    BucketMeta,
+    BucketRecord,
+    align_up,
+    dtype_to_str,
+    iter_buckets,
+    pack_bucket,
+    str_to_dtype,
+    unpack_bucket,
+)
+from rlix_plugins.transport._cache import CacheSnapshot, VersionedBucketCache
+from rlix_plugins.transport._checksum import compute_checksums, tensor_checksum, verify_checksums
+from rlix_plugins.transport._cpu_serialize import make_cpu_serialize_payload, receive_cpu_serialize
+from rlix_plugins.transport._cuda_ipc import make_cuda_ipc_payload, open_cuda_ipc
+from rlix_plugins.transport._memory import check_device_capacity, check_host_capacity, host_available_bytes
+from rlix_plugins.transport._plan import CommPlan, DeviceRef, TargetPlan, build_comm_plan
+from rlix_plugins.transport._receiver import receive_bucket
+from rlix_plugins.transport._sender import PendingCall, ReceiverEndpoint, SyncReport, sync_weights
+
+__all__ = [
+    "ALIGN_BYTES",
+    "BACKENDS",
+    "BucketMeta",
+    "BucketRecord",
+    "CacheSnapshot",
+    "CommPlan",
+    "DeviceRef",
+    "GroupHost",
+    "PendingCall",
+    "ReceiverEndpoint",
+    "SyncReport",
+    "TargetPlan",
+    "VersionedBucketCache",
+    "align_up",
+    "broadcast_parameter",
+    "build_comm_plan",
+    "check_device_capacity",
+    "check_host_capacity",
+    "compute_checksums",
+    "destroy_collective_group",
+    "dtype_to_str",
+    "group_names",
+    "host_available_bytes",
+    "iter_buckets",
+    "make_cpu_serialize_payload",
+    "make_cuda_ipc_payload",
+    "open_cuda_ipc",
+    "pack_bucket",
+    "receive_bucket",
+    "receive_cpu_serialize",
+    "setup_collective_group",
+    "str_to_dtype",
+    "sync_weights",
+    "tensor_checksum",
+    "unpack_bucket",
+    "verify_checksums",
+]

@@ -1,0 +1,247 @@
+"""``broadcast`` transport: a process group created for ONE sync and destroyed after it.
+
+NCCL on GPU, gloo on CPU. Groups are *stateless* (``ProcessGroupNCCL/Gloo`` built on a
+``PrefixStore`` over a ``TCPStore``): they never touch ``torch.distributed``'s default group, which
+vLLM workers and Megatron already own.
+
+Lifecycle (sender = rank 0, hosts the TCPStore on a free port)::
+
+    sender: GroupHost(...)  -> port        receivers: (wait for the port in the setup RPC)
+    sender: join(world)  ||  receivers: setup_collective_group(name, addr, port, rank, world, ...)
+            (both sides: build the group, warm-up broadcast of one element from rank 0)
+    per bucket: receivers broadcast_parameter(...)  ||  sender broadcast(buf)
+    sender: close()  ->  receivers: destroy_collective_group(name)
+
+Lockstep: every rank calls ``broadcast`` once per bucket in the same bucket order. Ownership: the
+receiver registry (``_GROUPS``) is per process; a group name is unique per sync (uuid), so a stale
+group from a failed sync never collides with the next one. Destroying a group this process never
+joined is a no-op. Hazard: NCCL's watchdog may kill a process whose collective exceeds the group
+timeout when ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` is 1 or 3 (torch's default); callers that must
+survive a dead peer set it to 2 before the first NCCL group is created.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from rlix_plugins.errors import RlixConfigError, TransportError
+from rlix_plugins.transport._bucket import BucketMeta, unpack_bucket
+from rlix_plugins.transport._memory import DEFAULT_SCRATCH_BYTES, check_device_capacity
+
+log = logging.getLogger(__name__)
+
+BACKENDS: tuple[str, ...] = ("nccl", "gloo")
+
+
+@dataclass
+class _Group:
+    name: str
+    backend: str
+    rank: int
+    world_size: int
+    device: torch.device
+    timeout_s: float
+    pg: Any
+    store: Any
+
+
+_GROUPS: dict[str, _Group] = {}
+_GROUPS_LOCK = threading.Lock()
+
+
+def comm_device(backend: str, device: torch.device | str | None) -> torch.device:
+    """The device a backend moves bytes on: CPU for gloo, the given (or current) CUDA device for NCCL."""
+    if backend not in BACKENDS:
+        raise RlixConfigError(f"backend={backend!r} is not one of {BACKENDS}")
+    if backend == "gloo":
+        return torch.device("cpu")
+    dev = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
+    if dev.type != "cuda":
+        raise RlixConfigError(f"backend 'nccl' needs a CUDA device, got {dev}; use backend='gloo' on CPU")
+    if dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
+def _new_pg(store: Any, rank: int, world_size: int, backend: str, timeout_s: float) -> Any:
+    timeout = timedelta(seconds=timeout_s)
+    if backend == "gloo":
+        return dist.ProcessGroupGloo(store, rank, world_size, timeout)
+    opts = dist.ProcessGroupNCCL.Options()
+    opts._timeout = timeout
+    return dist.ProcessGroupNCCL(store, rank, world_size, opts)
+
+
+def _broadcast(pg: Any, tensor: torch.Tensor, timeout_s: float) -> None:
+    """Broadcast from rank 0; returns when this rank's part is complete (CPU-side), or raises."""
+    if tensor.device.type == "cuda":
+        with torch.cuda.device(tensor.device):
+            work = pg.broadcast(tensor, 0)
+            work.wait(timedelta(seconds=timeout_s))
+            torch.cuda.current_stream(tensor.device).synchronize()
+    else:
+        pg.broadcast(tensor, 0).wait(timedelta(seconds=timeout_s))
+
+
+def _warm_up(pg: Any, rank: int, device: torch.device, timeout_s: float, name: str) -> None:
+    probe = torch.full((1,), 1 if rank == 0 else 0, dtype=torch.int32, device=device)
+    _broadcast(pg, probe, timeout_s)
+    if int(probe.item()) != 1:
+        raise TransportError(f"group {name!r}: warm-up broadcast delivered {int(probe.item())}, expected 1")
+
+
+def _release_pg(pg: Any, backend: str, device: torch.device, *, clean: bool) -> None:
+    """Shut a group down; ``clean=False`` aborts (peers may be dead or mid-collective)."""
+    try:
+        if backend == "nccl" and clean:
+            torch.cuda.synchronize(device)
+        method = getattr(pg, "shutdown" if clean else "abort", None) or getattr(pg, "abort", None)
+        if method is not None:
+            method()
+    except Exception as exc:  # teardown must never mask the error that brought us here
+        log.warning("process group teardown (%s, clean=%s) raised %r", backend, clean, exc)
+
+
+# ---------------------------------------------------------------------------------------------
+# receiver side (called inside receiver processes, e.g. by the vLLM worker extension)
+# ---------------------------------------------------------------------------------------------
+
+
+def setup_collective_group(
+    group_name: str,
+    master_addr: str,
+    master_port: int,
+    rank: int,
+    world_size: int,
+    backend: str,
+    timeout_s: float,
+    device: torch.device | str | None = None,
+) -> None:
+    """Join the per-sync group ``group_name`` as ``rank`` (>= 1; rank 0 is the sender).
+
+    Blocks until every rank joined and the warm-up broadcast arrived, at most ~``timeout_s``.
+    A leftover group of the same name (a failed sync whose destroy never came) is destroyed first.
+    On failure nothing is registered and ``TransportError`` says what to check.
+    """
+    if not 1 <= rank < world_size:
+        raise RlixConfigError(f"receiver rank must be in [1, {world_size}), got {rank} (rank 0 is the sender)")
+    dev = comm_device(backend, device)
+    destroy_collective_group(group_name)
+    store = pg = None
+    try:
+        store = dist.TCPStore(
+            master_addr, int(master_port), None, False, timeout=timedelta(seconds=timeout_s), wait_for_workers=False
+        )
+        pg = _new_pg(dist.PrefixStore(group_name, store), rank, world_size, backend, timeout_s)
+        _warm_up(pg, rank, dev, timeout_s, group_name)
+    except Exception as exc:
+        if pg is not None:
+            _release_pg(pg, backend, dev, clean=False)
+        raise TransportError(
+            f"could not join group {group_name!r} at {master_addr}:{master_port} as rank {rank}/{world_size} "
+            f"({backend}) within {timeout_s:.0f} s: {exc}; the sender may have failed, or the port is not reachable"
+        ) from exc
+    with _GROUPS_LOCK:
+        _GROUPS[group_name] = _Group(group_name, backend, rank, world_size, dev, float(timeout_s), pg, store)
+
+
+def broadcast_parameter(
+    group_name: str,
+    bucket_meta: dict[str, Any] | BucketMeta,
+    device: torch.device | str | None = None,
+    *,
+    scratch_bytes: int = DEFAULT_SCRATCH_BYTES,
+) -> list[tuple[str, torch.Tensor]]:
+    """Receive one bucket over ``group_name``; ``(name, tensor)`` views of one fresh buffer.
+
+    The buffer is allocated on the group's device (CPU for gloo) after a free-memory check and
+    moved to ``device`` when that differs. The caller owns the result (it may drop it after loading).
+    """
+    with _GROUPS_LOCK:
+        group = _GROUPS.get(group_name)
+    if group is None:
+        raise TransportError(
+            f"broadcast_parameter: this process has no group {group_name!r} (known: {sorted(_GROUPS)}); "
+            "setup_collective_group must succeed first"
+        )
+    meta = BucketMeta.from_wire(bucket_meta)
+    check_device_capacity(meta.used_bytes, group.device, scratch_bytes=scratch_bytes, what=f"bucket {meta.index}")
+    buffer = torch.empty(meta.used_bytes, dtype=torch.uint8, device=group.device)
+    if meta.used_bytes:
+        _broadcast(group.pg, buffer, group.timeout_s)
+    out_dev = torch.device(device) if device is not None else group.device
+    if out_dev != group.device:
+        buffer = buffer.to(out_dev)
+    return unpack_bucket(meta, buffer)
+
+
+def destroy_collective_group(group_name: str) -> bool:
+    """Leave and free ``group_name``; a no-op returning False when this process never joined it."""
+    with _GROUPS_LOCK:
+        group = _GROUPS.pop(group_name, None)
+    if group is None:
+        return False
+    _release_pg(group.pg, group.backend, group.device, clean=True)
+    group.pg = group.store = None
+    return True
+
+
+def group_names() -> list[str]:
+    """Names of the groups this process holds now (diagnostics and leak tests)."""
+    with _GROUPS_LOCK:
+        return sorted(_GROUPS)
+
+
+# ---------------------------------------------------------------------------------------------
+# sender side (rank 0)
+# ---------------------------------------------------------------------------------------------
+
+
+class GroupHost:
+    """Rank 0 of one per-sync group: owns the TCPStore (a free port) and the sender's process group.
+
+    ``GroupHost(...)`` -> ``.port`` -> ``join(world_size)`` -> ``broadcast(buf)`` per bucket -> ``close(clean)``.
+    ``close`` is idempotent and releases the port; always call it (``try/finally``).
+    """
+
+    def __init__(self, group_name: str, backend: str, device: torch.device | str | None, timeout_s: float, master_addr: str) -> None:
+        self.name = group_name
+        self.backend = backend
+        self.device = comm_device(backend, device)
+        self.timeout_s = float(timeout_s)
+        self._pg: Any = None
+        self._store: Any = dist.TCPStore(
+            master_addr, 0, None, True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False
+        )
+        self.port = int(self._store.port)
+
+    def join(self, world_size: int) -> None:
+        """Build the group as rank 0 and run the warm-up; blocks until all ranks joined (bounded)."""
+        try:
+            self._pg = _new_pg(dist.PrefixStore(self.name, self._store), 0, world_size, self.backend, self.timeout_s)
+            _warm_up(self._pg, 0, self.device, self.timeout_s, self.name)
+        except Exception as exc:
+            raise TransportError(
+                f"group {self.name!r} ({self.backend}, world {world_size}, port {self.port}): not every receiver "
+                f"joined within {self.timeout_s:.0f} s: {exc}"
+            ) from exc
+
+    def broadcast(self, buffer: torch.Tensor) -> None:
+        if self._pg is None:
+            raise TransportError(f"group {self.name!r}: broadcast before join")
+        if buffer.numel():
+            _broadcast(self._pg, buffer, self.timeout_s)
+
+    def close(self, *, clean: bool) -> None:
+        pg, self._pg = self._pg, None
+        if pg is not None:
+            _release_pg(pg, self.backend, self.device, clean=clean)
+        del pg
+        self._store = None  # last reference: the store's listening socket closes here

@@ -1,0 +1,278 @@
+"""Sender API: push the published cache version to the targets of a comm plan.
+
+``sync_weights``: lock cache -> [setup group] -> per bucket: stage -> send (IPC payloads and/or
+broadcast) -> barrier -> destroy (sender first, then receivers) -> unlock -> [verify].
+
+Every wait is bounded by ``timeout_s`` (per phase: setup, each bucket, teardown, verify). After any
+failure the sender's group, its TCPStore port and its staging buffer are released, receivers are
+asked to destroy the group (bounded, errors only logged), and ``TransportError`` is raised; the
+next sync builds a fresh group under a fresh name and port.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol, final, runtime_checkable
+
+import torch
+
+from rlix_plugins.errors import RlixConfigError, RlixTimeoutError, TransportError, WeightVerificationError
+from rlix_plugins.transport._broadcast import GroupHost
+from rlix_plugins.transport._cache import CacheSnapshot, VersionedBucketCache
+from rlix_plugins.transport._cpu_serialize import make_cpu_serialize_payload
+from rlix_plugins.transport._cuda_ipc import make_cuda_ipc_payload
+from rlix_plugins.transport._memory import check_device_capacity
+from rlix_plugins.transport._plan import CommPlan
+
+log = logging.getLogger(__name__)
+
+
+@runtime_checkable
+class PendingCall(Protocol):
+    """A started call: ``concurrent.futures.Future`` fits, so does ``ray.ObjectRef.future()``."""
+
+    def result(self, timeout: float | None = None) -> Any:
+        """Block up to ``timeout`` s; return the value, raise the call's error, or raise TimeoutError."""
+        ...
+
+
+@runtime_checkable
+class ReceiverEndpoint(Protocol):
+    """One target DP rank (one vLLM engine). Each method starts the call on the rank's workers
+    (every local/TP rank; a worker not named in the rank lists does nothing) and returns at once.
+
+    Worker-side, each method maps to one receiver function of ``rlix_plugins.transport``.
+    Arguments are plain types and bytes only.
+    """
+
+    def setup_collective_group(
+        self,
+        group_name: str,
+        master_addr: str,
+        master_port: int,
+        ranks_by_local_rank: dict[int, int],
+        world_size: int,
+        backend: str,
+        timeout_s: float,
+    ) -> PendingCall:
+        """Worker with local rank ``r`` in ``ranks_by_local_rank`` calls
+        ``setup_collective_group(group_name, master_addr, master_port, ranks_by_local_rank[r], world_size, backend, timeout_s)``."""
+        ...
+
+    def update_parameter_in_bucket(self, payload: dict[str, Any], ipc_local_ranks: list[int]) -> PendingCall:
+        """Workers in ``ipc_local_ranks``: ``receive_bucket(payload, device)`` -> load -> synchronize -> return."""
+        ...
+
+    def broadcast_parameter(self, group_name: str, bucket_meta: dict[str, Any], broadcast_local_ranks: list[int]) -> PendingCall:
+        """Workers in ``broadcast_local_ranks``: ``broadcast_parameter(group_name, bucket_meta, device)`` -> load -> return."""
+        ...
+
+    def destroy_collective_group(self, group_name: str) -> PendingCall:
+        """Every worker: ``destroy_collective_group(group_name)`` (a no-op where it never joined)."""
+        ...
+
+    def verify_model(self, expected_checksums: dict[str, list[int]]) -> PendingCall:
+        """Compare the checksums of the tensors received so far with the sender's
+        (``verify_checksums``); raise ``WeightVerificationError`` on the first difference."""
+        ...
+
+
+@final
+@dataclass(frozen=True)
+class SyncReport:
+    """What one ``sync_weights`` call did."""
+
+    version: int
+    num_buckets: int
+    #: bytes of bucket payload moved once (per bucket ``used_bytes``, summed)
+    payload_bytes: int
+    ipc_dp_ranks: tuple[int, ...]
+    broadcast_dp_ranks: tuple[int, ...]
+    group_name: str | None
+    setup_seconds: float
+    transfer_seconds: float
+    teardown_seconds: float
+    verified: bool
+
+
+def _wait_all(calls: Mapping[int, PendingCall], timeout_s: float, what: str) -> None:
+    """Per-step barrier: every call must finish within ``timeout_s`` (one deadline for all)."""
+    deadline = time.monotonic() + timeout_s
+    for dp_rank, call in calls.items():
+        try:
+            call.result(timeout=max(deadline - time.monotonic(), 0.0))
+        except WeightVerificationError:
+            raise
+        except TimeoutError as exc:
+            raise RlixTimeoutError(
+                f"{what}: dp rank {dp_rank} did not answer within {timeout_s:.0f} s (receiver dead or stuck)"
+            ) from exc
+        except Exception as exc:
+            raise TransportError(f"{what}: dp rank {dp_rank} failed: {exc!r}") from exc
+
+
+def _check_endpoints(plan: CommPlan, endpoints: Mapping[int, ReceiverEndpoint]) -> None:
+    missing = [t.dp_rank for t in plan.targets if t.dp_rank not in endpoints]
+    if missing:
+        raise RlixConfigError(f"no receiver endpoint for target dp ranks {missing}; endpoints given: {sorted(endpoints)}")
+
+
+def sync_weights(
+    cache: VersionedBucketCache,
+    plan: CommPlan,
+    endpoints: Mapping[int, ReceiverEndpoint],
+    *,
+    staging_device: torch.device | str = "cpu",
+    master_addr: str = "127.0.0.1",
+    backend: str | None = None,
+    timeout_s: float = 150.0,
+    verify: bool = False,
+    group_prefix: str = "rlix_sync",
+) -> SyncReport:
+    """Send the cache's published version to every target of ``plan``; see the module docstring.
+
+    :param staging_device: ``"cuda:N"`` on a GPU sender (one staging buffer of the largest bucket,
+        allocated per sync and freed after it); ``"cpu"`` sends from the pinned cache directly
+        (gloo broadcast and cpu_serialize only).
+    :param backend: broadcast backend; default ``nccl`` for a CUDA staging device, else ``gloo``.
+    :param verify: after teardown, ask every target to verify against the version's checksums.
+    """
+    _check_endpoints(plan, endpoints)
+    staging_dev = torch.device(staging_device)
+    backend = backend or ("nccl" if staging_dev.type == "cuda" else "gloo")
+    if plan.same_gpu_transport == "cuda_ipc" and any(t.ipc_local_ranks for t in plan.targets) and staging_dev.type != "cuda":
+        raise RlixConfigError("same_gpu_transport='cuda_ipc' needs a CUDA staging_device; use 'cpu_serialize' on CPU")
+    if backend == "nccl" and staging_dev.type != "cuda":
+        raise RlixConfigError("backend='nccl' needs a CUDA staging_device")
+    ipc_ranks = tuple(t.dp_rank for t in plan.targets if t.ipc_local_ranks)
+    bcast_targets = [t for t in plan.targets if t.broadcast_ranks]
+    group_name = f"{group_prefix}_{uuid.uuid4().hex[:8]}" if plan.needs_group else None
+    with cache.read(timeout_s) as snap:
+        t0 = time.perf_counter()
+        host: GroupHost | None = None
+        ok = False
+        setup_s = transfer_s = 0.0
+        try:
+            if group_name is not None:
+                host = GroupHost(group_name, backend, staging_dev, timeout_s, master_addr)
+                calls = {
+                    t.dp_rank: endpoints[t.dp_rank].setup_collective_group(
+                        group_name, master_addr, host.port, t.broadcast_rank_map(), plan.broadcast_world_size, backend, timeout_s
+                    )
+                    for t in bcast_targets
+                }
+                host.join(plan.broadcast_world_size)
+                _wait_all(calls, timeout_s, f"setup_collective_group({group_name})")
+            setup_s = time.perf_counter() - t0
+            _send_buckets(snap, plan, endpoints, host, group_name, staging_dev, timeout_s)
+            transfer_s = time.perf_counter() - t0 - setup_s
+            ok = True
+        except (TransportError, RlixConfigError):
+            raise
+        except Exception as exc:
+            raise TransportError(f"weight sync of version {snap.version} failed: {exc!r}") from exc
+        finally:
+            t1 = time.perf_counter()
+            _teardown(host, group_name, bcast_targets, endpoints, staging_dev, timeout_s, ok=ok)
+            teardown_s = time.perf_counter() - t1
+        version, checksums, num_buckets, payload = snap.version, snap.checksums, len(snap.buckets), snap.used_bytes
+    if verify:
+        calls = {t.dp_rank: endpoints[t.dp_rank].verify_model(checksums) for t in plan.targets}
+        _wait_all(calls, timeout_s, f"verify_model(version {version})")
+    return SyncReport(
+        version=version,
+        num_buckets=num_buckets,
+        payload_bytes=payload,
+        ipc_dp_ranks=ipc_ranks,
+        broadcast_dp_ranks=tuple(t.dp_rank for t in bcast_targets),
+        group_name=group_name,
+        setup_seconds=setup_s,
+        transfer_seconds=transfer_s,
+        teardown_seconds=teardown_s,
+        verified=verify,
+    )
+
+
+def _send_buckets(
+    snap: CacheSnapshot,
+    plan: CommPlan,
+    endpoints: Mapping[int, ReceiverEndpoint],
+    host: GroupHost | None,
+    group_name: str | None,
+    staging_dev: torch.device,
+    timeout_s: float,
+) -> None:
+    """Per bucket: stage -> start receiver calls -> sender broadcast -> barrier. Staging is one
+    buffer reused for every bucket; it is rewritten only after the previous bucket's barrier."""
+    staging: torch.Tensor | None = None
+    if staging_dev.type == "cuda":
+        check_device_capacity(snap.capacity_bytes, staging_dev, what="sender staging buffer")
+        staging = torch.empty(snap.capacity_bytes, dtype=torch.uint8, device=staging_dev)
+    ipc_targets = [t for t in plan.targets if t.ipc_local_ranks]
+    bcast_targets = [t for t in plan.targets if t.broadcast_ranks]
+    try:
+        for record in snap.buckets:
+            used = record.meta.used_bytes
+            data = record.payload
+            if staging is not None:
+                staging[:used].copy_(data, non_blocking=True)
+                torch.cuda.current_stream(staging_dev).synchronize()
+                data = staging[:used]
+            calls: dict[int, PendingCall] = {}
+            if ipc_targets:
+                payload = (
+                    make_cuda_ipc_payload(record.meta, data)
+                    if plan.same_gpu_transport == "cuda_ipc"
+                    else make_cpu_serialize_payload(record)
+                )
+                for t in ipc_targets:
+                    calls[t.dp_rank] = endpoints[t.dp_rank].update_parameter_in_bucket(payload, list(t.ipc_local_ranks))
+            if host is not None and group_name is not None:
+                wire = record.meta.to_wire()
+                for t in bcast_targets:
+                    calls[t.dp_rank] = endpoints[t.dp_rank].broadcast_parameter(group_name, wire, list(t.broadcast_local_ranks))
+                host.broadcast(data)
+            _wait_all(calls, timeout_s, f"bucket {record.meta.index}/{len(snap.buckets)} of version {snap.version}")
+    finally:
+        del staging
+        if staging_dev.type == "cuda":
+            torch.cuda.synchronize(staging_dev)
+            if plan.same_gpu_transport == "cuda_ipc":
+                torch.cuda.ipc_collect()  # release staging blocks kept alive for IPC consumers
+
+
+def _teardown(
+    host: GroupHost | None,
+    group_name: str | None,
+    bcast_targets: list[Any],
+    endpoints: Mapping[int, ReceiverEndpoint],
+    staging_dev: torch.device,
+    timeout_s: float,
+    *,
+    ok: bool,
+) -> None:
+    """Sender first (frees the port; on failure aborts, which unblocks receivers mid-collective),
+    then receivers. On the failure path receiver errors are logged, never raised over the cause."""
+    if host is not None:
+        host.close(clean=ok)
+    if group_name is None:
+        return
+    calls: dict[int, PendingCall] = {}
+    for t in bcast_targets:
+        try:
+            calls[t.dp_rank] = endpoints[t.dp_rank].destroy_collective_group(group_name)
+        except Exception as exc:
+            if ok:
+                raise TransportError(f"destroy_collective_group({group_name}) on dp rank {t.dp_rank}: {exc!r}") from exc
+            log.warning("destroy_collective_group(%s) on dp rank %s could not start: %r", group_name, t.dp_rank, exc)
+    if ok:
+        _wait_all(calls, timeout_s, f"destroy_collective_group({group_name})")
+        return
+    try:
+        _wait_all(calls, timeout_s, f"destroy_collective_group({group_name}) after a failed sync")
+    except Exception as exc:
+        log.warning("receiver teardown after a failed sync: %s", exc)
