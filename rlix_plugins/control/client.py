@@ -1,0 +1,296 @@
+"""Driver-side API of the control plane: find-or-start it, register pipelines, request and release GPUs.
+
+Typical pipeline side (NeMo RL hooks, the demo host)::
+
+    from rlix_plugins.control import client
+    from rlix_plugins.control.types import Priority
+
+    cp = client.connect()                       # joins the current Ray cluster (ray.init(address="auto") if needed)
+    pipe = cp.register_pipeline(                # allocate id → register → admit → create the coordinator
+        cluster_tp_configs={"actor_train": 1, "actor_infer": 1},
+        cluster_device_mappings={"actor_train": [0], "actor_infer": [0, 1]},
+    )
+    pipe.set_resize_handler(my_actor)           # a Ray actor with resize_infer(remove, add) (coordinator.ResizeHandler)
+    pipe.request_gpus("actor_train", Priority.INITIALIZATION, timeout_s=600)
+    ...; pipe.release_gpus("actor_train")
+    pipe.request_gpus("actor_infer", Priority.GENERATION, step_target_estimate=64)   # ≥ 1 rank woken
+    pipe.report_progress(collected=10, step_target=64, step=0, new_batch=True)
+    pipe.request_gpus("actor_train", Priority.ACTOR_TRAINING, step=0)             # donors slept before return
+    with pipe.resize_lock(timeout_s=180) as active_ranks:                         # in-flight refresh
+        refresh(active_ranks)
+    pipe.release_gpus("actor_train", step=0)
+    pipe.await_release("actor_infer")                                            # planned shrink to zero
+    pipe.unregister()
+
+Every call is bounded: ``timeout_s`` is the scheduler-side wait, the RPC itself gets that plus
+``ControlPlane.rpc_margin_s`` (a grant already being executed when the wait expires still completes). Errors
+arrive as rlix errors (``RlixTimeoutError``, ``PipelineUnregisteredError``, ``SchedulerError``,
+``RlixConfigError``), never as raw ``RayTaskError``.
+
+``connect`` is safe when several drivers race: actors are created with ``get_if_exists=True`` and the loser of a
+creation race looks the winner up.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+import ray
+
+from rlix_plugins.control.coordinator import Coordinator, CoordinatorConfig
+from rlix_plugins.control.orchestrator import Orchestrator
+from rlix_plugins.control.scheduler_state import SchedulerConfig
+from rlix_plugins.control.types import (
+    GENERATION_CLUSTER,
+    ORCHESTRATOR_NAME,
+    RLIX_NAMESPACE,
+    SCHEDULER_NAME,
+    ClusterSpec,
+    Priority,
+    TraceEvent,
+    cluster_id,
+    coordinator_name,
+    pipeline_namespace,
+)
+from rlix_plugins.errors import RlixError, RlixTimeoutError, SchedulerError
+
+#: Short control RPCs (register, status, release, ...).
+RPC_TIMEOUT_S: Final = 60.0
+#: Default wait of request_gpus / await_release.
+DEFAULT_WAIT_S: Final = 1800.0
+
+
+def ensure_ray(address: str | None = None) -> None:
+    """Connect this process to Ray if it is not yet (``address`` or ``RAY_ADDRESS`` or ``"auto"``)."""
+    if ray.is_initialized():
+        return
+    target = address or os.environ.get("RAY_ADDRESS") or "auto"
+    try:
+        ray.init(address=target, log_to_driver=False, logging_level=logging.WARNING)
+    except (ConnectionError, RuntimeError, ValueError) as exc:
+        raise SchedulerError(
+            f"no Ray cluster reachable at {target!r} ({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); "
+            "start one with `rlix up` or pass --address / RAY_ADDRESS"
+        ) from None
+
+
+def call(ref: Any, what: str, timeout_s: float = RPC_TIMEOUT_S) -> Any:
+    """``ray.get`` with a timeout; control-plane errors come back as rlix errors."""
+    try:
+        return ray.get(ref, timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        raise RlixTimeoutError(
+            f"{what}: no answer within {timeout_s:.0f} s (is the control plane overloaded or hung? `rlix status`)"
+        ) from None
+    except ray.exceptions.RayActorError as exc:
+        raise SchedulerError(f"{what}: the actor serving it is dead ({str(exc).splitlines()[0][:200]})") from None
+    except ray.exceptions.RayTaskError as exc:
+        if isinstance(exc.cause, RlixError):
+            raise exc.cause from None
+        raise
+
+
+def _lookup(name: str, namespace: str) -> Any | None:
+    try:
+        return ray.get_actor(name, namespace=namespace)
+    except ValueError:
+        return None
+
+
+def connect(
+    address: str | None = None,
+    *,
+    create_if_missing: bool = True,
+    timeout_s: float = 120.0,
+    scheduler_config: SchedulerConfig | None = None,
+) -> ControlPlane:
+    """Find (or start) the control plane on the current Ray cluster. ``scheduler_config`` applies on creation only."""
+    ensure_ray(address)
+    orch = _lookup(ORCHESTRATOR_NAME, RLIX_NAMESPACE)
+    if orch is None:
+        if not create_if_missing:
+            raise SchedulerError("no rlix control plane runs on this Ray cluster; start it with `rlix up`")
+        actor: Any = ray.remote(Orchestrator)
+        try:
+            orch = actor.options(
+                name=ORCHESTRATOR_NAME, namespace=RLIX_NAMESPACE, lifetime="detached", get_if_exists=True,
+                num_cpus=0, max_restarts=0, max_concurrency=16,
+            ).remote(scheduler_config)
+        except ValueError:  # another driver won the creation race
+            orch = _lookup(ORCHESTRATOR_NAME, RLIX_NAMESPACE)
+            if orch is None:
+                raise SchedulerError(
+                    "the control plane was being created by another driver and vanished; retry"
+                ) from None
+    call(orch.ping.remote(), "starting the rlix orchestrator", timeout_s)
+    sched = _lookup(SCHEDULER_NAME, RLIX_NAMESPACE)
+    if sched is None:
+        raise SchedulerError("the orchestrator runs but the scheduler actor is missing; run `rlix down` then `rlix up`")
+    config = call(sched.get_config.remote(), "scheduler config", timeout_s)
+    return ControlPlane(orch, sched, config)
+
+
+@dataclass
+class ControlPlane:
+    """Handles to the singleton actors plus typed wrappers."""
+
+    orchestrator: Any
+    scheduler: Any
+    config: SchedulerConfig
+    rpc_margin_s: float = field(default=0.0)
+
+    def __post_init__(self) -> None:
+        if not self.rpc_margin_s:
+            # A grant being executed when the scheduler-side wait expires still completes (bounded by resizes).
+            self.rpc_margin_s = 2 * self.config.resize_timeout_s + 30.0
+
+    def pool(self) -> dict[str, int]:
+        return dict(call(self.orchestrator.pool.remote(), "pool"))
+
+    def status(self) -> dict[str, Any]:
+        return dict(call(self.scheduler.status.remote(), "status"))
+
+    def trace(self, since: float | None = None) -> list[TraceEvent]:
+        return list(call(self.scheduler.get_trace.remote(since), "get_trace"))
+
+    def allocate_pipeline_id(self, kind: str = "ft") -> str:
+        return str(call(self.orchestrator.allocate_pipeline_id.remote(kind), "allocate_pipeline_id"))
+
+    def register_pipeline(
+        self,
+        cluster_tp_configs: dict[str, int],
+        cluster_device_mappings: dict[str, list[int]],
+        *,
+        pipeline_id: str | None = None,
+        kind: str = "ft",
+        coordinator_config: CoordinatorConfig | None = None,
+        detached_coordinator: bool = False,
+    ) -> PipelineHandle:
+        """allocate id → register (validated) → admit → create the coordinator; returns a handle.
+
+        The coordinator is owned by this process unless ``detached_coordinator``: if this process dies, the
+        coordinator dies and the scheduler frees the pipeline's GPUs.
+        """
+        pid = pipeline_id or self.allocate_pipeline_id(kind)
+        specs: dict[str, ClusterSpec] = call(
+            self.orchestrator.register_pipeline.remote(pid, cluster_tp_configs, cluster_device_mappings),
+            "register_pipeline",
+        )
+        try:
+            call(self.orchestrator.admit_pipeline.remote(pid), "admit_pipeline")
+            coord_cls: Any = ray.remote(Coordinator)
+            coord = coord_cls.options(
+                name=coordinator_name(pid), namespace=pipeline_namespace(pid), num_cpus=0, max_restarts=0,
+                max_concurrency=8, lifetime="detached" if detached_coordinator else None,
+            ).remote(pid, specs[GENERATION_CLUSTER].num_dp_ranks, coordinator_config)
+            call(coord.ping.remote(), "starting the coordinator")
+        except BaseException:
+            with contextlib.suppress(Exception):
+                self.unregister_pipeline(pid, reason="registration did not complete")
+            raise
+        return PipelineHandle(pid, specs, coord, self)
+
+    def pipeline(self, pipeline_id: str) -> PipelineHandle:
+        """Attach to an already registered pipeline (e.g. from another process of the same run)."""
+        coord = _lookup(coordinator_name(pipeline_id), pipeline_namespace(pipeline_id))
+        if coord is None:
+            raise SchedulerError(f"pipeline {pipeline_id} has no coordinator; register it with register_pipeline")
+        st = self.status()
+        info = st["pipelines"].get(pipeline_id)
+        if info is None:
+            raise SchedulerError(f"pipeline {pipeline_id} is not registered; registered: {sorted(st['pipelines'])}")
+        specs = {
+            name: ClusterSpec(c["cluster_id"], pipeline_id, name, tuple(c["device_mapping"]), c["tp_size"])
+            for name, c in info["clusters"].items()
+        }
+        return PipelineHandle(pipeline_id, specs, coord, self)
+
+    def unregister_pipeline(self, pipeline_id: str, reason: str = "unregistered by its pipeline") -> bool:
+        return bool(call(self.orchestrator.unregister_pipeline.remote(pipeline_id, reason), "unregister_pipeline"))
+
+    def kill_pipeline(self, pipeline_id: str) -> list[str]:
+        return list(call(self.orchestrator.kill_pipeline.remote(pipeline_id), "kill_pipeline", 90.0))
+
+    def shutdown(self) -> None:
+        """Stop the control plane (waiters get errors) and kill its two actors. Ray keeps running."""
+        with contextlib.suppress(RlixError):
+            call(self.scheduler.shutdown.remote(), "scheduler shutdown", 30.0)
+        for handle in (self.scheduler, self.orchestrator):
+            with contextlib.suppress(Exception):
+                ray.kill(handle, no_restart=True)
+
+
+@dataclass
+class PipelineHandle:
+    """One registered pipeline: typed, bounded wrappers over the scheduler and its coordinator.
+
+    Cluster arguments accept a cluster name (``"actor_train"``) or a full cluster id.
+    """
+
+    pipeline_id: str
+    clusters: dict[str, ClusterSpec]
+    coordinator: Any
+    control_plane: ControlPlane
+
+    def cluster_id(self, cluster: str) -> str:
+        if cluster in self.clusters:
+            return cluster_id(self.pipeline_id, cluster)
+        if any(s.cluster_id == cluster for s in self.clusters.values()):
+            return cluster
+        raise SchedulerError(f"pipeline {self.pipeline_id} has no cluster {cluster!r}; it has {sorted(self.clusters)}")
+
+    def set_resize_handler(self, handle: Any) -> None:
+        call(self.coordinator.set_resize_handler.remote(handle), "set_resize_handler")
+
+    def request_gpus(self, cluster: str, priority: Priority | int, *, step: int | None = None,
+                     step_target_estimate: int | None = None, timeout_s: float = DEFAULT_WAIT_S) -> list[int]:
+        cid = self.cluster_id(cluster)
+        ref = self.control_plane.scheduler.request_gpus.remote(cid, int(priority), step, step_target_estimate, timeout_s)
+        return list(call(ref, f"request_gpus({cid})", timeout_s + self.control_plane.rpc_margin_s))
+
+    def release_gpus(self, cluster: str, *, step: int | None = None, timeout_s: float = DEFAULT_WAIT_S) -> list[int]:
+        cid = self.cluster_id(cluster)
+        ref = self.control_plane.scheduler.release_gpus.remote(cid, step, timeout_s)
+        return list(call(ref, f"release_gpus({cid})", timeout_s + self.control_plane.rpc_margin_s))
+
+    def release_then_request(self, release: str, request: str, priority: Priority | int, *,
+                             step: int | None = None, step_target_estimate: int | None = None,
+                             timeout_s: float = DEFAULT_WAIT_S) -> list[int]:
+        rel, req = self.cluster_id(release), self.cluster_id(request)
+        ref = self.control_plane.scheduler.release_then_request.remote(
+            rel, req, int(priority), step, step_target_estimate, timeout_s)
+        return list(call(ref, f"release_then_request({rel} -> {req})", timeout_s + self.control_plane.rpc_margin_s))
+
+    def await_release(self, cluster: str = GENERATION_CLUSTER, *, timeout_s: float = 300.0) -> list[int]:
+        cid = self.cluster_id(cluster)
+        ref = self.control_plane.scheduler.await_release.remote(cid, timeout_s)
+        return list(call(ref, f"await_release({cid})", timeout_s + self.control_plane.rpc_margin_s))
+
+    def report_progress(self, collected: int, step_target: int, *, step: int | None = None,
+                        new_batch: bool = False) -> bool:
+        return bool(call(self.coordinator.report_progress.remote(collected, step_target, step, new_batch),
+                         "report_progress"))
+
+    def get_active_ranks(self) -> list[int]:
+        return list(call(self.coordinator.get_active_ranks.remote(), "get_active_ranks"))
+
+    @contextlib.contextmanager
+    def resize_lock(self, timeout_s: float = 180.0, lease_s: float | None = None) -> Iterator[list[int]]:
+        """Hold the coordinator's resize lock; yields the active DP ranks (no expand/shrink meanwhile)."""
+        token, active = call(self.coordinator.acquire_resize_lock.remote(timeout_s, lease_s), "acquire_resize_lock",
+                             timeout_s + RPC_TIMEOUT_S)
+        try:
+            yield list(active)
+        finally:
+            call(self.coordinator.release_resize_lock.remote(token), "release_resize_lock")
+
+    def unregister(self, reason: str = "unregistered by its pipeline") -> bool:
+        return self.control_plane.unregister_pipeline(self.pipeline_id, reason)
+
+    def kill(self) -> list[str]:
+        return self.control_plane.kill_pipeline(self.pipeline_id)

@@ -1,0 +1,107 @@
+"""Ray-side helpers for the control-plane tests: a recording resize handler and a fresh control plane per test.
+
+The handler is a REAL Ray actor implementing the coordinator's ``ResizeHandler`` protocol; it only records the
+calls (the pipeline side that sleeps and wakes vLLM is tested elsewhere) and can be told to fail, hang or die.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import ray
+
+from rlix_plugins.control.client import ControlPlane, PipelineHandle, connect
+from rlix_plugins.control.coordinator import CoordinatorConfig
+from rlix_plugins.control.scheduler_state import SchedulerConfig
+from rlix_plugins.control.types import ORCHESTRATOR_NAME, RLIX_NAMESPACE, SCHEDULER_NAME
+
+#: Short timeouts so failure tests finish in seconds.
+FAST_SCHEDULER = SchedulerConfig(
+    resize_timeout_s=4.0, poll_interval_s=0.2, health_interval_s=0.5, health_timeout_s=2.0,
+    default_request_timeout_s=20.0,
+)
+FAST_COORDINATOR = CoordinatorConfig(lock_timeout_s=1.5, handler_timeout_s=1.5, lock_lease_s=30.0)
+
+
+@ray.remote(num_cpus=0, max_concurrency=4)
+class RecordingHandler:
+    """``resize_infer(remove, add)`` recorder. Modes: ok | fail | hang | die (applies to the next calls)."""
+
+    def __init__(self, delay_s: float = 0.0) -> None:
+        self._calls: list[tuple[float, list[int], list[int]]] = []
+        self._mode = "ok"
+        self._delay_s = delay_s
+        self._lock = threading.Lock()
+
+    def set_mode(self, mode: str) -> None:
+        self._mode = mode
+
+    def resize_infer(self, dp_ranks_to_remove: list[int], dp_ranks_to_add: list[int]) -> None:
+        if self._mode == "fail":
+            raise RuntimeError("test handler told to fail")
+        if self._mode == "hang":
+            time.sleep(60)
+        if self._mode == "die":
+            os._exit(1)
+        time.sleep(self._delay_s)
+        with self._lock:
+            self._calls.append((time.time(), list(dp_ranks_to_remove), list(dp_ranks_to_add)))
+
+    def calls(self) -> list[tuple[float, list[int], list[int]]]:
+        with self._lock:
+            return list(self._calls)
+
+
+def kill_control_plane() -> None:
+    """Kill every rlix actor (control plane + pipeline namespaces) and wait until the names are free."""
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        ns = entry.get("namespace") or ""
+        if ns == RLIX_NAMESPACE or ns.startswith("pipeline_"):
+            with contextlib.suppress(ValueError):
+                ray.kill(ray.get_actor(entry["name"], namespace=ns), no_restart=True)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        names = {(e.get("namespace"), e["name"]) for e in ray.util.list_named_actors(all_namespaces=True)}
+        if (RLIX_NAMESPACE, ORCHESTRATOR_NAME) not in names and (RLIX_NAMESPACE, SCHEDULER_NAME) not in names:
+            return
+        time.sleep(0.1)
+    raise RuntimeError("control plane actors did not go away within 20 s")
+
+
+@pytest.fixture
+def control_plane(ray_cluster: Any) -> Iterator[ControlPlane]:
+    """A fresh control plane with short timeouts; killed (with every pipeline actor) afterwards."""
+    kill_control_plane()
+    cp = connect(scheduler_config=FAST_SCHEDULER)
+    yield cp
+    kill_control_plane()
+
+
+def make_pipeline(cp: ControlPlane, train: list[int] | None, infer: list[int], tp: int = 1,
+                  delay_s: float = 0.0) -> tuple[PipelineHandle, Any]:
+    """Register + admit a pipeline with a recording handler; returns (handle, handler actor)."""
+    tps = {"actor_infer": tp}
+    maps = {"actor_infer": infer}
+    if train is not None:
+        tps["actor_train"] = 1
+        maps["actor_train"] = train
+    pipe = cp.register_pipeline(tps, maps, coordinator_config=FAST_COORDINATOR)
+    handler = RecordingHandler.remote(delay_s)
+    pipe.set_resize_handler(handler)
+    return pipe, handler
+
+
+def wait_for(predicate: Any, timeout_s: float = 10.0, what: str = "condition") -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"{what} not reached within {timeout_s} s")
