@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 
 from rlix_plugins.control._plan_state import PlanState, rank_index
-from rlix_plugins.control.types import PendingRequest, Priority
+from rlix_plugins.control.types import PendingRequest, Priority, SchedulerSnapshot
 
 #: Safety caps per cycle (the reference used the same numbers).
 MAX_ITERATIONS = 10_000
@@ -61,13 +61,9 @@ def cluster_demands(state: PlanState) -> dict[str, int]:
     return demands
 
 
-def plan_gap_ratio(state: PlanState) -> None:
-    """Mutate ``state`` with rebalance shrinks and expands for the eligible generation clusters."""
-    snap = state.snap
-    clusters = snap.clusters
-    demands = cluster_demands(state)
-    if not demands:
-        return
+def _targets(state: PlanState, demands: dict[str, int]) -> tuple[list[str], dict[str, int], dict[str, int]]:
+    """(eligible cluster ids, weights, target GPUs) for the current working state."""
+    clusters = state.snap.clusters
     eligible = sorted(demands)
     usable_free = state.free - state.reserved
     reachable: set[int] = set()
@@ -82,6 +78,26 @@ def plan_gap_ratio(state: PlanState) -> None:
         tp = spec.tp_size
         t = round_half_up(weights[cid] / total_w * budget / tp) * tp if total_w > 0 else tp
         targets[cid] = min(max(t, tp), len(spec.device_mapping))
+    return eligible, weights, targets
+
+
+def generation_targets(snapshot: SchedulerSnapshot) -> dict[str, int]:
+    """Target GPUs per eligible generation cluster for ``snapshot`` as it stands (before any phase runs).
+
+    For observability (``rlix status``) and tests; ``plan_cycle`` computes its targets after the planned
+    releases and non-generation grants of the same cycle.
+    """
+    state = PlanState.from_snapshot(snapshot)
+    return _targets(state, cluster_demands(state))[2]
+
+
+def plan_gap_ratio(state: PlanState) -> None:
+    """Mutate ``state`` with rebalance shrinks and expands for the eligible generation clusters."""
+    clusters = state.snap.clusters
+    demands = cluster_demands(state)
+    if not demands:
+        return
+    eligible, weights, targets = _targets(state, demands)
 
     stuck: set[str] = set()
     activations = 0

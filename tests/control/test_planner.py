@@ -1,0 +1,179 @@
+"""Targeted planner scenarios: preemption, planned release, reservations, TP bundles, initialization."""
+
+from __future__ import annotations
+
+import pytest
+
+from rlix_plugins.control.planner import PlanInvariantError, plan_cycle, validate_plan
+from rlix_plugins.control.types import PendingRequest, Priority
+
+from ._planner_fixtures import GEN, active, apply_plan, gen_alloc, pipeline, snapshot, spec, whole_alloc
+
+TRAIN = Priority.ACTOR_TRAINING
+
+
+def _two_pipelines():
+    return {**pipeline("a", [0, 1], range(4)), **pipeline("b", [2, 3], range(4))}
+
+
+def test_training_preempts_other_pipelines_rollout_and_gets_it_back_later() -> None:
+    c = _two_pipelines()
+    progress = {"a": (64, 64), "b": (64, 0)}
+    # b generates on 0..2, a on 3; a's buffer is full and it asks to train on 0,1
+    snap = snapshot(
+        4,
+        c,
+        [gen_alloc(c["b_actor_infer"], [0, 1, 2]), gen_alloc(c["a_actor_infer"], [3])],
+        [PendingRequest("a_actor_train", TRAIN, 7)],
+        progress,
+    )
+    plan = plan_cycle(snap)
+    validate_plan(snap, plan)
+    assert [(op.cluster_id, op.dp_ranks, op.reason) for op in plan.shrinks] == [("b_actor_infer", (0, 1), "preempt")]
+    assert [(g.cluster_id, sorted(g.gpus)) for g in plan.grants] == [("a_actor_train", [0, 1])]
+    assert active(plan, "b_actor_infer") == {2} and active(plan, "a_actor_infer") == {3}
+    # training done: a releases; b (most work left) gets the GPUs back in the next cycle
+    after = apply_plan(snap, plan)
+    allocs = {k: v for k, v in after.allocations.items() if k != "a_actor_train"}
+    snap2 = snapshot(4, c, allocs.values(), [], progress)
+    plan2 = plan_cycle(snap2)
+    validate_plan(snap2, plan2)
+    assert active(plan2, "b_actor_infer") == {0, 1, 2} and not plan2.shrinks
+
+
+def test_training_preempts_own_overlap_ranks_and_spares_the_rest() -> None:
+    c = _two_pipelines()
+    snap = snapshot(4, c, [gen_alloc(c["a_actor_infer"], [0, 1, 2, 3])], [PendingRequest("a_actor_train", TRAIN, 1)])
+    plan = plan_cycle(snap)
+    validate_plan(snap, plan)
+    assert active(plan, "a_actor_infer") == {2, 3}  # partial overlap: the non-overlap ranks keep generating
+    assert plan.shrinks[0].reason == "preempt"
+
+
+def test_planned_release_shrinks_to_zero_and_frees_gpus_for_others() -> None:
+    c = _two_pipelines()
+    snap = snapshot(
+        4,
+        c,
+        [gen_alloc(c["a_actor_infer"], [0, 1]), gen_alloc(c["b_actor_infer"], [2, 3])],
+        progress={"a": (64, 64), "b": (64, 10)},
+        planned_releases=["a_actor_infer"],
+    )
+    plan = plan_cycle(snap)
+    validate_plan(snap, plan)
+    assert plan.released == {"a_actor_infer"}
+    assert [(op.cluster_id, op.reason) for op in plan.shrinks] == [("a_actor_infer", "release")]
+    assert "a_actor_infer" not in plan.allocations
+    assert active(plan, "b_actor_infer") == {0, 1, 2, 3}
+    # releasing a cluster that has nothing active completes at once
+    snap = snapshot(4, c, [], planned_releases=["a_actor_infer"])
+    plan = plan_cycle(snap)
+    assert plan.released == {"a_actor_infer"} and not plan.shrinks
+
+
+def test_planned_release_of_a_training_cluster_is_refused() -> None:
+    c = _two_pipelines()
+    with pytest.raises(PlanInvariantError, match="await_release accepts only"):
+        plan_cycle(snapshot(4, c, [], planned_releases=["a_actor_train"]))
+
+
+def test_waiting_request_reserves_its_gpus_and_preempts_nothing() -> None:
+    c = {**pipeline("a", [0, 1], range(4)), **pipeline("b", [1, 2], range(4))}
+    # b trains on 1,2; a must wait for GPU 1. a generates on 0 and 3: no preemption while a waits,
+    # and the idle... nothing idle here; c wants rollout GPUs but GPU 0 is reserved
+    snap = snapshot(
+        4,
+        c,
+        [whole_alloc(c["b_actor_train"]), gen_alloc(c["a_actor_infer"], [3])],
+        [PendingRequest("a_actor_train", TRAIN, 1), PendingRequest("b_actor_infer", GEN, 2, step_target_estimate=10)],
+    )
+    plan = plan_cycle(snap)
+    validate_plan(snap, plan)
+    assert not plan.shrinks, "a waiting request must not preempt anybody"
+    assert "a_actor_train" not in {g.cluster_id for g in plan.grants}
+    assert 0 not in plan.allocations.get("b_actor_infer", whole_alloc(spec("x", "actor_infer", [3]))).gpus
+    assert not active(plan, "b_actor_infer"), "GPU 0 is idle but reserved by the waiting training request"
+
+
+def test_lower_priority_waits_behind_reserved_gpus_but_others_proceed() -> None:
+    c = {
+        **pipeline("a", [0, 1], range(6)),
+        **pipeline("b", [1], range(6)),
+        **pipeline("c", [4, 5], range(6)),
+    }
+    snap = snapshot(
+        6,
+        c,
+        [whole_alloc(c["b_actor_train"])],
+        [
+            PendingRequest("a_actor_train", TRAIN, 3),
+            PendingRequest("c_actor_train", Priority.REF_LOG_PROBS, 4),
+        ],
+    )
+    plan = plan_cycle(snap)
+    validate_plan(snap, plan)
+    assert [g.cluster_id for g in plan.grants] == ["c_actor_train"]  # disjoint from the reservation: proceeds
+
+
+def test_priority_then_fifo_order() -> None:
+    c = {**pipeline("a", [0, 1], range(4)), **pipeline("b", [0, 1], range(4))}
+    for a_prio, a_seq, b_prio, b_seq, winner in (
+        (TRAIN, 5, Priority.OLD_LOG_PROBS, 1, "a_actor_train"),  # priority beats FIFO
+        (TRAIN, 5, TRAIN, 2, "b_actor_train"),  # FIFO within a priority
+    ):
+        snap = snapshot(4, c, [], [PendingRequest("a_actor_train", a_prio, a_seq), PendingRequest("b_actor_train", b_prio, b_seq)])
+        plan = plan_cycle(snap)
+        validate_plan(snap, plan)
+        assert [g.cluster_id for g in plan.grants] == [winner]
+
+
+def test_tp2_preemption_frees_the_rest_of_the_bundle_for_others() -> None:
+    c = {**pipeline("a", [1], range(4), tp=2), **pipeline("b", None, range(4), tp=1)}
+    snap = snapshot(
+        4,
+        c,
+        [gen_alloc(c["a_actor_infer"], [0, 1])],
+        [PendingRequest("a_actor_train", TRAIN, 1), PendingRequest("b_actor_infer", GEN, 2, step_target_estimate=5)],
+        progress={"a": (10, 0)},
+    )
+    plan = plan_cycle(snap)
+    validate_plan(snap, plan)
+    assert active(plan, "a_actor_infer") == {1}  # bundle {0,1} slept for training on GPU 1
+    assert plan.allocations["b_actor_infer"].gpus == {0}  # the idle half of the slept bundle goes to b
+    assert {g.cluster_id for g in plan.grants} == {"a_actor_train", "b_actor_infer"}
+
+
+def test_initialization_of_an_infer_cluster_takes_its_whole_mapping() -> None:
+    c = _two_pipelines()
+    snap = snapshot(4, c, [gen_alloc(c["b_actor_infer"], [0, 1, 2, 3])], [PendingRequest("a_actor_infer", Priority.INITIALIZATION, 1)])
+    plan = plan_cycle(snap)
+    validate_plan(snap, plan)
+    assert plan.allocations["a_actor_infer"].priority == Priority.INITIALIZATION
+    assert plan.allocations["a_actor_infer"].gpus == {0, 1, 2, 3}
+    assert "b_actor_infer" not in plan.allocations
+    # holding its mapping, a re-request at another non-generation priority is granted at once
+    held = apply_plan(snap, plan)
+    snap2 = snapshot(4, c, held.allocations.values(), [PendingRequest("a_actor_infer", Priority.OLD_LOG_PROBS, 2)])
+    plan2 = plan_cycle(snap2)
+    validate_plan(snap2, plan2)
+    assert plan2.allocations["a_actor_infer"].priority == Priority.OLD_LOG_PROBS and not plan2.shrinks
+
+
+def test_generation_request_is_granted_partially() -> None:
+    c = _two_pipelines()
+    # b trains on 2,3 and a on 0,1: nothing for a's rollout... then a finishes training: a gets 2 of 4 ranks at once
+    snap = snapshot(4, c, [whole_alloc(c["b_actor_train"])], [PendingRequest("a_actor_infer", GEN, 1, step_target_estimate=32)])
+    plan = plan_cycle(snap)
+    validate_plan(snap, plan)
+    assert [(g.cluster_id, sorted(g.gpus)) for g in plan.grants] == [("a_actor_infer", [0, 1])]
+
+
+def test_stable_state_is_a_noop() -> None:
+    c = _two_pipelines()
+    snap = snapshot(
+        4,
+        c,
+        [gen_alloc(c["a_actor_infer"], [0, 1]), gen_alloc(c["b_actor_infer"], [2, 3])],
+        progress={"a": (64, 0), "b": (64, 0)},
+    )
+    assert plan_cycle(snap).is_noop
