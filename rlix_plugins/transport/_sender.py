@@ -206,22 +206,38 @@ def _send_buckets(
     staging_dev: torch.device,
     timeout_s: float,
 ) -> None:
-    """Per bucket: stage -> start receiver calls -> sender broadcast -> barrier. Staging is one
-    buffer reused for every bucket; it is rewritten only after the previous bucket's barrier."""
-    staging: torch.Tensor | None = None
-    if staging_dev.type == "cuda":
-        check_device_capacity(snap.capacity_bytes, staging_dev, what="sender staging buffer")
-        staging = torch.empty(snap.capacity_bytes, dtype=torch.uint8, device=staging_dev)
+    """Per bucket: [staged] -> start receiver calls -> stage the NEXT bucket -> sender broadcast -> barrier.
+
+    On a CUDA sender two staging buffers alternate (a side stream copies bucket i+1 host->device
+    while bucket i is broadcast and loaded). Buffer ``i % 2`` is rewritten for bucket i+2 only after
+    bucket i's barrier: every receiver has returned, so no IPC view of it is still read.
+    """
+    buckets = snap.buckets
+    stagings: list[torch.Tensor] = []
+    copy_stream: Any = None
+    if staging_dev.type == "cuda" and buckets:
+        count = 2 if len(buckets) > 1 else 1
+        check_device_capacity(count * snap.capacity_bytes, staging_dev, what=f"sender staging ({count} buffers)")
+        stagings = [torch.empty(snap.capacity_bytes, dtype=torch.uint8, device=staging_dev) for _ in range(count)]
+        copy_stream = torch.cuda.Stream(staging_dev)
+
+    def stage(i: int) -> Any:
+        record = buckets[i]
+        with torch.cuda.stream(copy_stream):
+            stagings[i % len(stagings)][: record.meta.used_bytes].copy_(record.payload, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(copy_stream)
+        return event
+
     ipc_targets = [t for t in plan.targets if t.ipc_local_ranks]
     bcast_targets = [t for t in plan.targets if t.broadcast_ranks]
     try:
-        for record in snap.buckets:
-            used = record.meta.used_bytes
+        pending: Any = stage(0) if stagings else None
+        for i, record in enumerate(buckets):
             data = record.payload
-            if staging is not None:
-                staging[:used].copy_(data, non_blocking=True)
-                torch.cuda.current_stream(staging_dev).synchronize()
-                data = staging[:used]
+            if stagings:
+                pending.synchronize()
+                data = stagings[i % len(stagings)][: record.meta.used_bytes]
             calls: dict[int, PendingCall] = {}
             if ipc_targets:
                 payload = (
@@ -235,14 +251,18 @@ def _send_buckets(
                 wire = record.meta.to_wire()
                 for t in bcast_targets:
                     calls[t.dp_rank] = endpoints[t.dp_rank].broadcast_parameter(group_name, wire, list(t.broadcast_local_ranks))
+            if stagings and i + 1 < len(buckets):
+                pending = stage(i + 1)  # the other buffer: its last reader passed bucket i-1's barrier
+            if host is not None:
                 host.broadcast(data)
-            _wait_all(calls, timeout_s, f"bucket {record.meta.index}/{len(snap.buckets)} of version {snap.version}")
+            _wait_all(calls, timeout_s, f"bucket {record.meta.index}/{len(buckets)} of version {snap.version}")
     finally:
-        del staging
-        if staging_dev.type == "cuda":
+        if stagings:
             torch.cuda.synchronize(staging_dev)
+            stagings.clear()
             if plan.same_gpu_transport == "cuda_ipc":
                 torch.cuda.ipc_collect()  # release staging blocks kept alive for IPC consumers
+            torch.cuda.empty_cache()  # give the staging memory back to the device (the GPU is shared)
 
 
 def _teardown(

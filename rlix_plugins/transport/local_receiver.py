@@ -1,0 +1,300 @@
+"""``SubprocessReceiver``: a ``ReceiverEndpoint`` whose workers are spawned local processes.
+
+The reference endpoint for tests and benchmarks (the vLLM extension is the production one): one
+process per local rank, each a tiny "model" that loads received tensors into persistent parameters
+(``param.copy_(received)``, like vLLM's ``load_weights``) and records their checksums.
+
+Calls to one worker run in order on one thread (like a Ray actor); calls to different workers and
+endpoints overlap, which the broadcast needs. A dead worker fails its pending call promptly
+(``TransportError``) instead of hanging. ``close()`` always ends the processes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import multiprocessing as mp
+import os
+import pickle
+import threading
+import traceback
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from rlix_plugins.errors import TransportError
+
+#: Upper bound on any single call to a worker; the sender's own timeouts are usually shorter.
+CALL_LIMIT_S = 900.0
+
+
+def _gather(futures: list[Future[Any]]) -> Future[list[Any]]:
+    """One future that completes when all complete (first exception wins)."""
+    out: Future[list[Any]] = Future()
+    results: list[Any] = [None] * len(futures)
+    left = [len(futures)]
+    lock = threading.Lock()
+
+    def done(i: int, fut: Future[Any]) -> None:
+        with lock:
+            if out.done():
+                return
+            exc = fut.exception()
+            if exc is not None:
+                out.set_exception(exc)
+                return
+            results[i] = fut.result()
+            left[0] -= 1
+            if left[0] == 0:
+                out.set_result(results)
+
+    if not futures:
+        out.set_result([])
+    for i, fut in enumerate(futures):
+        fut.add_done_callback(functools.partial(done, i))
+    return out
+
+
+class SubprocessReceiver:
+    """One DP rank served by ``len(devices)`` spawned worker processes (local rank = index)."""
+
+    def __init__(self, devices: Sequence[str] = ("cpu",), *, checksums: bool = True, start_timeout_s: float = 120.0) -> None:
+        ctx = mp.get_context("spawn")
+        self.devices = list(devices)
+        self._conns: list[Any] = []
+        self._procs: list[Any] = []
+        self._pools: list[ThreadPoolExecutor] = []
+        for local_rank, device in enumerate(self.devices):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(
+                target=_worker_main, args=(child, local_rank, device, checksums), daemon=True, name=f"rlix-recv-{local_rank}"
+            )
+            proc.start()
+            child.close()
+            self._conns.append(parent)
+            self._procs.append(proc)
+            self._pools.append(ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"rlix-recv-{local_rank}"))
+        for i in range(len(self.devices)):
+            self._recv(i, start_timeout_s)
+
+    # -- plumbing ----------------------------------------------------------------------------
+
+    @property
+    def pids(self) -> list[int]:
+        return [int(p.pid) for p in self._procs]
+
+    def _recv(self, i: int, limit_s: float) -> Any:
+        conn, proc = self._conns[i], self._procs[i]
+        waited = 0.0
+        while not conn.poll(0.1):
+            waited += 0.1
+            if not proc.is_alive():
+                raise TransportError(f"receiver worker {i} (pid {proc.pid}) exited with code {proc.exitcode}")
+            if waited > limit_s:
+                raise TransportError(f"receiver worker {i} (pid {proc.pid}) did not answer within {limit_s:.0f} s")
+        try:
+            status, value = conn.recv()
+        except (EOFError, OSError) as exc:
+            raise TransportError(f"receiver worker {i} (pid {proc.pid}) closed its pipe: {exc!r}") from exc
+        if status == "ok":
+            return value
+        exc_obj = None
+        with contextlib.suppress(Exception):
+            exc_obj = pickle.loads(value[0])
+        if isinstance(exc_obj, BaseException):
+            raise exc_obj
+        raise TransportError(f"receiver worker {i} raised: {value[1]}")
+
+    def _roundtrip(self, i: int, method: str, args: tuple[Any, ...]) -> Any:
+        try:
+            self._conns[i].send((method, args))
+        except (OSError, BrokenPipeError) as exc:
+            raise TransportError(f"receiver worker {i} is gone: {exc!r}") from exc
+        return self._recv(i, CALL_LIMIT_S)
+
+    def call_worker(self, i: int, method: str, *args: Any) -> Future[Any]:
+        return self._pools[i].submit(self._roundtrip, i, method, args)
+
+    def call_all(self, method: str, *args: Any) -> Future[list[Any]]:
+        return _gather([self.call_worker(i, method, *args) for i in range(len(self.devices))])
+
+    # -- ReceiverEndpoint --------------------------------------------------------------------
+
+    def setup_collective_group(
+        self,
+        group_name: str,
+        master_addr: str,
+        master_port: int,
+        ranks_by_local_rank: dict[int, int],
+        world_size: int,
+        backend: str,
+        timeout_s: float,
+    ) -> Future[list[Any]]:
+        return self.call_all(
+            "setup_collective_group", group_name, master_addr, master_port, dict(ranks_by_local_rank), world_size, backend, timeout_s
+        )
+
+    def update_parameter_in_bucket(self, payload: dict[str, Any], ipc_local_ranks: list[int]) -> Future[list[Any]]:
+        return self.call_all("update_parameter_in_bucket", payload, list(ipc_local_ranks))
+
+    def broadcast_parameter(self, group_name: str, bucket_meta: dict[str, Any], broadcast_local_ranks: list[int]) -> Future[list[Any]]:
+        return self.call_all("broadcast_parameter", group_name, bucket_meta, list(broadcast_local_ranks))
+
+    def destroy_collective_group(self, group_name: str) -> Future[list[Any]]:
+        return self.call_all("destroy_collective_group", group_name)
+
+    def verify_model(self, expected_checksums: dict[str, list[int]]) -> Future[list[Any]]:
+        return self.call_all("verify_model", expected_checksums)
+
+    # -- lifetime ----------------------------------------------------------------------------
+
+    def alive(self) -> bool:
+        return all(p.is_alive() for p in self._procs)
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        for conn in self._conns:
+            with contextlib.suppress(Exception):
+                conn.send(("exit", ()))
+        for proc in self._procs:
+            proc.join(timeout_s)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout_s)
+        for pool in self._pools:
+            pool.shutdown(wait=False, cancel_futures=True)
+        for conn in self._conns:
+            conn.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# worker process
+# ---------------------------------------------------------------------------------------------
+
+
+class _Worker:
+    def __init__(self, local_rank: int, device: str, checksums: bool) -> None:
+        import torch
+
+        self.torch = torch
+        torch.set_num_threads(1)
+        self.local_rank = local_rank
+        self.device = torch.device(device)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.use_checksums = checksums
+        self.params: dict[str, Any] = {}
+        self.checksums: dict[str, list[int]] = {}
+        self.faults: dict[str, int] = {}
+        self.calls: dict[str, int] = {}
+
+    def _load(self, named: list[tuple[str, Any]]) -> int:
+        from rlix_plugins.transport import tensor_checksum
+
+        for name, tensor in named:
+            param = self.params.get(name)
+            if param is None or param.shape != tensor.shape or param.dtype != tensor.dtype:
+                param = self.params[name] = self.torch.empty_like(tensor, device=self.device)
+            param.copy_(tensor)
+            if self.use_checksums:
+                self.checksums[name] = tensor_checksum(param)
+        if self.device.type == "cuda":
+            self.torch.cuda.current_stream(self.device).synchronize()
+        return len(named)
+
+    def setup_collective_group(self, name: str, addr: str, port: int, ranks: dict[Any, int], world: int, backend: str, timeout_s: float) -> bool:
+        from rlix_plugins.transport import setup_collective_group
+
+        ranks = {int(k): int(v) for k, v in ranks.items()}
+        if self.local_rank not in ranks:
+            return False
+        setup_collective_group(name, addr, port, ranks[self.local_rank], world, backend, timeout_s, device=self.device)
+        return True
+
+    def update_parameter_in_bucket(self, payload: dict[str, Any], ipc_local_ranks: list[int]) -> int:
+        from rlix_plugins.transport import receive_bucket
+
+        if self.local_rank not in ipc_local_ranks:
+            return 0
+        named = receive_bucket(payload, self.device)
+        n = self._load(named)
+        del named  # cuda_ipc views must be dropped before the RPC returns
+        return n
+
+    def broadcast_parameter(self, name: str, meta: dict[str, Any], local_ranks: list[int]) -> int:
+        from rlix_plugins.transport import broadcast_parameter
+
+        if self.local_rank not in local_ranks:
+            return 0
+        return self._load(broadcast_parameter(name, meta, self.device))
+
+    def destroy_collective_group(self, name: str) -> bool:
+        from rlix_plugins.transport import destroy_collective_group
+
+        existed = destroy_collective_group(name)
+        if self.device.type == "cuda":
+            self.torch.cuda.empty_cache()
+        return existed
+
+    def verify_model(self, expected: dict[str, list[int]]) -> bool:
+        from rlix_plugins.transport import verify_checksums
+
+        verify_checksums(expected, self.checksums, context=f"local rank {self.local_rank}")
+        return True
+
+    # -- test hooks --------------------------------------------------------------------------
+
+    def fail_on(self, method: str, nth_call: int) -> bool:
+        """Exit the process (simulated crash) on the ``nth_call``-th future call of ``method``."""
+        self.faults[method] = self.calls.get(method, 0) + nth_call
+        return True
+
+    def state(self) -> dict[str, Any]:
+        from rlix_plugins.transport import group_names
+
+        info: dict[str, Any] = {"groups": group_names(), "num_params": len(self.params), "pid": os.getpid()}
+        if self.device.type == "cuda":
+            free, total = self.torch.cuda.mem_get_info(self.device)
+            info.update(free=int(free), total=int(total), allocated=int(self.torch.cuda.memory_allocated(self.device)))
+        return info
+
+    def tensors(self) -> dict[str, tuple[str, list[int], bytes]]:
+        from rlix_plugins.transport import dtype_to_str
+
+        out = {}
+        for name, t in self.params.items():
+            raw = t.detach().cpu().contiguous().reshape(-1).view(self.torch.uint8)
+            out[name] = (dtype_to_str(t.dtype), list(t.shape), raw.numpy().tobytes())
+        return out
+
+    def corrupt(self, name: str) -> bool:
+        """Flip one bit of a loaded parameter and its recorded checksum source (verification tests)."""
+        from rlix_plugins.transport import tensor_checksum
+
+        raw = self.params[name].view(-1).view(self.torch.uint8)
+        raw[0] ^= 1
+        self.checksums[name] = tensor_checksum(self.params[name])
+        return True
+
+
+def _worker_main(conn: Any, local_rank: int, device: str, checksums: bool) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    worker = _Worker(local_rank, device, checksums)
+    conn.send(("ok", None))
+    while True:
+        try:
+            method, args = conn.recv()
+        except (EOFError, OSError):
+            return
+        if method == "exit":
+            return
+        worker.calls[method] = worker.calls.get(method, 0) + 1
+        if worker.faults.get(method) == worker.calls[method]:
+            os._exit(3)  # simulated crash mid-sync
+        try:
+            conn.send(("ok", getattr(worker, method)(*args)))
+        except BaseException as exc:
+            try:
+                blob = pickle.dumps(exc)
+            except Exception:
+                blob = b""
+            conn.send(("err", (blob, f"{exc!r}\n{traceback.format_exc()}")))
