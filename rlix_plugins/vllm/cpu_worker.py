@@ -1,0 +1,17 @@
+"""``worker_cls`` for vLLM-CPU with the receiver built in: ``rlix_plugins.vllm.cpu_worker.RlixCPUWorker``.
+
+The CPU twin of :class:`rlix_plugins.vllm.gpu_worker.RlixGPUWorker` (same route, used by the CPU tests
+and the CPU demo to exercise the ``worker_cls`` composition that NeMo RL uses on GPU).
+"""
+
+from __future__ import annotations
+
+from vllm.v1.worker.cpu_worker import CPUWorker
+
+from rlix_plugins.vllm.receiver import RlixReceiverMixin
+
+__all__ = ["RlixCPUWorker"]
+
+
+class RlixCPUWorker(RlixReceiverMixin, CPUWorker):
+    """vLLM's CPU worker plus the six receiver methods. Adds no state and no constructor."""

@@ -1,0 +1,220 @@
+"""Sending side: drive a set of vLLM engines (one per DP rank) through one weight sync.
+
+``sync_engines(cache, plan, engines)``::
+
+    transport.sync_weights (setup -> buckets -> destroy, cache lock held) -> finalize_weight_update
+    on the targets -> reset_prefix_cache where weights changed -> verify_model
+
+An engine is reached through an :class:`EngineRpc` - ``collective_rpc`` on every worker of the engine:
+
+* :class:`LLMEngineRpc` - an in-process ``vllm.LLM``. Its ``collective_rpc`` blocks, so calls run on one
+  thread per engine (calls to one engine stay ordered; different engines overlap, which the broadcast
+  needs: the sender broadcasts while every receiver sits in ``broadcast_parameter``).
+* :class:`RayEngineRpc` - a Ray actor that owns an engine and forwards ``(method, args)`` to its
+  ``collective_rpc``: NeMo RL's vLLM workers through ``checkpoint_engine_rpc`` (sync engine) or
+  ``checkpoint_engine_rpc_async`` (async engine), or our :class:`~rlix_plugins.vllm.engine_actor.RlixEngineActor`.
+
+Failure: any error or timeout aborts the sync on every target (staged tensors dropped, groups destroyed by
+the transport), nothing is finalized, and the error is raised; engines keep serving the weights they
+had (staged mode) or are reported ``dirty`` (eager mode) and must not be routed to until a later sync.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Protocol, final
+
+from rlix_plugins.errors import RlixTimeoutError, TransportError, WeightVerificationError
+from rlix_plugins.transport import CommPlan, PendingCall, SyncReport, VersionedBucketCache, sync_weights
+
+__all__ = ["EngineRpc", "EngineSyncReport", "LLMEngineRpc", "RayEngineRpc", "sync_engines"]
+
+log = logging.getLogger(__name__)
+
+
+class EngineRpc(Protocol):
+    """One engine (DP rank). ``call`` starts ``collective_rpc(method, args)`` on all its workers and
+    returns at once; the result is the list of per-worker return values."""
+
+    def call(self, method: str, args: tuple[Any, ...]) -> PendingCall: ...
+
+    def reset_prefix_cache(self) -> PendingCall: ...
+
+
+@final
+class LLMEngineRpc:
+    """An in-process ``vllm.LLM`` (default multiprocess engine or ``VLLM_ENABLE_V1_MULTIPROCESSING=0``).
+
+    Do not call ``llm.generate`` concurrently with a sync: ``vllm.LLM`` is not thread-safe.
+    """
+
+    def __init__(self, llm: Any) -> None:
+        self.llm = llm
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlix-engine-rpc")
+
+    def call(self, method: str, args: tuple[Any, ...]) -> Future[Any]:
+        return self._pool.submit(self.llm.collective_rpc, method, args=args)
+
+    def reset_prefix_cache(self) -> Future[Any]:
+        return self._pool.submit(self.llm.reset_prefix_cache)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+@final
+class RayEngineRpc:
+    """A Ray actor that owns an engine.
+
+    :param rpc_method: actor method taking ``(method, args)`` and returning ``collective_rpc``'s list:
+        ``"checkpoint_engine_rpc"`` / ``"checkpoint_engine_rpc_async"`` on NeMo RL's vLLM workers,
+        ``"rlix_rpc"`` on :class:`~rlix_plugins.vllm.engine_actor.RlixEngineActor`.
+    :param reset_method: actor method that resets the engine's prefix cache
+        (NeMo RL: ``"reset_prefix_cache"`` / ``"reset_prefix_cache_async"``).
+    """
+
+    def __init__(self, actor: Any, rpc_method: str = "rlix_rpc", reset_method: str = "reset_prefix_cache") -> None:
+        self.actor = actor
+        self.rpc_method = rpc_method
+        self.reset_method = reset_method
+
+    def call(self, method: str, args: tuple[Any, ...]) -> PendingCall:
+        return getattr(self.actor, self.rpc_method).remote(method, args).future()
+
+    def reset_prefix_cache(self) -> PendingCall:
+        return getattr(self.actor, self.reset_method).remote().future()
+
+
+@final
+class _SyncEndpoint:
+    """``transport.ReceiverEndpoint`` for one engine and one sync: adds ``sync_id`` and ``apply_mode``."""
+
+    def __init__(self, rpc: EngineRpc, sync_id: str, apply_mode: str) -> None:
+        self.rpc, self.sync_id, self.apply_mode = rpc, sync_id, apply_mode
+
+    def setup_collective_group(
+        self, group_name: str, master_addr: str, master_port: int, ranks_by_local_rank: dict[int, int],
+        world_size: int, backend: str, timeout_s: float,
+    ) -> PendingCall:
+        ranks = {str(k): int(v) for k, v in ranks_by_local_rank.items()}  # str keys: msgpack-safe everywhere
+        return self.rpc.call(
+            "setup_collective_group", (group_name, master_addr, master_port, ranks, world_size, backend, timeout_s)
+        )
+
+    def update_parameter_in_bucket(self, payload: dict[str, Any], ipc_local_ranks: list[int]) -> PendingCall:
+        return self.rpc.call(
+            "update_parameter_in_bucket", (payload, list(ipc_local_ranks), self.sync_id, self.apply_mode)
+        )
+
+    def broadcast_parameter(
+        self, group_name: str, bucket_meta: dict[str, Any], broadcast_local_ranks: list[int]
+    ) -> PendingCall:
+        return self.rpc.call(
+            "broadcast_parameter",
+            (group_name, bucket_meta, list(broadcast_local_ranks), self.sync_id, self.apply_mode),
+        )
+
+    def destroy_collective_group(self, group_name: str) -> PendingCall:
+        return self.rpc.call("destroy_collective_group", (group_name,))
+
+    def verify_model(self, expected_checksums: dict[str, list[int]]) -> PendingCall:
+        return self.rpc.call("verify_model", (expected_checksums,))
+
+
+@final
+@dataclass(frozen=True)
+class EngineSyncReport:
+    """What one :func:`sync_engines` call did."""
+
+    sync_id: str
+    transport: SyncReport
+    #: dp ranks where at least one worker finalized new weights (prefix cache reset there)
+    finalized_dp_ranks: tuple[int, ...]
+    finalize_seconds: float
+    verify_seconds: float
+    #: dp rank -> per-worker ``verify_model`` results (empty when ``verify=False``)
+    verified: dict[int, list[dict[str, int]]]
+
+
+def _gather(calls: Mapping[int, PendingCall], timeout_s: float, what: str) -> dict[int, Any]:
+    """Bounded barrier (one deadline for all calls) that names the dp rank and keeps the worker's message."""
+    deadline = time.monotonic() + timeout_s
+    out: dict[int, Any] = {}
+    for dp_rank, call in calls.items():
+        try:
+            out[dp_rank] = call.result(timeout=max(deadline - time.monotonic(), 0.0))
+        except TimeoutError as exc:
+            raise RlixTimeoutError(f"{what}: dp rank {dp_rank} did not answer within {timeout_s:.0f} s") from exc
+        except Exception as exc:
+            if "WeightVerificationError" in repr(exc) or isinstance(exc, WeightVerificationError):
+                raise WeightVerificationError(f"{what}: dp rank {dp_rank}: {exc}") from exc
+            raise TransportError(f"{what}: dp rank {dp_rank} failed: {exc}") from exc
+    return out
+
+
+def _abort(engines: Mapping[int, EngineRpc], dp_ranks: list[int], sync_id: str, timeout_s: float) -> None:
+    try:
+        calls = {dp: engines[dp].call("rlix_abort_weight_update", (sync_id,)) for dp in dp_ranks}
+        _gather(calls, timeout_s, f"abort of sync {sync_id}")
+    except Exception as exc:  # never mask the error that caused the abort
+        log.warning("rlix: abort of sync %s failed on some engine: %s", sync_id, exc)
+
+
+def sync_engines(
+    cache: VersionedBucketCache,
+    plan: CommPlan,
+    engines: Mapping[int, EngineRpc],
+    *,
+    staging_device: str = "cpu",
+    backend: str | None = None,
+    master_addr: str = "127.0.0.1",
+    timeout_s: float = 150.0,
+    verify: bool = True,
+    apply_mode: str = "auto",
+) -> EngineSyncReport:
+    """Push the cache's published version to the plan's target engines; see the module docstring.
+
+    ``engines`` maps dp rank -> :class:`EngineRpc`; only ``plan``'s targets are touched. ``timeout_s``
+    bounds each phase (setup, each bucket, teardown, finalize, verify). ``apply_mode``: ``"auto"``,
+    ``"staged"`` (atomic) or ``"eager"`` (see :mod:`rlix_plugins.vllm.receiver`).
+    """
+    sync_id = uuid.uuid4().hex[:12]
+    targets = [t.dp_rank for t in plan.targets]
+    endpoints = {dp: _SyncEndpoint(engines[dp], sync_id, apply_mode) for dp in targets if dp in engines}
+    expected: dict[str, list[int]] = {}
+    if verify:
+        with cache.read(timeout_s) as snap:
+            expected, expected_version = snap.checksums, snap.version
+    try:
+        report = sync_weights(
+            cache, plan, endpoints, staging_device=staging_device, master_addr=master_addr,
+            backend=backend, timeout_s=timeout_s, verify=False, group_prefix=f"rlix_{sync_id}",
+        )
+        if verify and report.version != expected_version:
+            raise TransportError(
+                f"the cache was rebuilt during sync {sync_id} (version {expected_version} -> {report.version}); sync again"
+            )
+        t0 = time.perf_counter()
+        done = _gather({dp: engines[dp].call("finalize_weight_update", (sync_id,)) for dp in targets},
+                       timeout_s, f"finalize_weight_update(sync {sync_id})")
+    except BaseException:
+        _abort(engines, targets, sync_id, timeout_s)
+        raise
+    changed = [dp for dp in targets if any(done[dp])]
+    _gather({dp: engines[dp].reset_prefix_cache() for dp in changed}, timeout_s, "reset_prefix_cache")
+    finalize_s = time.perf_counter() - t0
+    verified: dict[int, list[dict[str, int]]] = {}
+    t1 = time.perf_counter()
+    if verify:
+        results = _gather({dp: engines[dp].call("verify_model", (expected,)) for dp in targets},
+                          timeout_s, f"verify_model(version {report.version})")
+        verified = {dp: list(r) for dp, r in results.items()}
+    return EngineSyncReport(
+        sync_id=sync_id, transport=report, finalized_dp_ranks=tuple(changed), finalize_seconds=finalize_s,
+        verify_seconds=time.perf_counter() - t1, verified=verified,
+    )

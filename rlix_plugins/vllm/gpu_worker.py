@@ -1,0 +1,20 @@
+"""``worker_cls`` for vLLM on GPU with the receiver built in: ``rlix_plugins.vllm.gpu_worker.RlixGPUWorker``.
+
+This is the NeMo RL route: NeMo RL hard-codes ``worker_extension_cls`` to its own
+``VllmInternalWorkerExtension`` but forwards ``policy.generation.vllm_kwargs`` into ``vllm.LLM`` /
+``AsyncEngineArgs``, so ``vllm_kwargs.worker_cls`` selects this class. vLLM then appends NeMo's extension
+to this class's bases; the receiver finds NeMo's ``_load_weights`` / ``_weight_update_lifecycle`` in the
+MRO and uses them (see :mod:`rlix_plugins.vllm.loading`).
+"""
+
+from __future__ import annotations
+
+from vllm.v1.worker.gpu_worker import Worker
+
+from rlix_plugins.vllm.receiver import RlixReceiverMixin
+
+__all__ = ["RlixGPUWorker"]
+
+
+class RlixGPUWorker(RlixReceiverMixin, Worker):
+    """vLLM's GPU worker plus the six receiver methods. Adds no state and no constructor."""

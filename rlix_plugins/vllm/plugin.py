@@ -1,0 +1,51 @@
+"""The ``vllm.general_plugins`` entry point: ``rlix = "rlix_plugins.vllm.plugin:register"``.
+
+vLLM calls :func:`register` in every process that loads plugins (the driver, ``EngineCore``, each
+worker, the model-registry probe subprocess), possibly several times; it must be cheap and idempotent.
+
+* ``RLIX_CONTROL_PLANE`` unset (or anything but ``rlix``): returns at once. Nothing is imported, no
+  environment variable, registry, logger or class is touched: plain vLLM and standalone NeMo RL behave
+  exactly as without the package.
+* ``RLIX_CONTROL_PLANE=rlix``: imports the receiver module once per process, so a broken install fails
+  at engine start (vLLM logs the exception and names the plugin) instead of at the first weight sync,
+  and records that the plugin ran here (``rlix_receiver_info()["plugin_loaded"]`` reports it per worker).
+
+The entry point does not inject the receiver into engines: an engine gets it from its construction
+arguments (see :mod:`rlix_plugins.vllm`), because vLLM resolves ``worker_extension_cls`` /
+``worker_cls`` per engine and a process-global patch would leak into engines that did not ask for it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+__all__ = ["CONTROL_PLANE_ENV", "enabled", "loaded_here", "register"]
+
+#: Environment variable that switches rlix-plugins on; any other value than ``"rlix"`` means standalone.
+CONTROL_PLANE_ENV = "RLIX_CONTROL_PLANE"
+
+_loaded = False
+
+
+def enabled() -> bool:
+    """True when this process runs under the rlix control plane."""
+    return os.environ.get(CONTROL_PLANE_ENV) == "rlix"
+
+
+def loaded_here() -> bool:
+    """True once :func:`register` ran in this process with the control plane enabled."""
+    return _loaded
+
+
+def register() -> None:
+    """vLLM general-plugin hook (see module docstring). Safe to call any number of times."""
+    global _loaded
+    if _loaded or not enabled():
+        return
+    from rlix_plugins.vllm import receiver  # fail at engine start, not mid-sync
+
+    _loaded = True
+    logging.getLogger(__name__).info(
+        "rlix vLLM plugin loaded in pid %d (receiver %s)", os.getpid(), receiver.__name__
+    )

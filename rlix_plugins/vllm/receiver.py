@@ -1,0 +1,326 @@
+"""The receiving half of weight sync: six methods that run inside every vLLM worker (one per TP rank).
+
+``RlixReceiverMixin`` is mixed into vLLM's worker class, either as ``worker_extension_cls`` (plain vLLM)
+or as a base of our ``worker_cls`` (NeMo RL; NeMo's own extension then follows it in the MRO), see
+:mod:`rlix_plugins.vllm`. vLLM never runs an extension's ``__init__``: all state lives in one object
+created lazily by :meth:`RlixReceiverMixin._rlix` and every method is safe to call in any order.
+
+One sync, as the sender drives it (:mod:`rlix_plugins.vllm.driver`)::
+
+    setup_collective_group (broadcast targets only) -> per bucket: update_parameter_in_bucket (same-GPU
+    targets) | broadcast_parameter (broadcast targets) -> destroy_collective_group -> finalize_weight_update
+    -> verify_model
+
+Wire contract (every argument is a plain type; vLLM's msgpack hop rejects ``torch.dtype`` and the
+EngineCore->worker hop cannot pickle tensors; everything is positional so NeMo RL's
+``checkpoint_engine_rpc(method, method_args)`` passthrough can carry it):
+
+* ``setup_collective_group(group_name, master_addr, master_port, rank_map, world_size, backend, timeout_s)``
+  - ``rank_map`` ``{local_rank: group_rank}`` (keys may arrive as str); workers not in it return False.
+* ``update_parameter_in_bucket(payload, ipc_local_ranks, sync_id, apply_mode)`` - ``payload`` a
+  ``cpu_serialize`` or ``cuda_ipc`` dict from :mod:`rlix_plugins.transport`; a worker whose local rank
+  is not in ``ipc_local_ranks`` ignores it (returns 0).
+* ``broadcast_parameter(group_name, meta, sync_id, apply_mode)`` - receive one bucket (``meta`` =
+  ``BucketMeta.to_wire()``) from group rank 0; a worker that is not in ``group_name`` returns 0.
+* ``destroy_collective_group(group_name)`` - no-op (False) when this worker has no such group.
+* ``finalize_weight_update(sync_id)`` - applies/post-processes once; no-op (False) when this worker
+  received nothing in ``sync_id`` or already finalized it.
+* ``verify_model(expected)`` - ``{name: checksum}`` recorded by the sender with the cache version;
+  raises ``WeightVerificationError`` naming the first differing parameter.
+
+Apply modes (``apply_mode``; ``"auto"`` = staged on CPU, eager elsewhere):
+
+* ``"staged"`` - received tensors are cloned and kept (on the worker's device) until finalize, which
+  loads them in one pass. Atomic: an aborted or timed-out sync leaves the served weights untouched.
+  Costs one extra model copy of memory. Required on vLLM-CPU (layer-wise reload needs whole layers).
+* ``"eager"`` - each bucket is loaded on arrival (NeMo RL's own refit behaviour, memory bounded by one
+  bucket). A failed sync leaves a mix of old and new weights: the worker reports ``dirty`` and the
+  caller must not route to it until a later sync finalizes (expand never activates a failed rank).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from rlix_plugins import transport
+from rlix_plugins.errors import RlixConfigError, TransportError
+from rlix_plugins.transport import tensor_checksum, verify_checksums
+from rlix_plugins.vllm.loading import WeightLoader, select_loader
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["APPLY_MODES", "RECEIVER_METHODS", "RlixReceiverMixin"]
+
+logger = logging.getLogger(__name__)
+
+#: The six receiver methods (the names the sender calls through ``collective_rpc``).
+RECEIVER_METHODS = (
+    "setup_collective_group",
+    "update_parameter_in_bucket",
+    "broadcast_parameter",
+    "destroy_collective_group",
+    "finalize_weight_update",
+    "verify_model",
+)
+APPLY_MODES = ("auto", "staged", "eager")
+
+
+@dataclass
+class _Sync:
+    """What one worker received in one sync (``sync_id``) and has not finalized yet."""
+
+    sync_id: str
+    mode: str
+    staged: list[tuple[str, torch.Tensor]] = field(default_factory=list)
+    checksums: dict[str, list[int]] = field(default_factory=dict)
+    buckets: int = 0
+    loaded_eagerly: bool = False
+
+
+@dataclass
+class _State:
+    loader: WeightLoader
+    sync: _Sync | None = None
+    #: checksums of every parameter this worker finalized, latest value per name
+    model_checksums: dict[str, list[int]] = field(default_factory=dict)
+    finalized: list[str] = field(default_factory=list)
+    #: an eager sync failed half-way: the model holds a mix of weights until the next finalize
+    dirty: bool = False
+    buckets_total: int = 0
+
+
+class RlixReceiverMixin:
+    """The six receiver methods plus two helpers (``rlix_abort_weight_update``, ``rlix_receiver_info``).
+
+    Runs on the vLLM worker's own thread; every method returns before the RPC returns (no background
+    work), so the RPC reply is the per-bucket barrier the sender waits on.
+    """
+
+    # ---------------------------------------------------------------- state
+    def _rlix(self) -> _State:
+        state: _State | None = getattr(self, "_rlix_state", None)
+        if state is None:
+            state = _State(loader=select_loader(self))
+            self._rlix_state = state
+        return state
+
+    def _rlix_local_rank(self) -> int:
+        return int(getattr(self, "local_rank", 0))
+
+    def _rlix_device(self) -> torch.device:
+        import torch
+
+        dev = getattr(self, "device", None)
+        return dev if isinstance(dev, torch.device) else torch.device("cpu")
+
+    def _rlix_mode(self, apply_mode: str) -> str:
+        if apply_mode not in APPLY_MODES:
+            raise RlixConfigError(f"apply_mode={apply_mode!r} is not one of {APPLY_MODES}")
+        loader = self._rlix().loader
+        if apply_mode == "auto":
+            return "staged" if loader.whole_model_only or self._rlix_device().type == "cpu" else "eager"
+        if apply_mode == "eager" and loader.whole_model_only:
+            raise RlixConfigError(
+                f"apply_mode='eager' is impossible with the {loader.name} loader (vLLM-CPU reloads whole "
+                "layers); use apply_mode='staged' or 'auto'"
+            )
+        return apply_mode
+
+    def _rlix_begin(self, sync_id: str, apply_mode: str) -> _Sync:
+        state = self._rlix()
+        mode = self._rlix_mode(apply_mode)
+        if state.sync is not None and state.sync.sync_id != sync_id:
+            # A new sync while an older one was never finalized: the older one was aborted by its sender.
+            logger.warning("rlix: dropping unfinalized sync %s (new sync %s)", state.sync.sync_id, sync_id)
+            self._rlix_drop(state)
+        if state.sync is None:
+            state.sync = _Sync(sync_id=sync_id, mode=mode)
+        elif state.sync.mode != mode:
+            raise RlixConfigError(f"sync {sync_id}: apply_mode changed from {state.sync.mode} to {mode} mid-sync")
+        return state.sync
+
+    @staticmethod
+    def _rlix_drop(state: _State) -> None:
+        if state.sync is not None and state.sync.loaded_eagerly:
+            state.dirty = True
+        state.sync = None
+
+    def _rlix_accept(self, sync: _Sync, named: list[tuple[str, torch.Tensor]], *, borrowed: bool) -> int:
+        """Checksum, then load (eager) or keep (staged). ``borrowed``: the views alias a buffer we do not
+        own (cuda_ipc: the sender's staging buffer), so staged mode must clone them."""
+        for name, tensor in named:
+            sync.checksums[name] = tensor_checksum(tensor)
+        if sync.mode == "eager":
+            self._rlix().loader.load(self, named)
+            sync.loaded_eagerly = True
+        else:
+            sync.staged.extend((name, tensor.clone() if borrowed else tensor) for name, tensor in named)
+        sync.buckets += 1
+        self._rlix().buckets_total += 1
+        return len(named)
+
+    # ---------------------------------------------------------------- the six methods
+    def setup_collective_group(
+        self,
+        group_name: str,
+        master_addr: str,
+        master_port: int,
+        rank_map: dict[Any, int],
+        world_size: int,
+        backend: str,
+        timeout_s: float = 150.0,
+    ) -> bool:
+        """Join the per-sync broadcast group ``group_name`` (collective: the sender and every worker in
+        ``rank_map`` call it concurrently; it returns when all joined and the warm-up arrived). Workers not
+        in ``rank_map`` return False at once. The group's timeout bounds every later broadcast on it."""
+        ranks = {int(k): int(v) for k, v in rank_map.items()}
+        local = self._rlix_local_rank()
+        if local not in ranks:
+            return False
+        transport.setup_collective_group(
+            group_name, master_addr, int(master_port), ranks[local], int(world_size), backend, float(timeout_s),
+            device=self._rlix_device() if backend == "nccl" else None,
+        )
+        return True
+
+    def update_parameter_in_bucket(
+        self, payload: dict[str, Any], ipc_local_ranks: list[int], sync_id: str, apply_mode: str = "auto"
+    ) -> int:
+        """Load one bucket delivered in the RPC itself (``cpu_serialize``) or by CUDA IPC handle
+        (``cuda_ipc``). Returns the number of tensors taken; 0 for a worker not in ``ipc_local_ranks``.
+        cuda_ipc views alias the sender's staging buffer: they are loaded or cloned, the stream is
+        synchronised and the views are dropped before this returns (the sender reuses the buffer after
+        the RPC barrier)."""
+        if self._rlix_local_rank() not in {int(r) for r in ipc_local_ranks}:
+            return 0
+        sync = self._rlix_begin(sync_id, apply_mode)
+        borrowed = payload.get("transport") == "cuda_ipc"
+        named = transport.receive_bucket(payload, self._rlix_device())
+        count = self._rlix_accept(sync, named, borrowed=borrowed)
+        del named
+        if borrowed:
+            import torch
+
+            torch.cuda.current_stream().synchronize()
+        return count
+
+    def broadcast_parameter(
+        self,
+        group_name: str,
+        meta: dict[str, Any],
+        broadcast_local_ranks: list[int],
+        sync_id: str,
+        apply_mode: str = "auto",
+    ) -> int:
+        """Receive one bucket broadcast from group rank 0 of ``group_name`` (collective: the sender's
+        broadcast of the same bucket runs concurrently). Returns the number of tensors; 0 when this worker
+        is not in ``broadcast_local_ranks``. A broadcast past the group's timeout raises and drops the sync
+        (staged mode: the served weights stay untouched)."""
+        if self._rlix_local_rank() not in {int(r) for r in broadcast_local_ranks}:
+            return 0
+        state = self._rlix()
+        sync = self._rlix_begin(sync_id, apply_mode)
+        try:
+            named = transport.broadcast_parameter(group_name, meta, self._rlix_device())
+        except Exception as exc:
+            self._rlix_drop(state)
+            raise TransportError(
+                f"broadcast of bucket {meta.get('index')} on group {group_name!r} failed ({exc}); the sync is "
+                "dropped: this worker keeps its previous weights"
+                + (" except the buckets already loaded eagerly (dirty)" if state.dirty else "")
+            ) from exc
+        return self._rlix_accept(sync, named, borrowed=False)
+
+    def destroy_collective_group(self, group_name: str) -> bool:
+        """Leave and free ``group_name``. No-op (False) when this worker never joined it (IPC-only ranks)."""
+        return transport.destroy_collective_group(group_name)
+
+    def finalize_weight_update(self, sync_id: str) -> bool:
+        """Make ``sync_id``'s weights the served weights: staged -> load all; then post-process once.
+
+        False (nothing done) when this worker received nothing in ``sync_id`` (not a target, or already
+        finalized). The caller resets the engine's prefix cache afterwards (it lives in the scheduler).
+        """
+        state = self._rlix()
+        sync = state.sync
+        if sync is None or sync.sync_id != sync_id or sync.buckets == 0:
+            return False
+        started = time.perf_counter()
+        try:
+            if sync.mode == "staged":
+                state.loader.load(self, sync.staged)
+            state.loader.post_process(self)
+        except Exception:
+            state.dirty = True
+            state.sync = None
+            raise
+        state.model_checksums.update(sync.checksums)
+        state.finalized.append(sync_id)
+        del state.finalized[:-8]
+        state.sync = None
+        state.dirty = False
+        logger.info("rlix: finalized sync %s (%d buckets, %s, %.3f s)", sync_id, sync.buckets, sync.mode,
+                    time.perf_counter() - started)
+        return True
+
+    def verify_model(self, expected: dict[str, list[int]]) -> dict[str, int]:
+        """Compare the sender's checksums with what this worker loaded; raise naming the first mismatch.
+
+        Two checks: (1) every expected parameter was received and finalized with identical bytes;
+        (2) every expected parameter that the model stores unchanged (same name, shape and dtype, e.g.
+        embeddings and norms; fused or repacked layers are covered by check 1 only) matches live.
+        """
+        state = self._rlix()
+        if state.dirty:
+            raise TransportError("verify_model: this worker is dirty (a sync failed after loading some buckets); sync again")
+        received = {n: state.model_checksums[n] for n in expected if n in state.model_checksums}
+        verify_checksums(expected, received, context=f"received bytes, local rank {self._rlix_local_rank()}")
+        live: dict[str, list[int]] = {}
+        want: dict[str, list[int]] = {}
+        params = dict(self.model_runner.model.named_parameters())  # type: ignore[attr-defined]
+        for name, checksum in expected.items():
+            param = params.get(name)
+            if param is None or param.numel() == 0:
+                continue
+            nbytes = param.numel() * param.element_size()
+            if nbytes != int(checksum[0]):
+                continue  # sharded or repacked: different layout than the HF tensor
+            live[name] = tensor_checksum(param)
+            want[name] = list(checksum)
+        verify_checksums(want, live, context=f"live model parameters, local rank {self._rlix_local_rank()}")
+        return {"received": len(received), "live_checked": len(live)}
+
+    # ---------------------------------------------------------------- helpers (prefixed: vLLM's namespace)
+    def rlix_abort_weight_update(self, sync_id: str) -> bool:
+        """Drop ``sync_id``'s staged tensors (the sender gave up). True when something was dropped."""
+        state = self._rlix()
+        if state.sync is None or state.sync.sync_id != sync_id:
+            return False
+        self._rlix_drop(state)
+        return True
+
+    def rlix_receiver_info(self) -> dict[str, Any]:
+        """Plain-dict status for the sender and for tests."""
+        import os
+
+        from rlix_plugins.vllm import plugin
+
+        state = self._rlix()
+        return {
+            "pid": os.getpid(),
+            "local_rank": self._rlix_local_rank(),
+            "device": str(self._rlix_device()),
+            "loader": state.loader.name,
+            "worker_class": type(self).__name__,
+            "plugin_loaded": plugin.loaded_here(),
+            "groups": transport.group_names(),
+            "pending_sync": state.sync.sync_id if state.sync else None,
+            "finalized": list(state.finalized),
+            "dirty": state.dirty,
+            "buckets_total": state.buckets_total,
+        }
+
