@@ -1,0 +1,104 @@
+"""Failure isolation: a dead, failing or hanging pipeline is failed alone; the scheduler keeps serving the others.
+
+Real Ray actors throughout; the Ray cluster must survive every test (checked at the end of each).
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import ray
+
+from rlix_plugins.control import client
+from rlix_plugins.control.types import Priority
+from rlix_plugins.errors import PipelineUnregisteredError
+from tests.control._ray_helpers import control_plane, make_pipeline, wait_for
+
+__all__ = ["control_plane"]
+
+GEN = Priority.GENERATION
+TRAIN = Priority.ACTOR_TRAINING
+
+
+def _ops(cp: client.ControlPlane, pid: str) -> list[str]:
+    return [e.op for e in cp.trace() if e.pipeline_id == pid]
+
+
+def _still_serving(cp: client.ControlPlane, pipe: client.PipelineHandle) -> None:
+    """The survivor can still get and give back GPUs; the cluster and control plane are alive."""
+    pipe.release_gpus("actor_train")
+    assert pipe.request_gpus("actor_train", TRAIN, timeout_s=10)
+    pipe.release_gpus("actor_train")
+    assert ray.is_initialized() and cp.status()["pipelines"].get(pipe.pipeline_id)
+
+
+@pytest.mark.parametrize("mode", ["kill_coordinator", "handler_fails", "handler_hangs", "handler_dies"])
+def test_broken_donor_fails_alone_and_training_is_granted(control_plane: client.ControlPlane, mode: str) -> None:
+    """B's training must preempt A's rollout rank; A's side is broken → A is failed, B is granted, B keeps going."""
+    cp = control_plane
+    a, ha = make_pipeline(cp, train=[0], infer=[0, 1])
+    b, _ = make_pipeline(cp, train=[1], infer=[1, 2, 3])
+    a.request_gpus("actor_infer", GEN, step_target_estimate=64, timeout_s=10)
+    if mode == "kill_coordinator":
+        ray.kill(a.coordinator, no_restart=True)
+    else:
+        ray.get(ha.set_mode.remote({"handler_fails": "fail", "handler_hangs": "hang", "handler_dies": "die"}[mode]))
+
+    t0 = time.monotonic()
+    assert b.request_gpus("actor_train", TRAIN, step=0, timeout_s=20) == [1]
+    assert time.monotonic() - t0 < 12  # bounded by the (short) coordinator/scheduler timeouts
+    st = cp.status()
+    assert a.pipeline_id not in st["pipelines"]
+    assert not any(cid.startswith(a.pipeline_id) for cid in st["allocations"])
+    assert "fail" in _ops(cp, a.pipeline_id)
+    with pytest.raises(PipelineUnregisteredError):
+        a.request_gpus("actor_infer", GEN, timeout_s=2)
+    assert a.unregister() is False  # debug #66: the pipeline's own unregister after an auto-fail is a no-op
+    assert _ops(cp, a.pipeline_id).count("fail") == 1
+    _still_serving(cp, b)
+
+
+def test_dead_coordinator_holding_training_gpus_is_reaped(control_plane: client.ControlPlane) -> None:
+    """A pipeline whose coordinator died while holding GPUs (no resize needed) is failed by the health probe."""
+    cp = control_plane
+    a, _ = make_pipeline(cp, train=[0], infer=[0, 1])
+    b, _ = make_pipeline(cp, train=[0], infer=[0, 1])
+    a.request_gpus("actor_train", TRAIN, timeout_s=10)
+    time.sleep(0.7)  # let one health round see (and cache) A's coordinator
+    ray.kill(a.coordinator, no_restart=True)
+    assert b.request_gpus("actor_train", TRAIN, timeout_s=15) == [0]
+    assert "fail" in _ops(cp, a.pipeline_id)
+    _still_serving(cp, b)
+
+
+def test_failed_expand_fails_only_that_pipeline(control_plane: client.ControlPlane) -> None:
+    """A GENERATION request whose expand raises gets PipelineUnregisteredError; the other pipeline is served."""
+    cp = control_plane
+    a, ha = make_pipeline(cp, train=[0], infer=[0, 1])
+    b, _ = make_pipeline(cp, train=[2], infer=[2, 3])
+    ray.get(ha.set_mode.remote("fail"))
+    with pytest.raises(PipelineUnregisteredError, match="expand of .* failed"):
+        a.request_gpus("actor_infer", GEN, timeout_s=10)
+    assert b.request_gpus("actor_infer", GEN, timeout_s=10) == [2, 3]
+    assert cp.status()["idle_gpus"] == [0, 1]
+    b.request_gpus("actor_train", TRAIN, timeout_s=10)
+    _still_serving(cp, b)
+
+
+def test_hanging_handler_fails_planned_release_of_that_pipeline_only(control_plane: client.ControlPlane) -> None:
+    """A hanging handler: await_release gets a clear error once the bounded shrink fails; B is untouched."""
+    cp = control_plane
+    a, ha = make_pipeline(cp, train=[0], infer=[0, 1])
+    b, _ = make_pipeline(cp, train=[2], infer=[2, 3])
+    a.request_gpus("actor_infer", GEN, timeout_s=10)
+    b.request_gpus("actor_infer", GEN, timeout_s=10)
+    ray.get(ha.set_mode.remote("hang"))
+    with pytest.raises(PipelineUnregisteredError, match="shrink of .* failed"):
+        a.await_release("actor_infer", timeout_s=10)
+    st = cp.status()
+    assert a.pipeline_id not in st["pipelines"] and b.pipeline_id in st["pipelines"]
+    assert set(st["allocations"]) == {b.cluster_id("actor_infer")}
+    b.await_release("actor_infer", timeout_s=10)
+    assert cp.status()["idle_gpus"] == [0, 1, 2, 3]
+    wait_for(lambda: ray.is_initialized() and ray.cluster_resources().get("GPU") == 4, what="cluster alive")
