@@ -1,0 +1,237 @@
+"""NeMo RL time-sharing hooks: the implementation behind the ``nemo_rl.rlix_hooks`` entry point.
+
+NeMo RL's patched ``async_grpo_train`` (series ``patches/nemo-rl/7ea279a``) loads this class through the entry
+point when ``RLIX_CONTROL_PLANE=rlix`` and calls the hooks below with keywords, from the driver's main thread.
+One instance = one pipeline = one training run. NeMo RL never imports this module; this module imports nothing
+of NeMo RL.
+
+What it does today, for real, against the control plane (``rlix_plugins.control.client``)::
+
+    rlix_pipeline_start      → connect → allocate id → register(actor_train, actor_infer) → admit
+    before_training(N)       → request ACTOR_TRAINING (blocks until granted; donors slept first)
+    before_weight_sync(N)    → (parameters still on GPU; the pipeline runtime builds its CPU cache here)
+    after_training(N)        → policy.offload_after_refit() → return N + 1 (the version the loop publishes)
+    on_weight_version_published(N, v) → release ACTOR_TRAINING
+    before/after_checkpoint  → request / release ACTOR_TRAINING around policy.save_checkpoint
+    on_pipeline_end          → release what is held → unregister (also at interpreter exit)
+
+Weight sync, partial sleep/wake of vLLM DP ranks, routing and progress are the pipeline runtime's job (the next
+piece): it plugs in as :class:`PipelineRuntime` and is called at the marked places.
+
+Version rule (DESIGN §3): the version published after step N is N + 1 (the version of the cache step N built,
+the same number the standalone loop would publish); never -1, never bumped twice.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Final, Protocol, final
+
+import pluggy
+
+from rlix_plugins.control.types import TRAIN_CLUSTER, Priority
+from rlix_plugins.errors import RlixError
+from rlix_plugins.nemo_rl.config import RlixRunConfig, load_run_config
+
+logger = logging.getLogger(__name__)
+
+#: Must equal ``nemo_rl.algorithms.rlix_hooks.PROJECT_NAME`` of the patch series.
+PROJECT_NAME: Final = "nemo_rl_rlix"
+hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
+
+
+class PipelineRuntime(Protocol):
+    """Weight and generation work of a pipeline (implemented by the pipeline runtime; optional here)."""
+
+    def start(self, pipeline: Any, master_config: Any, policy: Any, policy_generation: Any) -> None: ...
+    def attach_collector(self, collector: Any) -> None: ...
+    def build_cache(self, step: int) -> None: ...
+    def refresh_active(self, step: int, version: int) -> None: ...
+    def stop(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class HookEvent:
+    """One thing the hooks did (``history``): the hook name, the step, when, and what was granted/released."""
+
+    name: str
+    step: int | None
+    time: float
+    gpus: tuple[int, ...] = ()
+
+
+@final
+@dataclass
+class NemoRLHooks:
+    """Hook implementation (see the module docstring). Not thread-safe: NeMo RL calls it from one thread."""
+
+    runtime: PipelineRuntime | None = None
+    history: list[HookEvent] = field(default_factory=list)
+    _config: RlixRunConfig | None = None
+    _pipe: Any = None  # client.PipelineHandle
+    _policy: Any = None
+    _collector: Any = None
+    _holds_train: bool = False
+    _ended: bool = False
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    # ------------------------------------------------------------------ introspection
+    @property
+    def pipeline_id(self) -> str | None:
+        return None if self._pipe is None else str(self._pipe.pipeline_id)
+
+    @property
+    def holds_training_gpus(self) -> bool:
+        return self._holds_train
+
+    def _record(self, name: str, step: int | None, gpus: list[int] | tuple[int, ...] = ()) -> None:
+        self.history.append(HookEvent(name, step, time.time(), tuple(gpus)))
+        logger.info("rlix %s: %s step=%s gpus=%s", self.pipeline_id, name, step, list(gpus))
+
+    def _require_pipe(self, hook: str) -> Any:
+        if self._pipe is None:
+            raise RlixError(f"{hook} called before rlix_pipeline_start registered the pipeline (or after it ended)")
+        return self._pipe
+
+    # ------------------------------------------------------------------ hooks
+    @hookimpl
+    def rlix_pipeline_start(self, master_config: Any, policy: Any, policy_generation: Any, start_step: int) -> None:
+        """Call site: ``async_grpo_train`` after setup, before the replay buffer / collector exist.
+
+        Blocks on: the control plane (connect, register, admit; bounded RPCs). Mutates nothing of NeMo RL.
+        """
+        from rlix_plugins.control import client
+
+        if self._pipe is not None:
+            raise RlixError(f"pipeline {self.pipeline_id} is already started; one NemoRLHooks serves one run")
+        cfg = load_run_config(master_config)
+        cp = client.connect(cfg.ray_address)
+        self._pipe = cp.register_pipeline(
+            cluster_tp_configs={TRAIN_CLUSTER: 1, "actor_infer": cfg.infer_tp},
+            cluster_device_mappings={TRAIN_CLUSTER: list(cfg.train_devices), "actor_infer": list(cfg.infer_devices)},
+            pipeline_id=cfg.pipeline_id,
+        )
+        self._config, self._policy = cfg, policy
+        atexit.register(self._end_at_exit)
+        self._record("registered", None, cfg.train_devices)
+        if self.runtime is not None:
+            self.runtime.start(self._pipe, master_config, policy, policy_generation)
+
+    @hookimpl
+    def on_trajectory_collector_created(self, collector: Any) -> None:
+        """Call site: right after the collector actor exists, before ``start_collection``.
+
+        The runtime requests GENERATION here and syncs the first weights. Mutates nothing of NeMo RL.
+        """
+        self._require_pipe("on_trajectory_collector_created")
+        self._collector = collector
+        self._record("collector_created", None)
+        if self.runtime is not None:
+            self.runtime.attach_collector(collector)
+
+    @hookimpl
+    def before_training(self, step: int) -> None:
+        """Call site: before ``policy.prepare_for_lp_inference`` of ``step``. Blocks until ACTOR_TRAINING is granted."""
+        self._acquire_train(step, Priority.ACTOR_TRAINING, "train_granted")
+
+    @hookimpl
+    def before_weight_sync(self, step: int) -> None:
+        """Call site: after ``policy.train`` of ``step``, parameters still on GPU, before any offload."""
+        self._require_pipe("before_weight_sync")
+        if not self._holds_train:
+            raise RlixError(f"before_weight_sync(step={step}) without the training GPUs: before_training did not run")
+        self._record("weights_on_gpu", step)
+        if self.runtime is not None:
+            self.runtime.build_cache(step)
+
+    @hookimpl
+    def after_training(self, step: int) -> int:
+        """Call site: replaces the refit block of ``step``. Offloads training state; returns ``step + 1``.
+
+        Blocks on: the offload (and the runtime's in-flight refresh of the active ranks). The training GPUs stay
+        granted until :meth:`on_weight_version_published`.
+        """
+        self._require_pipe("after_training")
+        version = step + 1
+        if self._policy is not None:
+            self._policy.offload_after_refit()
+        self._record("offloaded", step)
+        if self.runtime is not None:
+            self.runtime.refresh_active(step, version)
+        return version
+
+    @hookimpl
+    def on_weight_version_published(self, step: int, weight_version: int) -> None:
+        """Call site: after the collector received ``weight_version``. Releases ACTOR_TRAINING."""
+        self._record("published", step, ())
+        self._release_train(step, "train_released")
+
+    @hookimpl
+    def before_checkpoint(self, step: int) -> None:
+        """Call site: before ``policy.save_checkpoint`` (it runs on the training workers). Blocks for the GPUs."""
+        self._acquire_train(step, Priority.ACTOR_TRAINING, "checkpoint_granted")
+
+    @hookimpl
+    def after_checkpoint(self, step: int) -> None:
+        """Call site: after ``policy.save_checkpoint`` returned."""
+        self._release_train(step, "checkpoint_released")
+
+    @hookimpl
+    def on_pipeline_end(self) -> None:
+        """Call site: the ``finally`` of ``async_grpo_train``, before its actors are killed. Idempotent."""
+        self._end("ended")
+
+    # ------------------------------------------------------------------ internals
+    def _acquire_train(self, step: int, priority: Priority, event: str) -> None:
+        pipe = self._require_pipe(event)
+        if self._holds_train:
+            return
+        assert self._config is not None
+        gpus = pipe.request_gpus(TRAIN_CLUSTER, priority, step=step, timeout_s=self._config.request_timeout_s)
+        self._holds_train = True
+        self._record(event, step, gpus)
+
+    def _release_train(self, step: int | None, event: str) -> None:
+        pipe = self._require_pipe(event)
+        if not self._holds_train:
+            return
+        gpus = pipe.release_gpus(TRAIN_CLUSTER, step=step, timeout_s=60.0)
+        self._holds_train = False
+        self._record(event, step, gpus)
+
+    def _end(self, event: str) -> None:
+        with self._lock:
+            if self._ended or self._pipe is None:
+                return
+            self._ended = True
+        errors: list[str] = []
+        if self.runtime is not None:
+            try:
+                self.runtime.stop()
+            except Exception as exc:
+                errors.append(f"runtime.stop: {exc}")
+        try:
+            self._release_train(None, "train_released")
+        except Exception as exc:
+            errors.append(f"release {TRAIN_CLUSTER}: {exc}")
+        try:
+            self._pipe.unregister("the NeMo RL run ended")
+        except Exception as exc:
+            errors.append(f"unregister: {exc}")
+        self._record(event, None)
+        self._pipe = None
+        atexit.unregister(self._end_at_exit)
+        if errors:
+            raise RlixError(f"ending pipeline: {'; '.join(errors)}")
+
+    def _end_at_exit(self) -> None:
+        # Early returns of async_grpo_train (e.g. val_at_start early stop) skip on_pipeline_end.
+        try:
+            self._end("ended_at_exit")
+        except Exception as exc:
+            logger.warning("rlix: could not unregister the pipeline at exit: %s", exc)
+

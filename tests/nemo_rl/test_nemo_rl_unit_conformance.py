@@ -1,0 +1,53 @@
+"""Standalone NeMo RL is unchanged: its own CPU unit tests pass identically on the pristine and the patched copy.
+
+``RLIX_CONTROL_PLANE`` is unset in both runs. Pass/fail sets are compared test by test, so a test the patch
+breaks (or one that only passes with it) fails this suite even when totals match.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from _nemo_checkout import report, run_nemo_pytest
+
+pytestmark = pytest.mark.nemo_rl
+
+#: Async GRPO, vLLM DP-shard routing, fleet health, weight sync: the code the patch touches or relies on.
+QUICK_TARGETS = [
+    "tests/unit/algorithms/test_grpo.py",
+    "tests/unit/models/generation/test_vllm_shard_selection.py",
+    "tests/unit/models/generation/test_fleet_health.py",
+    "tests/unit/weight_sync/",
+]
+#: The async utilities (trajectory collector, replay buffer): ~8 minutes per run on 2 cores.
+SLOW_TARGETS = ["tests/unit/algorithms/test_async_utils.py"]
+
+
+def _compare(nemo_copies: dict[str, Path], targets: list[str], tmp_path: Path, timeout_s: float) -> None:
+    runs = {
+        name: run_nemo_pytest(nemo_copies[name], targets, tmp_path / f"{name}.xml", timeout_s=timeout_s)
+        for name in ("pristine", "patched")
+    }
+    pristine, patched = runs["pristine"], runs["patched"]
+    report(f"NeMo RL {targets}: pristine {pristine.summary()} | patched {patched.summary()}")
+    assert pristine.outcomes, f"no tests collected; pristine output:\n{pristine.output_tail}"
+    differ = sorted(
+        f"{t}: pristine={pristine.outcomes.get(t, 'absent')} patched={patched.outcomes.get(t, 'absent')}"
+        for t in set(pristine.outcomes) | set(patched.outcomes)
+        if pristine.outcomes.get(t) != patched.outcomes.get(t)
+    )
+    assert not differ, "standalone NeMo RL changed under the patch:\n" + "\n".join(differ) + (
+        f"\npatched output tail:\n{patched.output_tail}"
+    )
+
+
+@pytest.mark.timeout(2600)
+def test_quick_unit_tests_identical(nemo_copies: dict[str, Path], tmp_path: Path) -> None:
+    _compare(nemo_copies, QUICK_TARGETS, tmp_path, timeout_s=1200)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3700)
+def test_async_utils_identical(nemo_copies: dict[str, Path], tmp_path: Path) -> None:
+    _compare(nemo_copies, SLOW_TARGETS, tmp_path, timeout_s=1800)
