@@ -90,6 +90,13 @@ def _broadcast(pg: Any, tensor: torch.Tensor, timeout_s: float) -> None:
         pg.broadcast(tensor, 0).wait(timedelta(seconds=timeout_s))
 
 
+def _detached(exc: BaseException) -> BaseException:
+    """``exc`` without its traceback. Hazard: a traceback keeps every frame's locals alive, and the
+    frames of a failed collective hold the process group, whose store keeps the TCP port bound for as
+    long as the caller keeps the error (pytest, a log record, a Ray error). Chain the detached cause."""
+    return exc.with_traceback(None)
+
+
 def _warm_up(pg: Any, rank: int, device: torch.device, timeout_s: float, name: str) -> None:
     probe = torch.full((1,), 1 if rank == 0 else 0, dtype=torch.int32, device=device)
     _broadcast(pg, probe, timeout_s)
@@ -144,10 +151,11 @@ def setup_collective_group(
     except Exception as exc:
         if pg is not None:
             _release_pg(pg, backend, dev, clean=False)
+        pg = store = None
         raise TransportError(
             f"could not join group {group_name!r} at {master_addr}:{master_port} as rank {rank}/{world_size} "
             f"({backend}) within {timeout_s:.0f} s: {exc}; the sender may have failed, or the port is not reachable"
-        ) from exc
+        ) from _detached(exc)
     with _GROUPS_LOCK:
         _GROUPS[group_name] = _Group(group_name, backend, rank, world_size, dev, float(timeout_s), pg, store)
 
@@ -175,7 +183,12 @@ def broadcast_parameter(
     check_device_capacity(meta.used_bytes, group.device, scratch_bytes=scratch_bytes, what=f"bucket {meta.index}")
     buffer = torch.empty(meta.used_bytes, dtype=torch.uint8, device=group.device)
     if meta.used_bytes:
-        _broadcast(group.pg, buffer, group.timeout_s)
+        try:
+            _broadcast(group.pg, buffer, group.timeout_s)
+        except Exception as exc:
+            raise TransportError(
+                f"group {group_name!r}: receiving bucket {meta.index} ({meta.used_bytes} bytes) failed: {exc!r}"
+            ) from _detached(exc)
     out_dev = torch.device(device) if device is not None else group.device
     if out_dev != group.device:
         buffer = buffer.to(out_dev)
@@ -231,13 +244,16 @@ class GroupHost:
             raise TransportError(
                 f"group {self.name!r} ({self.backend}, world {world_size}, port {self.port}): not every receiver "
                 f"joined within {self.timeout_s:.0f} s: {exc}"
-            ) from exc
+            ) from _detached(exc)
 
     def broadcast(self, buffer: torch.Tensor) -> None:
         if self._pg is None:
             raise TransportError(f"group {self.name!r}: broadcast before join")
         if buffer.numel():
-            _broadcast(self._pg, buffer, self.timeout_s)
+            try:
+                _broadcast(self._pg, buffer, self.timeout_s)
+            except Exception as exc:
+                raise TransportError(f"group {self.name!r}: sender broadcast failed: {exc!r}") from _detached(exc)
 
     def close(self, *, clean: bool) -> None:
         pg, self._pg = self._pg, None

@@ -115,6 +115,20 @@ def _wait_all(calls: Mapping[int, PendingCall], timeout_s: float, what: str) -> 
             raise TransportError(f"{what}: dp rank {dp_rank} failed: {exc!r}") from exc
 
 
+def _failed_calls(calls: Mapping[int, PendingCall], grace_s: float) -> str:
+    """Which receivers failed (for the error message); waits at most ``grace_s`` in total."""
+    deadline = time.monotonic() + grace_s
+    failed = []
+    for dp_rank, call in calls.items():
+        try:
+            call.result(timeout=max(deadline - time.monotonic(), 0.0))
+        except TimeoutError:
+            continue
+        except Exception as exc:
+            failed.append(f"dp rank {dp_rank}: {exc!r}")
+    return "; ".join(failed)
+
+
 def _check_endpoints(plan: CommPlan, endpoints: Mapping[int, ReceiverEndpoint]) -> None:
     missing = [t.dp_rank for t in plan.targets if t.dp_rank not in endpoints]
     if missing:
@@ -254,7 +268,14 @@ def _send_buckets(
             if stagings and i + 1 < len(buckets):
                 pending = stage(i + 1)  # the other buffer: its last reader passed bucket i-1's barrier
             if host is not None:
-                host.broadcast(data)
+                try:
+                    host.broadcast(data)
+                except Exception as exc:
+                    culprits = _failed_calls(calls, grace_s=min(2.0, timeout_s))
+                    raise TransportError(
+                        f"bucket {record.meta.index}/{len(buckets)} of version {snap.version}: sender broadcast failed "
+                        f"({exc!r}); failed receivers: {culprits or 'none reported yet'}"
+                    ) from exc
             _wait_all(calls, timeout_s, f"bucket {record.meta.index}/{len(buckets)} of version {snap.version}")
     finally:
         if stagings:

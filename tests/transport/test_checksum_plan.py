@@ -1,0 +1,126 @@
+"""Checksums (bit-exact, order-sensitive) and the comm plan (deterministic classification)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rlix_plugins.errors import RlixConfigError, WeightVerificationError
+from rlix_plugins.transport import (
+    DeviceRef,
+    build_comm_plan,
+    compute_checksums,
+    tensor_checksum,
+    verify_checksums,
+)
+from rlix_plugins.transport._checksum import CHUNK_WORDS
+
+
+def test_single_bit_flip_changes_the_checksum() -> None:
+    t = torch.randn(1001, dtype=torch.float32)
+    base = tensor_checksum(t)
+    raw = t.view(torch.uint8)
+    for pos in (0, 1, 2000, raw.numel() - 1):
+        for bit in (0, 7):
+            raw[pos] ^= 1 << bit
+            assert tensor_checksum(t) != base
+            raw[pos] ^= 1 << bit
+    assert tensor_checksum(t) == base
+
+
+def test_swapped_words_and_signed_zero_are_detected() -> None:
+    t = torch.tensor([1.0, 2.0, 3.0, 4.0], dtype=torch.bfloat16)
+    assert tensor_checksum(t) != tensor_checksum(t.flip(0))
+    assert tensor_checksum(torch.tensor([0.0])) != tensor_checksum(torch.tensor([-0.0]))
+    nan = torch.tensor([float("nan")])
+    assert tensor_checksum(nan) == tensor_checksum(nan.clone())  # bytes, not float equality
+
+
+def test_chunk_boundary_and_odd_sizes() -> None:
+    """Tensors spanning several chunks and odd byte counts are handled exactly."""
+    t = torch.randint(-(2**15), 2**15, (CHUNK_WORDS * 2 + 3,), dtype=torch.int16)
+    a = tensor_checksum(t)
+    t[CHUNK_WORDS] += 1
+    assert tensor_checksum(t) != a
+    odd = torch.tensor([1, 2, 3], dtype=torch.uint8)
+    assert tensor_checksum(odd)[0] == 3
+    assert tensor_checksum(torch.zeros(0)) == [0, 0, 0]
+    assert tensor_checksum(odd[1:]) == tensor_checksum(odd[1:].clone())  # odd storage offset
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.binary(min_size=1, max_size=300))
+def test_equal_bytes_equal_checksum_regardless_of_dtype_view(data: bytes) -> None:
+    padded = data + b"\0" * (-len(data) % 4)
+    u8 = torch.frombuffer(bytearray(padded), dtype=torch.uint8)
+    assert tensor_checksum(u8) == tensor_checksum(u8.view(torch.float32))
+
+
+def test_verify_names_first_differing_parameter() -> None:
+    named = [("a", torch.ones(3)), ("b", torch.zeros(2)), ("c", torch.arange(4))]
+    expected = compute_checksums(named)
+    verify_checksums(expected, dict(expected))
+    actual = dict(expected)
+    actual["c"] = tensor_checksum(torch.arange(1, 5))
+    actual["b"] = tensor_checksum(torch.ones(2))
+    with pytest.raises(WeightVerificationError, match="'b' differs"):
+        verify_checksums(expected, actual)
+    with pytest.raises(WeightVerificationError, match="'c' was sent but never received"):
+        verify_checksums(expected, {k: v for k, v in expected.items() if k != "c"})
+    verify_checksums(expected, {"a": expected["a"]}, require_all=False)
+    with pytest.raises(WeightVerificationError, match="never sent"):
+        verify_checksums({"a": expected["a"]}, expected)
+
+
+def test_comm_plan_same_gpu_goes_by_ipc_rest_by_broadcast() -> None:
+    plan = build_comm_plan((0, 1), {3: [(1, 0), (1, 1)], 0: [(0, 0), (0, 1)], 1: [(0, 2)]})
+    assert [t.dp_rank for t in plan.targets] == [0, 1, 3]
+    t0, t1, t3 = plan.targets
+    assert t0.ipc_local_ranks == (1,) and t0.broadcast_rank_map() == {0: 1}
+    assert t1.ipc_local_ranks == () and t1.broadcast_rank_map() == {0: 2}
+    assert t3.broadcast_rank_map() == {0: 3, 1: 4} and plan.broadcast_world_size == 5
+    assert plan.sender == DeviceRef(0, 1) and plan.needs_group
+
+
+def test_comm_plan_ipc_only_needs_no_group_and_is_deterministic() -> None:
+    targets = {0: [(0, 0)]}
+    plan = build_comm_plan((0, 0), targets, "cpu_serialize")
+    assert not plan.needs_group and plan.broadcast_world_size == 1
+    assert plan == build_comm_plan(DeviceRef(0, 0), dict(targets), "cpu_serialize")
+    assert plan.to_wire()["targets"] == [{"dp_rank": 0, "ipc_local_ranks": [0], "broadcast_ranks": {}}]
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.dictionaries(st.integers(0, 7), st.lists(st.tuples(st.integers(0, 2), st.integers(0, 3)), min_size=1, max_size=3), max_size=5))
+def test_comm_plan_invariants(raw: dict[int, list[tuple[int, int]]]) -> None:
+    """Every device classified once; broadcast ranks are 1..N, unique, in (dp, local) order."""
+    used: set[tuple[int, int]] = set()
+    targets = {}
+    for dp, devs in raw.items():
+        fresh = [d for d in dict.fromkeys(devs) if d not in used]
+        if fresh:
+            used.update(fresh)
+            targets[dp] = fresh
+    plan = build_comm_plan((0, 0), targets)
+    ranks = [r for t in plan.targets for _, r in t.broadcast_ranks]
+    assert ranks == list(range(1, len(ranks) + 1))
+    for t in plan.targets:
+        devs = targets[t.dp_rank]
+        assert sorted(t.ipc_local_ranks + t.broadcast_local_ranks) == list(range(len(devs)))
+        assert all(devs[i] == (0, 0) for i in t.ipc_local_ranks)
+        assert all(devs[i] != (0, 0) for i in t.broadcast_local_ranks)
+
+
+def test_comm_plan_rejects_bad_input() -> None:
+    with pytest.raises(RlixConfigError, match=r"dp rank 0 and dp rank 1|dp rank 1 and dp rank 0"):
+        build_comm_plan((0, 0), {0: [(0, 1)], 1: [(0, 1)]})
+    with pytest.raises(RlixConfigError, match="no devices"):
+        build_comm_plan((0, 0), {0: []})
+    with pytest.raises(RlixConfigError, match="same_gpu_transport"):
+        build_comm_plan((0, 0), {0: [(0, 0)]}, "nvlink")  # type: ignore[arg-type]
+    with pytest.raises(RlixConfigError, match=r"\(node, gpu\) pair"):
+        build_comm_plan((0,), {0: [(0, 0)]})
+    with pytest.raises(RlixConfigError, match="not a target"):
+        build_comm_plan((0, 0), {0: [(0, 0)]}).target(5)
