@@ -1,0 +1,108 @@
+"""Client: find-or-start (also when two drivers race), typed errors, attaching to a pipeline."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import ray
+
+from rlix_plugins.control import client
+from rlix_plugins.control.types import Priority
+from rlix_plugins.errors import RlixConfigError, RlixTimeoutError, SchedulerError
+from tests.control._ray_helpers import FAST_SCHEDULER, control_plane, kill_control_plane, make_pipeline
+
+__all__ = ["control_plane"]
+
+_DRIVER = """
+import sys, ray
+from rlix_plugins.control.client import connect
+ray.init(address=sys.argv[1], log_to_driver=False)
+cp = connect(timeout_s=60)
+print("IDS", cp.orchestrator._actor_id.hex(), cp.scheduler._actor_id.hex(), cp.pool()["num_gpus"], flush=True)
+"""
+
+
+@pytest.fixture
+def no_control_plane(ray_cluster: Any) -> Iterator[None]:
+    kill_control_plane()
+    yield
+    kill_control_plane()
+
+
+def test_two_drivers_racing_to_create_get_the_same_control_plane(no_control_plane: None) -> None:
+    """Two separate driver processes call connect() at once on a cluster without a control plane."""
+    address = ray.get_runtime_context().gcs_address
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    procs = [subprocess.Popen([sys.executable, "-c", _DRIVER, address], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env) for _ in range(2)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    for p, (out, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 0, err[-2000:]
+    ids = [next(line.split()[1:] for line in out.splitlines() if line.startswith("IDS")) for out, _ in outs]
+    assert ids[0] == ids[1] and ids[0][2] == "4"
+    cp = client.connect(create_if_missing=False)
+    assert cp.orchestrator._actor_id.hex() == ids[0][0]
+
+
+def test_threads_racing_in_one_driver(no_control_plane: None) -> None:
+    results: list[Any] = []
+    errors: list[BaseException] = []
+
+    def go() -> None:
+        try:
+            results.append(client.connect(scheduler_config=FAST_SCHEDULER).scheduler._actor_id.hex())
+        except BaseException as exc:  # collected and asserted below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=go) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors and len(set(results)) == 1 and len(results) == 3
+
+
+def test_connect_without_control_plane_and_create_if_missing_false(no_control_plane: None) -> None:
+    with pytest.raises(SchedulerError, match="rlix up"):
+        client.connect(create_if_missing=False)
+
+
+def test_pipeline_handle_attach_and_errors(control_plane: client.ControlPlane) -> None:
+    cp = control_plane
+    a, _ = make_pipeline(cp, train=[0], infer=[0, 1])
+    again = cp.pipeline(a.pipeline_id)
+    assert again.clusters == a.clusters
+    assert again.request_gpus("actor_train", Priority.ACTOR_TRAINING, timeout_s=10) == [0]
+    assert a.cluster_id(a.cluster_id("actor_train")) == a.cluster_id("actor_train")
+    with pytest.raises(SchedulerError, match="has no cluster 'critic'"):
+        a.cluster_id("critic")
+    with pytest.raises(SchedulerError, match="no coordinator"):
+        cp.pipeline("ft_ffffffffffff")
+    # A wrapper's own RPC bound: a request that cannot be granted comes back as RlixTimeoutError.
+    b, _ = make_pipeline(cp, train=[0], infer=[0, 1])
+    with pytest.raises(RlixTimeoutError):
+        b.request_gpus("actor_train", Priority.ACTOR_TRAINING, timeout_s=0.3)
+    with pytest.raises(RlixConfigError, match="timeout_s=-1"):
+        b.request_gpus("actor_train", Priority.ACTOR_TRAINING, timeout_s=-1)
+
+
+def test_call_maps_ray_errors(control_plane: client.ControlPlane) -> None:
+    @ray.remote(num_cpus=0)
+    class Slow:
+        def wait(self) -> None:
+            import time
+
+            time.sleep(5)
+
+    slow = Slow.remote()
+    with pytest.raises(RlixTimeoutError, match="no answer within"):
+        client.call(slow.wait.remote(), "slow call", timeout_s=0.2)
+    ray.kill(slow)
+    with pytest.raises(SchedulerError, match="dead"):
+        client.call(slow.wait.remote(), "dead call", timeout_s=10)
