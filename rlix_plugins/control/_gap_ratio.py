@@ -25,6 +25,7 @@ and adds the same rank.
 
 from __future__ import annotations
 
+import heapq
 import math
 
 from rlix_plugins.control._plan_state import PlanState, rank_index
@@ -99,30 +100,40 @@ def plan_gap_ratio(state: PlanState) -> None:
         return
     eligible, weights, targets = _targets(state, demands)
 
+    def key(cid: str) -> tuple[bool, float, int, str, str] | None:
+        a = state.active_gpus(cid)
+        t = targets[cid]
+        if a >= t:
+            return None
+        gap = t - a
+        return (a > 0, -gap / t, -gap, clusters[cid].pipeline_id, cid)
+
+    # Lazy heap of acceptors: an entry is re-checked against the current key when popped.
+    heap = [(k, cid) for cid in eligible if (k := key(cid)) is not None]
+    heapq.heapify(heap)
     stuck: set[str] = set()
     activations = 0
     for _ in range(MAX_ITERATIONS):
-        if activations >= MAX_ACTIVATIONS:
+        if activations >= MAX_ACTIVATIONS or not heap:
             break
-        best: str | None = None
-        best_key: tuple[bool, float, int, str, str] | None = None
-        for cid in eligible:
-            if cid in stuck:
-                continue
-            a = state.active_gpus(cid)
-            t = targets[cid]
-            if a >= t:
-                continue
-            gap = t - a
-            key = (a > 0, -gap / t, -gap, clusters[cid].pipeline_id, cid)
-            if best_key is None or key < best_key:
-                best, best_key = cid, key
-        if best is None:
-            break
-        if _activate_one(state, best, targets, demands, allow_shrink=True):
-            activations += 1
-        else:
-            stuck.add(best)
+        k, cid = heapq.heappop(heap)
+        if cid in stuck:
+            continue
+        cur = key(cid)
+        if cur is None:
+            continue
+        if cur != k:
+            heapq.heappush(heap, (cur, cid))
+            continue
+        donors = _activate_one(state, cid, targets, demands, allow_shrink=True)
+        if donors is None:
+            stuck.add(cid)
+            continue
+        activations += 1
+        for c in (cid, *donors):
+            kc = key(c)
+            if kc is not None:
+                heapq.heappush(heap, (kc, c))
 
     _fill_idle(state, eligible, weights, demands, targets, MAX_ACTIVATIONS - activations)
 
@@ -130,29 +141,33 @@ def plan_gap_ratio(state: PlanState) -> None:
 def _free_candidate(state: PlanState, cid: str) -> int | None:
     """Lowest inactive DP rank of ``cid`` whose whole bundle is idle and unreserved, if any."""
     spec = state.snap.clusters[cid]
-    usable = state.free - state.reserved if state.reserved else state.free
     idx = rank_index(spec)
-    hits = usable.intersection(idx)
+    free, reserved = state.free, state.reserved
+    hits = [g for g in free if g in idx] if len(free) < len(idx) else [g for g in idx if g in free]
+    if reserved:
+        hits = [g for g in hits if g not in reserved]
     if not hits:
         return None
     shrunk = state.shrunk.get(cid, ())
+    tp = spec.tp_size
     for r in sorted({idx[g] for g in hits}):
         if r in shrunk:
             continue
-        if all(g in usable for g in spec.bundle(r)):
+        if tp == 1 or all(g in free and g not in reserved for g in spec.bundle(r)):
             return r
     return None
 
 
 def _activate_one(
     state: PlanState, cid: str, targets: dict[str, int], demands: dict[str, int], *, allow_shrink: bool
-) -> bool:
+) -> list[str] | None:
+    """Wake one bundle of ``cid``; returns the donors shrunk for it (maybe none), or None if impossible."""
     r = _free_candidate(state, cid)
     if r is not None:
         state.expand(cid, r)
-        return True
+        return []
     if not allow_shrink:
-        return False
+        return None
     clusters = state.snap.clusters
     spec = clusters[cid]
     starving = cid not in state.gen_active
@@ -207,11 +222,11 @@ def _activate_one(
         if best is None or key < best:
             best, best_victims = key, list(victims)
     if best is None:
-        return False
+        return None
     for d, dr in best_victims:
         state.shrink(d, dr, "rebalance")
     state.expand(cid, best[2])
-    return True
+    return sorted({d for d, _ in best_victims})
 
 
 def _fill_idle(
@@ -223,20 +238,12 @@ def _fill_idle(
     cap: int,
 ) -> None:
     """Give idle, unreserved bundles to clusters with demand (fewest GPUs per weight first). Never shrinks."""
-    live = [cid for cid in eligible if demands[cid] > 0]
-    done: set[str] = set()
-    while cap > 0:
-        best: str | None = None
-        best_key: tuple[float, str] | None = None
-        for cid in live:
-            if cid in done:
-                continue
-            key = (state.active_gpus(cid) / weights[cid], cid)
-            if best_key is None or key < best_key:
-                best, best_key = cid, key
-        if best is None:
-            return
-        if _activate_one(state, best, targets, demands, allow_shrink=False):
+    if not state.free:
+        return
+    heap = [(state.active_gpus(cid) / weights[cid], cid) for cid in eligible if demands[cid] > 0]
+    heapq.heapify(heap)
+    while cap > 0 and heap and state.free:
+        _, cid = heapq.heappop(heap)
+        if _activate_one(state, cid, targets, demands, allow_shrink=False) is not None:
             cap -= 1
-        else:
-            done.add(best)
+            heapq.heappush(heap, (state.active_gpus(cid) / weights[cid], cid))

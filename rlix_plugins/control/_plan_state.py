@@ -20,19 +20,20 @@ from rlix_plugins.control.types import (
     ShrinkOp,
 )
 
-_RANK_INDEX: dict[ClusterSpec, dict[int, int]] = {}
+_RANK_INDEX: dict[int, tuple[ClusterSpec, dict[int, int]]] = {}
 _RANK_INDEX_MAX = 4096
 
 
 def rank_index(spec: ClusterSpec) -> dict[int, int]:
-    """GPU id → DP rank of ``spec`` (cached per frozen spec)."""
-    idx = _RANK_INDEX.get(spec)
-    if idx is None:
-        if len(_RANK_INDEX) >= _RANK_INDEX_MAX:
-            _RANK_INDEX.clear()
-        tp = spec.tp_size
-        idx = {g: i // tp for i, g in enumerate(spec.device_mapping)}
-        _RANK_INDEX[spec] = idx
+    """GPU id -> DP rank of ``spec``. Cached by object identity (hashing a spec walks its whole mapping)."""
+    hit = _RANK_INDEX.get(id(spec))
+    if hit is not None and hit[0] is spec:
+        return hit[1]
+    if len(_RANK_INDEX) >= _RANK_INDEX_MAX:
+        _RANK_INDEX.clear()
+    tp = spec.tp_size
+    idx = {g: i // tp for i, g in enumerate(spec.device_mapping)}
+    _RANK_INDEX[id(spec)] = (spec, idx)  # keeps spec alive, so its id is not reused while cached
     return idx
 
 

@@ -1,0 +1,261 @@
+"""``rlix simulate``: N async-GRPO pipelines on G GPUs, scheduled by the real planner, vs two baselines.
+
+Three ways to run the same jobs (each job keeps its number of training GPUs and its vLLM TP size):
+
+* **rlix**: all jobs at once on the shared pool. Job ``i`` trains on the first ``train_gpus`` GPUs of its home
+  slice (``G/N`` GPUs) and may run rollout ranks on *every* GPU (partial overlap: train GPUs ⊂ infer GPUs);
+  ``plan_cycle`` time-shares everything.
+* **static**: all jobs at once, each alone on its own ``G/N`` GPUs in its fastest *stock* NeMo RL configuration:
+  async non-colocated (train on ``train_gpus``, rollout on the rest; needs room for a rollout rank) or
+  synchronous colocated (rollout, then training data-parallel over the slice).
+* **one after another**: each job alone on the whole pool in its fastest stock configuration, then the next.
+
+Reported: aggregate steps/hour (all steps / makespan) and GPU busy share (useful rollout + training GPU-seconds
+over pool x makespan), and the ratios rlix / baseline. The engine and its model are in ``_sim_engine.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, replace
+
+from rlix_plugins.control._sim_engine import JobSpec, Placement, SimRun, Simulation
+from rlix_plugins.control.types import TraceEvent
+from rlix_plugins.errors import RlixConfigError
+
+__all__ = ["Comparison", "JobSpec", "SimRun", "add_arguments", "best_alone", "compare", "rlix_placements", "run_cli"]
+
+MODES = ("rlix", "static", "sequential")
+
+
+def _bundles(lo: int, hi: int, tp: int, gpus_per_node: int) -> list[int]:
+    """GPU ids of the tp-aligned bundles that fit inside ``[lo, hi)`` (each inside one node)."""
+    out: list[int] = []
+    start = -(-lo // tp) * tp
+    while start + tp <= hi:
+        if start // gpus_per_node == (start + tp - 1) // gpus_per_node:
+            out.extend(range(start, start + tp))
+        start += tp
+    return out
+
+
+def rlix_placements(jobs: Sequence[JobSpec], num_gpus: int, gpus_per_node: int) -> list[Placement]:
+    """Partial overlap on the shared pool: job ``i`` trains on the head of its home slice, rolls out anywhere."""
+    n = len(jobs)
+    home = num_gpus // n
+    out: list[Placement] = []
+    for i, job in enumerate(jobs):
+        if job.train_gpus > home:
+            raise RlixConfigError(
+                f"job {job.name} trains on {job.train_gpus} GPUs but each of {n} pipelines has a home slice of "
+                f"{home} of the {num_gpus} GPUs; use more --gpus or fewer --train-gpus"
+            )
+        train = tuple(range(i * home, i * home + job.train_gpus))
+        infer = _bundles(0, num_gpus, job.tp, gpus_per_node)
+        if not set(train) <= set(infer):
+            raise RlixConfigError(f"job {job.name}: tp={job.tp} bundles of the pool do not cover its training GPUs")
+        out.append(Placement(train, tuple(infer)))
+    return out
+
+
+def stock_configs(job: JobSpec, size: int, gpus_per_node: int) -> list[tuple[JobSpec, Placement]]:
+    """What stock NeMo RL can run on ``size`` GPUs of its own: async non-colocated (train on ``train_gpus``,
+    rollout on the rest) when a rollout rank fits, and synchronous colocated (rollout and training take turns on
+    all ``size`` GPUs; training data-parallel over them, time scaled by ``train_gpus / size``, optimistically)."""
+    out: list[tuple[JobSpec, Placement]] = []
+    infer = _bundles(job.train_gpus, size, job.tp, gpus_per_node) if job.train_gpus < size else []
+    if infer:
+        out.append((replace(job, start_s=0.0), Placement(tuple(range(job.train_gpus)), tuple(infer))))
+    whole = _bundles(0, size, job.tp, gpus_per_node)
+    if whole:
+        scaled = job.train_time_s * job.train_gpus / len(whole)
+        out.append((replace(job, start_s=0.0, sync=True, train_time_s=scaled), Placement(tuple(whole), tuple(whole))))
+    if not out:
+        raise RlixConfigError(f"job {job.name}: not even one tp={job.tp} rollout rank fits on {size} GPUs")
+    return out
+
+
+def best_alone(job: JobSpec, size: int, gpus_per_node: int, **kw: object) -> SimRun:
+    """The fastest stock configuration of ``job`` alone on ``size`` GPUs."""
+    best: SimRun | None = None
+    for variant, placement in stock_configs(job, size, gpus_per_node):
+        run = Simulation([variant], [placement], size, gpus_per_node, **kw).run()  # type: ignore[arg-type]
+        if best is None or run.makespan_s < best.makespan_s:
+            best = run
+    assert best is not None
+    return best
+
+
+@dataclass
+class Comparison:
+    runs: dict[str, SimRun]
+
+    def ratio(self, baseline: str, metric: str = "steps_per_hour") -> float:
+        base = getattr(self.runs[baseline], metric)
+        return getattr(self.runs["rlix"], metric) / base if base else float("inf")
+
+    def table(self) -> str:
+        rows = [f"{'mode':<20}{'makespan':>10}{'steps':>7}{'steps/h':>10}{'busy':>7}{'rlix speed-up':>15}"]
+        for mode in MODES:
+            r = self.runs[mode]
+            speed = "" if mode == "rlix" else f"{self.ratio(mode):.2f}x"
+            rows.append(
+                f"{_LABEL[mode]:<20}{r.makespan_s:>9.0f}s{r.steps:>7}{r.steps_per_hour:>10.1f}{r.busy_share:>7.0%}{speed:>15}"
+            )
+        return "\n".join(rows)
+
+
+_LABEL = {"rlix": "rlix (shared pool)", "static": "static partition", "sequential": "one after another"}
+
+
+def _shifted(events: list[TraceEvent], dt: float, dgpu: int) -> list[TraceEvent]:
+    return [replace(e, time=e.time + dt, gpus=tuple(g + dgpu for g in e.gpus)) for e in events]
+
+
+def compare(
+    jobs: Sequence[JobSpec],
+    num_gpus: int,
+    gpus_per_node: int,
+    *,
+    dt_s: float = 1.0,
+    tick_s: float = 5.0,
+    validate: bool = True,
+    record: bool = True,
+) -> Comparison:
+    """Run ``jobs`` under rlix, a static equal partition and one after another; return the three runs.
+
+    Both baselines use each job's fastest stock configuration (``stock_configs``) on its GPUs.
+    """
+    kw: dict[str, object] = {"dt_s": dt_s, "tick_s": tick_s, "validate": validate, "record": record}
+    runs: dict[str, SimRun] = {
+        "rlix": Simulation(list(jobs), rlix_placements(jobs, num_gpus, gpus_per_node), num_gpus, gpus_per_node, **kw).run()  # type: ignore[arg-type]
+    }
+    n = len(jobs)
+    home = num_gpus // n
+    static = SimRun(makespan_s=0.0, steps=0, busy_gpu_s=0.0, num_gpus=num_gpus, finish_s={}, cycles=0)
+    seq = SimRun(makespan_s=0.0, steps=0, busy_gpu_s=0.0, num_gpus=num_gpus, finish_s={}, cycles=0)
+    for i, job in enumerate(jobs):
+        r = best_alone(job, home, gpus_per_node, **kw)
+        static.events.extend(_shifted(r.events, job.start_s, i * home))
+        static.finish_s[job.name] = job.start_s + r.makespan_s
+        static.makespan_s = max(static.makespan_s, job.start_s + r.makespan_s)
+        static.steps += r.steps
+        static.busy_gpu_s += r.busy_gpu_s
+        static.cycles += r.cycles
+        r = best_alone(job, num_gpus, gpus_per_node, **kw)
+        seq.events.extend(_shifted(r.events, seq.makespan_s, 0))
+        seq.finish_s[job.name] = seq.makespan_s + r.makespan_s
+        seq.makespan_s += r.makespan_s
+        seq.steps += r.steps
+        seq.busy_gpu_s += r.busy_gpu_s
+        seq.cycles += r.cycles
+    runs["static"] = static
+    runs["sequential"] = seq
+    return Comparison(runs)
+
+
+# ---- CLI ----------------------------------------------------------------------------------------------------
+
+
+def _csv(kind: Callable[[str], float]) -> Callable[[str], list[float]]:
+    """argparse type: a comma list of positive numbers."""
+
+    def parse(text: str) -> list[float]:
+        try:
+            values = [kind(x) for x in text.split(",") if x.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+        if not values or any(v <= 0 for v in values):
+            raise argparse.ArgumentTypeError(f"expected positive values, got {text!r}")
+        return values
+
+    return parse
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``rlix simulate``. Per-job options take a comma list, repeated over the pipelines.
+
+    The defaults mix a rollout-heavy job (long trajectories, big batch, short training) with a balanced one.
+    """
+    d = JobSpec(name="default")
+    parser.add_argument("--pipelines", type=int, default=2, help="number of pipelines N (default 2)")
+    parser.add_argument("--gpus", type=int, default=8, help="GPUs in the pool G (default 8)")
+    parser.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
+    parser.add_argument("--steps", type=_csv(int), default=[d.steps], help=f"training steps per pipeline (default {d.steps})")
+    parser.add_argument("--train-gpus", type=_csv(int), default=[d.train_gpus], help=f"training GPUs per pipeline (default {d.train_gpus})")
+    parser.add_argument("--tp", type=_csv(int), default=[d.tp], help=f"vLLM tensor-parallel size (default {d.tp})")
+    parser.add_argument("--step-target", type=_csv(int), default=[1024, 512], help="trajectories per step (default 1024,512)")
+    parser.add_argument("--traj-time", type=_csv(float), default=[60.0, 30.0], help="seconds to decode one trajectory (default 60,30)")
+    parser.add_argument("--seqs-per-rank", type=_csv(int), default=[d.seqs_per_rank], help=f"concurrent trajectories per DP rank (default {d.seqs_per_rank})")
+    parser.add_argument("--train-time", type=_csv(float), default=[30.0, 60.0], help="seconds per training step on --train-gpus (default 30,60)")
+    parser.add_argument("--sync-time", type=_csv(float), default=[d.sync_time_s], help=f"seconds of cache build + weight refresh after training (default {d.sync_time_s})")
+    parser.add_argument("--expand-time", type=_csv(float), default=[d.expand_time_s], help=f"seconds to wake + sync a rollout rank (default {d.expand_time_s})")
+    parser.add_argument("--init-time", type=_csv(float), default=[d.init_time_s], help=f"seconds of initialisation (default {d.init_time_s})")
+    parser.add_argument("--admit-delay", type=float, default=30.0, help="seconds between pipeline admissions in the concurrent modes (default 30)")
+    parser.add_argument("--max-age", type=int, default=d.max_age, help=f"async GRPO max trajectory age in steps (default {d.max_age})")
+    parser.add_argument("--dt", type=float, default=1.0, help="simulation time step in seconds (default 1)")
+    parser.add_argument("--out", default="sim_out", help="directory for timeline PNGs and summary.json (default sim_out)")
+    parser.add_argument("--no-validate", action="store_true", help="skip validate_plan on every cycle (faster)")
+
+
+def jobs_from_args(args: argparse.Namespace) -> list[JobSpec]:
+    n = args.pipelines
+    if n < 1 or args.gpus < 1 or args.gpus_per_node < 1 or args.max_age < 1 or args.dt <= 0:
+        raise RlixConfigError("--pipelines, --gpus, --gpus-per-node, --max-age and --dt must be positive")
+
+    def pick(values: Sequence[float], flag: str, i: int) -> float:
+        if len(values) > n:
+            raise RlixConfigError(f"{flag} has {len(values)} values for {n} pipelines; give at most one per pipeline")
+        return values[i % len(values)]  # shorter lists repeat
+
+    jobs = []
+    for i in range(n):
+        jobs.append(
+            JobSpec(
+                name=f"p{i}",
+                train_gpus=int(pick(args.train_gpus, "--train-gpus", i)),
+                tp=int(pick(args.tp, "--tp", i)),
+                step_target=int(pick(args.step_target, "--step-target", i)),
+                traj_time_s=pick(args.traj_time, "--traj-time", i),
+                seqs_per_rank=int(pick(args.seqs_per_rank, "--seqs-per-rank", i)),
+                train_time_s=pick(args.train_time, "--train-time", i),
+                sync_time_s=pick(args.sync_time, "--sync-time", i),
+                expand_time_s=pick(args.expand_time, "--expand-time", i),
+                init_time_s=pick(args.init_time, "--init-time", i),
+                steps=int(pick(args.steps, "--steps", i)),
+                max_age=args.max_age,
+                start_s=i * args.admit_delay,
+            )
+        )
+    return jobs
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    from rlix_plugins.control.timeline import render_timeline
+
+    jobs = jobs_from_args(args)
+    cmp = compare(jobs, args.gpus, args.gpus_per_node, dt_s=args.dt, validate=not args.no_validate)
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    print(f"rlix simulate: {len(jobs)} pipelines on {args.gpus} GPUs ({args.gpus_per_node}/node), same planner as the scheduler")
+    print(cmp.table())
+    pictures = []
+    for mode in MODES:
+        title = f"{_LABEL[mode]}: {len(jobs)} pipelines, {args.gpus} GPUs, {cmp.runs[mode].steps_per_hour:.1f} steps/h"
+        pictures.append(render_timeline(cmp.runs[mode].events, out / f"timeline_{mode}.png", gpus=args.gpus, title=title))
+    summary = {
+        "jobs": [asdict(j) for j in jobs],
+        "gpus": args.gpus,
+        "modes": {
+            m: {"makespan_s": r.makespan_s, "steps": r.steps, "steps_per_hour": r.steps_per_hour, "busy_share": r.busy_share}
+            for m, r in cmp.runs.items()
+        },
+        "rlix_vs_sequential": cmp.ratio("sequential"),
+        "rlix_vs_static": cmp.ratio("static"),
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    print(f"timelines: {', '.join(str(p) for p in pictures)}")
+    return 0
