@@ -34,9 +34,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         reason="needs a NeMo RL checkout at the pinned commit: set NEMO_RL_SRC=/path/to/RL (see README)"
     )
     for item in items:
-        if "gpu" in item.keywords and not cuda:
+        if item.get_closest_marker("gpu") is not None and not cuda:
             item.add_marker(skip_gpu)
-        if "nemo_rl" in item.keywords and not nemo_src:
+        if item.get_closest_marker("nemo_rl") is not None and not nemo_src:
             item.add_marker(skip_nemo)
 
 
