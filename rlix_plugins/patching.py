@@ -121,6 +121,16 @@ def _patch_state(checkout: Path, patch: Patch) -> PatchState:
     return PatchState(patch, DRIFTED, drift or ("hunks apply one by one but not together",))
 
 
+def _states(checkout: Path, series: Series) -> tuple[PatchState, ...]:
+    # Whole series first: later patches may build on earlier ones (same file), so one patch alone can look drifted.
+    whole = "".join(p.text for p in series.patches)
+    if _applies(checkout, "".join(p.text for p in reversed(series.patches)), reverse=True):
+        return tuple(PatchState(p, APPLIED) for p in series.patches)
+    if _applies(checkout, whole, reverse=False):
+        return tuple(PatchState(p, NOT_APPLIED) for p in series.patches)
+    return tuple(_patch_state(checkout, p) for p in series.patches)
+
+
 def series_status(checkout: Path, head: str, series_root: Path | None = None) -> SeriesStatus:
     """The state of the series matching ``head`` (or, failing that, the one that fits the files)."""
     candidates = discover_series(series_root or _series_root())
@@ -129,12 +139,10 @@ def series_status(checkout: Path, head: str, series_root: Path | None = None) ->
     pinned = [s for s in candidates if head.startswith(s.name)]
     if pinned:
         series = pinned[0]
-        return SeriesStatus(checkout, head, series, tuple(_patch_state(checkout, p) for p in series.patches), True)
+        return SeriesStatus(checkout, head, series, _states(checkout, series), True)
     fallback: SeriesStatus | None = None
     for series in candidates:
-        status = SeriesStatus(
-            checkout, head, series, tuple(_patch_state(checkout, p) for p in series.patches), False
-        )
+        status = SeriesStatus(checkout, head, series, _states(checkout, series), False)
         if status.state in (APPLIED, NOT_APPLIED, PARTIAL):
             return status
         fallback = fallback or status
@@ -160,10 +168,11 @@ def _dirty(checkout: Path, paths: Sequence[str]) -> list[str]:
 
 
 def _run_git_apply(checkout: Path, patches: Sequence[Patch], *, reverse: bool) -> None:
-    """One ``git apply`` over every patch: git writes nothing unless every hunk applies."""
-    args = ["apply", "--whitespace=nowarn", *(["--reverse"] if reverse else [])]
+    """One ``git apply`` over the concatenated patches: a single patch input is all or nothing (several patch
+    files on one command line are NOT: git writes the ones before the first failure)."""
     ordered = list(reversed(patches)) if reverse else list(patches)
-    out = _git(checkout, *args, *[str(p.path) for p in ordered])
+    args = ["apply", "--whitespace=nowarn", *(["--reverse"] if reverse else []), "-"]
+    out = _git(checkout, *args, stdin="".join(p.text for p in ordered))
     if out.returncode != 0:
         what = "revert" if reverse else "apply"
         raise PatchError(f"git apply failed to {what} the series (nothing was changed): {out.stderr.strip()}")
