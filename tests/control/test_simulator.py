@@ -1,0 +1,114 @@
+"""``rlix simulate``: the discrete-time simulation on the real planner, its baselines and its CLI."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections import defaultdict
+
+import pytest
+
+from rlix_plugins.cli import main as rlix_main
+from rlix_plugins.control._sim_engine import JobSpec, Placement, Simulation
+from rlix_plugins.control.simulator import compare, rlix_placements, stock_configs
+from rlix_plugins.control.timeline import occupancy_spans
+from rlix_plugins.control.types import Priority
+
+
+def _jobs(n: int, **kw) -> list[JobSpec]:
+    base = {"steps": 3, "step_target": 256, "traj_time_s": 20.0, "train_time_s": 30.0, "init_time_s": 10.0}
+    base.update(kw)
+    return [JobSpec(name=f"p{i}", start_s=10.0 * i, **base) for i in range(n)]
+
+
+def _assert_exclusive(events) -> None:
+    """Executed plans never put two clusters on one GPU at the same time."""
+    by_gpu = defaultdict(list)
+    for s in occupancy_spans(events):
+        by_gpu[s.gpu].append(s)
+    for gpu, spans in by_gpu.items():
+        spans.sort(key=lambda s: s.start)
+        for a, b in itertools.pairwise(spans):
+            assert a.end <= b.start + 1e-9, f"GPU {gpu}: {a} overlaps {b}"
+
+
+def test_two_pipelines_share_the_pool_and_finish() -> None:
+    jobs = _jobs(2)
+    sim = Simulation(jobs, rlix_placements(jobs, 8, 8), 8, 8, validate=True)
+    run = sim.run()
+    assert run.steps == 6 and set(run.finish_s) == {"p0", "p1"}
+    assert 0.0 < run.busy_share <= 1.0
+    _assert_exclusive(run.events)
+    ops = {e.op for e in run.events}
+    assert {"allocate", "release", "expand", "shrink"} <= ops
+    # partial overlap really happened: a training allocation preempted rollout ranks on its GPUs
+    assert any(e.op == "shrink" and "preempt" in e.detail for e in run.events)
+    # every training allocation is the whole actor_train mapping of its pipeline
+    for e in run.events:
+        if e.op == "allocate" and e.priority == Priority.ACTOR_TRAINING:
+            assert e.gpus == sim.clusters[e.cluster_id].device_mapping
+
+
+def test_no_starvation_with_more_pipelines_than_free_gpus() -> None:
+    """4 pipelines, 4 GPUs, each trains on one GPU and rolls out anywhere: all of them finish."""
+    jobs = _jobs(4, train_gpus=1, steps=2)
+    run = Simulation(jobs, rlix_placements(jobs, 4, 4), 4, 4, validate=True).run()
+    assert run.steps == 8
+    _assert_exclusive(run.events)
+
+
+def test_rlix_beats_one_after_another_on_a_rollout_heavy_mix() -> None:
+    jobs = _jobs(2, steps=4, step_target=512, traj_time_s=40.0, train_time_s=20.0)
+    cmp = compare(jobs, 8, 8, validate=True)
+    for mode, run in cmp.runs.items():
+        assert run.steps == 8, mode
+        assert 0.0 < run.busy_share <= 1.0, mode
+    assert cmp.ratio("sequential") > 1.2, cmp.table()
+    assert cmp.ratio("static") > 0.95, cmp.table()
+    assert "one after another" in cmp.table()
+
+
+def test_stock_baseline_configurations() -> None:
+    job = JobSpec(name="j", train_gpus=2, train_time_s=60.0)
+    roomy = stock_configs(job, 8, 8)
+    assert [(v.sync, p.train, p.infer) for v, p in roomy] == [
+        (False, (0, 1), (2, 3, 4, 5, 6, 7)),  # async non-colocated
+        (True, tuple(range(8)), tuple(range(8))),  # synchronous colocated
+    ]
+    assert roomy[1][0].train_time_s == pytest.approx(15.0)  # data-parallel over 8 instead of 2 GPUs
+    tight = stock_configs(job, 2, 8)
+    assert len(tight) == 1 and tight[0][0].sync  # no room beside training: colocated only
+
+
+def test_sync_job_does_not_overlap_rollout_and_training() -> None:
+    job = JobSpec(name="s", train_gpus=2, steps=2, step_target=128, traj_time_s=10.0, train_time_s=20.0, sync=True)
+    sim = Simulation([job], [Placement((0, 1), (0, 1))], 2, 2, validate=True)
+    run = sim.run()
+    assert run.steps == 2
+    # with sync=True nothing is produced for step 2 while step 1 trains: the second batch starts after release
+    releases = [e.time for e in run.events if e.op == "release" and e.priority == Priority.ACTOR_TRAINING]
+    expands = [e.time for e in run.events if e.op == "expand"]
+    assert releases and any(t >= releases[0] for t in expands)
+
+
+def test_cli_runs_and_writes_pictures(tmp_path, capsys) -> None:
+    out = tmp_path / "sim"
+    rc = rlix_main(["simulate", "--steps", "2", "--gpus", "4", "--train-gpus", "1", "--out", str(out)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "rlix (shared pool)" in text and "static partition" in text and "one after another" in text
+    for mode in ("rlix", "static", "sequential"):
+        png = out / f"timeline_{mode}.png"
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["modes"]["rlix"]["steps"] == 4 and summary["rlix_vs_sequential"] > 0
+
+
+def test_cli_rejects_bad_input_with_a_reason(tmp_path, capsys) -> None:
+    rc = rlix_main(["simulate", "--gpus", "4", "--train-gpus", "3", "--out", str(tmp_path)])
+    assert rc == 2
+    assert "home slice" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        rlix_main(["simulate", "--steps", "0"])
+    rc = rlix_main(["simulate", "--pipelines", "2", "--tp", "1,1,1", "--out", str(tmp_path)])
+    assert rc == 2
