@@ -17,6 +17,7 @@ same GPU differently. ``handle`` is a pickle: accept payloads only from the clus
 
 from __future__ import annotations
 
+import inspect
 import os
 import pickle
 from typing import Any
@@ -27,8 +28,15 @@ from rlix_plugins.errors import TransportError
 from rlix_plugins.transport._bucket import BucketMeta, unpack_bucket
 
 TRANSPORT = "cuda_ipc"
-#: position of ``storage_device`` in the arguments of ``torch.multiprocessing.reductions.rebuild_cuda_tensor``
+#: position of ``storage_device`` in ``rebuild_cuda_tensor``'s arguments when introspection fails
 _DEVICE_ARG = 6
+
+
+def _device_arg_index(rebuild: Any) -> int:
+    try:
+        return list(inspect.signature(rebuild).parameters).index("storage_device")
+    except (ValueError, TypeError):
+        return _DEVICE_ARG
 
 
 def device_uuid(index: int) -> str:
@@ -77,6 +85,6 @@ def open_cuda_ipc(payload: dict[str, Any]) -> list[tuple[str, torch.Tensor]]:
         raise TransportError(f"expected a {TRANSPORT!r} payload, got transport={payload.get('transport')!r}")
     meta = BucketMeta.from_wire(payload["meta"])
     args = list(pickle.loads(payload["handle"]))
-    args[_DEVICE_ARG] = local_index_for_uuid(str(payload["device_uuid"]))
+    args[_device_arg_index(rebuild_cuda_tensor)] = local_index_for_uuid(str(payload["device_uuid"]))
     buffer = rebuild_cuda_tensor(*args)
     return unpack_bucket(meta, buffer.view(-1)[: meta.used_bytes])

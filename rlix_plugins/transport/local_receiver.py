@@ -227,6 +227,15 @@ class _Worker:
             return 0
         return self._load(broadcast_parameter(name, meta, self.device))
 
+    def raw_broadcast(self, name: str, nbytes: int) -> int:
+        """Receive one flat buffer over ``name`` without loading it (benchmark baseline)."""
+        from rlix_plugins.transport import BucketMeta, broadcast_parameter
+
+        meta = BucketMeta(names=("flat",), shapes=((nbytes,),), dtypes=("uint8",), offsets=(0,), used_bytes=nbytes)
+        (_, flat), = broadcast_parameter(name, meta.to_wire(), self.device)
+        del flat
+        return nbytes
+
     def destroy_collective_group(self, name: str) -> bool:
         from rlix_plugins.transport import destroy_collective_group
 

@@ -40,7 +40,7 @@ def test_swapped_words_and_signed_zero_are_detected() -> None:
 
 def test_chunk_boundary_and_odd_sizes() -> None:
     """Tensors spanning several chunks and odd byte counts are handled exactly."""
-    t = torch.randint(-(2**15), 2**15, (CHUNK_WORDS * 2 + 3,), dtype=torch.int16)
+    t = torch.randint(-(2**31), 2**31 - 1, (CHUNK_WORDS * 2 + 3,), dtype=torch.int32)
     a = tensor_checksum(t)
     t[CHUNK_WORDS] += 1
     assert tensor_checksum(t) != a
