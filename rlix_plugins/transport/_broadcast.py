@@ -79,15 +79,24 @@ def _new_pg(store: Any, rank: int, world_size: int, backend: str, timeout_s: flo
     return dist.ProcessGroupNCCL(store, rank, world_size, opts)
 
 
+def _start_broadcast(pg: Any, tensor: torch.Tensor) -> Any:
+    try:
+        return pg.broadcast(tensor, 0)
+    except TypeError:  # builds whose backends only bind broadcast(tensors, opts)
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        return pg.broadcast([tensor], opts)
+
+
 def _broadcast(pg: Any, tensor: torch.Tensor, timeout_s: float) -> None:
     """Broadcast from rank 0; returns when this rank's part is complete (CPU-side), or raises."""
     if tensor.device.type == "cuda":
         with torch.cuda.device(tensor.device):
-            work = pg.broadcast(tensor, 0)
+            work = _start_broadcast(pg, tensor)
             work.wait(timedelta(seconds=timeout_s))
             torch.cuda.current_stream(tensor.device).synchronize()
     else:
-        pg.broadcast(tensor, 0).wait(timedelta(seconds=timeout_s))
+        _start_broadcast(pg, tensor).wait(timedelta(seconds=timeout_s))
 
 
 def _detached(exc: BaseException) -> BaseException:
