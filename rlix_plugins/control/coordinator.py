@@ -195,7 +195,11 @@ class Coordinator:
 
     def report_progress(self, collected: int, step_target: int, step: int | None = None,
                         new_batch: bool = False) -> bool:
-        """Raw rollout progress of the current step. Returns True when it was forwarded to the scheduler."""
+        """Raw rollout progress of the current step. Returns True when it was forwarded to the scheduler.
+
+        Forwarded when ``new_batch``, when the 2 % bucket of ``min(collected, step_target) / step_target``
+        changes, or when ``step``/``step_target`` change; otherwise dropped (the hot path stays cheap).
+        """
         if not isinstance(collected, int) or not isinstance(step_target, int) or collected < 0 or step_target < 0:
             raise RlixConfigError(
                 f"report_progress: collected={collected!r} and step_target={step_target!r} must be ints >= 0"
@@ -203,7 +207,8 @@ class Coordinator:
         completed = min(collected, step_target)
         bucket = int(completed / step_target * PROGRESS_BUCKETS) if step_target else PROGRESS_BUCKETS
         with self._state:
-            if not new_batch and bucket == self._bucket and self._last_progress is not None:
+            last = self._last_progress
+            if not new_batch and last is not None and bucket == self._bucket and last[1:] == (step_target, step):
                 return False
             self._bucket = bucket
             self._last_progress = (completed, step_target, step)

@@ -42,7 +42,7 @@ def test_two_drivers_racing_to_create_get_the_same_control_plane(no_control_plan
     procs = [subprocess.Popen([sys.executable, "-c", _DRIVER, address], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, env=env) for _ in range(2)]
     outs = [p.communicate(timeout=120) for p in procs]
-    for p, (out, err) in zip(procs, outs, strict=True):
+    for p, (_, err) in zip(procs, outs, strict=True):
         assert p.returncode == 0, err[-2000:]
     ids = [next(line.split()[1:] for line in out.splitlines() if line.startswith("IDS")) for out, _ in outs]
     assert ids[0] == ids[1] and ids[0][2] == "4"

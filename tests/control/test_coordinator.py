@@ -99,6 +99,7 @@ def test_progress_is_clamped_and_forwarded_per_2_percent_bucket(control_plane: c
     assert a.report_progress(2, 100, step=0) is True
     assert a.report_progress(3, 100, step=0) is False
     assert a.report_progress(3, 100, step=1, new_batch=True) is True  # a new batch always goes through
+    assert a.report_progress(4, 100, step=2) is True  # a new step number always goes through
     assert a.report_progress(250, 100, step=1) is True  # overshoot: clamped to completed = target
     prog = wait_for(lambda: (p := cp.status()["pipelines"][a.pipeline_id]["progress"]) and p["completed"] == 100 and p,
                     what="clamped progress at the scheduler")

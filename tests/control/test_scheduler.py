@@ -43,7 +43,7 @@ def test_training_preempts_other_pipelines_rank_and_it_comes_back(control_plane:
     """B's training takes GPU 1 from A's rollout rank (A slept before B's grant returns); A gets it back later."""
     cp = control_plane
     a, ha = make_pipeline(cp, train=[0], infer=[0, 1])
-    b, hb = make_pipeline(cp, train=[1], infer=[1, 2, 3])
+    b, _ = make_pipeline(cp, train=[1], infer=[1, 2, 3])
     assert a.request_gpus("actor_infer", GEN, step_target_estimate=64, timeout_s=10) == [0, 1]
     assert b.request_gpus("actor_infer", GEN, step_target_estimate=1, timeout_s=10)
     assert active_gpus(cp, a.cluster_id("actor_infer")) == [0, 1]

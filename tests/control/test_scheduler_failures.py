@@ -78,7 +78,7 @@ def test_failed_expand_fails_only_that_pipeline(control_plane: client.ControlPla
     a, ha = make_pipeline(cp, train=[0], infer=[0, 1])
     b, _ = make_pipeline(cp, train=[2], infer=[2, 3])
     ray.get(ha.set_mode.remote("fail"))
-    with pytest.raises(PipelineUnregisteredError, match="expand of .* failed"):
+    with pytest.raises(PipelineUnregisteredError, match=r"expand of .* failed"):
         a.request_gpus("actor_infer", GEN, timeout_s=10)
     assert b.request_gpus("actor_infer", GEN, timeout_s=10) == [2, 3]
     assert cp.status()["idle_gpus"] == [0, 1]
@@ -94,7 +94,7 @@ def test_hanging_handler_fails_planned_release_of_that_pipeline_only(control_pla
     a.request_gpus("actor_infer", GEN, timeout_s=10)
     b.request_gpus("actor_infer", GEN, timeout_s=10)
     ray.get(ha.set_mode.remote("hang"))
-    with pytest.raises(PipelineUnregisteredError, match="shrink of .* failed"):
+    with pytest.raises(PipelineUnregisteredError, match=r"shrink of .* failed"):
         a.await_release("actor_infer", timeout_s=10)
     st = cp.status()
     assert a.pipeline_id not in st["pipelines"] and b.pipeline_id in st["pipelines"]

@@ -1,0 +1,366 @@
+"""State and cycle engine of the scheduler actor (split from ``scheduler.py`` for size; see its docstring).
+
+``SchedulerCore`` owns every field of the scheduler and runs the cycle; ``scheduler.Scheduler`` adds the public
+coroutine API on top. Single-threaded by construction: everything runs on the actor's asyncio event loop, and
+only ``_execute`` awaits (resize RPCs) in the middle of a cycle; what may change during those awaits is listed in
+``scheduler.py``'s docstring.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+
+from rlix_plugins.control import planner
+from rlix_plugins.control.scheduler_state import (
+    SchedulerConfig,
+    apply_shrink,
+    merge_ops,
+    ranks_gpus,
+    rebalance_reason,
+)
+from rlix_plugins.control.trace import TraceRecorder
+from rlix_plugins.control.types import (
+    Allocation,
+    ClusterSpec,
+    CyclePlan,
+    PendingRequest,
+    Priority,
+    Progress,
+    SchedulerSnapshot,
+    coordinator_name,
+    pipeline_namespace,
+)
+from rlix_plugins.errors import PipelineUnregisteredError, RlixConfigError, RlixTimeoutError, SchedulerError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Waiter:
+    request: PendingRequest
+    pipeline_id: str
+    future: asyncio.Future[list[int]]
+    since: float = field(default_factory=time.time)
+
+
+@dataclass
+class _Pipeline:
+    clusters: dict[str, ClusterSpec]  # by cluster id
+    admitted: bool = False
+    registered_at: float = field(default_factory=time.time)
+
+
+class SchedulerCore:
+    """Scheduler state plus the cycle (snapshot → plan → execute → commit → signal). Not an actor itself."""
+
+    def __init__(self, num_gpus: int, gpus_per_node: int, config: SchedulerConfig | None = None) -> None:
+        if num_gpus <= 0 or gpus_per_node <= 0:
+            raise RlixConfigError(f"scheduler needs a GPU pool, got num_gpus={num_gpus}, gpus_per_node={gpus_per_node}")
+        self._gpus = frozenset(range(num_gpus))
+        self._gpus_per_node = gpus_per_node
+        self._cfg = config or SchedulerConfig()
+        self._pipelines: dict[str, _Pipeline] = {}
+        self._allocations: dict[str, Allocation] = {}
+        self._pending: dict[int, _Waiter] = {}
+        self._progress: dict[str, Progress] = {}
+        # Generation clusters that asked for GENERATION and did not release it: cid -> (estimate, step). While one
+        # has no active rank, the snapshot carries a standing GENERATION request for it (debug #27, #32).
+        self._gen_open: dict[str, tuple[int, int | None]] = {}
+        self._standing_seq: dict[str, int] = {}
+        self._planned: dict[str, list[asyncio.Future[list[int]]]] = {}
+        self._coordinators: dict[str, Any] = {}
+        self._seq = itertools.count()
+        self._trace = TraceRecorder(self._cfg.trace_capacity)
+        self._wake: asyncio.Event | None = None
+        self._loop_task: asyncio.Task[None] | None = None
+        self._inflight_seqs: set[int] = set()
+        self._inflight_clusters: set[str] = set()
+        self._removed_in_cycle: set[str] | None = None
+        self._cycles = 0
+        self._last_plan_ms = 0.0
+        self._stopped = False
+
+    def _ensure_loop(self) -> None:
+        if self._wake is None:
+            self._wake = asyncio.Event()
+        if not self._stopped and (self._loop_task is None or self._loop_task.done()):
+            self._loop_task = asyncio.get_running_loop().create_task(self._run_loop())
+
+    def _kick(self) -> None:
+        self._ensure_loop()
+        assert self._wake is not None
+        self._wake.set()
+
+    # ------------------------------------------------------------------ state changes shared by API and cycle
+    def _close_gen(self, cluster_id: str) -> None:
+        self._gen_open.pop(cluster_id, None)
+        self._standing_seq.pop(cluster_id, None)
+
+    def _note_removed(self, cluster_id: str) -> None:
+        if self._removed_in_cycle is not None:
+            self._removed_in_cycle.add(cluster_id)
+
+    def _drop_pipeline(self, pipeline_id: str, error: Exception, *, op: str, detail: str) -> bool:
+        pipe = self._pipelines.pop(pipeline_id, None)
+        if pipe is None:
+            return False
+        freed: set[int] = set()
+        for cid in pipe.clusters:
+            alloc = self._allocations.pop(cid, None)
+            if alloc is not None:
+                freed |= alloc.gpus
+            self._note_removed(cid)
+            for fut in self._planned.pop(cid, []):
+                if not fut.done():
+                    fut.set_exception(error)
+        for seq, waiter in list(self._pending.items()):
+            if waiter.pipeline_id == pipeline_id:
+                del self._pending[seq]
+                if not waiter.future.done():
+                    waiter.future.set_exception(error)
+        self._progress.pop(pipeline_id, None)
+        for cid in pipe.clusters:
+            self._close_gen(cid)
+        self._coordinators.pop(pipeline_id, None)
+        self._trace.record(op, pipeline_id=pipeline_id, gpus=freed, detail=detail)
+        if self._wake is not None:
+            self._wake.set()
+        return True
+
+    def _fail(self, pipeline_id: str, reason: str) -> bool:
+        """Fail one pipeline (skip when already gone: debug #66). Never touches other pipelines or Ray."""
+        logger.warning("rlix scheduler: failing pipeline %s: %s", pipeline_id, reason)
+        err = PipelineUnregisteredError(
+            f"pipeline {pipeline_id} was failed by the scheduler: {reason}. Its GPUs were returned to the pool; "
+            "fix the cause and re-register the pipeline"
+        )
+        return self._drop_pipeline(pipeline_id, err, op="fail", detail=reason)
+
+    # ------------------------------------------------------------------ the cycle
+    def _snapshot(self) -> SchedulerSnapshot:
+        clusters = {cid: s for p in self._pipelines.values() if p.admitted for cid, s in p.clusters.items()}
+        pids = {s.pipeline_id for s in clusters.values()}
+        pending = [w.request for w in self._pending.values() if w.request.cluster_id in clusters]
+        waiting = {r.cluster_id for r in pending}
+        for cid, (estimate, step) in self._gen_open.items():
+            # debug #27/#32: GENERATION is asked for once, but demand lasts. An open generation cluster keeps a
+            # standing request (no waiter) while its pipeline has work left (or reported none), so the planner
+            # wakes its ranks again after a preemption, even from zero. Its grants signal nobody.
+            prog = self._progress.get(clusters[cid].pipeline_id) if cid in clusters else None
+            if cid in clusters and cid not in waiting and (prog is None or prog.remaining > 0):
+                seq = self._standing_seq.setdefault(cid, next(self._seq))
+                pending.append(PendingRequest(cid, Priority.GENERATION, seq, step, estimate))
+        return SchedulerSnapshot(
+            gpus=self._gpus,
+            gpus_per_node=self._gpus_per_node,
+            clusters=clusters,
+            allocations={cid: a for cid, a in self._allocations.items() if cid in clusters},
+            pending=tuple(sorted(pending, key=lambda r: (r.priority, r.seq))),
+            progress={pid: p for pid, p in self._progress.items() if pid in pids},
+            planned_releases=frozenset(cid for cid in self._planned if cid in clusters),
+        )
+
+    async def _run_loop(self) -> None:
+        assert self._wake is not None
+        busy = 0
+        next_health = time.monotonic() + self._cfg.health_interval_s
+        while not self._stopped:
+            try:
+                await asyncio.wait_for(self._wake.wait(), self._cfg.poll_interval_s)
+                woken = True
+            except TimeoutError:
+                woken = False
+            self._wake.clear()
+            try:
+                if time.monotonic() >= next_health:
+                    await self._health_check()
+                    next_health = time.monotonic() + self._cfg.health_interval_s
+                snapshot = self._snapshot()
+                if woken or snapshot.pending or snapshot.planned_releases or \
+                        rebalance_reason(snapshot, self._cfg.drift_threshold):
+                    changed = await self._cycle(snapshot)
+                    busy = busy + 1 if changed else 0
+                    if changed and busy < self._cfg.max_busy_cycles:
+                        self._wake.set()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # the loop must survive anything; one bad cycle never stops the service
+                logger.exception("rlix scheduler loop error")
+                self._trace.record("error", detail=f"loop: {type(exc).__name__}: {exc}")
+                await asyncio.sleep(self._cfg.poll_interval_s)
+
+    async def _cycle(self, snapshot: SchedulerSnapshot) -> bool:
+        t0 = time.perf_counter()
+        try:
+            plan = planner.plan_cycle(snapshot)
+            planner.validate_plan(snapshot, plan)
+        except Exception as exc:
+            self._on_planner_error(snapshot, exc)
+            return False
+        finally:
+            self._last_plan_ms = (time.perf_counter() - t0) * 1e3
+        self._cycles += 1
+        real_grants = [g for g in plan.grants if g.seq in self._pending]
+        if not (plan.shrinks or plan.expands or plan.released or real_grants) and \
+                plan.allocations == snapshot.allocations:
+            return False  # nothing to do (standing requests' grants alone change nothing)
+        self._inflight_seqs = {g.seq for g in plan.grants}
+        self._inflight_clusters = {o.cluster_id for o in plan.shrinks} | {o.cluster_id for o in plan.expands}
+        self._inflight_clusters |= set(plan.released)
+        self._removed_in_cycle = set()
+        try:
+            await self._execute(snapshot, plan)
+        finally:
+            self._inflight_seqs, self._inflight_clusters, self._removed_in_cycle = set(), set(), None
+        return True
+
+    def _on_planner_error(self, snapshot: SchedulerSnapshot, exc: Exception) -> None:
+        """A planner bug: execute nothing, fail the waiters of this snapshot (they would only time out)."""
+        logger.error("rlix planner error: %s", exc, exc_info=exc)
+        self._trace.record("error", detail=f"planner: {type(exc).__name__}: {exc}")
+        err = SchedulerError(f"the planner rejected this cycle ({type(exc).__name__}: {exc}); nothing was changed. "
+                             "This is an rlix bug: report it with `rlix status --json` and `rlix timeline`")
+        for req in snapshot.pending:
+            waiter = self._pending.pop(req.seq, None)
+            if waiter is not None and not waiter.future.done():
+                waiter.future.set_exception(err)
+        for cid in snapshot.planned_releases:
+            for fut in self._planned.pop(cid, []):
+                if not fut.done():
+                    fut.set_exception(err)
+
+    async def _execute(self, snapshot: SchedulerSnapshot, plan: CyclePlan) -> None:
+        shrinks, expands = merge_ops(plan.shrinks), merge_ops(plan.expands)
+        failed: dict[str, str] = {}
+        done = await self._resize_all(snapshot, shrinks, expand=False, failed=failed)
+        if failed:
+            # Commit only what happened (the successful shrinks), fail the culprits, re-plan next cycle.
+            for cid, ranks in done.items():
+                spec = snapshot.clusters[cid]
+                if cid in self._allocations:
+                    self._allocations[cid] = apply_shrink(self._allocations[cid], spec, ranks)
+                self._trace.record("shrink", pipeline_id=spec.pipeline_id, cluster_id=cid,
+                                   gpus=ranks_gpus(spec, ranks), detail=f"ranks={list(ranks)} partial-plan")
+            for pid, reason in failed.items():
+                self._fail(pid, reason)
+            return
+        await self._resize_all(snapshot, expands, expand=True, failed=failed)
+        for pid, reason in failed.items():
+            self._fail(pid, reason)
+        removed = self._removed_in_cycle or set()
+        alive = {cid for p in self._pipelines.values() for cid in p.clusters}
+        self._allocations = {cid: a for cid, a in plan.allocations.items() if cid not in removed and cid in alive}
+        self._trace_plan(snapshot, plan, shrinks, expands, alive)
+        for grant in plan.grants:
+            waiter = self._pending.pop(grant.seq, None)
+            if waiter is not None and not waiter.future.done() and grant.cluster_id in alive:
+                waiter.future.set_result(sorted(grant.gpus))
+        for cid in plan.released:
+            self._close_gen(cid)
+            for fut in self._planned.pop(cid, []):
+                if not fut.done():
+                    fut.set_result(sorted(snapshot.allocations[cid].gpus) if cid in snapshot.allocations else [])
+
+    def _trace_plan(self, snapshot: SchedulerSnapshot, plan: CyclePlan, shrinks: dict[str, tuple[int, ...]],
+                    expands: dict[str, tuple[int, ...]], alive: set[str]) -> None:
+        reasons: dict[str, set[str]] = {}
+        for op in plan.shrinks:
+            reasons.setdefault(op.cluster_id, set()).add(op.reason)
+        for cid, ranks in shrinks.items():
+            spec = snapshot.clusters[cid]
+            self._trace.record("shrink", pipeline_id=spec.pipeline_id, cluster_id=cid, gpus=ranks_gpus(spec, ranks),
+                               priority=Priority.GENERATION,
+                               detail=f"{'+'.join(sorted(reasons[cid]))} ranks={list(ranks)}")
+        for cid, ranks in expands.items():
+            if cid in alive:
+                spec = snapshot.clusters[cid]
+                self._trace.record("expand", pipeline_id=spec.pipeline_id, cluster_id=cid,
+                                   gpus=ranks_gpus(spec, ranks), priority=Priority.GENERATION, detail=f"ranks={list(ranks)}")
+        for grant in plan.grants:
+            spec = snapshot.clusters[grant.cluster_id]
+            if grant.cluster_id in alive and grant.seq in self._pending:
+                kind = "grant" if grant.priority == Priority.GENERATION else "allocate"
+                self._trace.record(kind, pipeline_id=spec.pipeline_id, cluster_id=grant.cluster_id, gpus=grant.gpus,
+                                   priority=grant.priority, detail=f"seq={grant.seq}")
+        for cid in plan.released:
+            spec = snapshot.clusters[cid]
+            self._trace.record("release", pipeline_id=spec.pipeline_id, cluster_id=cid, detail="planned")
+
+    async def _resize_all(self, snapshot: SchedulerSnapshot, ops: dict[str, tuple[int, ...]], *, expand: bool,
+                          failed: dict[str, str]) -> dict[str, tuple[int, ...]]:
+        """Run one ``resize_infer`` per cluster concurrently; failures land in ``failed`` (pid -> reason)."""
+        items = [(cid, ranks) for cid, ranks in ops.items() if snapshot.clusters[cid].pipeline_id not in failed]
+        results = await asyncio.gather(
+            *(self._resize(snapshot.clusters[cid].pipeline_id, ranks, expand) for cid, ranks in items),
+            return_exceptions=True,
+        )
+        done: dict[str, tuple[int, ...]] = {}
+        for (cid, ranks), res in zip(items, results, strict=True):
+            pid = snapshot.clusters[cid].pipeline_id
+            if isinstance(res, BaseException):
+                what = "expand" if expand else "shrink"
+                failed[pid] = f"{what} of {cid} ranks {list(ranks)} failed: {_describe(res)}"
+            else:
+                done[cid] = ranks
+        return done
+
+    async def _resize(self, pipeline_id: str, ranks: tuple[int, ...], expand: bool) -> None:
+        coord = self._coordinator(pipeline_id)
+        remove, add = ([], list(ranks)) if expand else (list(ranks), [])
+        try:
+            await asyncio.wait_for(coord.resize_infer.remote(remove, add), self._cfg.resize_timeout_s)
+        except TimeoutError:
+            raise RlixTimeoutError(
+                f"coordinator did not finish resize_infer(remove={remove}, add={add}) within "
+                f"{self._cfg.resize_timeout_s:.0f} s (SchedulerConfig.resize_timeout_s)"
+            ) from None
+
+    def _coordinator(self, pipeline_id: str) -> Any:
+        handle = self._coordinators.get(pipeline_id)
+        if handle is None:
+            try:
+                handle = ray.get_actor(coordinator_name(pipeline_id), namespace=pipeline_namespace(pipeline_id))
+            except ValueError:
+                raise SchedulerError(
+                    f"no coordinator actor {coordinator_name(pipeline_id)!r} in namespace "
+                    f"{pipeline_namespace(pipeline_id)!r}; create it (client.register_pipeline does) before "
+                    "requesting GENERATION"
+                ) from None
+            self._coordinators[pipeline_id] = handle
+        return handle
+
+    async def _health_check(self) -> None:
+        """Fail pipelines whose coordinator actor died (e.g. the driver that owned it exited)."""
+        probes: dict[str, Any] = {}
+        for pid in list(self._pipelines):
+            try:
+                probes[pid] = self._coordinator(pid).ping.remote()
+            except SchedulerError:
+                continue  # not created yet: nothing to probe
+        if not probes:
+            return
+        results = await asyncio.gather(
+            *(asyncio.wait_for(ref, self._cfg.health_timeout_s) for ref in probes.values()), return_exceptions=True
+        )
+        for pid, res in zip(probes, results, strict=True):
+            if isinstance(res, ray.exceptions.RayActorError):
+                self._fail(pid, f"coordinator died: {_describe(res)}")
+            elif isinstance(res, BaseException):
+                self._trace.record("error", pipeline_id=pid, detail=f"health probe: {_describe(res)}")
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, ray.exceptions.RayTaskError):
+        cause = exc.cause if isinstance(exc.cause, BaseException) else exc
+        return f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}"[:500]
+    if isinstance(exc, ray.exceptions.RayActorError):
+        return "coordinator actor died (RayActorError)"
+    text = str(exc).splitlines()[0] if str(exc) else ""
+    return f"{type(exc).__name__}: {text}"[:500]
