@@ -6,11 +6,16 @@ copy on ``PYTHONPATH``, never in this process: NeMo RL needs its own dependency 
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
+import socket
 import subprocess
 import sys
 import tempfile
+import time
 import xml.etree.ElementTree as ET
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,12 +60,50 @@ def apply_series(copy: Path) -> None:
         pytest.fail(f"series not applied to {copy}:\n{status.report()}")
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def private_ray_head(num_gpus: int = 0) -> Iterator[str]:
+    """A Ray head for one NeMo RL pytest run; yields its address (for ``RAY_ADDRESS``).
+
+    NeMo RL's ``init_ray`` and its memory tracker resolve ``address="auto"``, which joins (or, with several on
+    the machine, refuses) whatever other Ray cluster runs here; an explicit ``RAY_ADDRESS`` pins them to this
+    one. Teardown stops only the processes of this head (found by its private temp dir), never ``ray stop``.
+    """
+    import psutil
+
+    tmp = tempfile.mkdtemp(prefix="rlixc_", dir="/tmp")  # short: Ray's socket paths are length-limited
+    port = _free_port()
+    cmd = [str(nemo_python().parent / "ray"), "start", "--head", f"--port={port}", "--num-cpus=8",
+           f"--num-gpus={num_gpus}", "--include-dashboard=false", f"--temp-dir={tmp}", "--disable-usage-stats"]
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    env.pop("RAY_ADDRESS", None)
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+    found = re.search(r"--address='([^']+)'", out.stdout + out.stderr)
+    try:
+        if out.returncode != 0 or not found:
+            pytest.fail(f"could not start a private Ray head ({' '.join(cmd)}):\n{(out.stdout + out.stderr)[-3000:]}")
+        yield found.group(1)
+    finally:
+        procs = [p for p in psutil.process_iter(["cmdline"]) if tmp in " ".join(p.info["cmdline"] or [])]
+        for p in procs:
+            with contextlib.suppress(psutil.Error):
+                p.terminate()
+        _, alive = psutil.wait_procs(procs, timeout=15)
+        for p in alive:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+        time.sleep(0.5)
+
+
 def nemo_env(copy: Path, **extra: str) -> dict[str, str]:
-    """Environment of a NeMo RL run. ``RAY_TMPDIR`` is private: NeMo RL's ``init_ray`` first tries
-    ``ray.init(address="auto")`` and would otherwise join (and later lose) any other local Ray cluster."""
+    """Environment of a NeMo RL run (pass ``RAY_ADDRESS`` of a :func:`private_ray_head` in ``extra``)."""
     env = {k: v for k, v in os.environ.items() if k not in _SCRUB}
     env.update(
-        RAY_TMPDIR=tempfile.mkdtemp(prefix="rlixc_", dir="/tmp"),  # short: Ray's socket paths are length-limited
         PYTHONPATH=str(copy),
         HF_HUB_OFFLINE="1",
         RAY_AUTH_MODE="disabled",
@@ -86,16 +129,24 @@ class PytestRun:
 
 
 def run_nemo_pytest(
-    copy: Path, targets: list[str], junit: Path, *, timeout_s: float, extra_env: dict[str, str] | None = None
+    copy: Path, targets: list[str], junit: Path, *, timeout_s: float, extra_env: dict[str, str] | None = None,
+    num_gpus: int = 0,
 ) -> PytestRun:
-    """NeMo RL's pytest on ``targets`` inside ``copy`` (its conftest starts its own local Ray cluster)."""
+    """NeMo RL's pytest on ``targets`` inside ``copy``, on a private Ray head (``num_gpus`` declared)."""
+    with private_ray_head(num_gpus) as address:
+        return _run_nemo_pytest(copy, targets, junit, timeout_s, {**(extra_env or {}), "RAY_ADDRESS": address})
+
+
+def _run_nemo_pytest(
+    copy: Path, targets: list[str], junit: Path, timeout_s: float, extra_env: dict[str, str]
+) -> PytestRun:
     cmd = [
         str(nemo_python()), "-m", "pytest", *targets,
         "-q", "-p", "no:cacheprovider", "-o", "addopts=", "--timeout=600", f"--junitxml={junit}",
     ]  # fmt: skip
     try:
         proc = subprocess.run(
-            cmd, cwd=copy, env=nemo_env(copy, **(extra_env or {})), capture_output=True, text=True, timeout=timeout_s
+            cmd, cwd=copy, env=nemo_env(copy, **extra_env), capture_output=True, text=True, timeout=timeout_s
         )
     except subprocess.TimeoutExpired as e:
         tail = (e.stdout or b"")[-4000:]

@@ -32,7 +32,8 @@ def test_async_grpo_time_sharing_on_nemo_rl_mocks(nemo_copies: dict[str, Path], 
     dst = patched / "tests" / "unit" / "algorithms" / NEMO_SIDE.name
     shutil.copyfile(NEMO_SIDE, dst)
     try:
-        run = run_nemo_pytest(patched, [str(dst.relative_to(patched))], tmp_path / "ts.xml", timeout_s=800)
+        run = run_nemo_pytest(patched, [str(dst.relative_to(patched))], tmp_path / "ts.xml", timeout_s=800,
+                              num_gpus=4)
     finally:
         dst.unlink()
     report(f"NeMo RL async_grpo_train time-sharing scenario: {run.summary()}")

@@ -7,6 +7,7 @@ the real entry point, and the real rlix control plane runs on this session's Ray
 Driven by ``tests/nemo_rl/test_nemo_rl_time_sharing.py`` of rlix-plugins; not part of NeMo RL.
 """
 
+import os
 import sys
 import time
 from unittest.mock import MagicMock, patch
@@ -30,8 +31,11 @@ NUM_STEPS = 3
 
 @pytest.fixture(scope="session", autouse=True)
 def init_ray_cluster():
-    """Overrides NeMo RL's: the control plane needs a GPU pool, declared on this CPU machine."""
-    ray.init(num_cpus=8, num_gpus=4, include_dashboard=False, namespace="rlix_conformance")
+    """Overrides NeMo RL's: the control plane needs a GPU pool (the driver's private head declares 4 GPUs)."""
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(address=os.environ["RAY_ADDRESS"], namespace="rlix_conformance")
+    else:
+        ray.init(num_cpus=8, num_gpus=4, include_dashboard=False, namespace="rlix_conformance")
     yield
     ray.shutdown()
 

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# The NeMo RL conformance suite in one command (see patches/nemo-rl/7ea279a/README.md).
+#
+#   NEMO_RL_SRC=/path/to/RL scripts/conformance.sh [--quick] [extra pytest args]
+#
+# NEMO_RL_SRC: a git checkout of NVIDIA-NeMo/RL at 7ea279abfbeb698b092856d0dab61e7cf39bc909 (left untouched:
+# the suite works on clones of its HEAD). Builds .venv (scripts/setup.sh) and the conformance venv .venv-nemo
+# (scripts/setup_nemo_rl_env.sh) when missing. --quick skips NeMo RL's slow test_async_utils.py (~8 min per run).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+: "${NEMO_RL_SRC:?set NEMO_RL_SRC to a NeMo RL checkout at the pinned commit 7ea279a}"
+export NEMO_RL_SRC
+[ -x .venv/bin/python ] || bash scripts/setup.sh
+NEMO_PY="${RLIX_NEMO_PYTHON:-$PWD/.venv-nemo/bin/python}"
+[ -x "$NEMO_PY" ] || bash scripts/setup_nemo_rl_env.sh
+# Keep the conformance venv's editable install (and its entry points) current.
+"$NEMO_PY" -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1
+SELECT="not gpu"
+if [ "${1:-}" = "--quick" ]; then SELECT="not gpu and not slow"; shift; fi
+.venv/bin/python - <<PY
+from rlix_plugins.patching import find_checkout, series_status
+root, head = find_checkout("$NEMO_RL_SRC")
+print(series_status(root, head).report())
+PY
+exec .venv/bin/python -m pytest tests/nemo_rl tests/test_patching.py -m "$SELECT" -s -rA -p no:cacheprovider "$@"
