@@ -34,6 +34,9 @@ from rlix_plugins.control.types import PendingRequest, Priority, SchedulerSnapsh
 #: Safety caps per cycle (the reference used the same numbers).
 MAX_ITERATIONS = 10_000
 MAX_ACTIVATIONS = 1_000
+#: Candidate bundles scored per activation that needs a shrink (bounds the cost on fragmented pools; the
+#: best of those scored is taken).
+MAX_CANDIDATES = 48
 
 
 def round_half_up(x: float) -> int:
@@ -170,57 +173,88 @@ def _activate_one(
         return None
     clusters = state.snap.clusters
     spec = clusters[cid]
-    starving = cid not in state.gen_active
-    active = state.gen_active.get(cid, set())
+    gen_active = state.gen_active
+    starving = cid not in gen_active
+    active = gen_active.get(cid, set())
     shrunk = state.shrunk.get(cid, set())
-    # ranks each donor may still give up in this cycle
-    budget_cache: dict[str, int] = {}
-
-    def donor_budget(d: str) -> int:
-        b = budget_cache.get(d)
-        if b is None:
-            dspec = clusters[d]
-            n_active = len(state.gen_active.get(d, ()))
-            keep_target = max(1, targets.get(d, dspec.tp_size) // dspec.tp_size)
-            b = n_active - keep_target
-            if starving:
-                b = max(b, n_active - 1)
-            budget_cache[d] = b
-        return b
-
+    # Ranks a donor may still give up in this cycle: down to max(1, target bundles), or (for a starving
+    # acceptor) down to one rank.
+    budget: dict[str, int] = {}
+    owner = state.owner
+    for d in {owner[g] for g in spec.device_mapping if g in owner}:
+        if d == cid or d not in targets or d not in gen_active:
+            continue
+        n_active = len(gen_active[d])
+        b = n_active - max(1, targets[d] // clusters[d].tp_size)
+        if starving:
+            b = max(b, n_active - 1)
+        if b > 0:
+            budget[d] = b
+    if not budget:
+        return None
+    # Candidates are bundles touching a rank of a donor with budget left (no free bundle exists). Donors are
+    # visited by decreasing demand and their ranks by increasing GPU id (= increasing acceptor rank, mappings
+    # being sorted and bundles contiguous), so the scan stops at the first single-victim candidate.
+    idx = rank_index(spec)
+    protected, free, reserved, nongen = state.protected, state.free, state.reserved, state.nongen
+    owner_rank: dict[str, dict[int, int]] = {}
     best: tuple[int, int, int] | None = None
     best_victims: list[tuple[str, int]] = []
-    for r in range(spec.num_dp_ranks):
-        if r in active or r in shrunk:
-            continue
-        victims: dict[tuple[str, int], None] = {}
-        ok = True
-        for g in spec.bundle(r):
-            if g in state.free:
-                if g in state.reserved:
-                    ok = False
-                    break
+    seen: set[int] = set()
+    for neg_demand, donor in sorted((-demands.get(d, 0), d) for d in budget):
+        if best is not None and best[0] == 1 and best[1] < neg_demand:
+            break
+        dspec = clusters[donor]
+        done = False
+        for dr0 in sorted(gen_active[donor]):
+            if done:
+                break
+            if (donor, dr0) in protected:
                 continue
-            d = state.owner[g]
-            if d == cid or d in state.nongen or d not in targets:
-                ok = False
-                break
-            dr = rank_index(clusters[d])[g]
-            if (d, dr) in state.protected:
-                ok = False
-                break
-            victims[(d, dr)] = None
-        if not ok:
-            continue
-        per_donor: dict[str, int] = {}
-        for d, _dr in victims:
-            per_donor[d] = per_donor.get(d, 0) + 1
-        if any(n > donor_budget(d) for d, n in per_donor.items()):
-            continue
-        min_donor_demand = min(demands.get(d, 0) for d in per_donor) if per_donor else 0
-        key = (len(victims), -min_donor_demand, r)
-        if best is None or key < best:
-            best, best_victims = key, list(victims)
+            for g0 in dspec.bundle(dr0):
+                r = idx.get(g0)
+                if r is None or r in seen:
+                    continue
+                seen.add(r)
+                if r in active or r in shrunk:
+                    continue
+                if len(seen) > MAX_CANDIDATES and best is not None:
+                    done = True
+                    break
+                victims: dict[tuple[str, int], None] = {}
+                ok = True
+                for g in spec.bundle(r):
+                    if g in free:
+                        if g in reserved:
+                            ok = False
+                            break
+                        continue
+                    d = owner[g]
+                    if d not in budget or d in nongen:
+                        ok = False
+                        break
+                    ridx = owner_rank.get(d)
+                    if ridx is None:
+                        ridx = owner_rank[d] = rank_index(clusters[d])
+                    dr = ridx[g]
+                    if (d, dr) in protected:
+                        ok = False
+                        break
+                    victims[(d, dr)] = None
+                if not ok:
+                    continue
+                per_donor: dict[str, int] = {}
+                for d, _dr in victims:
+                    per_donor[d] = per_donor.get(d, 0) + 1
+                if any(n > budget[d] for d, n in per_donor.items()):
+                    continue
+                min_donor_demand = min(demands.get(d, 0) for d in per_donor)
+                key = (len(victims), -min_donor_demand, r)
+                if best is None or key < best:
+                    best, best_victims = key, list(victims)
+                if best[0] == 1 and best[1] <= neg_demand:
+                    done = True  # later ranks of this donor map to higher acceptor ranks: they cannot beat it
+                    break
     if best is None:
         return None
     for d, dr in best_victims:
