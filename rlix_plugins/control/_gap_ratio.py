@@ -4,9 +4,11 @@ Model (after the reference ``plan_generation_gap_ratio``, with its starvation ga
 
 * **Eligible** receivers: registered generation clusters that are not being released this cycle, do not hold a
   non-GENERATION allocation (e.g. INITIALIZATION), and have a pending GENERATION request or active ranks.
-* **Demand** of a cluster: ``progress.remaining`` of its pipeline when progress is known, else 0; a pending
-  GENERATION request raises it to at least the request's ``step_target_estimate`` (1 when absent, so a pipeline
-  with neither progress nor an estimate is never skipped: reference debug #27).
+* **Demand** of a cluster: ``progress.remaining`` of its pipeline when progress is known and positive;
+  otherwise, with a pending GENERATION request, the request's ``step_target_estimate`` (1 when absent, so a
+  pipeline with neither progress nor an estimate is never skipped: reference debug #27); otherwise 0.
+  Progress wins over the estimate, so a standing request (re-issued by the scheduler while work is left) never
+  masks how much work is really left.
 * ``weight = demand x tp``; ``budget`` = idle GPUs that no waiting non-generation request reserves and that
   some eligible cluster may use, plus all active generation GPUs.
 * ``target = max(round_half_up(weight / Σweight x budget / tp) x tp, tp)`` capped at the mapping size: every
@@ -59,8 +61,8 @@ def cluster_demands(state: PlanState) -> dict[str, int]:
             continue
         prog = snap.progress.get(spec.pipeline_id)
         demand = prog.remaining if prog is not None else 0
-        if preq is not None:
-            demand = max(demand, max(preq.step_target_estimate or 1, 1))
+        if preq is not None and demand == 0:
+            demand = max(preq.step_target_estimate or 1, 1)
         demands[cid] = demand
     return demands
 

@@ -218,3 +218,19 @@ def test_no_usable_idle_bundle_left_while_generation_waits(snap) -> None:
             s = snap.clusters[r.cluster_id]
             for k in range(s.num_dp_ranks):
                 assert not set(s.bundle(k)) <= free - reserved, f"{r.cluster_id} left bundle {s.bundle(k)} idle"
+
+
+def test_standing_request_does_not_mask_progress() -> None:
+    """The scheduler re-issues a standing GENERATION request while work is left; progress still decides."""
+    clusters = {**pipeline("a", None, range(8)), **pipeline("b", None, range(8))}
+    snap = snapshot(
+        8,
+        clusters,
+        [gen_alloc(clusters["a_actor_infer"], [0, 1, 2, 3]), gen_alloc(clusters["b_actor_infer"], [4, 5, 6, 7])],
+        [PendingRequest("a_actor_infer", GEN, 1, step_target_estimate=512), PendingRequest("b_actor_infer", GEN, 2, step_target_estimate=512)],
+        progress={"a": (512, 502), "b": (512, 0)},
+    )
+    plan = plan_cycle(snap)
+    validate_plan(snap, plan)
+    assert (len(active(plan, "a_actor_infer")), len(active(plan, "b_actor_infer"))) == (1, 7)
+    assert {g.cluster_id for g in plan.grants} == {"a_actor_infer", "b_actor_infer"}
