@@ -1,0 +1,240 @@
+"""Demo rollout ranks: one Ray actor per vLLM DP rank (real vLLM with the rlix receiver) and the fleet over them.
+
+:class:`DemoEngine` owns ``vllm.LLM`` and drives its ``LLMEngine`` from ONE thread (``_loop``): requests are
+added and stepped there, and every other engine call (weight-sync ``collective_rpc``, prefix-cache reset, sleep,
+wake, abort) is queued to that thread and runs between two decode steps. So a weight refresh of an active
+rank lands "in flight" without draining it, exactly one thread touches vLLM (it is not thread-safe), and an
+abort finishes the caller's request itself (vLLM's ``abort_request`` never completes the request's output,
+reference bug 7).
+
+:class:`DemoFleet` implements :class:`~rlix_plugins.pipeline.protocols.RolloutFleet` over those actors.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+import ray
+
+from rlix_plugins.errors import RlixTimeoutError, TransportError
+
+__all__ = ["DemoEngine", "DemoFleet"]
+
+_IDLE_WAIT_S: Final = 0.02
+
+
+@dataclass
+class _Request:
+    future: Future[dict[str, Any]]
+    outputs: list[list[int]] = field(default_factory=list)
+
+
+class DemoEngine:
+    """One DP rank. ``env`` is applied before vLLM is imported (e.g. ``VLLM_ENABLE_V1_MULTIPROCESSING=0``)."""
+
+    def __init__(self, dp_rank: int, llm_kwargs: dict[str, Any], env: dict[str, str] | None = None) -> None:
+        os.environ.update(env or {})
+        from vllm import LLM
+
+        self.dp_rank = dp_rank
+        t0 = time.perf_counter()
+        self.llm = LLM(**llm_kwargs)
+        self.start_seconds = time.perf_counter() - t0
+        self._engine = self.llm.llm_engine
+        self._cmds: queue.Queue[tuple[Callable[[], Any], Future[Any]]] = queue.Queue()
+        self._requests: dict[str, _Request] = {}
+        self._ids = itertools.count()
+        self._sleeping = False
+        self._stats = {"steps": 0, "requests": 0, "aborted": 0, "rpcs": 0}
+        self._thread = threading.Thread(target=self._loop, name=f"rlix-engine-{dp_rank}", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ engine thread
+    def _loop(self) -> None:
+        while True:
+            try:
+                fn, fut = self._cmds.get(timeout=_IDLE_WAIT_S if not self._requests else 0.0)
+            except queue.Empty:
+                fn = None
+            if fn is not None:
+                if fut.set_running_or_notify_cancel():
+                    try:
+                        fut.set_result(fn())
+                    except BaseException as exc:
+                        fut.set_exception(exc)
+                continue  # drain every queued command before the next step
+            if self._requests:
+                try:
+                    outs = self._engine.step()
+                except BaseException as exc:  # the engine died: fail every caller instead of hanging them
+                    for req in self._requests.values():
+                        req.future.set_exception(exc)
+                    self._requests.clear()
+                    continue
+                self._stats["steps"] += 1
+                for out in outs:
+                    req = self._requests.get(out.request_id)
+                    if req is not None and out.finished:
+                        del self._requests[out.request_id]
+                        req.future.set_result({"tokens": [list(c.token_ids) for c in out.outputs], "aborted": False})
+
+    def _run(self, fn: Callable[[], Any], timeout_s: float, what: str) -> Any:
+        fut: Future[Any] = Future()
+        self._cmds.put((fn, fut))
+        try:
+            return fut.result(timeout=timeout_s)
+        except TimeoutError:
+            fut.cancel()
+            raise RlixTimeoutError(f"engine dp{self.dp_rank}: {what} did not run within {timeout_s:.0f} s") from None
+
+    # ------------------------------------------------------------------ requests
+    def generate(self, prompt_token_ids: list[int], n: int, max_tokens: int, temperature: float = 1.0,
+                 seed: int | None = None, timeout_s: float = 120.0) -> dict[str, Any]:
+        """``n`` samples for one prompt. ``{"tokens": [[ids]...], "aborted": bool, "dp_rank": int}``."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = SamplingParams(n=n, max_tokens=max_tokens, temperature=temperature, seed=seed)
+        rid = f"dp{self.dp_rank}-{next(self._ids)}"
+        req = _Request(Future())
+
+        def add() -> None:
+            if self._sleeping:
+                raise TransportError(f"engine dp{self.dp_rank} is asleep: the router must not send requests here")
+            self._engine.add_request(rid, TokensPrompt(prompt_token_ids=list(prompt_token_ids)), params)
+            self._requests[rid] = req
+            self._stats["requests"] += 1
+
+        self._run(add, timeout_s, "add_request")
+        try:
+            result = req.future.result(timeout=timeout_s)
+        except TimeoutError:
+            self.abort_all()
+            raise RlixTimeoutError(f"engine dp{self.dp_rank}: request {rid} did not finish within {timeout_s:.0f} s") from None
+        return {**result, "dp_rank": self.dp_rank}
+
+    def abort_all(self, timeout_s: float = 30.0) -> int:
+        """Abort every in-flight request; each caller returns ``aborted=True`` at once."""
+
+        def abort() -> int:
+            ids = list(self._requests)
+            if ids:
+                self._engine.abort_request(ids)
+            for rid in ids:
+                self._requests.pop(rid).future.set_result({"tokens": [], "aborted": True})
+            self._stats["aborted"] += len(ids)
+            return len(ids)
+
+        return int(self._run(abort, timeout_s, "abort"))
+
+    def in_flight(self) -> int:
+        return len(self._requests)
+
+    # ------------------------------------------------------------------ weight sync surface (RayEngineRpc)
+    def rlix_rpc(self, method: str, args: tuple[Any, ...] = (), timeout_s: float = 300.0) -> list[Any]:
+        def rpc() -> list[Any]:
+            self._stats["rpcs"] += 1
+            return list(self.llm.collective_rpc(method, args=tuple(args)))
+
+        return list(self._run(rpc, timeout_s, f"collective_rpc({method})"))
+
+    def reset_prefix_cache(self) -> bool:
+        return bool(self._run(self.llm.reset_prefix_cache, 60.0, "reset_prefix_cache"))
+
+    # ------------------------------------------------------------------ sleep / wake / memory
+    def sleep(self, level: int, timeout_s: float = 60.0) -> None:
+        def sleep() -> None:
+            if self._requests:
+                raise TransportError(f"engine dp{self.dp_rank}: sleep with {len(self._requests)} requests in flight "
+                                     "(a shrink must abort and drain first)")
+            if not self._sleeping:
+                self.llm.sleep(level=level)
+                self._sleeping = True
+
+        self._run(sleep, timeout_s, f"sleep(level={level})")
+
+    def wake_up(self, tags: list[str] | None = None, timeout_s: float = 60.0) -> None:
+        def wake() -> None:
+            if self._sleeping:
+                self.llm.wake_up(tags=tags)
+                self._sleeping = tags is not None and "kv_cache" not in tags
+
+        self._run(wake, timeout_s, "wake_up")
+
+    def memory_in_use(self) -> int | None:
+        """Device bytes this process holds (NVML per process, else the device's used bytes); None on CPU."""
+        try:
+            import torch
+
+            if not torch.cuda.is_available():
+                return None
+        except ImportError:
+            return None
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            index = int(os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0])
+            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            pids = {os.getpid()}
+            return sum(int(p.usedGpuMemory or 0) for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
+                       if p.pid in pids)
+        except Exception:
+            free, total = torch.cuda.mem_get_info()
+            return int(total - free)
+
+    def stats(self) -> dict[str, Any]:
+        return {**self._stats, "sleeping": self._sleeping, "in_flight": len(self._requests),
+                "start_seconds": self.start_seconds, "pid": os.getpid()}
+
+
+def _get_all(refs: dict[int, Any], timeout_s: float, what: str) -> dict[int, Any]:
+    deadline = time.monotonic() + timeout_s
+    out: dict[int, Any] = {}
+    for rank, ref in refs.items():
+        try:
+            out[rank] = ray.get(ref, timeout=max(deadline - time.monotonic(), 0.0))
+        except ray.exceptions.GetTimeoutError:
+            raise RlixTimeoutError(f"{what}: dp rank {rank} did not answer within {timeout_s:.0f} s") from None
+        except ray.exceptions.RayTaskError as exc:
+            raise TransportError(f"{what}: dp rank {rank} failed: {exc.cause!r}") from None
+    return out
+
+
+class DemoFleet:
+    """:class:`~rlix_plugins.pipeline.protocols.RolloutFleet` over :class:`DemoEngine` actors (picklable)."""
+
+    def __init__(self, engines: list[Any], devices: list[list[tuple[int, int]]]) -> None:
+        self.engines = list(engines)
+        self._devices = [list(d) for d in devices]
+
+    def dp_ranks(self) -> list[int]:
+        return list(range(len(self.engines)))
+
+    def devices(self, dp_rank: int) -> list[tuple[int, int]]:
+        return list(self._devices[dp_rank])
+
+    def engine_rpc(self, dp_rank: int) -> Any:
+        from rlix_plugins.vllm.driver import RayEngineRpc
+
+        return RayEngineRpc(self.engines[dp_rank], rpc_method="rlix_rpc", reset_method="reset_prefix_cache")
+
+    def abort(self, dp_ranks: list[int], timeout_s: float) -> None:
+        _get_all({r: self.engines[r].abort_all.remote(timeout_s) for r in dp_ranks}, timeout_s + 10, "abort")
+
+    def sleep(self, dp_ranks: list[int], level: int, timeout_s: float) -> None:
+        _get_all({r: self.engines[r].sleep.remote(level, timeout_s) for r in dp_ranks}, timeout_s + 10, "sleep")
+
+    def wake_up(self, dp_ranks: list[int], tags: list[str] | None, timeout_s: float) -> None:
+        _get_all({r: self.engines[r].wake_up.remote(tags, timeout_s) for r in dp_ranks}, timeout_s + 10, "wake_up")
+
+    def memory_in_use(self, dp_ranks: list[int], timeout_s: float) -> dict[int, int | None]:
+        return _get_all({r: self.engines[r].memory_in_use.remote() for r in dp_ranks}, timeout_s, "memory_in_use")

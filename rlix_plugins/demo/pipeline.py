@@ -1,0 +1,177 @@
+"""One demo pipeline: its driver actor runs the GRPO-shaped loop through the shared pipeline runtime.
+
+The loop calls :class:`~rlix_plugins.pipeline.runtime.PipelineRuntime` exactly where patched NeMo RL's
+``async_grpo_train`` calls the hooks (``patches/nemo-rl/7ea279a``)::
+
+    start (≈ rlix_pipeline_start) → collector created → attach_collector (≈ on_trajectory_collector_created)
+    per step: sample → before_training → train → before_weight_sync → after_training → publish
+              → on_published (≈ on_weight_version_published)
+    finally: end (≈ on_pipeline_end)
+
+The driver is a Ray actor that OWNS everything of its pipeline (coordinator, router, resizer, engines,
+trainer, collector): killing it kills them, the scheduler's health probe fails the pipeline and its GPUs
+return to the pool while other pipelines continue.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import ray
+
+from rlix_plugins.pipeline.config import RuntimeConfig
+
+__all__ = ["DemoPipeline", "PipelineSpec"]
+
+
+@dataclass(frozen=True)
+class PipelineSpec:
+    """Everything one demo pipeline needs (picklable)."""
+
+    name: str
+    model_dir: str
+    train_devices: tuple[int, ...]
+    infer_devices: tuple[int, ...]
+    steps: int = 3
+    prompts_per_step: int = 4
+    group_size: int = 4
+    max_tokens: int = 12
+    max_age: int = 1
+    bucket_size_bytes: int = 1 << 20
+    on_gpu: bool = False
+    kv_cache_bytes: int = 64 << 20
+    gpu_memory_utilization: float = 0.2
+    seed: int = 0
+    lr: float = 3e-3
+    sample_timeout_s: float = 600.0
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+
+
+def engine_kwargs(spec: PipelineSpec) -> tuple[dict[str, Any], dict[str, str]]:
+    """``vllm.LLM`` kwargs and environment of a demo engine (CPU: in-process engine; GPU: real sleep mode)."""
+    from rlix_plugins.vllm import CPU_WORKER_CLS, GPU_WORKER_CLS
+
+    kwargs: dict[str, Any] = {
+        "model": spec.model_dir, "dtype": "bfloat16", "max_model_len": 64, "max_num_seqs": 16,
+        "enforce_eager": True, "seed": spec.seed, "kv_cache_memory_bytes": spec.kv_cache_bytes,
+    }
+    env = {"HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "TOKENIZERS_PARALLELISM": "false",
+           "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    if spec.on_gpu:
+        kwargs.update(worker_cls=GPU_WORKER_CLS, enable_sleep_mode=True,
+                      gpu_memory_utilization=spec.gpu_memory_utilization)
+    else:
+        kwargs.update(worker_cls=CPU_WORKER_CLS)
+        env.update(OMP_NUM_THREADS="1", VLLM_CPU_OMP_THREADS_BIND="nobind")
+    return kwargs, env
+
+
+class DemoPipeline:
+    """Driver actor of one pipeline. ``run()`` returns a summary; ``events()`` streams per-step records."""
+
+    def __init__(self, spec: PipelineSpec) -> None:
+        self.spec = spec
+        self._events: list[dict[str, Any]] = []
+        self._lock = threading.Lock()
+        self.pipeline_id: str | None = None
+
+    def _emit(self, **event: Any) -> None:
+        event.setdefault("time", time.time())
+        event.setdefault("pipeline", self.spec.name)
+        event.setdefault("pipeline_id", self.pipeline_id)
+        with self._lock:
+            self._events.append(event)
+
+    def events(self, since: int = 0) -> list[dict[str, Any]]:
+        with self._lock:
+            return list(self._events[since:])
+
+    def get_pipeline_id(self) -> str | None:
+        return self.pipeline_id
+
+    def _make_fleet(self) -> Any:
+        from rlix_plugins.demo.engine import DemoEngine, DemoFleet
+
+        spec = self.spec
+        kwargs, env = engine_kwargs(spec)
+        engines = []
+        for rank, gpu in enumerate(spec.infer_devices):
+            runtime_env: dict[str, Any] = {"env_vars": dict(env)}
+            if spec.on_gpu:
+                runtime_env["env_vars"].update(CUDA_VISIBLE_DEVICES=str(gpu),
+                                               RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES="1")
+            actor = ray.remote(DemoEngine).options(num_cpus=0, num_gpus=0, max_concurrency=64,
+                                                   runtime_env=runtime_env, max_restarts=0)
+            engines.append(actor.remote(rank, kwargs, runtime_env["env_vars"]))
+        stats = ray.get([e.stats.remote() for e in engines], timeout=spec.runtime.init_timeout_s)
+        self._emit(kind="engines", start_seconds=[s["start_seconds"] for s in stats])
+        self.engines = engines
+        return DemoFleet(engines, [[(0, g)] for g in spec.infer_devices])
+
+    def run(self) -> dict[str, Any]:
+        from rlix_plugins.control import client
+        from rlix_plugins.demo.collector import CollectorPublisher, DemoCollector
+        from rlix_plugins.demo.trainer import ActorWeightSource, DemoTrainer
+        from rlix_plugins.pipeline.router import RouterClient
+        from rlix_plugins.pipeline.runtime import PipelineRuntime
+
+        spec = self.spec
+        t_start = time.time()
+        cp = client.connect(create_if_missing=False)
+        rt = PipelineRuntime.register(cp, list(spec.train_devices), list(spec.infer_devices), config=spec.runtime)
+        self.pipeline_id = rt.pipeline_id
+        self._emit(kind="registered", train=list(spec.train_devices), infer=list(spec.infer_devices))
+        collector: Any = None
+        steps_done = 0
+        error: str | None = None
+        seen = 0
+        try:
+            trainer = ray.remote(DemoTrainer).options(num_cpus=0, max_concurrency=4, max_restarts=0).remote(
+                spec.model_dir, spec.bucket_size_bytes, (0, spec.train_devices[0]), lr=spec.lr, seed=spec.seed)
+            rt.start(ActorWeightSource(trainer), self._make_fleet, offload=lambda: ray.get(trainer.offload.remote()))
+            collector = ray.remote(DemoCollector).options(num_cpus=0, max_concurrency=64, max_restarts=0).remote(
+                RouterClient(rt.router, rt.num_dp_ranks, timeout_s=10.0), self.engines, rt.progress_reporter(),
+                prompts_per_step=spec.prompts_per_step, group_size=spec.group_size, max_tokens=spec.max_tokens,
+                max_age=spec.max_age, seed=spec.seed)
+            publisher = CollectorPublisher(collector)
+            rt.attach_collector(publisher)
+            ray.get(collector.start.remote(2 * rt.num_dp_ranks), timeout=60)
+            hist = rt.resize_history()
+            seen = len(hist)
+            self._emit(kind="started", resizes=hist, init_seconds=time.time() - t_start,
+                       phases={what: round(sec, 2) for _, what, _, sec in rt.timings})
+            for step in range(spec.steps):
+                t0 = time.time()
+                groups = ray.get(collector.sample.remote(step, spec.sample_timeout_s), timeout=spec.sample_timeout_s + 30)
+                rt.before_training(step)
+                t_train = time.time()
+                metrics = ray.get(trainer.train_step.remote(groups), timeout=600)
+                rt.before_weight_sync(step)
+                version = rt.after_training(step, offload=lambda: ray.get(trainer.offload.remote()))
+                publisher.set_weight_version(version, 60.0)
+                rt.on_published(step, version)
+                steps_done += 1
+                hist = rt.resize_history(seen)
+                seen += len(hist)
+                self._emit(kind="step", step=step, version=version, reward=metrics["reward"], loss=metrics["loss"],
+                           seconds=time.time() - t0, train_wait_s=t_train - t0, resizes=hist,
+                           group_versions=sorted({g["version"] for g in groups}),
+                           ranks_used=sorted({g["dp_rank"] for g in groups}))
+        except BaseException as exc:
+            error = f"{type(exc).__name__}: {exc}"
+            self._emit(kind="error", error=error, traceback=traceback.format_exc()[-2000:])
+        finally:
+            end_errors = rt.end(stop_collector=(lambda: ray.get(collector.stop.remote(), timeout=30))
+                                if collector is not None else None)
+            hist = rt.resize_history(seen)
+        stats = ray.get(collector.stats.remote(), timeout=30) if collector is not None else {}
+        summary = {"name": spec.name, "pipeline_id": self.pipeline_id, "steps": steps_done, "error": error,
+                   "end_errors": end_errors, "seconds": time.time() - t_start, "collector": stats,
+                   "watchdog_requests": rt.watchdog_requests,
+                   "timings": rt.timings, "spec": {k: v for k, v in asdict(spec).items() if k != "runtime"}}
+        self._emit(kind="done", summary=summary, resizes=hist)
+        return summary

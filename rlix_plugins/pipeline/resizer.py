@@ -1,0 +1,207 @@
+"""The pipeline's resize handler: a Ray actor the coordinator calls for every shrink and expand.
+
+Registered with ``PipelineHandle.set_resize_handler``; the scheduler reaches it only through the pipeline's
+coordinator (which holds the resize lock around each call and signals grants after it returned).
+
+* **shrink** ``resize_infer(remove, [])``: remove from routing → abort in-flight requests → drain → sleep
+  (configured level) → check the rank's device memory dropped (where measurable).
+* **expand** ``resize_infer([], add)``: wake → sync weights from the CPU cache (``WeightSource.sync``: buckets →
+  finalize once per target rank → verify checksums) → publish the CURRENT version (no bump) → activate routing.
+  Atomic: if any step before activation fails the ranks are NOT routed to; they are put back to sleep (best
+  effort), marked dirty, and the error propagates so the scheduler fails this pipeline only.
+* **refresh** ``refresh_active()``: the in-flight refresh of the still-active ranks after a training step (no
+  drain; called by the runtime while it holds the coordinator's resize lock, so no expand or shrink interleaves).
+
+Lifetime: created by the pipeline's driver (owned by it, dies with it). Threaded (``max_concurrency`` 4) so
+``history``/``ping`` answer during a long sync; resizes themselves are serialised by ``_op_lock``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Final
+
+import ray
+
+from rlix_plugins.errors import RlixError, RlixTimeoutError, SchedulerError, WeightVerificationError
+from rlix_plugins.pipeline.config import RuntimeConfig
+from rlix_plugins.pipeline.protocols import RolloutFleet, SyncResult, VersionPublisher, WeightSource
+from rlix_plugins.pipeline.versions import published_version
+
+__all__ = ["FleetResizer", "resizer_name"]
+
+_RPC_S: Final = 30.0
+
+
+def resizer_name(pipeline_id: str) -> str:
+    return f"rlix:resizer:{pipeline_id}"
+
+
+class FleetResizer:
+    """See the module docstring. Construct through ``PipelineRuntime`` (it names and places the actor)."""
+
+    def __init__(self, pipeline_id: str, fleet: RolloutFleet, weights: WeightSource, router: Any,
+                 config: RuntimeConfig) -> None:
+        self._pid = pipeline_id
+        self._fleet = fleet
+        self._weights = weights
+        self._router = router
+        self._cfg = config
+        self._publisher: VersionPublisher | None = None
+        self._version: int | None = None  # the published version (None until the runtime sets it)
+        self._op_lock = threading.Lock()
+        self._state = threading.Lock()
+        self._dirty: set[int] = set()
+        self._history: list[dict[str, Any]] = []
+
+    # ------------------------------------------------------------------ wiring
+    def ping(self) -> str:
+        return "ok"
+
+    def set_publisher(self, publisher: VersionPublisher) -> None:
+        self._publisher = publisher
+
+    def set_version(self, version: int) -> None:
+        """The version generation serves from now on (set by the runtime after it published it)."""
+        with self._state:
+            self._version = version
+
+    def history(self, since: int = 0) -> list[dict[str, Any]]:
+        with self._state:
+            return list(self._history[since:])
+
+    def dirty(self) -> list[int]:
+        with self._state:
+            return sorted(self._dirty)
+
+    def _record(self, **event: Any) -> dict[str, Any]:
+        event.setdefault("time", time.time())
+        with self._state:
+            self._history.append(event)
+        return event
+
+    def _router_call(self, method: str, *args: Any, timeout_s: float = _RPC_S) -> Any:
+        try:
+            return ray.get(getattr(self._router, method).remote(*args), timeout=timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise RlixTimeoutError(f"pipeline {self._pid}: router.{method} did not answer in {timeout_s:.0f} s") from None
+        except ray.exceptions.RayTaskError as exc:
+            raise exc.cause if isinstance(exc.cause, Exception) else exc from None
+
+    # ------------------------------------------------------------------ scheduler entry point
+    def resize_infer(self, dp_ranks_to_remove: list[int], dp_ranks_to_add: list[int]) -> None:
+        if bool(dp_ranks_to_remove) == bool(dp_ranks_to_add):
+            raise SchedulerError(
+                f"resize_infer(remove={dp_ranks_to_remove}, add={dp_ranks_to_add}): exactly one list must be non-empty"
+            )
+        with self._op_lock:
+            if dp_ranks_to_remove:
+                self._shrink(sorted(dp_ranks_to_remove), reason="scheduler")
+            else:
+                self._expand(sorted(dp_ranks_to_add))
+
+    # ------------------------------------------------------------------ shrink
+    def _shrink(self, ranks: list[int], reason: str) -> dict[str, Any]:
+        cfg = self._cfg
+        t0 = time.perf_counter()
+        self._router_call("deactivate", ranks)
+        t_route = time.perf_counter()
+        self._fleet.abort(ranks, cfg.drain_timeout_s)
+        self._router_call("wait_drained", ranks, cfg.drain_timeout_s, timeout_s=cfg.drain_timeout_s + _RPC_S)
+        t_drain = time.perf_counter()
+        before = self._fleet.memory_in_use(ranks, cfg.drain_timeout_s)
+        self._fleet.sleep(ranks, cfg.sleep_level, cfg.drain_timeout_s)
+        t_sleep = time.perf_counter()
+        after = self._fleet.memory_in_use(ranks, cfg.drain_timeout_s)
+        event = self._record(op="shrink", ranks=ranks, reason=reason, seconds=t_sleep - t0,
+                             drain_s=t_drain - t_route, sleep_s=t_sleep - t_drain, level=cfg.sleep_level,
+                             memory_before=before, memory_after=after)
+        limit = cfg.post_sleep_max_bytes
+        high = {r: b for r, b in after.items() if b is not None and limit is not None and b > limit}
+        if high:
+            raise RlixError(
+                f"pipeline {self._pid}: dp ranks {sorted(high)} still hold {high} bytes after sleep(level="
+                f"{cfg.sleep_level}) (limit {limit}, RuntimeConfig.post_sleep_max_bytes): the GPU is not free for "
+                "the next tenant; check enable_sleep_mode and that no request was left running"
+            )
+        return event
+
+    # ------------------------------------------------------------------ expand
+    def _targets(self, ranks: list[int]) -> dict[int, tuple[Any, list[tuple[int, int]]]]:
+        return {r: (self._fleet.engine_rpc(r), self._fleet.devices(r)) for r in ranks}
+
+    def _sync(self, ranks: list[int]) -> SyncResult:
+        result = self._weights.sync(self._targets(ranks), self._cfg.sync_timeout_s, self._cfg.verify)
+        if sorted(result.dp_ranks) != sorted(ranks):
+            raise RlixError(f"pipeline {self._pid}: weight sync covered ranks {list(result.dp_ranks)}, asked {ranks}")
+        if self._cfg.verify and not result.verified:
+            raise WeightVerificationError(
+                f"pipeline {self._pid}: sync of version {result.version} to ranks {ranks} was not verified on every "
+                f"rank (verified parameters per rank: {result.verified_params})"
+            )
+        return result
+
+    def _expand(self, ranks: list[int]) -> dict[str, Any]:
+        cfg = self._cfg
+        t0 = time.perf_counter()
+        # Never route to a rank before its weights are verified: it may serve dummy, stale or half-loaded weights.
+        self._router_call("deactivate", ranks)
+        try:
+            self._fleet.wake_up(ranks, None, cfg.drain_timeout_s)
+            t_wake = time.perf_counter()
+            result = self._sync(ranks)
+            t_sync = time.perf_counter()
+            with self._state:
+                version = self._version
+            if version is None:
+                version = published_version(result.version)
+            if self._publisher is not None:
+                # The version the pipeline already published (no bump; expand never advances it, debug #31/#36).
+                self._publisher.set_weight_version(version, _RPC_S)
+        except BaseException as exc:
+            with self._state:
+                self._dirty |= set(ranks)
+            try:
+                self._fleet.sleep(ranks, cfg.sleep_level, cfg.drain_timeout_s)
+            except Exception as sleep_exc:  # keep the original error; the ranks stay unrouted either way
+                exc.add_note(f"putting ranks {ranks} back to sleep also failed: {sleep_exc}")
+            self._record(op="expand_failed", ranks=ranks, error=f"{type(exc).__name__}: {exc}")
+            raise
+        self._router_call("activate", ranks)
+        t_done = time.perf_counter()
+        with self._state:
+            self._dirty -= set(ranks)
+        return self._record(op="expand", ranks=ranks, seconds=t_done - t0, wake_s=t_wake - t0,
+                            sync_s=t_sync - t_wake, activate_s=t_done - t_sync, version=result.version,
+                            published=version, verified=result.verified, verified_params=result.verified_params,
+                            payload_bytes=result.payload_bytes)
+
+    # ------------------------------------------------------------------ runtime entry points
+    def refresh_active(self) -> dict[str, Any]:
+        """Sync the cache to every ACTIVE rank in flight (no drain). Caller holds the coordinator's resize lock."""
+        with self._op_lock:
+            active = list(self._router_call("active"))
+            if not active:
+                return self._record(op="refresh", ranks=[], seconds=0.0, version=None, verified=True)
+            t0 = time.perf_counter()
+            result = self._sync(active)
+            return self._record(op="refresh", ranks=active, seconds=time.perf_counter() - t0,
+                                version=result.version, verified=result.verified,
+                                verified_params=result.verified_params, payload_bytes=result.payload_bytes)
+
+    def prewarm_and_sleep(self, ranks: list[int]) -> dict[str, Any]:
+        """Start-up: wake and sleep every rank once while the pipeline holds its inference GPUs (debug #68)."""
+        with self._op_lock:
+            cfg = self._cfg
+            t0 = time.perf_counter()
+            self._fleet.wake_up(ranks, None, cfg.drain_timeout_s)
+            self._fleet.sleep(ranks, cfg.sleep_level, cfg.drain_timeout_s)
+            after = self._fleet.memory_in_use(ranks, cfg.drain_timeout_s)
+            return self._record(op="prewarm", ranks=ranks, seconds=time.perf_counter() - t0, memory_after=after)
+
+    def shrink_all(self, reason: str) -> dict[str, Any] | None:
+        """Sleep every active rank (end of run, after the scheduler's planned release; idempotent)."""
+        with self._op_lock:
+            active = list(self._router_call("active"))
+            return self._shrink(active, reason) if active else None

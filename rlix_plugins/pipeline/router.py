@@ -1,0 +1,209 @@
+"""Routing over the active DP ranks of one pipeline: a named Ray actor plus a picklable client.
+
+Why an actor (debug #33): NeMo RL's trajectory collector routes with its own pickled copy of ``VllmGeneration``,
+so routing state kept in a Python object is invisible to it after a resize. The state lives in exactly one
+place, the :class:`RolloutRouter` actor ``rlix:router:<pid>`` in the pipeline's namespace, and every process
+that routes holds a :class:`RouterClient` (a handle, nothing else).
+
+* ``acquire(timeout_s)`` picks the least-outstanding ACTIVE rank and returns ``(rank, ticket)``; it BLOCKS while
+  no rank is active (a pipeline whose ranks are all preempted waits, it does not fail), bounded by the timeout.
+* ``release(ticket)`` returns whether the rank was deactivated (shrunk) while the ticket was out: the caller
+  then retries the aborted request on another active rank (:meth:`RouterClient.route`, at most
+  ``max_attempts``, reference F3). Any other failure is re-raised unchanged.
+* ``deactivate(ranks)`` (first step of a shrink) / ``activate(ranks)`` (last step of an expand);
+  ``wait_drained(ranks, timeout_s)`` waits until no ticket is out on the ranks (shrink: abort → drain → sleep).
+
+Threaded actor: blocked ``acquire`` calls each hold one of ``max_concurrency`` threads.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Final, TypeVar
+
+import ray
+
+from rlix_plugins.errors import RlixConfigError, RlixTimeoutError, SchedulerError
+from rlix_plugins.pipeline.protocols import ShardPreemptedError
+
+__all__ = ["ROUTER_MAX_CONCURRENCY", "RolloutRouter", "RouterClient", "router_name"]
+
+#: Threads of the router actor: concurrent blocked ``acquire`` calls plus control calls.
+ROUTER_MAX_CONCURRENCY: Final = 256
+_RPC_S: Final = 30.0
+T = TypeVar("T")
+
+
+def router_name(pipeline_id: str) -> str:
+    return f"rlix:router:{pipeline_id}"
+
+
+@dataclass
+class _Ticket:
+    rank: int
+    preempted: bool = False
+
+
+class RolloutRouter:
+    """Active ranks and in-flight tickets of one pipeline (see the module docstring). All ranks start inactive."""
+
+    def __init__(self, num_dp_ranks: int) -> None:
+        if num_dp_ranks < 1:
+            raise RlixConfigError(f"num_dp_ranks={num_dp_ranks} must be >= 1")
+        self._n = num_dp_ranks
+        self._cond = threading.Condition()
+        self._active: set[int] = set()
+        self._inflight = dict.fromkeys(range(num_dp_ranks), 0)
+        self._served = dict.fromkeys(range(num_dp_ranks), 0)
+        self._preempted = 0
+        self._tickets: dict[int, _Ticket] = {}
+        self._seq = itertools.count(1)
+
+    def ping(self) -> str:
+        return "ok"
+
+    def _check(self, ranks: list[int]) -> list[int]:
+        bad = [r for r in ranks if not (isinstance(r, int) and 0 <= r < self._n)]
+        if bad:
+            raise RlixConfigError(f"dp ranks {bad} are outside 0..{self._n - 1}")
+        return sorted(set(ranks))
+
+    def acquire(self, timeout_s: float, exclude: list[int] | None = None) -> tuple[int, int]:
+        """Least-outstanding active rank (ties: lowest rank), skipping ``exclude`` when another is active."""
+        deadline = time.monotonic() + timeout_s
+        skip = set(exclude or ())
+        with self._cond:
+            while True:
+                pool = (self._active - skip) or set(self._active)
+                if pool:
+                    rank = min(pool, key=lambda r: (self._inflight[r], r))
+                    ticket = next(self._seq)
+                    self._tickets[ticket] = _Ticket(rank)
+                    self._inflight[rank] += 1
+                    return rank, ticket
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise RlixTimeoutError(
+                        f"no active rollout rank within {timeout_s:.0f} s (all {self._n} ranks asleep); the pipeline "
+                        "has no GENERATION GPUs - see `rlix status` (RuntimeConfig.route_timeout_s)"
+                    )
+                self._cond.wait(min(left, 1.0))
+
+    def release(self, ticket: int, ok: bool = True) -> bool:
+        """End a ticket; returns True when its rank was shrunk while it was out (the request may be retried)."""
+        with self._cond:
+            t = self._tickets.pop(ticket, None)
+            if t is None:
+                return False
+            self._inflight[t.rank] -= 1
+            if ok and not t.preempted:
+                self._served[t.rank] += 1
+            self._cond.notify_all()
+            return t.preempted
+
+    def deactivate(self, ranks: list[int]) -> list[int]:
+        """Stop routing to ``ranks``; their outstanding tickets are marked preempted. Returns the active ranks."""
+        ranks = self._check(ranks)
+        with self._cond:
+            self._active -= set(ranks)
+            for t in self._tickets.values():
+                if t.rank in ranks and not t.preempted:
+                    t.preempted = True
+                    self._preempted += 1
+            self._cond.notify_all()
+            return sorted(self._active)
+
+    def activate(self, ranks: list[int]) -> list[int]:
+        ranks = self._check(ranks)
+        with self._cond:
+            self._active |= set(ranks)
+            self._cond.notify_all()
+            return sorted(self._active)
+
+    def active(self) -> list[int]:
+        with self._cond:
+            return sorted(self._active)
+
+    def in_flight(self, ranks: list[int] | None = None) -> int:
+        with self._cond:
+            return sum(self._inflight[r] for r in (ranks if ranks is not None else range(self._n)))
+
+    def wait_drained(self, ranks: list[int], timeout_s: float) -> None:
+        """Block until no ticket is out on ``ranks``; raise ``RlixTimeoutError`` naming what is still running."""
+        ranks = self._check(ranks)
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while any(self._inflight[r] for r in ranks):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    busy = {r: self._inflight[r] for r in ranks if self._inflight[r]}
+                    raise RlixTimeoutError(
+                        f"dp ranks did not drain within {timeout_s:.0f} s, requests still in flight: {busy}; the "
+                        "engine did not return aborted requests (vLLM abort must finish the caller's request)"
+                    )
+                self._cond.wait(min(left, 1.0))
+
+    def stats(self) -> dict[str, Any]:
+        with self._cond:
+            return {"active": sorted(self._active), "in_flight": dict(self._inflight),
+                    "served": dict(self._served), "preempted": self._preempted}
+
+
+class RouterClient:
+    """Picklable client of the router actor; what a collector (any process) holds to route requests."""
+
+    def __init__(self, router: Any, num_dp_ranks: int, *, timeout_s: float = 600.0,
+                 max_attempts: int | None = None) -> None:
+        self.router = router
+        self.num_dp_ranks = num_dp_ranks
+        self.timeout_s = timeout_s
+        self.max_attempts = max_attempts or max(num_dp_ranks, 2)
+
+    def _get(self, ref: Any, what: str, timeout_s: float) -> Any:
+        try:
+            return ray.get(ref, timeout=timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise RlixTimeoutError(f"router: {what} did not answer within {timeout_s:.0f} s") from None
+        except ray.exceptions.RayActorError:
+            raise SchedulerError(f"router: the router actor is dead ({what}); the pipeline ended or crashed") from None
+        except ray.exceptions.RayTaskError as exc:
+            raise exc.cause if isinstance(exc.cause, Exception) else exc from None
+
+    def acquire(self, exclude: list[int] | None = None) -> tuple[int, int]:
+        return tuple(self._get(self.router.acquire.remote(self.timeout_s, exclude), "acquire",  # type: ignore[return-value]
+                               self.timeout_s + _RPC_S))
+
+    def release(self, ticket: int, ok: bool = True) -> bool:
+        return bool(self._get(self.router.release.remote(ticket, ok), "release", _RPC_S))
+
+    def route(self, call: Callable[[int], T], *, is_aborted: Callable[[T], bool] | None = None) -> T:
+        """Run ``call(dp_rank)`` on an active rank; retry a request a shrink aborted on another active rank.
+
+        ``is_aborted(result)`` tells an aborted result from a complete one (engines that return instead of
+        raising). A failure on a rank that was NOT shrunk meanwhile is re-raised unchanged.
+        """
+        tried: list[int] = []
+        for _attempt in range(self.max_attempts):
+            rank, ticket = self.acquire(exclude=tried)
+            preempted = False
+            try:
+                result = call(rank)
+            except BaseException:
+                preempted = self.release(ticket, ok=False)
+                if not preempted:
+                    raise
+                tried.append(rank)
+                continue
+            aborted = is_aborted(result) if is_aborted is not None else False
+            preempted = self.release(ticket, ok=not aborted)
+            if not aborted:
+                return result
+            if not preempted:
+                raise ShardPreemptedError(rank, "aborted although the router did not shrink it (aborted elsewhere?)")
+            tried.append(rank)
+        raise ShardPreemptedError(tried[-1] if tried else -1,
+                                  f"aborted by shrinks on {self.max_attempts} attempts (ranks {tried})")

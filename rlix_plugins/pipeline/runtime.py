@@ -1,0 +1,324 @@
+"""Driver side of one time-shared pipeline: the calls a host's training loop makes, in the patched NeMo RL order.
+
+::
+
+    rt = PipelineRuntime.register(cp, train_devices=[0], infer_devices=[0, 1])   # or PipelineRuntime(pipe)
+    rt.start(weights, fleet_or_factory, offload=...)   # INIT(train): cache v-1 → offload → release;
+                                                       # INIT(infer): create fleet → prewarm + sleep → release
+    rt.attach_collector(publisher)                     # GENERATION (estimate ≥ 1); first expand syncs real weights
+    for step in ...:
+        rt.before_training(step)                       # ACTOR_TRAINING granted (donor ranks already slept)
+        ... log-probs, train ...
+        rt.before_weight_sync(step)                    # cache v = step + 1 while params are on the device
+        v = rt.after_training(step, offload=...)       # offload → in-flight refresh of active ranks → v
+        publisher.set_weight_version(v)                # (the loop publishes, as NeMo RL does)
+        rt.on_published(step, v)                       # release ACTOR_TRAINING only now
+    rt.end(stop_collector=...)                         # watchdog off → planned shrink to zero → stop → unregister
+
+Threads: every method is called from the loop's thread; the only other thread is the GENERATION watchdog.
+Every blocking call is bounded by :class:`~rlix_plugins.pipeline.config.RuntimeConfig`.
+Failure isolation: the router and resizer actors are owned by this process; if it dies, they and the
+pipeline's coordinator die with it and the scheduler frees the pipeline's GPUs (other pipelines continue).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, Final
+
+import ray
+
+from rlix_plugins.control.client import ControlPlane, PipelineHandle
+from rlix_plugins.control.coordinator import CoordinatorConfig
+from rlix_plugins.control.types import GENERATION_CLUSTER, TRAIN_CLUSTER, Priority, pipeline_namespace
+from rlix_plugins.errors import RlixError, RlixTimeoutError, SchedulerError
+from rlix_plugins.pipeline.config import RuntimeConfig
+from rlix_plugins.pipeline.protocols import RolloutFleet, VersionPublisher, WeightSource
+from rlix_plugins.pipeline.resizer import FleetResizer, resizer_name
+from rlix_plugins.pipeline.router import ROUTER_MAX_CONCURRENCY, RolloutRouter, RouterClient, router_name
+from rlix_plugins.pipeline.versions import (
+    BOOTSTRAP_VERSION,
+    cache_version_after_step,
+    check_no_double_bump,
+    published_version,
+)
+
+__all__ = ["PipelineRuntime", "ProgressReporter"]
+
+logger = logging.getLogger(__name__)
+_RPC_S: Final = 60.0
+
+
+def _get(ref: Any, what: str, timeout_s: float) -> Any:
+    try:
+        return ray.get(ref, timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        raise RlixTimeoutError(f"{what}: no answer within {timeout_s:.0f} s") from None
+    except ray.exceptions.RayActorError as exc:
+        raise SchedulerError(f"{what}: actor died ({str(exc).splitlines()[0][:200]})") from None
+    except ray.exceptions.RayTaskError as exc:
+        cause = exc.cause
+        if isinstance(cause, Exception):
+            raise cause from None
+        raise
+
+
+class ProgressReporter:
+    """Picklable, fire-and-forget progress path to the pipeline's coordinator (reference F9, ``miles`` format).
+
+    Report the RAW number of trajectories collected for the current step (those intended for it, not the
+    age-window count); the coordinator clamps to ``completed`` and forwards on 2 % changes or new batches.
+    """
+
+    def __init__(self, coordinator: Any) -> None:
+        self.coordinator = coordinator
+
+    def report(self, collected: int, step_target: int, step: int | None = None, new_batch: bool = False) -> None:
+        self.coordinator.report_progress.remote(int(collected), int(step_target), step, bool(new_batch))
+
+
+class PipelineRuntime:
+    """See the module docstring. One instance per pipeline, in the pipeline's driver process."""
+
+    def __init__(self, pipe: PipelineHandle, config: RuntimeConfig | None = None) -> None:
+        self.pipe = pipe
+        self.config = config or RuntimeConfig()
+        self.pipeline_id = pipe.pipeline_id
+        self.num_dp_ranks = pipe.clusters[GENERATION_CLUSTER].num_dp_ranks
+        self.router: Any = None
+        self.resizer: Any = None
+        self.fleet: RolloutFleet | None = None
+        self.weights: WeightSource | None = None
+        self.publisher: VersionPublisher | None = None
+        self._cache_version: int | None = None
+        self._published: int | None = None
+        self._holds_train = False
+        self._ended = False
+        self._stop = threading.Event()
+        self._watchdog: threading.Thread | None = None
+        self._watchdog_requests = 0
+        self._final_history: list[dict[str, Any]] = []
+        #: (time, what, step, seconds) of every blocking phase, for the host's report
+        self.timings: list[tuple[float, str, int | None, float]] = []
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def register(cls, cp: ControlPlane, train_devices: list[int], infer_devices: list[int], *, infer_tp: int = 1,
+                 config: RuntimeConfig | None = None, pipeline_id: str | None = None,
+                 coordinator_config: CoordinatorConfig | None = None) -> PipelineRuntime:
+        """Register + admit a pipeline (training GPUs ⊂ inference GPUs) and wrap it."""
+        if not set(train_devices) <= set(infer_devices):
+            raise RlixError(
+                f"train devices {train_devices} must be a subset of infer devices {infer_devices} (partial overlap)"
+            )
+        pipe = cp.register_pipeline({TRAIN_CLUSTER: 1, GENERATION_CLUSTER: infer_tp},
+                                    {TRAIN_CLUSTER: list(train_devices), GENERATION_CLUSTER: list(infer_devices)},
+                                    pipeline_id=pipeline_id, coordinator_config=coordinator_config)
+        return cls(pipe, config)
+
+    def _timed(self, what: str, step: int | None, t0: float) -> None:
+        self.timings.append((time.time(), what, step, time.perf_counter() - t0))
+
+    # ------------------------------------------------------------------ start-up
+    def start(self, weights: WeightSource, fleet: RolloutFleet | Callable[[], RolloutFleet], *,
+              offload: Callable[[], None] | None = None) -> None:
+        """Init phases (reference §3): INITIALIZATION(train) → cache version -1 (base weights) → offload →
+        release; INITIALIZATION(infer) → fleet created (if a factory) → prewarm once + sleep → release."""
+        cfg, ns = self.config, pipeline_namespace(self.pipeline_id)
+        self.weights = weights
+        self.router = ray.remote(RolloutRouter).options(
+            name=router_name(self.pipeline_id), namespace=ns, num_cpus=0, max_concurrency=ROUTER_MAX_CONCURRENCY,
+            max_restarts=0).remote(self.num_dp_ranks)
+        _get(self.router.ping.remote(), "starting the router", _RPC_S)
+
+        t0 = time.perf_counter()
+        self.pipe.request_gpus(TRAIN_CLUSTER, Priority.INITIALIZATION, step=-1, timeout_s=cfg.init_timeout_s)
+        try:
+            self._cache_version = weights.build_cache(BOOTSTRAP_VERSION, cfg.init_timeout_s)
+            if offload is not None:
+                offload()
+        finally:
+            self.pipe.release_gpus(TRAIN_CLUSTER, step=-1, timeout_s=_RPC_S)
+        self._timed("init_train", None, t0)
+
+        t0 = time.perf_counter()
+        self.pipe.request_gpus(GENERATION_CLUSTER, Priority.INITIALIZATION, step=-1, timeout_s=cfg.init_timeout_s)
+        try:
+            self.fleet = fleet if isinstance(fleet, RolloutFleet) else fleet()
+            ranks = self.fleet.dp_ranks()
+            if sorted(ranks) != list(range(self.num_dp_ranks)):
+                raise RlixError(f"fleet has dp ranks {ranks}; the registration has {self.num_dp_ranks} "
+                                f"(infer devices / infer tp)")
+            self.resizer = ray.remote(FleetResizer).options(
+                name=resizer_name(self.pipeline_id), namespace=ns, num_cpus=0, max_concurrency=4, max_restarts=0,
+            ).remote(self.pipeline_id, self.fleet, weights, self.router, cfg)
+            _get(self.resizer.prewarm_and_sleep.remote(ranks), "prewarm + sleep of the inference ranks",
+                 cfg.init_timeout_s)
+        finally:
+            self.pipe.release_gpus(GENERATION_CLUSTER, step=-1, timeout_s=_RPC_S)
+        self.pipe.set_resize_handler(self.resizer)
+        self._timed("init_infer", None, t0)
+
+    def router_client(self) -> RouterClient:
+        """What the collector holds to route requests (picklable; the state stays in the router actor)."""
+        return RouterClient(self.router, self.num_dp_ranks, timeout_s=self.config.route_timeout_s,
+                            max_attempts=self.config.max_route_attempts)
+
+    def progress_reporter(self) -> ProgressReporter:
+        return ProgressReporter(self.pipe.coordinator)
+
+    def attach_collector(self, publisher: VersionPublisher) -> None:
+        """GENERATION with a step-target estimate (debug #27); returns once ≥ 1 rank is active with real weights."""
+        if self.resizer is None:
+            raise RlixError("attach_collector before start(): the fleet and resize handler do not exist yet")
+        self.publisher = publisher
+        _get(self.resizer.set_publisher.remote(publisher), "resizer.set_publisher", _RPC_S)
+        _get(self.resizer.set_version.remote(published_version(self._cache_version)), "resizer.set_version", _RPC_S)
+        t0 = time.perf_counter()
+        self.pipe.request_gpus(GENERATION_CLUSTER, Priority.GENERATION, step_target_estimate=self.config.step_target_estimate,
+                               timeout_s=self.config.request_timeout_s)
+        if not _get(self.router.active.remote(), "router.active", _RPC_S):
+            raise RlixError(f"pipeline {self.pipeline_id}: GENERATION granted but no rank is routed (resizer bug?)")
+        self._timed("first_generation", None, t0)
+        self._watchdog = threading.Thread(target=self._watch, name=f"rlix-watchdog-{self.pipeline_id}", daemon=True)
+        self._watchdog.start()
+
+    def _watch(self) -> None:
+        """Debug #32: a pipeline whose ranks were all preempted must ask for GENERATION again."""
+        request: threading.Thread | None = None
+        while not self._stop.wait(self.config.watchdog_interval_s):
+            try:
+                if request is not None and request.is_alive():
+                    continue
+                if _get(self.router.active.remote(), "router.active", _RPC_S):
+                    continue
+                request = threading.Thread(target=self._rerequest, daemon=True)
+                request.start()
+            except Exception as exc:  # the watchdog must never kill the run
+                logger.warning("rlix %s watchdog: %s", self.pipeline_id, exc)
+
+    def _rerequest(self) -> None:
+        if self._stop.is_set():
+            return
+        self._watchdog_requests += 1
+        with contextlib.suppress(RlixTimeoutError, SchedulerError):  # pending already / unregistered at the end
+            self.pipe.request_gpus(GENERATION_CLUSTER, Priority.GENERATION,
+                                   step_target_estimate=self.config.step_target_estimate,
+                                   timeout_s=max(self.config.watchdog_interval_s * 10, 20.0))
+
+    # ------------------------------------------------------------------ per step
+    def before_training(self, step: int) -> list[int]:
+        """Block until ACTOR_TRAINING is granted (the scheduler slept the donor ranks before it returns)."""
+        t0 = time.perf_counter()
+        gpus = self.pipe.request_gpus(TRAIN_CLUSTER, Priority.ACTOR_TRAINING, step=step,
+                                      timeout_s=self.config.request_timeout_s)
+        self._holds_train = True
+        self._timed("wait_train_grant", step, t0)
+        return gpus
+
+    def before_weight_sync(self, step: int) -> int:
+        """Build the cache of version ``step + 1`` while the parameters are still on the device (debug #24/#34/#35)."""
+        if not self._holds_train:
+            raise RlixError(f"before_weight_sync(step={step}) without the training GPUs: call before_training first")
+        if self.weights is None:
+            raise RlixError("before_weight_sync before start()")
+        t0 = time.perf_counter()
+        self._cache_version = None
+        self._cache_version = self.weights.build_cache(cache_version_after_step(step), self.config.sync_timeout_s)
+        self._timed("build_cache", step, t0)
+        return self._cache_version
+
+    def after_training(self, step: int, *, offload: Callable[[], None] | None = None) -> int:
+        """Offload → in-flight refresh of the active ranks (under the resize lock) → the version to publish."""
+        expected = cache_version_after_step(step)
+        if self._cache_version != expected:
+            raise RlixError(
+                f"after_training(step={step}): the cache holds version {self._cache_version}, not {expected}; "
+                "before_weight_sync must build it while the parameters are on the device (a cache built after "
+                "the offload reads empty storage, debug #34)"
+            )
+        t0 = time.perf_counter()
+        if offload is not None:
+            offload()
+        self._timed("offload", step, t0)
+        t1 = time.perf_counter()
+        version = published_version(self._cache_version)
+        check_no_double_bump(self._published, version, step)
+        with self.pipe.resize_lock(timeout_s=self.config.resize_lock_timeout_s):
+            _get(self.resizer.refresh_active.remote(), "in-flight refresh of the active ranks",
+                 self.config.sync_timeout_s + _RPC_S)
+            # Inside the lock: an expand right after it already publishes the new version, never the old one.
+            _get(self.resizer.set_version.remote(version), "resizer.set_version", _RPC_S)
+        self._timed("refresh_active", step, t1)
+        return version
+
+    def on_published(self, step: int, version: int) -> None:
+        """The collector has ``version``: only now may the training GPUs go (reference F5/F6 invariant)."""
+        self._published = version
+        if self._holds_train:
+            self.pipe.release_gpus(TRAIN_CLUSTER, step=step, timeout_s=_RPC_S)
+            self._holds_train = False
+
+    def report_progress(self, collected: int, step_target: int, step: int | None = None,
+                        new_batch: bool = False) -> None:
+        self.pipe.report_progress(collected, step_target, step=step, new_batch=new_batch)
+
+    # ------------------------------------------------------------------ end
+    def end(self, *, stop_collector: Callable[[], None] | None = None) -> list[str]:
+        """Watchdog off → release training → planned shrink to zero → stop the collector → unregister.
+
+        Idempotent; never raises (returns the errors it met) so the host's ``finally`` completes (debug #64-#66).
+        """
+        if self._ended:
+            return []
+        self._ended = True
+        errors: list[str] = []
+        self._stop.set()
+        if self._watchdog is not None:
+            self._watchdog.join(timeout=self.config.watchdog_interval_s + _RPC_S)
+        steps: list[tuple[str, Callable[[], Any]]] = []
+        if self._holds_train:
+            steps.append(("release training GPUs", lambda: self.pipe.release_gpus(TRAIN_CLUSTER, timeout_s=_RPC_S)))
+        steps += [
+            ("planned shrink to zero", lambda: self.pipe.await_release(GENERATION_CLUSTER,
+                                                                       timeout_s=self.config.release_timeout_s)),
+            ("stop the collector", stop_collector or (lambda: None)),
+            ("unregister", lambda: self.pipe.unregister("the pipeline finished")),
+        ]
+        for what, fn in steps:
+            try:
+                fn()
+            except Exception as exc:
+                errors.append(f"{what}: {type(exc).__name__}: {exc}")
+                logger.warning("rlix %s end: %s failed: %s", self.pipeline_id, what, exc)
+        self._holds_train = False
+        if self.resizer is not None:
+            with contextlib.suppress(Exception):
+                self._final_history = list(_get(self.resizer.history.remote(0), "resizer.history", _RPC_S))
+        for actor in (self.resizer, self.router):
+            if actor is not None:
+                with contextlib.suppress(Exception):
+                    ray.kill(actor, no_restart=True)
+        return errors
+
+    # ------------------------------------------------------------------ introspection
+    def resize_history(self, since: int = 0) -> list[dict[str, Any]]:
+        if self._ended or self.resizer is None:
+            return self._final_history[since:]
+        return list(_get(self.resizer.history.remote(since), "resizer.history", _RPC_S))
+
+    @property
+    def published(self) -> int | None:
+        return self._published
+
+    @property
+    def cache_version(self) -> int | None:
+        return self._cache_version
+
+    @property
+    def watchdog_requests(self) -> int:
+        return self._watchdog_requests

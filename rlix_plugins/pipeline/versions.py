@@ -1,0 +1,49 @@
+"""Weight-version rules of a time-shared pipeline (pure functions; DESIGN §3, reference F5/F6, debug #31/#36).
+
+* The cache built after training step ``N`` (``before_weight_sync(N)``) has version ``N + 1``
+  (:func:`cache_version_after_step`); the bootstrap cache holds the base weights at :data:`BOOTSTRAP_VERSION` -1.
+* The version published to the trajectory collector is the cache's version clamped to ``>= 0``
+  (:func:`published_version`): the collector starts at 0, and -1 would deadlock it (debug #31).
+  Publishing ``N`` after step ``N`` makes the collector believe targets ``[N .. N + max_age]`` are already buffered
+  and pause forever (debug #36), hence ``N + 1``.
+* One number per cache: the in-flight refresh of active ranks and every later expand publish the SAME version;
+  an expand never bumps it (:func:`check_no_double_bump`).
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+from rlix_plugins.errors import RlixError
+
+#: Version of the bootstrap cache (base weights, built at start-up before any training step).
+BOOTSTRAP_VERSION: Final = -1
+
+
+def cache_version_after_step(step: int) -> int:
+    """Version of the cache built after training step ``step`` (``before_weight_sync(step)``)."""
+    if step < 0:
+        raise RlixError(f"training step must be >= 0, got {step}")
+    return step + 1
+
+
+def published_version(cache_version: int | None) -> int:
+    """What the collector receives for a cache of ``cache_version``: never -1 (debug #31)."""
+    if cache_version is None:
+        raise RlixError("no weight cache version exists yet: bootstrap the cache (version -1) before publishing")
+    return max(cache_version, 0)
+
+
+def check_no_double_bump(previous: int | None, new: int, step: int) -> None:
+    """After step ``step`` the published version must be exactly ``step + 1`` and move forward by at most one.
+
+    Raises ``RlixError`` naming the rule; used by the runtime before it returns the version to the loop.
+    """
+    expected = cache_version_after_step(step)
+    if new != expected:
+        raise RlixError(
+            f"after step {step} the published weight version must be {expected} (the cache step {step} built), "
+            f"got {new}: publishing N after step N deadlocks the collector (debug #36)"
+        )
+    if previous is not None and new > previous + 1 and previous >= 0:
+        raise RlixError(f"weight version jumped from {previous} to {new} after step {step}: bumped twice (debug #31)")
