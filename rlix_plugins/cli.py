@@ -43,6 +43,12 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     return run_cli(args)
 
 
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from rlix_plugins.demo.run import run_cli
+
+    return run_cli(args.pipelines, args.gpus, args.steps, args.out, args.address, args.sleep_level)
+
+
 def _cmd_patch(args: argparse.Namespace) -> int:
     from rlix_plugins.patching import run_cli
 
@@ -100,6 +106,14 @@ def build_parser() -> argparse.ArgumentParser:
     from rlix_plugins.control.simulator import add_arguments as add_sim_arguments
 
     add_sim_arguments(p)
+
+    p = add("demo", _cmd_demo, "Run N built-in tiny GRPO pipelines time-sharing G GPUs (real Ray, vLLM, control plane).")
+    _add_address(p)
+    p.add_argument("--pipelines", type=_positive_int, default=2, help="pipelines to run (default 2)")
+    p.add_argument("--gpus", type=_positive_int, default=2, help="GPUs they share (declared to Ray on CPU; default 2)")
+    p.add_argument("--steps", type=_positive_int, default=3, help="training steps per pipeline (default 3)")
+    p.add_argument("--out", default="out/demo", help="directory for timeline.png and summary.json")
+    p.add_argument("--sleep-level", type=int, choices=[1, 2], default=2, help="vLLM sleep level of shrunk ranks")
 
     p = add("patch", _cmd_patch, "Apply, check or revert the pinned NeMo RL patch series.")
     p.add_argument("action", choices=["apply", "check", "revert"])
