@@ -17,7 +17,7 @@ import ray
 from rlix_plugins.cli import build_parser, main
 from rlix_plugins.control import client
 from rlix_plugins.control.types import Priority
-from tests.control._ray_helpers import control_plane, make_pipeline
+from tests.control._ray_helpers import control_plane, make_pipeline, wait_for
 
 __all__ = ["control_plane"]
 
@@ -109,3 +109,27 @@ def test_status_without_control_plane_is_one_line_error(ray_cluster: object) -> 
     res = rlix("status", "--address", ray.get_runtime_context().gcs_address)
     assert res.returncode == 2
     assert res.stderr.strip().splitlines()[-1].startswith("rlix status:") and "rlix up" in res.stderr
+
+
+def test_up_joins_the_cluster_and_down_stops_the_control_plane(ray_cluster: object) -> None:
+    from tests.control._ray_helpers import kill_control_plane
+
+    kill_control_plane()
+    address = ray.get_runtime_context().gcs_address
+    res = rlix("up", "--address", address)
+    assert res.returncode == 0, res.stderr
+    assert f"on Ray cluster {address}" in res.stdout and "4 GPUs" in res.stdout
+    assert client.connect(create_if_missing=False).pool()["num_gpus"] == 4
+    res = rlix("down", "--address", address)
+    assert res.returncode == 0, res.stderr
+    assert "control plane stopped" in res.stdout
+
+    def gone() -> bool:
+        try:
+            client.connect(create_if_missing=False, timeout_s=5)
+        except client.SchedulerError as exc:
+            return "rlix up" in str(exc)
+        return False
+
+    wait_for(gone, timeout_s=15, what="control plane actors gone")
+    assert ray.cluster_resources().get("GPU") == 4  # Ray itself keeps running

@@ -198,6 +198,12 @@ class Scheduler(SchedulerCore):
         timeout = check_timeout(timeout_s, self._cfg.default_request_timeout_s, f"await_release({cluster_id})")
         self._progress.pop(spec.pipeline_id, None)
         self._close_gen(cluster_id)
+        for seq, waiter in list(self._pending.items()):
+            if waiter.request.cluster_id == cluster_id and seq not in self._inflight_seqs:
+                del self._pending[seq]
+                if not waiter.future.done():
+                    waiter.future.set_exception(SchedulerError(
+                        f"{cluster_id} was released (await_release) while this GENERATION request waited"))
         alloc = self._allocations.get(cluster_id)
         if alloc is None or (not alloc.active_dp_ranks and cluster_id not in self._inflight_clusters):
             if alloc is not None:

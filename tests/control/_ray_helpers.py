@@ -16,10 +16,11 @@ from typing import Any
 import pytest
 import ray
 
-from rlix_plugins.control.client import ControlPlane, PipelineHandle, connect
+from rlix_plugins.control.client import ControlPlane, PipelineHandle, call, connect
 from rlix_plugins.control.coordinator import CoordinatorConfig
 from rlix_plugins.control.scheduler_state import SchedulerConfig
 from rlix_plugins.control.types import ORCHESTRATOR_NAME, RLIX_NAMESPACE, SCHEDULER_NAME
+from rlix_plugins.errors import RlixError
 
 #: Short timeouts so failure tests finish in seconds.
 FAST_SCHEDULER = SchedulerConfig(
@@ -74,13 +75,53 @@ def kill_control_plane() -> None:
     raise RuntimeError("control plane actors did not go away within 20 s")
 
 
+#: The control plane shared by tests (starting one costs two Ray worker processes, ~2 s on a 2-core CI box).
+_SHARED: dict[str, ControlPlane] = {}
+#: Handler actors made by ``make_pipeline`` in the current test (killed afterwards: each is a process).
+_HANDLERS: list[Any] = []
+
+
+def _shared_control_plane() -> ControlPlane:
+    cp = _SHARED.get("cp")
+    if cp is not None:
+        try:
+            call(cp.orchestrator.ping.remote(), "ping", 10)
+            call(cp.scheduler.ping.remote(), "ping", 10)
+            return cp
+        except RlixError:
+            pass
+    try:
+        cp = connect(create_if_missing=False)
+        fresh = cp.config != FAST_SCHEDULER  # made by another test with other timeouts
+    except RlixError:
+        fresh = True
+    if fresh:
+        kill_control_plane()
+        cp = connect(scheduler_config=FAST_SCHEDULER)
+    _SHARED["cp"] = cp
+    return cp
+
+
+def reset_control_plane(cp: ControlPlane) -> None:
+    """Unregister every pipeline and kill every pipeline-namespace actor and test handler."""
+    for pid in cp.status()["pipelines"]:
+        cp.unregister_pipeline(pid, reason="test cleanup")
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        ns = entry.get("namespace") or ""
+        if ns.startswith("pipeline_"):
+            with contextlib.suppress(ValueError):
+                ray.kill(ray.get_actor(entry["name"], namespace=ns), no_restart=True)
+    while _HANDLERS:
+        ray.kill(_HANDLERS.pop(), no_restart=True)
+
+
 @pytest.fixture
 def control_plane(ray_cluster: Any) -> Iterator[ControlPlane]:
-    """A fresh control plane with short timeouts; killed (with every pipeline actor) afterwards."""
-    kill_control_plane()
-    cp = connect(scheduler_config=FAST_SCHEDULER)
+    """The (shared) control plane with short timeouts and no pipelines; cleaned up after the test."""
+    cp = _shared_control_plane()
+    reset_control_plane(cp)
     yield cp
-    kill_control_plane()
+    reset_control_plane(_shared_control_plane())
 
 
 def make_pipeline(cp: ControlPlane, train: list[int] | None, infer: list[int], tp: int = 1,
@@ -93,6 +134,7 @@ def make_pipeline(cp: ControlPlane, train: list[int] | None, infer: list[int], t
         maps["actor_train"] = train
     pipe = cp.register_pipeline(tps, maps, coordinator_config=FAST_COORDINATOR)
     handler = RecordingHandler.remote(delay_s)
+    _HANDLERS.append(handler)
     pipe.set_resize_handler(handler)
     return pipe, handler
 

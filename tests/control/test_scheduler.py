@@ -79,8 +79,34 @@ def test_rollout_capacity_follows_remaining_work(control_plane: client.ControlPl
     a.report_progress(collected=99, step_target=100, step=0)
     b.report_progress(collected=0, step_target=100, step=1, new_batch=True)
     wait_for(lambda: len(active_gpus(cp, cb)) == 3 and len(active_gpus(cp, ca)) == 1, what="capacity moved to B")
-    assert any(e.op == "shrink" and "rebalance" in e.detail for e in cp.trace())
+    assert any(e.op == "shrink" and "rebalance" in e.detail for e in cp.trace() if e.pipeline_id == a.pipeline_id)
     assert not set(active_gpus(cp, ca)) & set(active_gpus(cp, cb))
+
+
+def test_suspended_pipeline_is_woken_again_without_asking(control_plane: client.ControlPlane) -> None:
+    """debug #32: A's rollout is preempted to zero by B's init; when B releases, A wakes with no new request.
+
+    C (disjoint GPUs) keeps serving throughout: three pipelines, one scheduler.
+    """
+    cp = control_plane
+    a, ha = make_pipeline(cp, train=[0], infer=[0, 1])
+    b, _ = make_pipeline(cp, train=[0, 1], infer=[0, 1])
+    c, hc = make_pipeline(cp, train=[2], infer=[2, 3])
+    a.report_progress(0, 50, step=0, new_batch=True)
+    assert a.request_gpus("actor_infer", GEN, timeout_s=10) == [0, 1]
+    assert c.request_gpus("actor_infer", GEN, step_target_estimate=4, timeout_s=10) == [2, 3]
+    assert b.request_gpus("actor_train", Priority.INITIALIZATION, step=-1, timeout_s=10) == [0, 1]
+    assert a.cluster_id("actor_infer") not in cp.status()["allocations"]  # suspended: no active rank
+    assert calls(ha)[-1][1:] == ([0, 1], [])
+    time.sleep(0.5)
+    assert len(calls(ha)) == 2  # nothing can wake while B holds both GPUs
+    b.release_gpus("actor_train", step=-1)
+    wait_for(lambda: active_gpus(cp, a.cluster_id("actor_infer")) == [0, 1], what="A re-expanded by the scheduler")
+    assert calls(ha)[-1][1:] == ([], [0, 1])
+    assert calls(hc) and all(call[1] == [] for call in calls(hc))  # C was never shrunk
+    # A's batch is done: its ranks stay but it is no longer owed more.
+    a.report_progress(50, 50, step=0)
+    assert c.request_gpus("actor_train", Priority.ACTOR_TRAINING, timeout_s=10) == [2]
 
 
 def test_planned_shrink_to_zero(control_plane: client.ControlPlane) -> None:
