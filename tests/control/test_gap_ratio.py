@@ -234,3 +234,10 @@ def test_standing_request_does_not_mask_progress() -> None:
     validate_plan(snap, plan)
     assert (len(active(plan, "a_actor_infer")), len(active(plan, "b_actor_infer"))) == (1, 7)
     assert {g.cluster_id for g in plan.grants} == {"a_actor_infer", "b_actor_infer"}
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(snapshots())
+def test_any_snapshot_reaches_a_fixed_point(snap) -> None:
+    """Re-planning with unchanged demand settles (no ping-pong of ranks between pipelines)."""
+    _run_to_fixed_point(snap, max_cycles=12)
