@@ -193,17 +193,37 @@ def apply(checkout: Path, head: str, series_root: Path | None = None) -> SeriesS
             f"uncommitted changes in files the series touches: {', '.join(dirty)}; commit or discard them first"
         )
     _run_git_apply(checkout, status.series.patches, reverse=False)
+    # Keep exactly what was applied, so a later rlix-plugins with a changed series can still revert it.
+    record = _applied_record(checkout)
+    record.parent.mkdir(parents=True, exist_ok=True)
+    record.write_text("".join(p.text for p in status.series.patches), encoding="utf-8")
     return series_status(checkout, head, series_root)
+
+
+def _applied_record(checkout: Path) -> Path:
+    out = _git(checkout, "rev-parse", "--git-dir")
+    if out.returncode != 0:
+        raise PatchError(f"cannot find the git directory of {checkout}: {out.stderr.strip()}")
+    return (checkout / out.stdout.strip()).resolve() / "rlix" / "applied-series.patch"
 
 
 def revert(checkout: Path, head: str, series_root: Path | None = None) -> tuple[SeriesStatus, list[str]]:
     """Reverts the applied patches. Returns the new status and the touched files still modified."""
     status = series_status(checkout, head, series_root)
+    record = _applied_record(checkout)
     if status.state == DRIFTED:
-        raise PatchError(f"series {status.series.name} has drifted in {checkout}; see `rlix patch check`")
-    applied = [p.patch for p in status.patches if p.state == APPLIED]
-    if applied:
-        _run_git_apply(checkout, applied, reverse=True)
+        # Applied by an earlier rlix-plugins whose series differs: revert exactly what it recorded.
+        old = record.read_text(encoding="utf-8") if record.exists() else None
+        if old is None or not _applies(checkout, old, reverse=True):
+            raise PatchError(f"series {status.series.name} has drifted in {checkout}; see `rlix patch check`")
+        out = _git(checkout, "apply", "--reverse", "--whitespace=nowarn", "-", stdin=old)
+        if out.returncode != 0:
+            raise PatchError(f"git apply failed to revert the recorded series (nothing was changed): {out.stderr}")
+    else:
+        applied = [p.patch for p in status.patches if p.state == APPLIED]
+        if applied:
+            _run_git_apply(checkout, applied, reverse=True)
+    record.unlink(missing_ok=True)
     return series_status(checkout, head, series_root), _dirty(checkout, status.series.touched_paths)
 
 
@@ -213,6 +233,9 @@ def run_cli(*, action: str, nemo_rl: str) -> int:
     if action == "check":
         status = series_status(checkout, head)
         print(status.report())
+        record = _applied_record(checkout)
+        if status.state == DRIFTED and record.exists() and _applies(checkout, record.read_text(), reverse=True):
+            print("note: an earlier rlix-plugins series is applied; `rlix patch revert` then `rlix patch apply`")
         return {APPLIED: 0, NOT_APPLIED: 1}.get(status.state, 2)
     if action == "apply":
         before = series_status(checkout, head).state

@@ -173,7 +173,7 @@ def test_partial_state_apply_refuses_revert_restores(fake_nemo: tuple[Path, Path
     git(repo, "apply", str(first))
     st = series_status(repo, pin, series)
     assert st.state == PARTIAL and [p.state for p in st.patches] == [APPLIED, NOT_APPLIED]
-    with pytest.raises(PatchError, match="partially applied.*rlix patch revert"):
+    with pytest.raises(PatchError, match=r"partially applied.*rlix patch revert"):
         apply(repo, pin, series)
     assert revert(repo, pin, series)[0].state == NOT_APPLIED
     assert git(repo, "status", "--porcelain") == ""
@@ -190,3 +190,15 @@ def test_real_series_shape() -> None:
     assert all(p.startswith("nemo_rl/") for p in touched), touched  # no test, config or doc files of NeMo RL
     changed = sum(p.changed_lines for p in series.patches)
     assert 0 < changed < 300, changed
+
+
+def test_revert_after_the_series_changed_uses_the_recorded_copy(fake_nemo: tuple[Path, Path, str]) -> None:
+    """Applied by an older rlix-plugins, reverted by a newer one whose series differs."""
+    repo, series, pin = fake_nemo
+    assert apply(repo, pin, series).state == APPLIED
+    newer = sorted((series / pin[:7]).iterdir())[0]
+    newer.write_text(newer.read_text().replace("+hooked A", "+hooked A, improved"))
+    assert series_status(repo, pin, series).state == DRIFTED
+    status, _ = revert(repo, pin, series)
+    assert status.state == NOT_APPLIED
+    assert git(repo, "status", "--porcelain") == ""

@@ -65,9 +65,9 @@ class HookEvent:
 
 
 @final
-@dataclass
+@dataclass(eq=False)  # identity semantics: one stateful object per run
 class NemoRLHooks:
-    """Hook implementation (see the module docstring). Not thread-safe: NeMo RL calls it from one thread."""
+    """Hook implementation (see the module docstring). Called from the driver's main thread only."""
 
     runtime: PipelineRuntime | None = None
     history: list[HookEvent] = field(default_factory=list)
