@@ -98,12 +98,17 @@ class Comparison:
         return getattr(self.runs["rlix"], metric) / base if base else float("inf")
 
     def table(self) -> str:
-        rows = [f"{'mode':<20}{'makespan':>10}{'steps':>7}{'steps/h':>10}{'busy':>7}{'rlix speed-up':>15}"]
+        rows = [
+            f"{'mode':<20}{'makespan':>10}{'steps':>7}{'steps/h':>10}{'busy':>7}"
+            f"{'rlix steps/h ratio':>20}{'rlix busy ratio':>17}"
+        ]
         for mode in MODES:
             r = self.runs[mode]
             speed = "" if mode == "rlix" else f"{self.ratio(mode):.2f}x"
+            busy = "" if mode == "rlix" else f"{self.ratio(mode, 'busy_share'):.2f}x"
             rows.append(
-                f"{_LABEL[mode]:<20}{r.makespan_s:>9.0f}s{r.steps:>7}{r.steps_per_hour:>10.1f}{r.busy_share:>7.0%}{speed:>15}"
+                f"{_LABEL[mode]:<20}{r.makespan_s:>9.0f}s{r.steps:>7}{r.steps_per_hour:>10.1f}{r.busy_share:>7.0%}"
+                f"{speed:>20}{busy:>17}"
             )
         return "\n".join(rows)
 
