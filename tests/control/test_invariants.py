@@ -175,3 +175,30 @@ def test_validate_cluster_specs_rejects(specs, match) -> None:
 def test_validate_cluster_specs_accepts_partial_overlap() -> None:
     validate_cluster_specs(_specs(tp=2), range(8), gpus_per_node=4)
     validate_cluster_specs(_specs(train=[4], infer=[4, 5, 6, 7]) + list(pipeline("ft_2", [6, 7], [4, 5, 6, 7], 2).values()), range(8), 4)
+
+
+def test_more_invariants_are_named() -> None:
+    # a TP bundle that is not contiguous in the snapshot's specs
+    bad = {"x_actor_infer": spec("x", "actor_infer", [0, 2], 2)}
+    snap = snapshot(4, bad)
+    _bad(snap, plan_cycle(snap), "tp bundle")
+    # a rank woken on an idle GPU that a waiting training request reserves
+    c = {**pipeline("a", [0, 1], range(4)), **pipeline("b", [1, 2], range(4))}
+    snap = snapshot(
+        4,
+        c,
+        [whole_alloc(c["b_actor_train"])],
+        [PendingRequest("a_actor_train", Priority.ACTOR_TRAINING, 1), PendingRequest("a_actor_infer", GEN, 2, step_target_estimate=4)],
+    )
+    plan = plan_cycle(snap)
+    validate_plan(snap, plan)
+    assert plan.allocations["a_actor_infer"].gpus == {3}  # GPU 0 is idle but reserved for a's training
+    allocs = dict(plan.allocations)
+    allocs["a_actor_infer"] = gen_alloc(c["a_actor_infer"], [0, 3])
+    grant = Grant("a_actor_infer", GEN, 2, frozenset({0, 3}))
+    _bad(snap, replace(plan, allocations=allocs, expands=(ExpandOp("a_actor_infer", (0, 3)),), grants=(grant,)), "priority order")
+    # a planned release that leaves ranks active
+    snap = snapshot(4, c, [gen_alloc(c["a_actor_infer"], [0, 3])], planned_releases=["a_actor_infer"])
+    plan = plan_cycle(snap)
+    validate_plan(snap, plan)
+    _bad(snap, replace(plan, shrinks=(), allocations=dict(snap.allocations)), "planned release")
