@@ -1,0 +1,121 @@
+"""Router actor + client on real Ray: blocking acquire, least-outstanding choice, drain, retry after a shrink,
+and the stale-routing-copy regression (debug #33)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import ray
+
+from rlix_plugins.errors import RlixTimeoutError
+from rlix_plugins.pipeline.protocols import ShardPreemptedError
+from rlix_plugins.pipeline.router import RolloutRouter, RouterClient
+
+
+@pytest.fixture
+def router(ray_cluster: Any) -> Iterator[Any]:
+    actor = ray.remote(RolloutRouter).options(num_cpus=0, max_concurrency=64).remote(3)
+    yield actor
+    ray.kill(actor)
+
+
+def test_acquire_blocks_until_a_rank_is_active_and_prefers_least_outstanding(router: Any) -> None:
+    client = RouterClient(router, 3, timeout_s=0.3)
+    with pytest.raises(RlixTimeoutError, match="no active rollout rank"):
+        client.acquire()
+    ref = router.acquire.remote(10.0)
+    time.sleep(0.3)
+    assert ray.wait([ref], timeout=0.1)[0] == [], "acquire returned while no rank was active"
+    ray.get(router.activate.remote([1, 2]))
+    rank, t1 = ray.get(ref, timeout=5)
+    assert rank == 1
+    rank2, t2 = client.acquire()
+    assert rank2 == 2  # least outstanding
+    rank3, _ = client.acquire()
+    assert rank3 == 1
+    assert client.release(t1) is False
+    assert ray.get(router.stats.remote())["in_flight"] == {0: 0, 1: 1, 2: 1}
+
+
+def test_deactivate_marks_tickets_preempted_and_drain_waits(router: Any) -> None:
+    ray.get(router.activate.remote([0, 1]))
+    client = RouterClient(router, 3, timeout_s=2)
+    rank, ticket = client.acquire()
+    assert ray.get(router.deactivate.remote([rank])) == [1 - rank]
+    with pytest.raises(RlixTimeoutError, match="did not drain"):
+        ray.get(router.wait_drained.remote([rank], 0.2))
+    drained = router.wait_drained.remote([rank], 10.0)
+    assert client.release(ticket, ok=False) is True  # the caller learns its request was preempted
+    ray.get(drained, timeout=5)
+    assert client.acquire()[0] == 1 - rank  # never routes to the deactivated rank
+
+
+def test_route_retries_a_request_aborted_by_a_shrink_on_another_rank(router: Any) -> None:
+    ray.get(router.activate.remote([0, 1]))
+    client = RouterClient(router, 3, timeout_s=5)
+    calls: list[int] = []
+
+    def generate(rank: int) -> dict[str, Any]:
+        calls.append(rank)
+        if len(calls) == 1:
+            ray.get(router.deactivate.remote([rank]))  # a shrink arrives while the request runs ...
+            return {"aborted": True}  # ... and the engine returns it aborted
+        return {"aborted": False, "rank": rank}
+
+    out = client.route(generate, is_aborted=lambda r: r["aborted"])
+    assert out["rank"] != calls[0] and len(calls) == 2
+
+
+def test_route_reraises_failures_that_were_not_preemptions(router: Any) -> None:
+    ray.get(router.activate.remote([0]))
+    client = RouterClient(router, 3, timeout_s=2, max_attempts=3)
+
+    def boom(rank: int) -> None:
+        raise ValueError("engine bug")
+
+    with pytest.raises(ValueError, match="engine bug"):
+        client.route(boom)
+    with pytest.raises(ShardPreemptedError):  # aborted although nobody shrank it: not retried silently
+        client.route(lambda rank: {"aborted": True}, is_aborted=lambda r: r["aborted"])
+    assert ray.get(router.in_flight.remote()) == 0  # every ticket was returned
+
+
+@ray.remote(num_cpus=0)
+class _Collector:
+    """Holds a pickled RouterClient, like NeMo RL's collector holds its pickled VllmGeneration copy."""
+
+    def __init__(self, client: RouterClient) -> None:
+        self.client = client
+
+    def route_once(self) -> int:
+        rank, ticket = self.client.acquire()
+        self.client.release(ticket)
+        return rank
+
+
+def test_stale_routing_copy_collector_sees_resizes_made_elsewhere(router: Any) -> None:
+    """debug #33: routing state changed by the resizer after the collector got its copy must reach it."""
+    ray.get(router.activate.remote([0]))
+    collector = _Collector.remote(RouterClient(router, 3, timeout_s=5))
+    assert ray.get(collector.route_once.remote()) == 0
+    ray.get(router.deactivate.remote([0]))
+    ray.get(router.activate.remote([2]))
+    assert ray.get(collector.route_once.remote()) == 2
+    ray.kill(collector)
+
+
+def test_concurrent_acquires_are_spread_and_all_wake(router: Any) -> None:
+    client = RouterClient(router, 3, timeout_s=10)
+    got: list[int] = []
+    threads = [threading.Thread(target=lambda: got.append(client.acquire()[0])) for _ in range(6)]
+    for t in threads:
+        t.start()
+    time.sleep(0.2)
+    ray.get(router.activate.remote([0, 1, 2]))
+    for t in threads:
+        t.join(10)
+    assert sorted(got) == [0, 0, 1, 1, 2, 2]

@@ -1,0 +1,127 @@
+"""The pipeline runtime, router and resize handler on real Ray and the real control plane.
+
+The host seams are recording stand-ins (tests/pipeline/standins.py); the vLLM-backed ones run in tests/demo.
+Regression tests are named after the reference failures they guard (rlix_reference.md, debug #NN).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import ray
+
+from rlix_plugins.control.client import ControlPlane
+from rlix_plugins.control.types import Priority
+from rlix_plugins.errors import RlixError, SchedulerError, TransportError
+from rlix_plugins.pipeline.config import RuntimeConfig
+from rlix_plugins.pipeline.resizer import FleetResizer
+from rlix_plugins.pipeline.router import RolloutRouter
+from rlix_plugins.pipeline.runtime import PipelineRuntime
+from tests.control._ray_helpers import FAST_COORDINATOR, control_plane, make_pipeline, wait_for
+from tests.pipeline.standins import Recorder, RecordingFleet, RecordingPublisher, RecordingWeights, ops
+
+__all__ = ["control_plane"]
+
+CFG = RuntimeConfig(watchdog_interval_s=0.3, request_timeout_s=20, init_timeout_s=20, sync_timeout_s=5,
+                    drain_timeout_s=5, release_timeout_s=20, resize_lock_timeout_s=5)
+
+
+def _runtime(cp: ControlPlane, train: list[int], infer: list[int]) -> tuple[PipelineRuntime, Any]:
+    rec = Recorder.remote()
+    rt = PipelineRuntime.register(cp, train, infer, config=CFG, coordinator_config=FAST_COORDINATOR)
+    rt.start(RecordingWeights(rec), lambda: RecordingFleet(rec, len(infer)))
+    return rt, rec
+
+
+def _active(rt: PipelineRuntime) -> list[int]:
+    return list(ray.get(rt.router.active.remote()))
+
+
+def test_runtime_step_in_hook_order(control_plane: ControlPlane) -> None:
+    rt, rec = _runtime(control_plane, [0], [0, 1])
+    assert ops(rec)[:3] == [("build", -1), ("wake", [0, 1]), ("sleep", ([0, 1], 2))], "init: cache v-1, prewarm, sleep"
+    assert _active(rt) == []
+    rt.attach_collector(RecordingPublisher(rec))
+    assert _active(rt), "attach_collector returned before a rank was routed"
+    first = ops(rec)[3:]
+    assert ("publish", 0) in first and first.index(("sync", _active(rt))) < first.index(("publish", 0))
+
+    n = len(ops(rec))
+    rt.before_training(0)
+    assert 0 not in _active(rt), "training grant returned while the donor rank was still routed"
+    after_grant = ops(rec)[n:]
+    if after_grant:  # rank 0 was active: it was aborted, drained and slept before the grant returned
+        assert [o[0] for o in after_grant[:2]] == ["abort", "sleep"]
+
+    with pytest.raises(RlixError, match="debug #34"):  # cache built after offload: refused, not silently stale
+        rt.after_training(0)
+    assert rt.before_weight_sync(0) == 1
+    version = rt.after_training(0)
+    assert version == 1
+    assert ("sync", _active(rt)) in ops(rec)[n:], "the active rank was not refreshed in flight"
+    rt.on_published(0, version)
+    wait_for(lambda: _active(rt) == [0, 1], timeout_s=10, what="rank 0 expanded after training")
+    publishes = [a for o, a in ops(rec) if o == "publish"]
+    assert publishes[-1] == 1 and max(publishes) == 1, f"expand bumped the version: {publishes}"
+
+    assert rt.end() == []
+    assert _status_allocs(control_plane, rt.pipeline_id) == {}
+    assert rt.pipeline_id not in control_plane.status()["pipelines"]
+
+
+def _status_allocs(cp: ControlPlane, pid: str) -> dict[str, Any]:
+    return {c: a for c, a in cp.status()["allocations"].items() if c.startswith(pid)}
+
+
+def test_starvation_after_preemption_ranks_come_back(control_plane: ControlPlane) -> None:
+    """debug #32: another pipeline's INITIALIZATION preempts every rank; GENERATION must come back by itself."""
+    rt, _rec = _runtime(control_plane, [0], [0, 1])
+    rt.attach_collector(RecordingPublisher(_rec))
+    other, _ = make_pipeline(control_plane, train=[0, 1], infer=[0, 1, 2])
+    other.request_gpus("actor_train", Priority.INITIALIZATION, timeout_s=20)
+    assert _active(rt) == [], "INITIALIZATION of the other pipeline left a rank of this one routed"
+    other.release_gpus("actor_train")
+    wait_for(lambda: _active(rt), timeout_s=15, what="rollout ranks re-expanded after the preemption")
+    rt.end()
+
+
+@pytest.fixture
+def resizer(ray_cluster: Any) -> Any:
+    rec = Recorder.remote()
+    router = ray.remote(RolloutRouter).options(num_cpus=0, max_concurrency=16).remote(2)
+    actor = ray.remote(FleetResizer).options(num_cpus=0, max_concurrency=4).remote(
+        "test_pipe", RecordingFleet(rec, 2), RecordingWeights(rec), router, CFG)
+    ray.get(rec.set.remote("cache_version", 4))
+    ray.get(actor.set_publisher.remote(RecordingPublisher(rec)))
+    ray.get(actor.set_version.remote(3))
+    yield actor, router, rec
+    for a in (actor, router, rec):
+        ray.kill(a)
+
+
+def test_expand_is_atomic_a_failed_sync_never_activates(resizer: Any) -> None:
+    actor, router, rec = resizer
+    ray.get(rec.set.remote("fail_sync", True))
+    with pytest.raises(TransportError, match="told to fail"):
+        ray.get(actor.resize_infer.remote([], [1]), timeout=30)
+    assert ray.get(router.active.remote()) == []
+    assert ray.get(actor.dirty.remote()) == [1]
+    assert [o for o, _ in ops(rec)] == ["wake", "sync", "sleep"], "failed rank not put back to sleep / published"
+    ray.get(rec.set.remote("fail_sync", False))
+    ray.get(actor.resize_infer.remote([], [1]), timeout=30)
+    assert ray.get(router.active.remote()) == [1] and ray.get(actor.dirty.remote()) == []
+    assert ops(rec)[-1] == ("publish", 3), "expand must publish the current version (3), not the cache's (4)"
+
+
+def test_shrink_order_and_memory_check(resizer: Any) -> None:
+    actor, router, rec = resizer
+    ray.get(actor.resize_infer.remote([], [0, 1]), timeout=30)
+    ray.get(actor.resize_infer.remote([1], []), timeout=30)
+    assert [o for o, _ in ops(rec)][-2:] == ["abort", "sleep"]
+    assert ray.get(router.active.remote()) == [0]
+    ray.get(rec.set.remote("memory_after_sleep", 2 << 30))
+    with pytest.raises(RlixError, match="still hold"):
+        ray.get(actor.resize_infer.remote([0], []), timeout=30)
+    with pytest.raises(SchedulerError, match="exactly one"):
+        ray.get(actor.resize_infer.remote([0], [1]), timeout=30)
