@@ -70,6 +70,7 @@ class SchedulerCore:
         self._allocations: dict[str, Allocation] = {}
         self._pending: dict[int, _Waiter] = {}
         self._progress: dict[str, Progress] = {}
+        self._progress_seq: dict[str, int] = {}  # last coordinator report_seq per pipeline
         # Generation clusters that asked for GENERATION and did not release it: cid -> (estimate, step). While one
         # has no active rank, the snapshot carries a standing GENERATION request for it (debug #27, #32).
         self._gen_open: dict[str, tuple[int, int | None]] = {}
@@ -126,6 +127,7 @@ class SchedulerCore:
                 if not waiter.future.done():
                     waiter.future.set_exception(error)
         self._progress.pop(pipeline_id, None)
+        self._progress_seq.pop(pipeline_id, None)
         for cid in pipe.clusters:
             self._close_gen(cid)
         self._coordinators.pop(pipeline_id, None)
@@ -245,7 +247,11 @@ class SchedulerCore:
             for cid, ranks in done.items():
                 spec = snapshot.clusters[cid]
                 if cid in self._allocations:
-                    self._allocations[cid] = apply_shrink(self._allocations[cid], spec, ranks)
+                    left = apply_shrink(self._allocations[cid], spec, ranks)
+                    if left.active_dp_ranks:
+                        self._allocations[cid] = left
+                    else:
+                        del self._allocations[cid]
                 self._trace.record("shrink", pipeline_id=spec.pipeline_id, cluster_id=cid,
                                    gpus=ranks_gpus(spec, ranks), detail=f"ranks={list(ranks)} partial-plan")
             for pid, reason in failed.items():

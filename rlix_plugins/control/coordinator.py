@@ -120,6 +120,7 @@ class Coordinator:
         self._scheduler: Any = None
         self._bucket: int | None = None
         self._last_progress: tuple[int, int, int | None] | None = None
+        self._report_seq = 0
         self._resizes: list[tuple[float, list[int], list[int]]] = []
 
     def ping(self) -> str:
@@ -212,15 +213,20 @@ class Coordinator:
                 return False
             self._bucket = bucket
             self._last_progress = (completed, step_target, step)
-        # Fire and forget: progress must never block the rollout path.
-        self._sched().report_progress.remote(self._pid, step_target, completed, step)
+            self._report_seq += 1
+            seq = self._report_seq
+        # Fire and forget: progress must never block the rollout path. Calls from several threads may arrive out
+        # of order; the scheduler drops any report older than the last by ``report_seq``.
+        self._sched().report_progress.remote(self._pid, step_target, completed, step, report_seq=seq)
         return True
 
     def clear_progress(self) -> None:
         with self._state:
             self._bucket = None
             self._last_progress = None
-        self._sched().clear_progress.remote(self._pid)
+            self._report_seq += 1
+            seq = self._report_seq
+        self._sched().clear_progress.remote(self._pid, report_seq=seq)
 
     def resize_history(self) -> list[tuple[float, list[int], list[int]]]:
         """(time, removed, added) of every completed resize (diagnostics, tests)."""

@@ -196,6 +196,12 @@ class Scheduler(SchedulerCore):
             raise SchedulerError(f"await_release is for generation clusters; {cluster_id} is {spec.name}; "
                                  "use release_gpus")
         timeout = check_timeout(timeout_s, self._cfg.default_request_timeout_s, f"await_release({cluster_id})")
+        held = self._allocations.get(cluster_id)
+        if held is not None and held.priority != Priority.GENERATION:
+            raise SchedulerError(
+                f"{cluster_id} holds GPUs {sorted(held.gpus)} at {Priority(held.priority).name}, not GENERATION; "
+                "give them back with release_gpus"
+            )
         self._progress.pop(spec.pipeline_id, None)
         self._close_gen(cluster_id)
         for seq, waiter in list(self._pending.items()):
@@ -231,10 +237,17 @@ class Scheduler(SchedulerCore):
             ) from None
 
     # ------------------------------------------------------------------ progress
-    async def report_progress(self, pipeline_id: str, step_target: int, completed: int, step: int | None = None) -> None:
-        """Rollout progress of the pipeline's current step (``completed`` is clamped to ``[0, step_target]``)."""
+    async def report_progress(self, pipeline_id: str, step_target: int, completed: int, step: int | None = None,
+                              report_seq: int | None = None) -> None:
+        """Rollout progress of the pipeline's current step (``completed`` is clamped to ``[0, step_target]``).
+
+        ``report_seq`` (set by the coordinator, which sends fire-and-forget from several threads) orders reports:
+        one not newer than the last seen for the pipeline is dropped.
+        """
         self._ensure_loop()
         self._require_pipeline(pipeline_id)
+        if not self._newer_report(pipeline_id, report_seq):
+            return
         if not isinstance(step_target, int) or step_target < 0 or not isinstance(completed, int):
             raise RlixConfigError(
                 f"report_progress({pipeline_id}): step_target={step_target!r} must be an int >= 0 and "
@@ -243,8 +256,17 @@ class Scheduler(SchedulerCore):
         self._progress[pipeline_id] = Progress(pipeline_id, step_target, min(max(completed, 0), step_target), step)
         self._kick()
 
-    async def clear_progress(self, pipeline_id: str) -> None:
-        self._progress.pop(pipeline_id, None)
+    async def clear_progress(self, pipeline_id: str, report_seq: int | None = None) -> None:
+        if self._newer_report(pipeline_id, report_seq):
+            self._progress.pop(pipeline_id, None)
+
+    def _newer_report(self, pipeline_id: str, report_seq: int | None) -> bool:
+        if report_seq is None:
+            return True
+        if report_seq <= self._progress_seq.get(pipeline_id, -1):
+            return False
+        self._progress_seq[pipeline_id] = report_seq
+        return True
 
     # ------------------------------------------------------------------ internals: requests
     def _require_pipeline(self, pipeline_id: str) -> _Pipeline:

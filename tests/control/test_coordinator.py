@@ -99,11 +99,19 @@ def test_progress_is_clamped_and_forwarded_per_2_percent_bucket(control_plane: c
     assert a.report_progress(2, 100, step=0) is True
     assert a.report_progress(3, 100, step=0) is False
     assert a.report_progress(3, 100, step=1, new_batch=True) is True  # a new batch always goes through
-    assert a.report_progress(4, 100, step=2) is True  # a new step number always goes through
     assert a.report_progress(250, 100, step=1) is True  # overshoot: clamped to completed = target
-    prog = wait_for(lambda: (p := cp.status()["pipelines"][a.pipeline_id]["progress"]) and p["completed"] == 100 and p,
-                    what="clamped progress at the scheduler")
-    assert prog == {"step": 1, "step_target": 100, "completed": 100, "remaining": 0}
+    assert a.report_progress(4, 100, step=2) is True  # a new step number always goes through
+
+    def at_scheduler() -> dict | None:
+        return cp.status()["pipelines"][a.pipeline_id]["progress"]
+
+    wait_for(lambda: (p := at_scheduler()) and p["step"] == 2, what="last progress at the scheduler")
+    assert at_scheduler() == {"step": 2, "step_target": 100, "completed": 4, "remaining": 96}
+    # Out-of-order delivery (several coordinator threads): an older report_seq never overwrites a newer one.
+    client.call(cp.scheduler.report_progress.remote(a.pipeline_id, 100, 100, 1, report_seq=1), "stale report")
+    assert at_scheduler()["step"] == 2
+    client.call(cp.scheduler.report_progress.remote(a.pipeline_id, 100, 250, 3), "unsequenced report")
+    assert at_scheduler() == {"step": 3, "step_target": 100, "completed": 100, "remaining": 0}
     with pytest.raises(RlixConfigError):
         a.report_progress(-1, 100)
 
