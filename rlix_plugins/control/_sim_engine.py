@@ -7,8 +7,9 @@ Model (one pipeline = one ``JobSpec``):
   traj_time_s`` where ``open`` is the number of trajectories the pipeline may still produce and ``k0 =
   seqs_per_rank / 4``: near the end of a batch fewer sequences remain than slots (the rollout long tail).
   Only woken, weight-synced ranks produce: an expanded rank serves after ``expand_time_s`` (wake + sync).
-* **Async GRPO window** (``max_age``): trajectories may be produced up to ``(steps_started + max_age) x
-  step_target``, i.e. with ``max_age=1`` the next batch is generated while the current step trains.
+* **Async GRPO window** (``max_age`` = NeMo RL's ``max_trajectory_age_steps``): with weights of version ``v``
+  (``v`` steps trained) trajectories are produced for steps ``<= v + max_age``, as NeMo RL's trajectory
+  collector does; so with ``max_age=1`` the next batch is generated while the current one waits or trains.
 * **Training** of step ``s`` starts when batch ``s`` is complete and the ACTOR_TRAINING request for the whole
   ``actor_train`` mapping is granted (the planner preempts overlapping rollout ranks); it holds the GPUs for
   ``train_time_s + sync_time_s`` (train, build the CPU cache, refresh the active ranks, publish) and releases.
@@ -109,8 +110,10 @@ class _Pipe:
         return float(self.job.steps * self.job.step_target)
 
     def open_work(self) -> float:
-        done = self.steps_done + 1 if self.job.sync else self.steps_started + self.job.max_age
-        cap = min(done, self.job.steps) * self.job.step_target
+        # NeMo RL's collector (trajectory_collector._calculate_target_weights): with weights of version v (= steps
+        # trained) it produces batches for steps <= v + max_age. Synchronous GRPO only for step v.
+        batches = self.steps_done + (1 if self.job.sync else self.job.max_age + 1)
+        cap = min(batches, self.job.steps) * self.job.step_target
         return max(cap - self.collected, 0.0)
 
 
