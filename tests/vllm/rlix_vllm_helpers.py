@@ -19,6 +19,6 @@ HERE = Path(__file__).resolve().parent
 def build_cache(weights: Mapping, version: int, bucket_bytes: int = BUCKET_BYTES) -> Any:
     from rlix_plugins.transport import VersionedBucketCache
 
-    cache = VersionedBucketCache(bucket_bytes, pin_memory=False)
+    cache = VersionedBucketCache(bucket_bytes)  # pinned when CUDA is available
     cache.build(version, sorted(weights.items()))
     return cache

@@ -1,0 +1,287 @@
+"""The receiver on real GPUs (vLLM 0.25.1 on the device machine; ``pytest -m gpu tests/vllm``).
+
+Needs 2 GPUs: NCCL cannot put two ranks of one group on one GPU, so the broadcast sender stages on
+``cuda:1`` while the engines run on ``cuda:0`` (vLLM's default device); ``cuda_ipc`` stages on ``cuda:0``.
+
+Engines (module-scoped, default multiprocess engine, receiver as ``worker_extension_cls``):
+``engine_a`` (dp 0) on the original weights, ``engine_f`` (dp 1) a fresh engine on the seed-1 weights
+(the reference, and the second DP rank), ``engine_big`` a Qwen2.5-1.5B-shaped dummy-weight engine for the
+expand timing. Measured numbers are printed and written to ``$OUT/vllm_gpu_results.json`` when ``OUT`` is set.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import pytest
+from rlix_vllm_helpers import MAX_TOKENS, PROMPTS, build_cache
+
+from rlix_plugins.errors import RlixTimeoutError, TransportError, WeightVerificationError
+from rlix_plugins.transport import build_comm_plan
+from rlix_plugins.vllm import EXTENSION_CLS
+from rlix_plugins.vllm.driver import EngineRpc, LLMEngineRpc, sync_engines
+
+pytestmark = [pytest.mark.gpu, pytest.mark.vllm, pytest.mark.slow]
+
+ENGINE_GPU = (0, 0)
+OTHER_GPU = (0, 1)
+TIMEOUT_S = 120.0
+RESULTS: dict[str, Any] = {}
+
+
+def _record(key: str, value: Any) -> None:
+    RESULTS[key] = value
+    print(f"RESULT {key} = {value}")
+    out = os.environ.get("OUT")
+    if out:
+        Path(out, "vllm_gpu_results.json").write_text(json.dumps(RESULTS, indent=1, default=str))
+
+
+def _engine(model: Path, util: float, **extra: Any) -> Any:
+    from vllm import LLM
+
+    t0 = time.perf_counter()
+    llm = LLM(model=str(model), dtype="bfloat16", max_model_len=256, enforce_eager=True, seed=0,
+              gpu_memory_utilization=util, enable_sleep_mode=True, worker_extension_cls=EXTENSION_CLS, **extra)
+    _record(f"startup_s[{Path(model).name}]", round(time.perf_counter() - t0, 2))
+    return llm
+
+
+def _close(llm: Any) -> None:
+    shutdown = getattr(getattr(llm.llm_engine, "engine_core", None), "shutdown", None)
+    if callable(shutdown):
+        shutdown()
+
+
+@pytest.fixture(scope="module")
+def gpus() -> int:
+    import torch
+
+    n = torch.cuda.device_count()
+    if n < 2:
+        pytest.skip(f"needs 2 GPUs (NCCL broadcast sender and receiver on different GPUs), found {n}")
+    return n
+
+
+@pytest.fixture(scope="module")
+def engines(gpus: int, tiny_model_dir: Path, variant_model_dir: Path) -> Iterator[dict[str, Any]]:
+    a = _engine(tiny_model_dir, 0.2)
+    f = _engine(variant_model_dir, 0.2)
+    yield {"a": a, "f": f}
+    _close(a)
+    _close(f)
+
+
+@pytest.fixture(scope="module")
+def rpcs(engines: dict[str, Any]) -> Iterator[dict[int, EngineRpc]]:
+    out = {0: LLMEngineRpc(engines["a"]), 1: LLMEngineRpc(engines["f"])}
+    yield out
+    for r in out.values():
+        r.close()
+
+
+def greedy(llm: Any) -> list[list[int]]:
+    from vllm import SamplingParams
+
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS), use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+@pytest.fixture(scope="module")
+def baselines(engines: dict[str, Any]) -> dict[str, list[list[int]]]:
+    return {"orig": greedy(engines["a"]), "seed1": greedy(engines["f"])}
+
+
+def _sync(weights_or_cache: Any, targets: dict[int, list], rpcs: dict[int, EngineRpc], *, via: str,
+          version: int = 0, **kw: Any) -> Any:
+    cache = weights_or_cache if hasattr(weights_or_cache, "read") else build_cache(weights_or_cache, version)
+    if via == "cuda_ipc":
+        plan = build_comm_plan(ENGINE_GPU, targets, same_gpu_transport="cuda_ipc")
+        staging = "cuda:0"
+    elif via == "nccl":
+        plan = build_comm_plan(OTHER_GPU, targets, same_gpu_transport="cuda_ipc")
+        staging = "cuda:1"
+    else:  # cpu_serialize into a GPU receiver
+        plan = build_comm_plan(ENGINE_GPU, targets, same_gpu_transport="cpu_serialize")
+        staging = "cpu"
+    return sync_engines(cache, plan, rpcs, staging_device=staging, timeout_s=kw.pop("timeout_s", TIMEOUT_S), **kw)
+
+
+def _info(rpc: EngineRpc) -> dict[str, Any]:
+    return rpc.call("rlix_receiver_info", ()).result(timeout=60)[0]  # type: ignore[no-any-return]
+
+
+# --------------------------------------------------------------------------------------------------
+
+
+def test_gpu_cuda_ipc_sync_matches_fresh_engine(engines: dict, rpcs: dict, weight_sets: dict, baselines: dict) -> None:
+    assert _info(rpcs[0])["loader"] == "vllm_inplace" and _info(rpcs[0])["device"].startswith("cuda")
+    assert baselines["orig"] != baselines["seed1"]
+    report = _sync(weight_sets["seed1"], {0: [ENGINE_GPU]}, rpcs, via="cuda_ipc", version=1)
+    assert report.transport.ipc_dp_ranks == (0,) and report.finalized_dp_ranks == (0,)
+    assert report.verified[0][0]["received"] == len(weight_sets["seed1"])
+    assert greedy(engines["a"]) == baselines["seed1"]  # identical to the fresh engine on these weights
+    assert greedy(engines["f"]) == baselines["seed1"]  # dp 1 was not a target
+    _sync(weight_sets["orig"], {0: [ENGINE_GPU]}, rpcs, via="cuda_ipc", version=2)
+    assert greedy(engines["a"]) == baselines["orig"]
+    _record("cuda_ipc_transfer_s", round(report.transport.transfer_seconds, 4))
+
+
+def test_gpu_nccl_broadcast_several_syncs_two_ranks(engines: dict, rpcs: dict, weight_sets: dict,
+                                                    baselines: dict) -> None:
+    seen = []
+    for version, name in enumerate(["seed2", "orig", "seed1", "orig"], start=10):
+        report = _sync(weight_sets[name], {0: [ENGINE_GPU]}, rpcs, via="nccl", version=version)
+        assert report.transport.broadcast_dp_ranks == (0,)
+        seen.append(greedy(engines["a"]))
+    assert seen[0] not in (baselines["orig"], baselines["seed1"])
+    assert seen[1] == seen[3] == baselines["orig"] and seen[2] == baselines["seed1"]
+    # dp 1 shares cuda:0 with dp 0 (NCCL allows one rank per GPU): it takes the same weights by cuda_ipc
+    _sync(weight_sets["seed2"], {1: [ENGINE_GPU]}, rpcs, via="cuda_ipc", version=14)
+    assert greedy(engines["f"]) == seen[0] and greedy(engines["a"]) == baselines["orig"]
+    _sync(weight_sets["seed1"], {1: [ENGINE_GPU]}, rpcs, via="cuda_ipc", version=15)
+    assert greedy(engines["f"]) == baselines["seed1"]
+    assert _info(rpcs[0])["groups"] == []
+
+
+class _CorruptBucket:
+    def __init__(self, inner: EngineRpc, index: int) -> None:
+        self.inner, self.index = inner, index
+
+    def call(self, method: str, args: tuple[Any, ...]) -> Any:
+        if method == "update_parameter_in_bucket" and args[0]["meta"]["index"] == self.index:
+            payload = dict(args[0])
+            data = bytearray(payload["data"])
+            data[payload["meta"]["offsets"][-1]] ^= 0x01
+            payload["data"] = bytes(data)
+            args = (payload, *args[1:])
+        return self.inner.call(method, args)
+
+    def reset_prefix_cache(self) -> Any:
+        return self.inner.reset_prefix_cache()
+
+
+def test_gpu_verify_names_the_corrupted_parameter(engines: dict, rpcs: dict, weight_sets: dict,
+                                                  baselines: dict) -> None:
+    cache = build_cache(weight_sets["seed1"], 20)
+    with cache.read() as snap:
+        culprit = snap.buckets[1].meta.names[-1]
+    with pytest.raises(WeightVerificationError, match=culprit.replace(".", r"\.")):
+        _sync(cache, {0: [ENGINE_GPU]}, {0: _CorruptBucket(rpcs[0], 1)}, via="cpu_serialize")
+    _sync(weight_sets["orig"], {0: [ENGINE_GPU]}, rpcs, via="cuda_ipc", version=21)
+    assert greedy(engines["a"]) == baselines["orig"]
+
+
+class _StallIpc:
+    def __init__(self, inner: EngineRpc, index: int) -> None:
+        self.inner, self.index = inner, index
+
+    def call(self, method: str, args: tuple[Any, ...]) -> Any:
+        if method == "update_parameter_in_bucket" and args[0]["meta"]["index"] >= self.index:
+            return Future()
+        return self.inner.call(method, args)
+
+    def reset_prefix_cache(self) -> Any:
+        return self.inner.reset_prefix_cache()
+
+
+def test_gpu_timeout_staged_keeps_old_weights_eager_reports_dirty(engines: dict, rpcs: dict, weight_sets: dict,
+                                                                  baselines: dict) -> None:
+    with pytest.raises((RlixTimeoutError, TransportError)):
+        _sync(weight_sets["seed1"], {0: [ENGINE_GPU]}, {0: _StallIpc(rpcs[0], 2)}, via="cuda_ipc",
+              version=30, timeout_s=5.0, apply_mode="staged")
+    assert greedy(engines["a"]) == baselines["orig"]
+    assert not _info(rpcs[0])["dirty"]
+    with pytest.raises((RlixTimeoutError, TransportError)):
+        _sync(weight_sets["seed1"], {0: [ENGINE_GPU]}, {0: _StallIpc(rpcs[0], 2)}, via="cuda_ipc",
+              version=31, timeout_s=5.0, apply_mode="eager")
+    assert _info(rpcs[0])["dirty"]  # buckets 0-1 were loaded: the rank must not serve until re-synced
+    _sync(weight_sets["orig"], {0: [ENGINE_GPU]}, rpcs, via="cuda_ipc", version=32)
+    assert not _info(rpcs[0])["dirty"] and greedy(engines["a"]) == baselines["orig"]
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_gpu_sleep_wake_sync_matches_fresh_engine(level: int, engines: dict, rpcs: dict, weight_sets: dict,
+                                                  baselines: dict) -> None:
+    llm = engines["a"]
+    cache = build_cache(weight_sets["seed1"], 40 + level)
+    llm.sleep(level=level)
+    t0 = time.perf_counter()
+    llm.wake_up(tags=["weights"])
+    t1 = time.perf_counter()
+    _sync(cache, {0: [ENGINE_GPU]}, rpcs, via="cuda_ipc", verify=False)
+    t2 = time.perf_counter()
+    llm.wake_up(tags=["kv_cache"])
+    t3 = time.perf_counter()
+    assert greedy(llm) == baselines["seed1"]
+    _record(f"tiny_level{level}_expand_s", {"wake_weights": round(t1 - t0, 4), "sync_finalize": round(t2 - t1, 4),
+                                           "wake_kv": round(t3 - t2, 4)})
+    _sync(weight_sets["orig"], {0: [ENGINE_GPU]}, rpcs, via="cuda_ipc", version=50 + level)
+    assert greedy(llm) == baselines["orig"]
+
+
+def test_gpu_expand_time_1p5b(gpus: int, tiny_model_dir: Path) -> None:
+    """Qwen2.5-1.5B-shaped dummy engine: expand (wake + sync + finalize) vs wake alone, levels 1 and 2."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    big = tiny_model_dir.parent / "qwen2p5-1p5b-shape"
+    big.mkdir(exist_ok=True)
+    cfg = Qwen2Config.from_pretrained(str(tiny_model_dir))
+    cfg.update({"vocab_size": 151936, "hidden_size": 1536, "intermediate_size": 8960, "num_hidden_layers": 28,
+                "num_attention_heads": 12, "num_key_value_heads": 2, "head_dim": 128, "max_position_embeddings": 4096})
+    cfg.save_pretrained(str(big))
+    for f in tiny_model_dir.iterdir():
+        if f.name.startswith(("tokenizer", "chat_template")):
+            (big / f.name).write_bytes(f.read_bytes())
+    with torch.device("meta"):
+        shapes = {n: (tuple(p.shape), p.dtype) for n, p in Qwen2ForCausalLM(cfg).named_parameters()}
+    shapes.pop("lm_head.weight", None)  # tied
+    gen = torch.Generator(device="cuda:0").manual_seed(0)
+    weights = {n: (torch.randn(s, generator=gen, device="cuda:0", dtype=torch.float32) * 0.02).to(torch.bfloat16)
+               for n, (s, _) in shapes.items()}
+    nbytes = sum(t.numel() * t.element_size() for t in weights.values())
+    t0 = time.perf_counter()
+    cache = build_cache(weights, 1, bucket_bytes=512 << 20)
+    _record("big_cache_build_s", round(time.perf_counter() - t0, 2))
+    del weights
+    torch.cuda.empty_cache()
+    llm = _engine(big, 0.45, load_format="dummy")
+    rpc = {0: LLMEngineRpc(llm)}
+    try:
+        _sync(cache, {0: [ENGINE_GPU]}, rpc, via="cuda_ipc", verify=False)  # warm-up (first IPC open, allocator)
+        from vllm import SamplingParams
+
+        ref = [list(o.outputs[0].token_ids) for o in
+               llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)]
+        for level in (1, 2):
+            llm.sleep(level=level)
+            t0 = time.perf_counter()
+            llm.wake_up()
+            wake_only = time.perf_counter() - t0
+            llm.sleep(level=level)
+            t0 = time.perf_counter()
+            llm.wake_up(tags=["weights"])
+            report = _sync(cache, {0: [ENGINE_GPU]}, rpc, via="cuda_ipc", verify=(level == 2))
+            llm.wake_up(tags=["kv_cache"])
+            expand = time.perf_counter() - t0
+            out = [list(o.outputs[0].token_ids) for o in
+                   llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)]
+            assert out == ref, f"level {level}: output after expand differs from the synced reference"
+            _record(f"big_level{level}", {
+                "weights_gib": round(nbytes / 2**30, 2), "buckets": report.transport.num_buckets,
+                "wake_only_s": round(wake_only, 3), "expand_s": round(expand, 3),
+                "expand_over_wake": round(expand / max(wake_only, 1e-6), 1),
+                "sync_transfer_s": round(report.transport.transfer_seconds, 3),
+                "finalize_s": round(report.finalize_seconds, 3),
+                "gib_per_s": round(nbytes / 2**30 / max(report.transport.transfer_seconds, 1e-6), 1),
+            })
+    finally:
+        rpc[0].close()
+        _close(llm)
