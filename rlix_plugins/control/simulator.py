@@ -202,7 +202,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--admit-delay", type=float, default=30.0, help="seconds between pipeline admissions in the concurrent modes (default 30)")
     parser.add_argument("--max-age", type=int, default=d.max_age, help=f"async GRPO max trajectory age in steps (default {d.max_age})")
     parser.add_argument("--dt", type=float, default=1.0, help="simulation time step in seconds (default 1)")
-    parser.add_argument("--out", default="sim_out", help="directory for timeline PNGs and summary.json (default sim_out)")
+    parser.add_argument("--out", default="out/simulate", help="directory for timeline PNGs and summary.json (default out/simulate)")
     parser.add_argument("--no-validate", action="store_true", help="skip validate_plan on every cycle (faster)")
 
 
