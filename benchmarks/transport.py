@@ -33,6 +33,11 @@ MiB = 1 << 20
 GiB = 1 << 30
 
 
+def progress(msg: str) -> None:
+    """Stage marker on stderr (a run cut off by a time limit still shows where it was)."""
+    print(f"[transport-bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
 def make_model(total_bytes: int, device: str) -> list[tuple[str, torch.Tensor]]:
     """bf16 tensors in a transformer-like size mix (32 MiB, 8 MiB, 22 MiB, 8 KiB) up to ``total_bytes``."""
     pattern = [(4096, 4096), (1024, 4096), (2816, 4096), (4096,)]
@@ -132,6 +137,7 @@ def bench_gpu(sizes_gib: list[float], bucket: int, repeats: int) -> dict[str, An
     results: dict[str, Any] = {"device": torch.cuda.get_device_name(0), "gpus": torch.cuda.device_count()}
     try:
         for size in sizes_gib:
+            progress(f"{size:g} GiB: building the cache")
             model = make_model(int(size * GiB), "cuda:0")
             nbytes = sum(t.numel() * t.element_size() for _, t in model)
             cache = VersionedBucketCache(bucket)
@@ -151,11 +157,14 @@ def bench_gpu(sizes_gib: list[float], bucket: int, repeats: int) -> dict[str, An
                 "rebuild_s(reuses pinned)": rebuild,
                 "raw_h2d_GBps": nbytes / h2d / 1e9,
             }
+            progress(f"{size:g} GiB: cuda_ipc push")
             ipc_plan = build_comm_plan((0, 0), {0: [(0, 0)]}, "cuda_ipc")
             push, _ = _sync_timed(cache, ipc_plan, {0: same}, repeats)
             row.update(push_GBps=nbytes / push / 1e9, push_vs_raw_h2d=h2d / push)
             if other is not None:
+                progress(f"{size:g} GiB: raw NCCL broadcast")
                 bcast = raw_nccl_broadcast(other, nbytes, repeats)
+                progress(f"{size:g} GiB: NCCL per-sync broadcast")
                 nccl_plan = build_comm_plan((0, 0), {1: [(0, 1)]}, "cuda_ipc")
                 ours, reports = _sync_timed(cache, nccl_plan, {1: other}, repeats)
                 transfer = min(r.transfer_seconds for r in reports)
@@ -171,6 +180,7 @@ def bench_gpu(sizes_gib: list[float], bucket: int, repeats: int) -> dict[str, An
             cache.close()
             torch.cuda.empty_cache()
         if other is not None:
+            progress("NCCL group setup+teardown")
             tiny = VersionedBucketCache(8 * MiB)
             tiny.build(0, iter([("w", torch.ones(MiB, device="cuda:0"))]), checksums=False)
             plan = build_comm_plan((0, 0), {1: [(0, 1)]}, "cuda_ipc")
@@ -203,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     bucket = args.bucket_mib * MiB
     results: dict[str, Any] = {"torch": torch.__version__, "bucket_bytes": bucket}
+    progress("CPU pack vs memcpy")
     results["cpu"] = bench_cpu(args.cpu_mib * MiB, min(bucket, 64 * MiB), args.repeats)
     if not args.cpu_only and torch.cuda.is_available():
         results["gpu"] = bench_gpu(args.sizes_gib, bucket, args.repeats)

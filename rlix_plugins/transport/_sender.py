@@ -47,6 +47,10 @@ class ReceiverEndpoint(Protocol):
 
     Worker-side, each method maps to one receiver function of ``rlix_plugins.transport``.
     Arguments are plain types and bytes only.
+
+    Dispatch rule: a method must have *sent* its request before it returns (``actor.m.remote()``
+    does). The sender blocks in a collective right after starting the receiver calls; a request
+    still queued behind a Python thread may never leave, and the collective never completes.
     """
 
     def setup_collective_group(

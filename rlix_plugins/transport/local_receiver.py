@@ -12,10 +12,12 @@ endpoints overlap, which the broadcast needs. A dead worker fails its pending ca
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import functools
 import multiprocessing as mp
 import os
 import pickle
+import signal
 import threading
 import traceback
 from collections.abc import Sequence
@@ -64,6 +66,7 @@ class SubprocessReceiver:
         self._conns: list[Any] = []
         self._procs: list[Any] = []
         self._pools: list[ThreadPoolExecutor] = []
+        self._send_locks: list[threading.Lock] = []
         for local_rank, device in enumerate(self.devices):
             parent, child = ctx.Pipe()
             proc = ctx.Process(
@@ -74,6 +77,7 @@ class SubprocessReceiver:
             self._conns.append(parent)
             self._procs.append(proc)
             self._pools.append(ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"rlix-recv-{local_rank}"))
+            self._send_locks.append(threading.Lock())
         for i in range(len(self.devices)):
             self._recv(i, start_timeout_s)
 
@@ -105,15 +109,21 @@ class SubprocessReceiver:
             raise exc_obj
         raise TransportError(f"receiver worker {i} raised: {value[1]}")
 
-    def _roundtrip(self, i: int, method: str, args: tuple[Any, ...]) -> Any:
-        try:
-            self._conns[i].send((method, args))
-        except (OSError, BrokenPipeError) as exc:
-            raise TransportError(f"receiver worker {i} is gone: {exc!r}") from exc
-        return self._recv(i, CALL_LIMIT_S)
-
     def call_worker(self, i: int, method: str, *args: Any) -> Future[Any]:
-        return self._pools[i].submit(self._roundtrip, i, method, args)
+        """Send the request NOW (in the caller's thread), wait for the reply on the worker's thread.
+
+        Hazard: dispatching from a helper thread instead would let a sender that blocks right
+        after (in a collective that may hold the GIL) starve the very request its peer waits for.
+        Replies come back in request order, and one thread per worker reads them in that order.
+        """
+        with self._send_locks[i]:
+            try:
+                self._conns[i].send((method, args))
+            except (OSError, ValueError) as exc:
+                failed: Future[Any] = Future()
+                failed.set_exception(TransportError(f"receiver worker {i} is gone: {exc!r}"))
+                return failed
+            return self._pools[i].submit(self._recv, i, CALL_LIMIT_S)
 
     def call_all(self, method: str, *args: Any) -> Future[list[Any]]:
         return _gather([self.call_worker(i, method, *args) for i in range(len(self.devices))])
@@ -287,6 +297,7 @@ class _Worker:
 
 def _worker_main(conn: Any, local_rank: int, device: str, checksums: bool) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>` dumps a stuck worker's stacks
     worker = _Worker(local_rank, device, checksums)
     conn.send(("ok", None))
     while True:
