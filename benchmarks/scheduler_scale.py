@@ -30,6 +30,7 @@ from rlix_plugins.control.simulator import JobSpec, compare
 from rlix_plugins.control.types import (
     Allocation,
     ClusterSpec,
+    CyclePlan,
     PendingRequest,
     Priority,
     Progress,
@@ -142,11 +143,45 @@ def bench_latency(samples: int) -> bool:
                 f"{statistics.median(steady_ms):>11.2f} {_pct(steady_ms, 0.99):>11.2f}"
                 f"{statistics.median(val_ms):>13.2f} {_pct(val_ms, 0.99):>13.2f}"
             )
+    print("\n-- the same planner inside simulated runs (every rollout mapping = the whole pool; 3 steps each) --")
+    print(f"{'pipelines':>9} {'GPUs':>5} {'cycles':>7} {'plan p50':>9} {'plan p99':>9} {'plan max':>9}")
+    for p, g in SIZES:
+        ms = sim_latency(p, g)
+        p99 = _pct(ms, 0.99)
+        if (p, g) == (64, 512):
+            ok &= p99 <= 10.0
+        print(f"{p:>9} {g:>5} {len(ms):>7} {statistics.median(ms):>9.2f} {p99:>9.2f} {max(ms):>9.2f}")
     print(
-        "target p99 <= 10 ms at (64, 512) (random snapshots, window layout; steady state, both layouts): "
-        f"{'met' if ok else 'NOT met'}"
+        "target p99 <= 10 ms at (64, 512) (random snapshots, window layout; steady state and simulated runs, "
+        f"both layouts): {'met' if ok else 'NOT met'}"
     )
     return ok
+
+
+def sim_latency(pipelines: int, gpus: int) -> list[float]:
+    """CPU ms of every plan_cycle call while simulating ``pipelines`` mixed jobs on ``gpus`` GPUs."""
+    import rlix_plugins.control._sim_engine as engine
+    from rlix_plugins.control.simulator import rlix_placements
+
+    kinds = [ROLL, TRAIN, BAL, ROLL]
+    train = max(1, min(4, gpus // pipelines))
+    jobs = _mix([dict(kinds[i % 4], train_gpus=train) for i in range(pipelines)], 3, delay=5.0)
+    ms: list[float] = []
+    real = engine.plan_cycle
+
+    def timed(snap: SchedulerSnapshot) -> CyclePlan:
+        t0 = time.thread_time()
+        plan = real(snap)
+        ms.append((time.thread_time() - t0) * 1e3)
+        return plan
+
+    engine.plan_cycle = timed  # type: ignore[assignment]
+    try:
+        engine.Simulation(jobs, rlix_placements(jobs, gpus, GPUS_PER_NODE), gpus, GPUS_PER_NODE, validate=False,
+                          record=False).run()
+    finally:
+        engine.plan_cycle = real
+    return ms
 
 
 def _mix(specs: list[dict[str, float]], steps: int, delay: float = 30.0) -> list[JobSpec]:
