@@ -3,9 +3,11 @@
     python benchmarks/scheduler_scale.py            # ~1 minute on one CPU core
     python benchmarks/scheduler_scale.py --quick    # fewer samples
 
-Part 1 times ``plan_cycle`` (and ``validate_plan``) on random busy scheduler snapshots for (pipelines, GPUs) in
-{(2,8), (8,64), (32,256), (64,512)}; target: p99 <= 10 ms at (64,512). Two layouts: each pipeline's rollout
-mapping is a 32-GPU window around its training GPUs ("window"), or the whole pool ("pool", the worst case).
+Part 1 times ``plan_cycle`` (and ``validate_plan``) in CPU time of the planner thread for (pipelines, GPUs) in
+{(2,8), (8,64), (32,256), (64,512)}; target: p99 <= 10 ms at (64,512). Three views: random busy snapshots
+(adversarial: far from the planner's previous decision), "steady" re-plans of a converged state whose progress
+moved, and every call inside a simulated run. Two layouts: each pipeline's rollout mapping is a 32-GPU window
+around its training GPUs ("window"), or the whole pool ("pool", the worst case).
 
 Part 2 runs ``rlix simulate``'s comparison for 2- and 4-pipeline mixes; targets: >= 1.6x aggregate steps/hour vs
 one-after-another and >= 1.25x vs a static partition on at least one realistic mix. Phase times from the
