@@ -17,7 +17,8 @@ Model (after the reference ``plan_generation_gap_ratio``, with its starvation ga
   rank first, then normalised gap, gap, pipeline id) takes one bundle. Candidates prefer no shrink, then donors
   with more remaining work (protecting nearly finished pipelines), then the lower DP rank. Donors are clusters
   above target and shrink at most down to ``max(1 bundle, target)`` ("donors keep their target"); an acceptor
-  with **no** active rank may also take from a donor at target that keeps ≥1 rank (anti-starvation).
+  with **no** active rank may also take from a donor at target that keeps ≥1 rank (anti-starvation). A shrink
+  search scores at most ``MAX_CANDIDATES`` bundles (bounded latency on fragmented pools).
 * Finally a work-conserving fill: idle, unreserved bundles go to eligible clusters with demand > 0 (least GPUs
   per unit of weight first). It never shrinks anybody.
 
