@@ -29,6 +29,9 @@ from rlix_plugins.vllm.driver import EngineRpc, LLMEngineRpc, sync_engines
 
 pytestmark = [pytest.mark.gpu, pytest.mark.vllm, pytest.mark.slow]
 
+# This process uses CUDA itself (the sender): vLLM's forked engine processes could not re-initialize it.
+os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+
 ENGINE_GPU = (0, 0)
 OTHER_GPU = (0, 1)
 TIMEOUT_S = 120.0
@@ -233,9 +236,11 @@ def test_gpu_expand_time_1p5b(gpus: int, tiny_model_dir: Path) -> None:
 
     big = tiny_model_dir.parent / "qwen2p5-1p5b-shape"
     big.mkdir(exist_ok=True)
-    cfg = Qwen2Config.from_pretrained(str(tiny_model_dir))
-    cfg.update({"vocab_size": 151936, "hidden_size": 1536, "intermediate_size": 8960, "num_hidden_layers": 28,
-                "num_attention_heads": 12, "num_key_value_heads": 2, "head_dim": 128, "max_position_embeddings": 4096})
+    tiny = Qwen2Config.from_pretrained(str(tiny_model_dir))
+    cfg = Qwen2Config(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                      num_attention_heads=12, num_key_value_heads=2, head_dim=128, max_position_embeddings=4096,
+                      tie_word_embeddings=True, eos_token_id=tiny.eos_token_id, bos_token_id=tiny.bos_token_id,
+                      rope_theta=10000.0, torch_dtype="bfloat16")
     cfg.save_pretrained(str(big))
     for f in tiny_model_dir.iterdir():
         if f.name.startswith(("tokenizer", "chat_template")):
