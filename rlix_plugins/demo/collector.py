@@ -16,6 +16,7 @@ from __future__ import annotations
 import random
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import ray
@@ -87,6 +88,14 @@ class DemoCollector:
         if self.reporter is not None:
             self.reporter.report(len(self._buffer.get(self._step, ())), self.prompts_per_step, self._step, new_batch)
 
+    def _generator(self, prompt: list[int]) -> Callable[[int], dict[str, Any]]:
+        def generate(rank: int) -> dict[str, Any]:
+            ref = self.engines[rank].generate.remote(prompt, self.group_size, self.max_tokens, 1.0, None,
+                                                     self.request_timeout_s)
+            return dict(ray.get(ref, timeout=self.request_timeout_s + 30))
+
+        return generate
+
     def _work(self) -> None:
         from rlix_plugins.pipeline.router import RouterClient
 
@@ -101,12 +110,7 @@ class DemoCollector:
                 version = self._version
                 prompt = [self._rng.randrange(16, self.vocab) for _ in range(self.prompt_len)]
             try:
-                result = client.route(
-                    lambda rank: ray.get(self.engines[rank].generate.remote(
-                        prompt, self.group_size, self.max_tokens, 1.0, None, self.request_timeout_s),
-                        timeout=self.request_timeout_s + 30),
-                    is_aborted=lambda r: bool(r["aborted"]),
-                )
+                result = client.route(self._generator(prompt), is_aborted=lambda r: bool(r["aborted"]))
             except RlixTimeoutError:
                 result = None  # no active rank for a long time: try again (or stop)
             except Exception as exc:

@@ -41,21 +41,33 @@ class DemoEngine:
     """One DP rank. ``env`` is applied before vLLM is imported (e.g. ``VLLM_ENABLE_V1_MULTIPROCESSING=0``)."""
 
     def __init__(self, dp_rank: int, llm_kwargs: dict[str, Any], env: dict[str, str] | None = None) -> None:
+        """Imports vLLM (slow, touches no device); the engine itself is built by :meth:`load`."""
         os.environ.update(env or {})
-        from vllm import LLM
+        import vllm  # noqa: F401
 
         self.dp_rank = dp_rank
-        t0 = time.perf_counter()
-        self.llm = LLM(**llm_kwargs)
-        self.start_seconds = time.perf_counter() - t0
-        self._engine = self.llm.llm_engine
+        self._llm_kwargs = dict(llm_kwargs)
+        self.llm: Any = None
+        self.start_seconds = 0.0
         self._cmds: queue.Queue[tuple[Callable[[], Any], Future[Any]]] = queue.Queue()
         self._requests: dict[str, _Request] = {}
         self._ids = itertools.count()
         self._sleeping = False
         self._stats = {"steps": 0, "requests": 0, "aborted": 0, "rpcs": 0}
-        self._thread = threading.Thread(target=self._loop, name=f"rlix-engine-{dp_rank}", daemon=True)
+
+    def load(self) -> float:
+        """Build ``vllm.LLM`` (allocates weights and KV cache: call it while the rank's GPUs are granted)."""
+        from vllm import LLM
+
+        if self.llm is not None:
+            return self.start_seconds
+        t0 = time.perf_counter()
+        self.llm = LLM(**self._llm_kwargs)
+        self.start_seconds = time.perf_counter() - t0
+        self._engine = self.llm.llm_engine
+        self._thread = threading.Thread(target=self._loop, name=f"rlix-engine-{self.dp_rank}", daemon=True)
         self._thread.start()
+        return self.start_seconds
 
     # ------------------------------------------------------------------ engine thread
     def _loop(self) -> None:
@@ -81,12 +93,14 @@ class DemoEngine:
                     continue
                 self._stats["steps"] += 1
                 for out in outs:
-                    req = self._requests.get(out.request_id)
-                    if req is not None and out.finished:
+                    pending = self._requests.get(out.request_id)
+                    if pending is not None and out.finished:
                         del self._requests[out.request_id]
-                        req.future.set_result({"tokens": [list(c.token_ids) for c in out.outputs], "aborted": False})
+                        pending.future.set_result({"tokens": [list(c.token_ids) for c in out.outputs], "aborted": False})
 
     def _run(self, fn: Callable[[], Any], timeout_s: float, what: str) -> Any:
+        if self.llm is None:
+            raise TransportError(f"engine dp{self.dp_rank}: {what} before load() built the engine")
         fut: Future[Any] = Future()
         self._cmds.put((fn, fut))
         try:

@@ -93,24 +93,29 @@ class DemoPipeline:
     def get_pipeline_id(self) -> str | None:
         return self.pipeline_id
 
-    def _make_fleet(self) -> Any:
-        from rlix_plugins.demo.engine import DemoEngine, DemoFleet
+    def _spawn_engines(self) -> None:
+        """Start the engine actors (they import vLLM, touching no GPU) while the pipeline waits for grants."""
+        from rlix_plugins.demo.engine import DemoEngine
 
         spec = self.spec
         kwargs, env = engine_kwargs(spec)
-        engines = []
+        self.engines = []
         for rank, gpu in enumerate(spec.infer_devices):
-            runtime_env: dict[str, Any] = {"env_vars": dict(env)}
-            if spec.on_gpu:
-                runtime_env["env_vars"].update(CUDA_VISIBLE_DEVICES=str(gpu),
-                                               RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES="1")
-            actor = ray.remote(DemoEngine).options(num_cpus=0, num_gpus=0, max_concurrency=64,
-                                                   runtime_env=runtime_env, max_restarts=0)
-            engines.append(actor.remote(rank, kwargs, runtime_env["env_vars"]))
-        stats = ray.get([e.stats.remote() for e in engines], timeout=spec.runtime.init_timeout_s)
-        self._emit(kind="engines", start_seconds=[s["start_seconds"] for s in stats])
-        self.engines = engines
-        return DemoFleet(engines, [[(0, g)] for g in spec.infer_devices])
+            env_vars = dict(env)
+            if spec.on_gpu:  # pin the rank to its GPU; Ray must not overwrite the mask (num_gpus=0 here)
+                env_vars.update(CUDA_VISIBLE_DEVICES=str(gpu), RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES="1")
+            actor: Any = ray.remote(DemoEngine).options(num_cpus=0, num_gpus=0, max_concurrency=64,
+                                                   runtime_env={"env_vars": env_vars}, max_restarts=0)
+            self.engines.append(actor.remote(rank, kwargs, env_vars))
+
+    def _make_fleet(self) -> Any:
+        """Fleet factory, run by the runtime under the INITIALIZATION grant of the inference GPUs."""
+        from rlix_plugins.demo.engine import DemoFleet
+
+        spec = self.spec
+        seconds = ray.get([e.load.remote() for e in self.engines], timeout=spec.runtime.init_timeout_s)
+        self._emit(kind="engines", start_seconds=seconds)
+        return DemoFleet(self.engines, [[(0, g)] for g in spec.infer_devices])
 
     def run(self) -> dict[str, Any]:
         from rlix_plugins.control import client
@@ -121,6 +126,13 @@ class DemoPipeline:
 
         spec = self.spec
         t_start = time.time()
+        trainer: Any = ray.remote(DemoTrainer).options(num_cpus=0, max_concurrency=4, max_restarts=0).remote(
+            spec.model_dir, spec.bucket_size_bytes, (0, spec.train_devices[0]), lr=spec.lr, seed=spec.seed)
+        self._spawn_engines()
+
+        def offload() -> None:
+            ray.get(trainer.offload.remote(), timeout=spec.runtime.sync_timeout_s)
+
         cp = client.connect(create_if_missing=False)
         rt = PipelineRuntime.register(cp, list(spec.train_devices), list(spec.infer_devices), config=spec.runtime)
         self.pipeline_id = rt.pipeline_id
@@ -130,9 +142,7 @@ class DemoPipeline:
         error: str | None = None
         seen = 0
         try:
-            trainer = ray.remote(DemoTrainer).options(num_cpus=0, max_concurrency=4, max_restarts=0).remote(
-                spec.model_dir, spec.bucket_size_bytes, (0, spec.train_devices[0]), lr=spec.lr, seed=spec.seed)
-            rt.start(ActorWeightSource(trainer), self._make_fleet, offload=lambda: ray.get(trainer.offload.remote()))
+            rt.start(ActorWeightSource(trainer), self._make_fleet, offload=offload)
             collector = ray.remote(DemoCollector).options(num_cpus=0, max_concurrency=64, max_restarts=0).remote(
                 RouterClient(rt.router, rt.num_dp_ranks, timeout_s=10.0), self.engines, rt.progress_reporter(),
                 prompts_per_step=spec.prompts_per_step, group_size=spec.group_size, max_tokens=spec.max_tokens,
@@ -151,7 +161,7 @@ class DemoPipeline:
                 t_train = time.time()
                 metrics = ray.get(trainer.train_step.remote(groups), timeout=600)
                 rt.before_weight_sync(step)
-                version = rt.after_training(step, offload=lambda: ray.get(trainer.offload.remote()))
+                version = rt.after_training(step, offload=offload)
                 publisher.set_weight_version(version, 60.0)
                 rt.on_published(step, version)
                 steps_done += 1
@@ -169,9 +179,10 @@ class DemoPipeline:
                                 if collector is not None else None)
             hist = rt.resize_history(seen)
         stats = ray.get(collector.stats.remote(), timeout=30) if collector is not None else {}
+        trained = ray.get(trainer.history.remote(), timeout=30)
         summary = {"name": spec.name, "pipeline_id": self.pipeline_id, "steps": steps_done, "error": error,
                    "end_errors": end_errors, "seconds": time.time() - t_start, "collector": stats,
-                   "watchdog_requests": rt.watchdog_requests,
+                   "watchdog_requests": rt.watchdog_requests, "trainer": trained,
                    "timings": rt.timings, "spec": {k: v for k, v in asdict(spec).items() if k != "runtime"}}
         self._emit(kind="done", summary=summary, resizes=hist)
         return summary

@@ -152,8 +152,8 @@ def run_demo(pipelines: int = 2, gpus: int = 2, steps: int = 3, out: str | os.Pa
             steps=steps, prompts_per_step=prompts_per_step, group_size=group_size, max_tokens=max_tokens,
             on_gpu=on_gpu, seed=i, gpu_memory_utilization=min(0.9 / (2 * pipelines), 0.3),
             runtime=RuntimeConfig(sleep_level=sleep_level)))
-    actor = ray.remote(DemoPipeline).options(num_cpus=0, max_concurrency=4, max_restarts=0)
-    drivers = [actor.remote(s) for s in specs]
+    actor: Any = ray.remote(DemoPipeline).options(num_cpus=0, max_concurrency=4, max_restarts=0)
+    drivers: list[Any] = [actor.remote(s) for s in specs]
     runs = {d.run.remote(): i for i, d in enumerate(drivers)}
     seen = [0] * pipelines
     all_events: list[list[dict[str, Any]]] = [[] for _ in specs]
@@ -181,7 +181,8 @@ def run_demo(pipelines: int = 2, gpus: int = 2, steps: int = 3, out: str | os.Pa
             for ev in evs:
                 for line in format_event(ev):
                     print(line, file=say, flush=True)
-                if kill_after_step and kill_after_step[0] == i and ev["kind"] == "step" and ev["step"] >= kill_after_step[1]:
+                if (kill_after_step and kill_after_step[0] == i and i not in killed and ev["kind"] == "step"
+                        and ev["step"] >= kill_after_step[1]):
                     print(f"[{specs[i].name}] killing its driver (failure isolation demo)", file=say, flush=True)
                     ray.kill(d, no_restart=True)
                     killed.add(i)
@@ -201,7 +202,7 @@ def run_demo(pipelines: int = 2, gpus: int = 2, steps: int = 3, out: str | os.Pa
     analysis = analyse_trace(trace, list(range(gpus)), t_trace, t_end)
     timeline = render_timeline(trace, out_dir / "timeline.png", gpus=gpus,
                                title=f"rlix demo: {pipelines} pipelines on {gpus} GPUs")
-    resizes = [r for evs in all_events for ev in evs for r in ev.get("resizes", [])]
+    resizes = [{**r, "pipeline": ev["pipeline"]} for evs in all_events for ev in evs for r in ev.get("resizes", [])]
     syncs = [r for r in resizes if r["op"] in ("expand", "refresh") and r["ranks"]]
     status = cp.status()
     allocated = {cid: a["gpus"] for cid, a in status["allocations"].items() if a["gpus"]}
@@ -216,19 +217,24 @@ def run_demo(pipelines: int = 2, gpus: int = 2, steps: int = 3, out: str | os.Pa
     for i, spec in enumerate(specs):
         res = results.get(i, {})
         secs = res.get("seconds") or max(t_end - t_begin, 1e-9)
-        rewards = [e["reward"] for e in all_events[i] if e["kind"] == "step"]
+        step_evs = [e for e in all_events[i] if e["kind"] == "step"]
+        rewards = [e["reward"] for e in step_evs]
+        loop_s = (step_evs[-1]["time"] - (step_evs[0]["time"] - step_evs[0]["seconds"])) if step_evs else 0.0
         summary["pipelines"].append({
             "name": spec.name, "pipeline_id": res.get("pipeline_id"), "steps": res.get("steps", 0),
             "error": res.get("error"), "killed": i in killed, "seconds": secs,
             "steps_per_hour": res.get("steps", 0) / secs * 3600.0, "rewards": rewards,
+            "loop_steps_per_hour": len(step_evs) / loop_s * 3600.0 if loop_s > 0 else 0.0,
             "versions_seen": res.get("collector", {}).get("versions_seen"),
+            "cache_versions_built": [v for v, _ in res.get("trainer", {}).get("built", [])],
+            "params_per_version": dict(res.get("trainer", {}).get("built", [])),
         })
     print("\nsummary", file=say)
     for p in summary["pipelines"]:
         state = "killed" if p["killed"] else (f"error: {p['error']}" if p["error"] else "ok")
-        rewards = " -> ".join(f"{r:.3f}" for r in p["rewards"])
-        print(f"  {p['name']}: {p['steps']} steps, {p['steps_per_hour']:.0f} steps/hour, {state}; reward {rewards}",
-              file=say)
+        curve = " -> ".join(f"{r:.3f}" for r in p["rewards"])
+        print(f"  {p['name']}: {p['steps']} steps, {p['steps_per_hour']:.0f} steps/hour including start-up "
+              f"({p['loop_steps_per_hour']:.0f} in the training loop), {state}; reward {curve}", file=say)
     print(f"  GPU busy share {summary['gpu_busy_share']:.0%} over {gpus} GPUs; "
           f"{summary['cross_pipeline_preemptions']} training grants preempted another pipeline's rollout rank", file=say)
     print(f"  weight syncs: {summary['syncs']} ({summary['expands']} expands), "

@@ -174,8 +174,8 @@ class RouterClient:
             raise exc.cause if isinstance(exc.cause, Exception) else exc from None
 
     def acquire(self, exclude: list[int] | None = None) -> tuple[int, int]:
-        return tuple(self._get(self.router.acquire.remote(self.timeout_s, exclude), "acquire",  # type: ignore[return-value]
-                               self.timeout_s + _RPC_S))
+        rank, ticket = self._get(self.router.acquire.remote(self.timeout_s, exclude), "acquire", self.timeout_s + _RPC_S)
+        return int(rank), int(ticket)
 
     def release(self, ticket: int, ok: bool = True) -> bool:
         return bool(self._get(self.router.release.remote(ticket, ok), "release", _RPC_S))

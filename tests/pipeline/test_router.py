@@ -33,7 +33,7 @@ def test_acquire_blocks_until_a_rank_is_active_and_prefers_least_outstanding(rou
     ray.get(router.activate.remote([1, 2]))
     rank, t1 = ray.get(ref, timeout=5)
     assert rank == 1
-    rank2, t2 = client.acquire()
+    rank2, _t2 = client.acquire()
     assert rank2 == 2  # least outstanding
     rank3, _ = client.acquire()
     assert rank3 == 1
