@@ -54,6 +54,7 @@ class DemoEngine:
         self._ids = itertools.count()
         self._sleeping = False
         self._stats = {"steps": 0, "requests": 0, "aborted": 0, "rpcs": 0}
+        self._mem_log: list[dict[str, Any]] = []
 
     def load(self) -> float:
         """Build ``vllm.LLM`` (allocates weights and KV cache: call it while the rank's GPUs are granted)."""
@@ -170,21 +171,29 @@ class DemoEngine:
                 raise TransportError(f"engine dp{self.dp_rank}: sleep with {len(self._requests)} requests in flight "
                                      "(a shrink must abort and drain first)")
             if not self._sleeping:
+                before, t0 = self._device_free(), time.perf_counter()
                 self.llm.sleep(level=level)
                 self._sleeping = True
+                self._mem_log.append({"op": f"sleep{level}", "seconds": time.perf_counter() - t0,
+                                      "free_before": before, "free_after": self._device_free()})
 
         self._run(sleep, timeout_s, f"sleep(level={level})")
 
     def wake_up(self, tags: list[str] | None = None, timeout_s: float = 60.0) -> None:
         def wake() -> None:
             if self._sleeping:
+                before, t0 = self._device_free(), time.perf_counter()
                 self.llm.wake_up(tags=tags)
                 self._sleeping = tags is not None and "kv_cache" not in tags
+                self._mem_log.append({"op": "wake", "seconds": time.perf_counter() - t0,
+                                      "free_before": before, "free_after": self._device_free()})
 
         self._run(wake, timeout_s, "wake_up")
 
     def memory_in_use(self) -> int | None:
-        """Device bytes this process holds (NVML per process, else the device's used bytes); None on CPU."""
+        """Device bytes THIS process holds (the engine runs in-process), per NVML / nvidia-smi; None on CPU or
+        when the driver does not list the process (other PID namespace). Device-wide numbers would count the
+        co-tenant pipelines' engines on the same GPU, so they are only logged (``memory_log``), never checked."""
         try:
             import torch
 
@@ -192,18 +201,39 @@ class DemoEngine:
                 return None
         except ImportError:
             return None
+        pid = os.getpid()
         try:
             import pynvml
 
             pynvml.nvmlInit()
             index = int(os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0])
-            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-            pids = {os.getpid()}
-            return sum(int(p.usedGpuMemory or 0) for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
-                       if p.pid in pids)
+            procs = pynvml.nvmlDeviceGetComputeRunningProcesses(pynvml.nvmlDeviceGetHandleByIndex(index))
+            found = [int(p.usedGpuMemory or 0) for p in procs if p.pid == pid]
+            return sum(found) if found else None
         except Exception:
-            free, total = torch.cuda.mem_get_info()
-            return int(total - free)
+            pass
+        try:
+            import subprocess
+
+            out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                                 capture_output=True, text=True, timeout=10).stdout
+            found = [int(float(mib)) << 20 for p, mib in (line.split(",") for line in out.splitlines() if "," in line)
+                     if int(p) == pid]
+            return sum(found) if found else None
+        except Exception:
+            return None
+
+    def _device_free(self) -> int | None:
+        try:
+            import torch
+
+            return int(torch.cuda.mem_get_info()[0]) if torch.cuda.is_available() else None
+        except Exception:
+            return None
+
+    def memory_log(self) -> list[dict[str, Any]]:
+        """(op, seconds, device free bytes before/after) of every sleep and wake (GPU only)."""
+        return list(self._mem_log)
 
     def stats(self) -> dict[str, Any]:
         return {**self._stats, "sleeping": self._sleeping, "in_flight": len(self._requests),

@@ -180,9 +180,12 @@ class DemoPipeline:
             hist = rt.resize_history(seen)
         stats = ray.get(collector.stats.remote(), timeout=30) if collector is not None else {}
         trained = ray.get(trainer.history.remote(), timeout=30)
+        memory: list[list[dict[str, Any]]] = []
+        if spec.on_gpu:
+            memory = [ray.get(e.memory_log.remote(), timeout=30) for e in getattr(self, "engines", [])]
         summary = {"name": spec.name, "pipeline_id": self.pipeline_id, "steps": steps_done, "error": error,
                    "end_errors": end_errors, "seconds": time.time() - t_start, "collector": stats,
-                   "watchdog_requests": rt.watchdog_requests, "trainer": trained,
+                   "watchdog_requests": rt.watchdog_requests, "trainer": trained, "engine_memory": memory,
                    "timings": rt.timings, "spec": {k: v for k, v in asdict(spec).items() if k != "runtime"}}
         self._emit(kind="done", summary=summary, resizes=hist)
         return summary

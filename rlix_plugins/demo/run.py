@@ -228,6 +228,7 @@ def run_demo(pipelines: int = 2, gpus: int = 2, steps: int = 3, out: str | os.Pa
             "versions_seen": res.get("collector", {}).get("versions_seen"),
             "cache_versions_built": [v for v, _ in res.get("trainer", {}).get("built", [])],
             "params_per_version": dict(res.get("trainer", {}).get("built", [])),
+            "engine_memory": res.get("engine_memory", []),
         })
     print("\nsummary", file=say)
     for p in summary["pipelines"]:
