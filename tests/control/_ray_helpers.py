@@ -24,10 +24,10 @@ from rlix_plugins.errors import RlixError
 
 #: Short timeouts so failure tests finish in seconds.
 FAST_SCHEDULER = SchedulerConfig(
-    resize_timeout_s=4.0, poll_interval_s=0.2, health_interval_s=0.5, health_timeout_s=2.0,
+    resize_timeout_s=6.0, poll_interval_s=0.2, health_interval_s=0.5, health_timeout_s=2.0,
     default_request_timeout_s=20.0,
 )
-FAST_COORDINATOR = CoordinatorConfig(lock_timeout_s=1.5, handler_timeout_s=1.5, lock_lease_s=30.0)
+FAST_COORDINATOR = CoordinatorConfig(lock_timeout_s=2.5, handler_timeout_s=2.5, lock_lease_s=30.0)
 
 
 @ray.remote(num_cpus=0, max_concurrency=4)
@@ -76,7 +76,7 @@ def kill_control_plane() -> None:
 
 
 #: The control plane shared by tests (starting one costs two Ray worker processes, ~2 s on a 2-core CI box).
-_SHARED: dict[str, ControlPlane] = {}
+_SHARED: dict[str, Any] = {}
 #: Handler actors made by ``make_pipeline`` in the current test (killed afterwards: each is a process).
 _HANDLERS: list[Any] = []
 
@@ -115,9 +115,21 @@ def reset_control_plane(cp: ControlPlane) -> None:
         ray.kill(_HANDLERS.pop(), no_restart=True)
 
 
+def _end_of_module() -> None:
+    _SHARED.clear()
+    kill_control_plane()
+
+
 @pytest.fixture
-def control_plane(ray_cluster: Any) -> Iterator[ControlPlane]:
-    """The (shared) control plane with short timeouts and no pipelines; cleaned up after the test."""
+def control_plane(ray_cluster: Any, request: pytest.FixtureRequest) -> Iterator[ControlPlane]:
+    """The control plane shared within a test module (short timeouts, no pipelines); cleaned after each test.
+
+    It is killed when the module ends, so later modules' ``connect()`` get a control plane with default timeouts.
+    """
+    module = request.node.getparent(pytest.Module)
+    if module is not None and _SHARED.get("module") is not module:
+        _SHARED["module"] = module
+        module.addfinalizer(_end_of_module)
     cp = _shared_control_plane()
     reset_control_plane(cp)
     yield cp
@@ -135,6 +147,7 @@ def make_pipeline(cp: ControlPlane, train: list[int] | None, infer: list[int], t
     pipe = cp.register_pipeline(tps, maps, coordinator_config=FAST_COORDINATOR)
     handler = RecordingHandler.remote(delay_s)
     _HANDLERS.append(handler)
+    ray.get(handler.calls.remote(), timeout=60)  # started: a cold actor start must not eat the resize timeout
     pipe.set_resize_handler(handler)
     return pipe, handler
 
