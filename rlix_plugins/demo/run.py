@@ -221,7 +221,8 @@ def run_demo(pipelines: int = 2, gpus: int = 2, steps: int = 3, out: str | os.Pa
         rewards = [e["reward"] for e in step_evs]
         loop_s = (step_evs[-1]["time"] - (step_evs[0]["time"] - step_evs[0]["seconds"])) if step_evs else 0.0
         summary["pipelines"].append({
-            "name": spec.name, "pipeline_id": res.get("pipeline_id"), "steps": res.get("steps", 0),
+            "name": spec.name, "steps": res.get("steps", 0),
+            "pipeline_id": res.get("pipeline_id") or next((e["pipeline_id"] for e in all_events[i] if e.get("pipeline_id")), None),
             "error": res.get("error"), "killed": i in killed, "seconds": secs,
             "steps_per_hour": res.get("steps", 0) / secs * 3600.0, "rewards": rewards,
             "loop_steps_per_hour": len(step_evs) / loop_s * 3600.0 if loop_s > 0 else 0.0,

@@ -67,6 +67,8 @@ def test_killed_driver_frees_its_gpus_and_the_other_pipeline_finishes(fresh_cont
     assert killed["killed"] and survivor["steps"] == 3 and survivor["error"] is None
     _check_syncs({**summary, "resizes": [r for r in summary["resizes"] if r["pipeline"] == "p0"]})
     cp = connect(create_if_missing=False)
+    assert killed["pipeline_id"] and killed["pipeline_id"] != survivor["pipeline_id"]
     wait_for(lambda: killed["pipeline_id"] not in cp.status()["pipelines"], timeout_s=30,
-             what="the killed pipeline unregistered by the scheduler's health probe")
-    assert cp.status()["allocations"] == {} or all(not a["gpus"] for a in cp.status()["allocations"].values())
+             what="the killed pipeline failed by the scheduler's health probe")
+    wait_for(lambda: not any(a["gpus"] for a in cp.status()["allocations"].values()), timeout_s=30,
+             what="every GPU back in the pool")
