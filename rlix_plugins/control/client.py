@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -88,11 +89,21 @@ def call(ref: Any, what: str, timeout_s: float = RPC_TIMEOUT_S) -> Any:
             f"{what}: no answer within {timeout_s:.0f} s (is the control plane overloaded or hung? `rlix status`)"
         ) from None
     except ray.exceptions.RayActorError as exc:
-        raise SchedulerError(f"{what}: the actor serving it is dead ({str(exc).splitlines()[0][:200]})") from None
+        raise SchedulerError(f"{what}: the actor serving it is dead ({_actor_death_reason(exc)})") from None
     except ray.exceptions.RayTaskError as exc:
         if isinstance(exc.cause, RlixError):
             raise exc.cause from None
         raise
+
+
+def _actor_death_reason(exc: BaseException) -> str:
+    """The rlix error that killed an actor in its constructor, else the first line of Ray's message."""
+    text = str(exc)
+    for line in reversed(text.splitlines()):
+        match = re.match(r"^rlix_plugins\.errors\.(\w+): (.*)$", line.strip())
+        if match:
+            return f"{match.group(1)}: {match.group(2)}"[:500]
+    return (text.splitlines()[0] if text else type(exc).__name__)[:200]
 
 
 def _lookup(name: str, namespace: str) -> Any | None:

@@ -30,7 +30,7 @@ PIPELINE_KINDS: Final = ("ft", "lora")
 RPC_TIMEOUT_S: Final = 60.0
 
 
-def discover_pool(wait_s: float = 30.0) -> tuple[int, int]:
+def discover_pool(wait_s: float = 10.0) -> tuple[int, int]:
     """(num_gpus, gpus_per_node) of the current Ray cluster; waits up to ``wait_s`` for GPUs to appear."""
     deadline = time.monotonic() + wait_s
     while True:

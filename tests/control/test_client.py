@@ -106,3 +106,11 @@ def test_call_maps_ray_errors(control_plane: client.ControlPlane) -> None:
     ray.kill(slow)
     with pytest.raises(SchedulerError, match="dead"):
         client.call(slow.wait.remote(), "dead call", timeout_s=10)
+
+
+def test_actor_death_reason_surfaces_the_rlix_error() -> None:
+    msg = ("The actor died because of an error raised in its creation task, ray::Orchestrator.__init__()\n"
+           '  File "orchestrator.py", line 42, in discover_pool\n'
+           "rlix_plugins.errors.RlixConfigError: the Ray cluster has no GPUs; start it with GPUs")
+    assert client._actor_death_reason(RuntimeError(msg)) == "RlixConfigError: the Ray cluster has no GPUs; start it with GPUs"
+    assert client._actor_death_reason(RuntimeError("plain death\nmore")) == "plain death"
