@@ -23,6 +23,7 @@ import math
 import threading
 import time
 import uuid
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -35,6 +36,8 @@ logger = logging.getLogger(__name__)
 
 #: Progress is forwarded when ``int(completed / step_target * PROGRESS_BUCKETS)`` changes (2 % steps).
 PROGRESS_BUCKETS = 50
+#: Completed resizes kept for ``resize_history`` (diagnostics).
+RESIZE_HISTORY = 1000
 
 
 @runtime_checkable
@@ -121,7 +124,7 @@ class Coordinator:
         self._bucket: int | None = None
         self._last_progress: tuple[int, int, int | None] | None = None
         self._report_seq = 0
-        self._resizes: list[tuple[float, list[int], list[int]]] = []
+        self._resizes: deque[tuple[float, list[int], list[int]]] = deque(maxlen=RESIZE_HISTORY)
 
     def ping(self) -> str:
         return "ok"
@@ -229,7 +232,7 @@ class Coordinator:
         self._sched().clear_progress.remote(self._pid, report_seq=seq)
 
     def resize_history(self) -> list[tuple[float, list[int], list[int]]]:
-        """(time, removed, added) of every completed resize (diagnostics, tests)."""
+        """(time, removed, added) of the last ``RESIZE_HISTORY`` completed resizes (diagnostics, tests)."""
         with self._state:
             return list(self._resizes)
 
