@@ -200,8 +200,11 @@ def run_demo(pipelines: int = 2, gpus: int = 2, steps: int = 3, out: str | os.Pa
     t_end = time.time()
     trace = cp.trace(since=t_trace)
     analysis = analyse_trace(trace, list(range(gpus)), t_trace, t_end)
-    timeline = render_timeline(trace, out_dir / "timeline.png", gpus=gpus,
-                               title=f"rlix demo: {pipelines} pipelines on {gpus} GPUs")
+    try:
+        timeline: Path | str = render_timeline(trace, out_dir / "timeline.png", gpus=gpus,
+                                               title=f"rlix demo: {pipelines} pipelines on {gpus} GPUs")
+    except ImportError as exc:  # matplotlib is a dependency, but a bare GPU image may lack it
+        timeline = f"not drawn ({exc}); `rlix timeline --out t.png` draws it from the trace"
     resizes = [{**r, "pipeline": ev["pipeline"]} for evs in all_events for ev in evs for r in ev.get("resizes", [])]
     syncs = [r for r in resizes if r["op"] in ("expand", "refresh") and r["ranks"]]
     status = cp.status()
