@@ -36,6 +36,7 @@ class RecordingHandler:
 
     def __init__(self, delay_s: float = 0.0) -> None:
         self._calls: list[tuple[float, list[int], list[int]]] = []
+        self._spans: list[tuple[float, float, list[int], list[int]]] = []
         self._mode = "ok"
         self._delay_s = delay_s
         self._lock = threading.Lock()
@@ -44,6 +45,7 @@ class RecordingHandler:
         self._mode = mode
 
     def resize_infer(self, dp_ranks_to_remove: list[int], dp_ranks_to_add: list[int]) -> None:
+        start = time.time()
         if self._mode == "fail":
             raise RuntimeError("test handler told to fail")
         if self._mode == "hang":
@@ -53,10 +55,17 @@ class RecordingHandler:
         time.sleep(self._delay_s)
         with self._lock:
             self._calls.append((time.time(), list(dp_ranks_to_remove), list(dp_ranks_to_add)))
+            self._spans.append((start, time.time(), list(dp_ranks_to_remove), list(dp_ranks_to_add)))
 
     def calls(self) -> list[tuple[float, list[int], list[int]]]:
+        """(end time, removed, added) of every completed call."""
         with self._lock:
             return list(self._calls)
+
+    def spans(self) -> list[tuple[float, float, list[int], list[int]]]:
+        """(start, end, removed, added) of every completed call."""
+        with self._lock:
+            return list(self._spans)
 
 
 def kill_control_plane() -> None:

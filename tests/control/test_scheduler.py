@@ -66,8 +66,8 @@ def test_training_preempts_other_pipelines_rank_and_it_comes_back(control_plane:
 def test_rollout_capacity_follows_remaining_work(control_plane: client.ControlPlane) -> None:
     """Idle rollout GPUs go to the pipeline with most work left; progress reports move them."""
     cp = control_plane
-    a, _ = make_pipeline(cp, train=None, infer=[0, 1, 2, 3])
-    b, _ = make_pipeline(cp, train=None, infer=[0, 1, 2, 3])
+    a, ha = make_pipeline(cp, train=None, infer=[0, 1, 2, 3], delay_s=0.05)
+    b, hb = make_pipeline(cp, train=None, infer=[0, 1, 2, 3], delay_s=0.05)
     a.report_progress(collected=10, step_target=100, step=0, new_batch=True)
     b.report_progress(collected=90, step_target=100, step=0, new_batch=True)
     a.request_gpus("actor_infer", GEN, timeout_s=10)
@@ -76,9 +76,14 @@ def test_rollout_capacity_follows_remaining_work(control_plane: client.ControlPl
     wait_for(lambda: len(active_gpus(cp, ca)) == 3 and len(active_gpus(cp, cb)) == 1, what="3:1 split for A")
 
     # A nearly done, B starts a new large batch: capacity moves to B (coordinator → scheduler progress path).
+    t_flip = time.time()
     a.report_progress(collected=99, step_target=100, step=0)
     b.report_progress(collected=0, step_target=100, step=1, new_batch=True)
     wait_for(lambda: len(active_gpus(cp, cb)) == 3 and len(active_gpus(cp, ca)) == 1, what="capacity moved to B")
+    # Shrinks run before expands: B's first wake after the flip starts after A's first sleep ended.
+    first_shrink_end = min(s[1] for s in ray.get(ha.spans.remote()) if s[2] and s[0] > t_flip)
+    first_expand_start = min(s[0] for s in ray.get(hb.spans.remote()) if s[3] and s[0] > t_flip)
+    assert first_expand_start >= first_shrink_end
     assert any(e.op == "shrink" and "rebalance" in e.detail for e in cp.trace() if e.pipeline_id == a.pipeline_id)
     assert not set(active_gpus(cp, ca)) & set(active_gpus(cp, cb))
 
@@ -107,6 +112,23 @@ def test_suspended_pipeline_is_woken_again_without_asking(control_plane: client.
     # A's batch is done: its ranks stay but it is no longer owed more.
     a.report_progress(50, 50, step=0)
     assert c.request_gpus("actor_train", Priority.ACTOR_TRAINING, timeout_s=10) == [2]
+
+
+def test_donor_shrinks_run_concurrently(control_plane: client.ControlPlane) -> None:
+    """C's training needs GPUs of A's and B's rollout ranks: both shrinks run at once, the grant follows them."""
+    cp = control_plane
+    a, ha = make_pipeline(cp, train=None, infer=[0], delay_s=1.5)
+    b, hb = make_pipeline(cp, train=None, infer=[1], delay_s=1.5)
+    c, _ = make_pipeline(cp, train=[0, 1], infer=[0, 1])
+    a.request_gpus("actor_infer", GEN, timeout_s=20)
+    b.request_gpus("actor_infer", GEN, timeout_s=20)
+    t0 = time.time()
+    assert c.request_gpus("actor_train", Priority.INITIALIZATION, timeout_s=20) == [0, 1]
+    took = time.time() - t0
+    (sa,), (sb,) = ([s for s in ray.get(h.spans.remote()) if s[2]] for h in (ha, hb))
+    assert max(sa[1], sb[1]) <= t0 + took  # both donors slept before the grant returned
+    assert sa[0] < sb[1] and sb[0] < sa[1], "the two shrinks did not overlap in time"
+    assert took < 2 * 1.5, f"shrinks ran one after another ({took:.2f} s)"
 
 
 def test_planned_shrink_to_zero(control_plane: client.ControlPlane) -> None:
