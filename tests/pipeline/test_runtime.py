@@ -125,3 +125,29 @@ def test_shrink_order_and_memory_check(resizer: Any) -> None:
         ray.get(actor.resize_infer.remote([0], []), timeout=30)
     with pytest.raises(SchedulerError, match="exactly one"):
         ray.get(actor.resize_infer.remote([0], [1]), timeout=30)
+
+
+def test_watchdog_rerequests_generation_when_no_rank_is_active(control_plane: ControlPlane) -> None:
+    """debug #32, the runtime's half: after a planned shrink to zero the scheduler forgets the pipeline's rollout
+    demand; the watchdog notices that no rank is routed and asks for GENERATION again."""
+    rt, rec = _runtime(control_plane, [0], [0, 1])
+    rt.attach_collector(RecordingPublisher(rec))
+    rt.pipe.await_release("actor_infer", timeout_s=10)
+    before = rt.watchdog_requests
+    wait_for(lambda: _active(rt), timeout_s=15, what="GENERATION re-requested by the watchdog")
+    assert rt.watchdog_requests > before
+    rt.end()
+    assert rt._watchdog is not None and not rt._watchdog.is_alive(), "end() must stop the watchdog first (#64)"
+
+
+def test_progress_of_the_current_step_reaches_the_scheduler_clamped(control_plane: ControlPlane) -> None:
+    """reference F9 (miles wire format): the collector reports RAW counts; the scheduler sees them clamped."""
+    rt, _rec = _runtime(control_plane, [0], [0, 1])
+    reporter = rt.progress_reporter()
+    reporter.report(3, 8, step=0, new_batch=True)
+    wait_for(lambda: (control_plane.status()["pipelines"][rt.pipeline_id]["progress"] or {}).get("completed") == 3,
+             what="progress 3/8 at the scheduler")
+    reporter.report(11, 8, step=0)  # overshoot (age-window extras): clamped, never negative remaining
+    wait_for(lambda: control_plane.status()["pipelines"][rt.pipeline_id]["progress"]["remaining"] == 0,
+             what="clamped progress at the scheduler")
+    rt.end()
