@@ -13,6 +13,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -85,6 +86,20 @@ def analyse_trace(events: list[Any], gpus: list[int], t0: float, t1: float) -> d
             "preemptions": len(preempt), "training_grants": len(trains)}
 
 
+@contextlib.contextmanager
+def _quiet_stdout() -> Iterator[None]:
+    """Silence file descriptor 1 (the tokenizer trainer's native progress output) for the block."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), 1)
+            yield
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
 def _start_ray(gpus: int, address: str | None) -> bool:
     """Join ``address``/RAY_ADDRESS, else start a local cluster (declaring ``gpus`` GPUs on a CPU machine)."""
     import ray
@@ -146,7 +161,8 @@ def run_demo(pipelines: int = 2, gpus: int = 2, steps: int = 3, out: str | os.Pa
 
         hf_logging.disable_progress_bar()
     for i in range(pipelines):
-        model = build_tiny_qwen2(out_dir / "models" / f"p{i}", seed=i)
+        with _quiet_stdout():
+            model = build_tiny_qwen2(out_dir / "models" / f"p{i}", seed=i)
         specs.append(PipelineSpec(
             name=f"p{i}", model_dir=str(model), train_devices=(i % gpus,), infer_devices=tuple(range(gpus)),
             steps=steps, prompts_per_step=prompts_per_step, group_size=group_size, max_tokens=max_tokens,
