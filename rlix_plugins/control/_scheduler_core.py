@@ -113,10 +113,13 @@ class SchedulerCore:
         if pipe is None:
             return False
         freed: set[int] = set()
+        awake: list[int] = []
         for cid in pipe.clusters:
             alloc = self._allocations.pop(cid, None)
             if alloc is not None:
                 freed |= alloc.gpus
+                if alloc.priority == Priority.GENERATION:
+                    awake += sorted(alloc.active_dp_ranks)
             self._note_removed(cid)
             for fut in self._planned.pop(cid, []):
                 if not fut.done():
@@ -131,6 +134,10 @@ class SchedulerCore:
         for cid in pipe.clusters:
             self._close_gen(cid)
         self._coordinators.pop(pipeline_id, None)
+        if awake:
+            # debug #64/#65: these ranks may still hold GPU memory; a graceful end calls await_release first.
+            detail += f" (rollout ranks {awake} were still active: call await_release before unregistering)"
+            logger.warning("rlix scheduler: pipeline %s left with active rollout ranks %s", pipeline_id, awake)
         self._trace.record(op, pipeline_id=pipeline_id, gpus=freed, detail=detail)
         if self._wake is not None:
             self._wake.set()
