@@ -22,6 +22,24 @@ Public API
   ``published_version(v) = max(v, 0)``, ``check_no_double_bump``.
 * :class:`RuntimeConfig` (:mod:`.config`): sleep level (2, or 1), post-sleep memory limit, every timeout.
 
+How a host plugs in (NeMo RL, issue 6; the demo host in :mod:`rlix_plugins.demo` is the worked example)
+------------------------------------------------------------------------------------------------------
+* ``RolloutFleet`` over ``VllmGeneration``'s DP-leader Ray workers: ``devices`` from the registered inference
+  mapping, ``engine_rpc(r)`` = ``vllm.driver.RayEngineRpc(leader, "checkpoint_engine_rpc[_async]",
+  "reset_prefix_cache[_async]")``, ``abort`` = the workers' abort-all (must complete the callers' requests),
+  ``sleep``/``wake_up`` = ``sleep_async(level)`` / ``wake_up_async(tags)``, ``memory_in_use`` via NVML per worker.
+* ``WeightSource``: ``build_cache(v)`` runs ``VersionedBucketCache.build(v, refit iterator)`` on EVERY Megatron
+  rank (owner pp0/dp0/tp0/cp0 keeps); ``sync`` runs ``vllm.driver.sync_engines`` on the owner worker with the
+  engine handles it is given (cuda_ipc for same-GPU targets, NCCL broadcast for the rest).
+* ``VersionPublisher``: ``collector.set_weight_version.remote(v)``; the collector routes with a
+  :class:`RouterClient` instead of its pickled ``VllmGeneration`` round-robin, and reports progress with the
+  runtime's :class:`ProgressReporter`.
+* Hooks → runtime: ``rlix_pipeline_start`` → ``start``; ``on_trajectory_collector_created`` → ``attach_collector``;
+  ``before_training``/``before_weight_sync``/``after_training`` 1:1; ``on_weight_version_published`` →
+  ``on_published``; ``on_pipeline_end`` → ``end``. NeMo RL creates its engines in ``setup()`` (before the first
+  hook), so pass the existing fleet (not a factory) to ``start``: it is then only prewarmed and slept under the
+  INITIALIZATION grant.
+
 Ownership: the runtime creates the router and resizer actors in the pipeline's namespace, owned by the driver
 process; with the coordinator they die with it, and the scheduler then frees the pipeline's GPUs.
 """
