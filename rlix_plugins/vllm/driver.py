@@ -22,12 +22,13 @@ had (staged mode) or are reported ``dirty`` (eager mode) and must not be routed 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Protocol, final
+from typing import Any, Protocol, TypeVar, final
 
 from rlix_plugins.errors import RlixConfigError, RlixTimeoutError, TransportError, WeightVerificationError
 from rlix_plugins.transport import CommPlan, PendingCall, SyncReport, VersionedBucketCache, sync_weights
@@ -35,6 +36,7 @@ from rlix_plugins.transport import CommPlan, PendingCall, SyncReport, VersionedB
 __all__ = ["EngineRpc", "EngineSyncReport", "LLMEngineRpc", "RayEngineRpc", "sync_engines"]
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 
 class EngineRpc(Protocol):
@@ -157,6 +159,31 @@ def _gather(calls: Mapping[int, PendingCall], timeout_s: float, what: str) -> di
     return out
 
 
+def _bounded(fn: Callable[[], _T], deadline_s: float, what: str) -> _T:
+    """Run ``fn`` on a daemon thread; raise ``RlixTimeoutError`` if it has not returned after ``deadline_s``."""
+    box: dict[str, Any] = {}
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as exc:
+            box["error"] = exc
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="rlix-weight-sync", daemon=True).start()
+    if not done.wait(deadline_s):
+        raise RlixTimeoutError(
+            f"{what} did not finish within {deadline_s:.0f} s: a collective or RPC is stuck (NCCL communicator "
+            "init ignores timeouts; check NCCL_DEBUG=INFO on both sides); the sync thread was abandoned"
+        )
+    if "error" in box:
+        raise box["error"]
+    value: _T = box["value"]
+    return value
+
+
 def _abort(engines: Mapping[int, EngineRpc], dp_ranks: list[int], sync_id: str, timeout_s: float) -> None:
     try:
         calls = {dp: engines[dp].call("rlix_abort_weight_update", (sync_id,)) for dp in dp_ranks}
@@ -176,12 +203,17 @@ def sync_engines(
     timeout_s: float = 150.0,
     verify: bool = True,
     apply_mode: str = "auto",
+    overall_timeout_s: float | None = None,
 ) -> EngineSyncReport:
     """Push the cache's published version to the plan's target engines; see the module docstring.
 
     ``engines`` maps dp rank -> :class:`EngineRpc`; only ``plan``'s targets are touched. ``timeout_s``
     bounds each phase (setup, each bucket, teardown, finalize, verify). ``apply_mode``: ``"auto"``,
     ``"staged"`` (atomic) or ``"eager"`` (see :mod:`rlix_plugins.vllm.receiver`).
+    ``overall_timeout_s`` (default ``timeout_s * (buckets + 4)``) bounds the transport phase as a whole:
+    some blocking calls cannot honour a timeout (NCCL communicator init blocks in the calling thread), so
+    the transport runs on a helper thread; past the deadline ``RlixTimeoutError`` is raised and the thread
+    is abandoned (it keeps the cache lock until its call returns, so later syncs fail fast on the lock).
     """
     from rlix_plugins.vllm.receiver import APPLY_MODES
 
@@ -193,14 +225,16 @@ def sync_engines(
     sync_id = uuid.uuid4().hex[:12]
     targets = [t.dp_rank for t in plan.targets]
     endpoints = {dp: _SyncEndpoint(engines[dp], sync_id, apply_mode) for dp in targets}
-    expected: dict[str, list[int]] = {}
-    if verify:
-        with cache.read(timeout_s) as snap:
-            expected, expected_version = snap.checksums, snap.version
+    with cache.read(timeout_s) as snap:
+        expected, expected_version, num_buckets = snap.checksums, snap.version, len(snap.buckets)
+    deadline_s = overall_timeout_s if overall_timeout_s is not None else timeout_s * (num_buckets + 4)
     try:
-        report = sync_weights(
-            cache, plan, endpoints, staging_device=staging_device, master_addr=master_addr,
-            backend=backend, timeout_s=timeout_s, verify=False, group_prefix=f"rlix_{sync_id}",
+        report = _bounded(
+            lambda: sync_weights(
+                cache, plan, endpoints, staging_device=staging_device, master_addr=master_addr,
+                backend=backend, timeout_s=timeout_s, verify=False, group_prefix=f"rlix_{sync_id}",
+            ),
+            deadline_s, f"weight sync {sync_id} (version {expected_version}, {num_buckets} buckets)",
         )
         if verify and report.version != expected_version:
             raise TransportError(

@@ -252,6 +252,21 @@ class _StallBroadcast:
         return self.inner.reset_prefix_cache()
 
 
+class _StallIpc:
+    """Never delivers ``update_parameter_in_bucket`` for buckets >= ``index``."""
+
+    def __init__(self, inner: EngineRpc, index: int) -> None:
+        self.inner, self.index = inner, index
+
+    def call(self, method: str, args: tuple[Any, ...]) -> Any:
+        if method == "update_parameter_in_bucket" and args[0]["meta"]["index"] >= self.index:
+            return Future()
+        return self.inner.call(method, args)
+
+    def reset_prefix_cache(self) -> Any:
+        return self.inner.reset_prefix_cache()
+
+
 def test_sync_that_times_out_leaves_the_old_weights_serving(
     engine_a: Any, rpcs: dict[int, EngineRpc], weight_sets: dict, baselines: dict
 ) -> None:
@@ -264,6 +279,15 @@ def test_sync_that_times_out_leaves_the_old_weights_serving(
     state = info(rpcs[0])
     assert state["pending_sync"] is None and state["groups"] == [] and not state["dirty"]
     assert greedy_a(engine_a) == baselines["orig"]  # buckets 0-1 arrived but were never applied
+    # a stall that the per-phase timeout (20 s) would catch late: the overall deadline returns control in ~2 s
+    stall_ipc = _StallIpc(rpcs[0], 1)
+    t0 = time.perf_counter()
+    with pytest.raises(RlixTimeoutError, match="did not finish within"):
+        _sync(build_cache(weight_sets["seed1"], 43), {0: SAME_GPU}, {0: stall_ipc}, timeout_s=20.0,
+              overall_timeout_s=2.0)
+    assert time.perf_counter() - t0 < 10
+    assert info(rpcs[0])["pending_sync"] is None  # the driver aborted the sync on the engine
+    assert greedy_a(engine_a) == baselines["orig"]
     # the engine is healthy: the next sync works
     _sync(build_cache(weight_sets["seed1"], 41), {0: OTHER_GPU_A}, rpcs)
     assert greedy_a(engine_a) == baselines["seed1"]
