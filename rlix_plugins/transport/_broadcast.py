@@ -118,7 +118,10 @@ def _release_pg(pg: Any, backend: str, device: torch.device, *, clean: bool) -> 
     try:
         if backend == "nccl" and clean:
             torch.cuda.synchronize(device)
-        method = getattr(pg, "shutdown" if clean else "abort", None) or getattr(pg, "abort", None)
+        # NCCL: always abort (local, like ncclCommDestroy). shutdown() finalizes collectively and
+        # blocks until every peer finalizes too, which deadlocks "sender first, then receivers".
+        name = "shutdown" if clean and backend != "nccl" else "abort"
+        method = getattr(pg, name, None) or getattr(pg, "abort", None)
         if method is not None:
             method()
     except Exception as exc:  # teardown must never mask the error that brought us here
