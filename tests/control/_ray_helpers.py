@@ -40,12 +40,32 @@ class RecordingHandler:
         self._mode = "ok"
         self._delay_s = delay_s
         self._lock = threading.Lock()
+        self._inflight = 0
+
+    def recycle(self, delay_s: float) -> bool:
+        """Reset for reuse by another test; False when it is broken (mode changed) or still busy."""
+        with self._lock:
+            if self._mode != "ok" or self._inflight:
+                return False
+            self._calls.clear()
+            self._spans.clear()
+            self._delay_s = delay_s
+            return True
 
     def set_mode(self, mode: str) -> None:
         self._mode = mode
 
     def resize_infer(self, dp_ranks_to_remove: list[int], dp_ranks_to_add: list[int]) -> None:
         start = time.time()
+        with self._lock:
+            self._inflight += 1
+        try:
+            self._resize(start, dp_ranks_to_remove, dp_ranks_to_add)
+        finally:
+            with self._lock:
+                self._inflight -= 1
+
+    def _resize(self, start: float, dp_ranks_to_remove: list[int], dp_ranks_to_add: list[int]) -> None:
         if self._mode == "fail":
             raise RuntimeError("test handler told to fail")
         if self._mode == "hang":
@@ -86,8 +106,10 @@ def kill_control_plane() -> None:
 
 #: The control plane shared by tests (starting one costs two Ray worker processes, ~2 s on a 2-core CI box).
 _SHARED: dict[str, Any] = {}
-#: Handler actors made by ``make_pipeline`` in the current test (killed afterwards: each is a process).
+#: Handler actors handed out by ``make_pipeline`` in the current test, and healthy ones kept for reuse
+#: (every actor is a process: starting one costs ~0.5 s of CPU on a 2-core CI box).
 _HANDLERS: list[Any] = []
+_HANDLER_POOL: list[Any] = []
 
 
 def _shared_control_plane() -> ControlPlane:
@@ -121,7 +143,15 @@ def reset_control_plane(cp: ControlPlane) -> None:
             with contextlib.suppress(ValueError):
                 ray.kill(ray.get_actor(entry["name"], namespace=ns), no_restart=True)
     while _HANDLERS:
-        ray.kill(_HANDLERS.pop(), no_restart=True)
+        handler = _HANDLERS.pop()
+        try:
+            reusable = bool(ray.get(handler.recycle.remote(0.0), timeout=5))
+        except Exception:
+            reusable = False
+        if reusable:
+            _HANDLER_POOL.append(handler)
+        else:
+            ray.kill(handler, no_restart=True)
 
 
 def _end_of_module() -> None:
@@ -154,9 +184,16 @@ def make_pipeline(cp: ControlPlane, train: list[int] | None, infer: list[int], t
         tps["actor_train"] = 1
         maps["actor_train"] = train
     pipe = cp.register_pipeline(tps, maps, coordinator_config=FAST_COORDINATOR)
-    handler = RecordingHandler.remote(delay_s)
+    handler = None
+    while _HANDLER_POOL and handler is None:
+        candidate = _HANDLER_POOL.pop()
+        with contextlib.suppress(Exception):
+            if ray.get(candidate.recycle.remote(delay_s), timeout=5):
+                handler = candidate
+    if handler is None:
+        handler = RecordingHandler.remote(delay_s)
+        ray.get(handler.calls.remote(), timeout=60)  # started: a cold actor start must not eat the resize timeout
     _HANDLERS.append(handler)
-    ray.get(handler.calls.remote(), timeout=60)  # started: a cold actor start must not eat the resize timeout
     pipe.set_resize_handler(handler)
     return pipe, handler
 
