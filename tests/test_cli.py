@@ -21,7 +21,18 @@ from tests.control._ray_helpers import control_plane, make_pipeline, wait_for
 
 __all__ = ["control_plane"]
 
-SUBCOMMANDS = ["up", "down", "status", "timeline", "simulate", "patch"]
+def _subcommands() -> list[str]:
+    import argparse
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return sorted(sub.choices)
+
+
+SUBCOMMANDS = _subcommands()
+
+
+def test_control_plane_subcommands_exist() -> None:
+    assert {"up", "down", "status", "timeline"} <= set(SUBCOMMANDS)
 
 
 def rlix(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
