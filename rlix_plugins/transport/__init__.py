@@ -34,11 +34,13 @@ Sender
 ``sync_weights(cache, plan, endpoints, staging_device=..., timeout_s=..., verify=...) -> SyncReport``::
 
     lock cache -> setup group (only if broadcast targets) -> per bucket: stage -> send -> barrier
-    -> destroy (sender first, then receivers) -> unlock -> [verify_model on every target]
+    -> destroy (failure: sender first, then receivers; success: all ranks at once, each teardown
+    is local) -> unlock -> [verify_model on every target]
 
 ``endpoints`` maps dp rank -> an object satisfying ``ReceiverEndpoint`` (a ``typing.Protocol``;
 methods return a ``PendingCall`` i.e. anything with ``.result(timeout)`` such as a
-``concurrent.futures.Future`` or ``ray.ObjectRef.future()``). After a failed sync no group, port or
+``concurrent.futures.Future`` or ``ray.ObjectRef.future()``) and must have SENT the request before
+returning: the sender blocks in a collective right after. After a failed sync no group, port or
 staging buffer is left behind, and ``TransportError`` (``RlixTimeoutError`` for timeouts) is raised.
 
 Receiver side (what the vLLM worker extension calls, in each worker process)

@@ -1,7 +1,8 @@
 """Sender API: push the published cache version to the targets of a comm plan.
 
 ``sync_weights``: lock cache -> [setup group] -> per bucket: stage -> send (IPC payloads and/or
-broadcast) -> barrier -> destroy (sender first, then receivers) -> unlock -> [verify].
+broadcast) -> barrier -> destroy (after a failure: sender first, then receivers; after success all
+ranks concurrently, each teardown being local) -> unlock -> [verify].
 
 Every wait is bounded by ``timeout_s`` (per phase: setup, each bucket, teardown, verify). After any
 failure the sender's group, its TCPStore port and its staging buffer are released, receivers are
@@ -300,21 +301,26 @@ def _teardown(
     *,
     ok: bool,
 ) -> None:
-    """Sender first (frees the port; on failure aborts, which unblocks receivers mid-collective),
-    then receivers. On the failure path receiver errors are logged, never raised over the cause."""
-    if host is not None:
-        host.close(clean=ok)
-    if group_name is None:
-        return
+    """Failure path: sender first (its abort unblocks receivers stuck mid-collective), then the
+    receivers, whose errors are logged, never raised over the cause. Success path: every bucket
+    passed its barrier, so no collective is in flight and each rank's teardown is local (NCCL
+    abort, gloo shutdown): receivers are told first and everyone tears down concurrently."""
+    if not ok and host is not None:
+        host.close(clean=False)
     calls: dict[int, PendingCall] = {}
-    for t in bcast_targets:
-        try:
-            calls[t.dp_rank] = endpoints[t.dp_rank].destroy_collective_group(group_name)
-        except Exception as exc:
-            if ok:
-                raise TransportError(f"destroy_collective_group({group_name}) on dp rank {t.dp_rank}: {exc!r}") from exc
-            log.warning("destroy_collective_group(%s) on dp rank %s could not start: %r", group_name, t.dp_rank, exc)
+    if group_name is not None:
+        for t in bcast_targets:
+            try:
+                calls[t.dp_rank] = endpoints[t.dp_rank].destroy_collective_group(group_name)
+            except Exception as exc:
+                if ok:
+                    if host is not None:
+                        host.close(clean=True)
+                    raise TransportError(f"destroy_collective_group({group_name}) on dp rank {t.dp_rank}: {exc!r}") from exc
+                log.warning("destroy_collective_group(%s) on dp rank %s could not start: %r", group_name, t.dp_rank, exc)
     if ok:
+        if host is not None:
+            host.close(clean=True)
         _wait_all(calls, timeout_s, f"destroy_collective_group({group_name})")
         return
     try:
