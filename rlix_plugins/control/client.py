@@ -195,10 +195,16 @@ class ControlPlane:
         try:
             call(self.orchestrator.admit_pipeline.remote(pid), "admit_pipeline")
             coord_cls: Any = ray.remote(Coordinator)
-            coord = coord_cls.options(
-                name=coordinator_name(pid), namespace=pipeline_namespace(pid), num_cpus=0, max_restarts=0,
-                max_concurrency=8, lifetime="detached" if detached_coordinator else None,
-            ).remote(pid, specs[GENERATION_CLUSTER].num_dp_ranks, coordinator_config)
+            try:
+                coord = coord_cls.options(
+                    name=coordinator_name(pid), namespace=pipeline_namespace(pid), num_cpus=0, max_restarts=0,
+                    max_concurrency=8, lifetime="detached" if detached_coordinator else None,
+                ).remote(pid, specs[GENERATION_CLUSTER].num_dp_ranks, coordinator_config)
+            except ValueError:
+                raise SchedulerError(
+                    f"a coordinator {coordinator_name(pid)!r} already exists (an earlier run with pipeline id {pid} "
+                    "is still alive); end it with `kill_pipeline` or register under a new id"
+                ) from None
             call(coord.ping.remote(), "starting the coordinator")
         except BaseException:
             with contextlib.suppress(Exception):

@@ -90,6 +90,11 @@ def test_pipeline_handle_attach_and_errors(control_plane: client.ControlPlane) -
         b.request_gpus("actor_train", Priority.ACTOR_TRAINING, timeout_s=0.3)
     with pytest.raises(RlixConfigError, match="timeout_s=-1"):
         b.request_gpus("actor_train", Priority.ACTOR_TRAINING, timeout_s=-1)
+    # Re-registering an id whose coordinator is still alive is refused and leaves nothing registered.
+    a.unregister()
+    with pytest.raises(SchedulerError, match="already exists"):
+        cp.register_pipeline({"actor_infer": 1}, {"actor_infer": [0]}, pipeline_id=a.pipeline_id)
+    assert a.pipeline_id not in cp.status()["pipelines"]
 
 
 def test_call_maps_ray_errors(control_plane: client.ControlPlane) -> None:
