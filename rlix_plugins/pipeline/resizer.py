@@ -11,6 +11,7 @@ coordinator (which holds the resize lock around each call and signals grants aft
   effort), marked dirty, and the error propagates so the scheduler fails this pipeline only.
 * **refresh** ``refresh_active()``: the in-flight refresh of the still-active ranks after a training step (no
   drain; called by the runtime while it holds the coordinator's resize lock, so no expand or shrink interleaves).
+  If it fails, its ranks are unrouted and marked dirty before the error propagates.
 
 Lifetime: created by the pipeline's driver (owned by it, dies with it). Threaded (``max_concurrency`` 4) so
 ``history``/``ping`` answer during a long sync; resizes themselves are serialised by ``_op_lock``.
@@ -185,7 +186,15 @@ class FleetResizer:
             if not active:
                 return self._record(op="refresh", ranks=[], seconds=0.0, version=None, verified=True)
             t0 = time.perf_counter()
-            result = self._sync(active)
+            try:
+                result = self._sync(active)
+            except BaseException as exc:
+                # A failed in-flight sync may leave a rank half-loaded (eager apply): stop routing to every target.
+                with self._state:
+                    self._dirty |= set(active)
+                self._router_call("deactivate", active)
+                self._record(op="refresh_failed", ranks=active, error=f"{type(exc).__name__}: {exc}")
+                raise
             return self._record(op="refresh", ranks=active, seconds=time.perf_counter() - t0,
                                 version=result.version, verified=result.verified,
                                 verified_params=result.verified_params, payload_bytes=result.payload_bytes)

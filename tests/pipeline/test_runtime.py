@@ -151,3 +151,13 @@ def test_progress_of_the_current_step_reaches_the_scheduler_clamped(control_plan
     wait_for(lambda: control_plane.status()["pipelines"][rt.pipeline_id]["progress"]["remaining"] == 0,
              what="clamped progress at the scheduler")
     rt.end()
+
+
+def test_failed_in_flight_refresh_unroutes_its_ranks(resizer: Any) -> None:
+    actor, router, rec = resizer
+    ray.get(actor.resize_infer.remote([], [0, 1]), timeout=30)
+    assert ray.get(actor.refresh_active.remote(), timeout=30)["verified"]
+    ray.get(rec.set.remote("fail_sync", True))
+    with pytest.raises(TransportError):
+        ray.get(actor.refresh_active.remote(), timeout=30)
+    assert ray.get(router.active.remote()) == [] and ray.get(actor.dirty.remote()) == [0, 1]
