@@ -101,7 +101,7 @@ def _quiet_stdout() -> Iterator[None]:
 
 
 def _start_ray(gpus: int, address: str | None) -> bool:
-    """Join ``address``/RAY_ADDRESS or a local cluster, else start one (declaring ``gpus`` GPUs on a CPU machine)."""
+    """Join ``address``/RAY_ADDRESS, else start a local cluster (declaring ``gpus`` GPUs on a CPU machine)."""
     import ray
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -112,11 +112,8 @@ def _start_ray(gpus: int, address: str | None) -> bool:
     if target:
         ray.init(address=target, log_to_driver=False)
         return False
-    try:  # a cluster started by `rlix up` / `ray start` on this machine
-        ray.init(address="auto", log_to_driver=False)
-        return False
-    except (ConnectionError, RuntimeError, ValueError):
-        pass
+    # No address="auto" probe: it scans for ANY local GCS process and would join whatever Ray cluster runs on the
+    # machine (another user's test session); a cluster started by `rlix up` is joined through RAY_ADDRESS.
     import torch
 
     cuda = torch.cuda.is_available()
