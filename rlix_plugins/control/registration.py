@@ -1,28 +1,22 @@
-"""Validation of a pipeline registration (orchestrator input) into canonical :class:`ClusterSpec` records.
+"""Parse a raw pipeline registration (orchestrator input) into canonical :class:`ClusterSpec` records.
 
-Pure Python, no Ray. Every rule raises :class:`RlixConfigError` with the offending value and the fix. Rules:
-
-* ``pipeline_id`` is a non-empty token without ``:`` or whitespace (``ft_<12 hex>`` from ``allocate_pipeline_id``);
-* ``cluster_tp_configs`` and ``cluster_device_mappings`` have the same keys, all in ``CLUSTER_NAMES``,
-  and include ``actor_infer`` (the generation cluster every rlix pipeline time-shares);
-* TP sizes are positive ints; non-generation clusters use ``tp_size=1`` (one GPU per training worker);
-* mappings are non-empty lists of ints, without duplicates (duplicates = overlapping TP groups), inside the
-  pool ``0..G-1``, with ``len % tp == 0``;
-* generation TP groups (consecutive bundles of the sorted mapping) are contiguous GPU ids on one node;
-* ``actor_train`` is a subset of ``actor_infer`` (partial overlap: training GPUs are lent by rollout ranks).
+Pure Python, no Ray. This module checks the *shape* of the caller's arguments (dicts with the same known
+cluster names, ints, lists of ints, ``actor_infer`` present, a valid pipeline id) and sorts the mappings;
+every placement rule (duplicates, pool bounds, ``len % tp``, TP groups contiguous/on one node/aligned,
+``actor_train`` ⊆ ``actor_infer``) lives in one place, :func:`rlix_plugins.control.planner.validate_cluster_specs`,
+which the scheduler also applies. Every problem raises :class:`RlixConfigError` with the value and the fix.
 """
 
 from __future__ import annotations
 
-import itertools
 import re
 from collections.abc import Mapping
 from typing import Any, Final
 
+from rlix_plugins.control._registration import validate_cluster_specs
 from rlix_plugins.control.types import (
     CLUSTER_NAMES,
     GENERATION_CLUSTER,
-    TRAIN_CLUSTER,
     ClusterSpec,
     cluster_id,
 )
@@ -77,9 +71,7 @@ def build_cluster_specs(
     specs: dict[str, ClusterSpec] = {}
     for name in sorted(tp_keys):
         tp = _check_tp(pipeline_id, name, cluster_tp_configs[name])
-        mapping = _check_mapping(pipeline_id, name, cluster_device_mappings[name], tp, num_gpus)
-        if CLUSTER_NAMES[name]:
-            _check_tp_groups(pipeline_id, name, mapping, tp, gpus_per_node)
+        mapping = _parse_mapping(pipeline_id, name, cluster_device_mappings[name])
         specs[name] = ClusterSpec(
             cluster_id=cluster_id(pipeline_id, name),
             pipeline_id=pipeline_id,
@@ -88,14 +80,7 @@ def build_cluster_specs(
             tp_size=tp,
         )
 
-    if TRAIN_CLUSTER in specs:
-        extra = sorted(set(specs[TRAIN_CLUSTER].device_mapping) - set(specs[GENERATION_CLUSTER].device_mapping))
-        if extra:
-            raise RlixConfigError(
-                f"pipeline {pipeline_id}: {TRAIN_CLUSTER} GPUs {extra} are not in {GENERATION_CLUSTER} "
-                f"{list(specs[GENERATION_CLUSTER].device_mapping)}; training GPUs must be a subset of the "
-                f"inference GPUs (partial overlap): add them to the inference mapping or train on inference GPUs"
-            )
+    validate_cluster_specs(specs.values(), range(num_gpus), gpus_per_node)
     return specs
 
 
@@ -113,44 +98,12 @@ def _check_tp(pipeline_id: str, name: str, tp: Any) -> int:
     return tp
 
 
-def _check_mapping(pipeline_id: str, name: str, raw: Any, tp: int, num_gpus: int) -> tuple[int, ...]:
+def _parse_mapping(pipeline_id: str, name: str, raw: Any) -> tuple[int, ...]:
     where = f"pipeline {pipeline_id}: cluster_device_mappings[{name!r}]"
     if isinstance(raw, (str, bytes)) or not hasattr(raw, "__iter__"):
         raise RlixConfigError(f"{where}={raw!r} must be a list of GPU ids, e.g. [0, 1]")
     values = list(raw)
-    if not values:
-        raise RlixConfigError(f"{where} is empty; list the GPU ids this cluster runs on, e.g. [0, 1]")
     bad = [v for v in values if isinstance(v, bool) or not isinstance(v, int)]
     if bad:
         raise RlixConfigError(f"{where} has non-integer entries {bad!r}; use GPU ids (ints)")
-    dups = sorted({v for v in values if values.count(v) > 1})
-    if dups:
-        raise RlixConfigError(
-            f"{where}={values} lists GPU(s) {dups} more than once, so TP groups/workers would overlap; "
-            "list every GPU once"
-        )
-    outside = sorted(v for v in values if v < 0 or v >= num_gpus)
-    if outside:
-        raise RlixConfigError(
-            f"{where} has GPU(s) {outside} outside the pool 0..{num_gpus - 1} ({num_gpus} GPUs in the Ray "
-            "cluster); use ids in that range or start Ray with more GPUs"
-        )
-    if len(values) % tp:
-        raise RlixConfigError(
-            f"{where} has {len(values)} GPUs, not a multiple of tp_size={tp}; give a multiple of {tp} GPUs "
-            f"or change cluster_tp_configs[{name!r}]"
-        )
     return tuple(sorted(values))
-
-
-def _check_tp_groups(pipeline_id: str, name: str, mapping: tuple[int, ...], tp: int, gpus_per_node: int) -> None:
-    for rank in range(len(mapping) // tp):
-        group = mapping[rank * tp : (rank + 1) * tp]
-        contiguous = all(b - a == 1 for a, b in itertools.pairwise(group))
-        one_node = len({g // gpus_per_node for g in group}) == 1
-        if not (contiguous and one_node):
-            raise RlixConfigError(
-                f"pipeline {pipeline_id}: {name} TP group of DP rank {rank} is GPUs {list(group)}; each group "
-                f"of tp_size={tp} consecutive GPUs (of the sorted mapping) must be contiguous ids on one node "
-                f"({gpus_per_node} GPUs per node); e.g. [0, 1, 2, 3] with tp_size=2"
-            )
