@@ -25,7 +25,44 @@ import ray
 
 from rlix_plugins.pipeline.config import RuntimeConfig
 
-__all__ = ["DemoPipeline", "PipelineSpec"]
+__all__ = ["DemoGate", "DemoPipeline", "PipelineSpec"]
+
+
+class DemoGate:
+    """Start-up order of the demo's pipelines (a Ray actor shared by their drivers).
+
+    Pipeline ``i`` attaches its collector (first GENERATION request) only after pipelines ``0..i-1`` did, and no
+    pipeline trains before every pipeline attached (the reference's pair-init barrier, debug #48). This makes the
+    first placement deterministic: pipeline 0 gets every GPU first, and the gap-ratio planner hands pipeline 1
+    the lowest DP rank - GPU 0, pipeline 0's training GPU - so training visibly preempts another pipeline.
+    A pipeline that fails before attaching still counts as attached (nobody waits for a dead pipeline).
+    """
+
+    def __init__(self, num_pipelines: int) -> None:
+        self._n = num_pipelines
+        self._done: set[int] = set()
+        self._cond = threading.Condition()
+
+    def _wait(self, ready: Any, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while not ready():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+            return True
+
+    def wait_turn(self, index: int, timeout_s: float) -> bool:
+        return self._wait(lambda: all(j in self._done for j in range(index)), timeout_s)
+
+    def attached(self, index: int) -> None:
+        with self._cond:
+            self._done.add(index)
+            self._cond.notify_all()
+
+    def wait_all(self, timeout_s: float) -> bool:
+        return self._wait(lambda: len(self._done) >= self._n, timeout_s)
 
 
 @dataclass(frozen=True)
@@ -33,6 +70,7 @@ class PipelineSpec:
     """Everything one demo pipeline needs (picklable)."""
 
     name: str
+    index: int
     model_dir: str
     train_devices: tuple[int, ...]
     infer_devices: tuple[int, ...]
@@ -73,8 +111,9 @@ def engine_kwargs(spec: PipelineSpec) -> tuple[dict[str, Any], dict[str, str]]:
 class DemoPipeline:
     """Driver actor of one pipeline. ``run()`` returns a summary; ``events()`` streams per-step records."""
 
-    def __init__(self, spec: PipelineSpec) -> None:
+    def __init__(self, spec: PipelineSpec, gate: Any = None) -> None:
         self.spec = spec
+        self.gate = gate
         self._events: list[dict[str, Any]] = []
         self._lock = threading.Lock()
         self.pipeline_id: str | None = None
@@ -89,6 +128,11 @@ class DemoPipeline:
     def events(self, since: int = 0) -> list[dict[str, Any]]:
         with self._lock:
             return list(self._events[since:])
+
+    def _attached(self) -> None:
+        if self.gate is not None and not getattr(self, "_gate_done", False):
+            self._gate_done = True
+            self.gate.attached.remote(self.spec.index)
 
     def get_pipeline_id(self) -> str | None:
         return self.pipeline_id
@@ -148,12 +192,18 @@ class DemoPipeline:
                 prompts_per_step=spec.prompts_per_step, group_size=spec.group_size, max_tokens=spec.max_tokens,
                 max_age=spec.max_age, seed=spec.seed)
             publisher = CollectorPublisher(collector)
+            if self.gate is not None:
+                ray.get(self.gate.wait_turn.remote(spec.index, spec.runtime.init_timeout_s),
+                        timeout=spec.runtime.init_timeout_s + 30)
             rt.attach_collector(publisher)
+            self._attached()
             ray.get(collector.start.remote(2 * rt.num_dp_ranks), timeout=60)
             hist = rt.resize_history()
             seen = len(hist)
             self._emit(kind="started", resizes=hist, init_seconds=time.time() - t_start,
                        phases={what: round(sec, 2) for _, what, _, sec in rt.timings})
+            if self.gate is not None:
+                ray.get(self.gate.wait_all.remote(spec.runtime.init_timeout_s), timeout=spec.runtime.init_timeout_s + 30)
             for step in range(spec.steps):
                 t0 = time.time()
                 groups = ray.get(collector.sample.remote(step, spec.sample_timeout_s), timeout=spec.sample_timeout_s + 30)
@@ -172,6 +222,7 @@ class DemoPipeline:
                            group_versions=sorted({g["version"] for g in groups}),
                            ranks_used=sorted({g["dp_rank"] for g in groups}))
         except BaseException as exc:
+            self._attached()
             error = f"{type(exc).__name__}: {exc}"
             self._emit(kind="error", error=error, traceback=traceback.format_exc()[-2000:])
         finally:

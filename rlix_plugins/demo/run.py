@@ -137,7 +137,7 @@ def run_demo(pipelines: int = 2, gpus: int = 2, steps: int = 3, out: str | os.Pa
 
     from rlix_plugins.control import client
     from rlix_plugins.control.timeline import render_timeline
-    from rlix_plugins.demo.pipeline import DemoPipeline, PipelineSpec
+    from rlix_plugins.demo.pipeline import DemoGate, DemoPipeline, PipelineSpec
     from rlix_plugins.tiny_model import build_tiny_qwen2
 
     if pipelines < 1 or gpus < 1 or steps < 1:
@@ -166,12 +166,13 @@ def run_demo(pipelines: int = 2, gpus: int = 2, steps: int = 3, out: str | os.Pa
         with _quiet_stdout():
             model = build_tiny_qwen2(out_dir / "models" / f"p{i}", seed=i)
         specs.append(PipelineSpec(
-            name=f"p{i}", model_dir=str(model), train_devices=(i % gpus,), infer_devices=tuple(range(gpus)),
+            name=f"p{i}", index=i, model_dir=str(model), train_devices=(i % gpus,), infer_devices=tuple(range(gpus)),
             steps=steps, prompts_per_step=prompts_per_step, group_size=group_size, max_tokens=max_tokens,
             on_gpu=on_gpu, seed=i, gpu_memory_utilization=min(0.9 / (2 * pipelines), 0.3),
             runtime=RuntimeConfig(sleep_level=sleep_level)))
     actor: Any = ray.remote(DemoPipeline).options(num_cpus=0, max_concurrency=4, max_restarts=0)
-    drivers: list[Any] = [actor.remote(s) for s in specs]
+    gate = ray.remote(DemoGate).options(num_cpus=0, max_concurrency=2 * pipelines + 4).remote(pipelines)
+    drivers: list[Any] = [actor.remote(s, gate) for s in specs]
     runs = {d.run.remote(): i for i, d in enumerate(drivers)}
     seen = [0] * pipelines
     all_events: list[list[dict[str, Any]]] = [[] for _ in specs]
