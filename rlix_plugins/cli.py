@@ -108,7 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_sim_arguments(p)
 
     p = add("demo", _cmd_demo, "Run N built-in tiny GRPO pipelines time-sharing G GPUs (real Ray, vLLM, control plane).")
-    _add_address(p)
+    p.add_argument("--address", default=None,
+                   help="Ray cluster to join (default: RAY_ADDRESS, else start a local one for the demo)")
     p.add_argument("--pipelines", type=_positive_int, default=2, help="pipelines to run (default 2)")
     p.add_argument("--gpus", type=_positive_int, default=2, help="GPUs they share (declared to Ray on CPU; default 2)")
     p.add_argument("--steps", type=_positive_int, default=3, help="training steps per pipeline (default 3)")
