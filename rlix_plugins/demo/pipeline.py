@@ -236,7 +236,7 @@ class DemoPipeline:
             memory = [ray.get(e.memory_log.remote(), timeout=30) for e in getattr(self, "engines", [])]
         summary = {"name": spec.name, "pipeline_id": self.pipeline_id, "steps": steps_done, "error": error,
                    "end_errors": end_errors, "seconds": time.time() - t_start, "collector": stats,
-                   "watchdog_requests": rt.watchdog_requests, "trainer": trained, "engine_memory": memory,
+                   "watchdog_requests": rt.watchdog_requests, "router": rt.router_stats, "trainer": trained, "engine_memory": memory,
                    "timings": rt.timings, "spec": {k: v for k, v in asdict(spec).items() if k != "runtime"}}
         self._emit(kind="done", summary=summary, resizes=hist)
         return summary

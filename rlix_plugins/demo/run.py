@@ -252,13 +252,17 @@ def run_demo(pipelines: int = 2, gpus: int = 2, steps: int = 3, out: str | os.Pa
             "cache_versions_built": [v for v, _ in res.get("trainer", {}).get("built", [])],
             "params_per_version": dict(res.get("trainer", {}).get("built", [])),
             "engine_memory": res.get("engine_memory", []),
+            "requests_served": sum((res.get("router") or {}).get("served", {}).values()),
+            "requests_preempted": (res.get("router") or {}).get("preempted", 0),
         })
     print("\nsummary", file=say)
     for p in summary["pipelines"]:
         state = "killed" if p["killed"] else (f"error: {p['error']}" if p["error"] else "ok")
         curve = " -> ".join(f"{r:.3f}" for r in p["rewards"])
         print(f"  {p['name']}: {p['steps']} steps, {p['steps_per_hour']:.0f} steps/hour including start-up "
-              f"({p['loop_steps_per_hour']:.0f} in the training loop), {state}; reward {curve}", file=say)
+              f"({p['loop_steps_per_hour']:.0f} in the training loop), {state}; reward {curve}; "
+              f"{p['requests_served']} rollout requests, {p['requests_preempted']} aborted by shrinks and retried",
+              file=say)
     print(f"  GPU busy share {summary['gpu_busy_share']:.0%} over {gpus} GPUs; "
           f"{summary['cross_pipeline_preemptions']} training grants preempted another pipeline's rollout rank", file=say)
     print(f"  weight syncs: {summary['syncs']} ({summary['expands']} expands), "

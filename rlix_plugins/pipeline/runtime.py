@@ -102,6 +102,8 @@ class PipelineRuntime:
         self._watchdog: threading.Thread | None = None
         self._watchdog_requests = 0
         self._final_history: list[dict[str, Any]] = []
+        #: the router's final counters (requests served per rank, requests preempted by shrinks), set by end()
+        self.router_stats: dict[str, Any] = {}
         #: (time, what, step, seconds) of every blocking phase, for the host's report
         self.timings: list[tuple[float, str, int | None, float]] = []
 
@@ -300,6 +302,9 @@ class PipelineRuntime:
         if self.resizer is not None:
             with contextlib.suppress(Exception):
                 self._final_history = list(_get(self.resizer.history.remote(0), "resizer.history", _RPC_S))
+        if self.router is not None:
+            with contextlib.suppress(Exception):
+                self.router_stats = dict(_get(self.router.stats.remote(), "router.stats", _RPC_S))
         for actor in (self.resizer, self.router):
             if actor is not None:
                 with contextlib.suppress(Exception):
