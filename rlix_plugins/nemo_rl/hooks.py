@@ -5,18 +5,24 @@ point when ``RLIX_CONTROL_PLANE=rlix`` and calls the hooks below with keywords, 
 One instance = one pipeline = one training run. NeMo RL never imports this module; this module imports nothing
 of NeMo RL.
 
-What it does today, for real, against the control plane (``rlix_plugins.control.client``)::
+Two modes, chosen at ``rlix_pipeline_start``:
 
-    rlix_pipeline_start      → connect → allocate id → register(actor_train, actor_infer) → admit
+* **full** (a real ``VllmGeneration`` and ``Policy``: both hold a ``worker_group``): the shared pipeline runtime
+  (:mod:`rlix_plugins.pipeline`) through :class:`.runtime_adapter.NemoRuntime` - weights cached in the Megatron
+  workers, partial sleep/wake of vLLM DP ranks, routing installed on ``policy_generation`` before it is pickled
+  into the collector, progress from the replay buffer, watchdog, planned shrink at the end.
+* **control-only** (anything else, e.g. NeMo RL's unit-test mocks): the GPU grants alone.
+
+::
+
+    rlix_pipeline_start      → load + validate config & topology → connect → register/admit (→ runtime.start)
+    on_trajectory_collector_created → (runtime: GENERATION; the first expand syncs real weights; progress)
     before_training(N)       → request ACTOR_TRAINING (blocks until granted; donors slept first)
-    before_weight_sync(N)    → (parameters still on GPU; the pipeline runtime builds its CPU cache here)
-    after_training(N)        → policy.offload_after_refit() → return N + 1 (the version the loop publishes)
+    before_weight_sync(N)    → (runtime: CPU cache of version N + 1 while the parameters are on GPU)
+    after_training(N)        → offload (runtime: + NCCL teardown, in-flight refresh) → return N + 1
     on_weight_version_published(N, v) → release ACTOR_TRAINING
     before/after_checkpoint  → request / release ACTOR_TRAINING around policy.save_checkpoint
-    on_pipeline_end          → release what is held → unregister (also at interpreter exit)
-
-Weight sync, partial sleep/wake of vLLM DP ranks, routing and progress are the pipeline runtime's job (the next
-piece): it plugs in as :class:`PipelineRuntime` and is called at the marked places.
+    on_pipeline_end          → (runtime: watchdog off, shrink to zero) → release → unregister (also at exit)
 
 Version rule (DESIGN §3): the version published after step N is N + 1 (the version of the cache step N built,
 the same number the standalone loop would publish); never -1, never bumped twice.
@@ -36,6 +42,7 @@ import pluggy
 from rlix_plugins.control.types import TRAIN_CLUSTER, Priority
 from rlix_plugins.errors import RlixError
 from rlix_plugins.nemo_rl.config import RlixRunConfig, load_run_config
+from rlix_plugins.nemo_rl.topology import validate_topology
 
 logger = logging.getLogger(__name__)
 
@@ -45,13 +52,20 @@ hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
 
 
 class PipelineRuntime(Protocol):
-    """Weight and generation work of a pipeline (implemented by the pipeline runtime; optional here)."""
+    """Weight and generation work of a pipeline (:class:`.runtime_adapter.NemoRuntime`; None = control-only)."""
 
     def start(self, pipeline: Any, master_config: Any, policy: Any, policy_generation: Any) -> None: ...
-    def attach_collector(self, collector: Any) -> None: ...
+    def attach_collector(self, collector: Any, replay_buffer: Any = None) -> None: ...
+    def before_training(self, step: int) -> None: ...
     def build_cache(self, step: int) -> None: ...
-    def refresh_active(self, step: int, version: int) -> None: ...
+    def after_training(self, step: int) -> int: ...
+    def on_published(self, step: int, version: int) -> None: ...
     def stop(self) -> None: ...
+
+
+def has_worker_surface(policy: Any, policy_generation: Any) -> bool:
+    """A real ``Policy`` + ``VllmGeneration`` (their instance dicts hold a ``worker_group``); mocks do not."""
+    return all("worker_group" in getattr(o, "__dict__", {}) for o in (policy, policy_generation))
 
 
 @dataclass(frozen=True)
@@ -76,6 +90,7 @@ class NemoRLHooks:
     _policy: Any = None
     _collector: Any = None
     _holds_train: bool = False
+    _checkpoint_grant: bool = False
     _ended: bool = False
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -109,6 +124,11 @@ class NemoRLHooks:
         if self._pipe is not None:
             raise RlixError(f"pipeline {self.pipeline_id} is already started; one NemoRLHooks serves one run")
         cfg = load_run_config(master_config)
+        validate_topology(master_config, cfg)  # before anything is registered (reference F10 gap)
+        if self.runtime is None and has_worker_surface(policy, policy_generation):
+            from rlix_plugins.nemo_rl.runtime_adapter import NemoRuntime
+
+            self.runtime = NemoRuntime(cfg)
         cp = client.connect(cfg.ray_address)
         self._pipe = cp.register_pipeline(
             cluster_tp_configs={TRAIN_CLUSTER: 1, "actor_infer": cfg.infer_tp},
@@ -119,10 +139,14 @@ class NemoRLHooks:
         atexit.register(self._end_at_exit)
         self._record("registered", None, cfg.train_devices)
         if self.runtime is not None:
-            self.runtime.start(self._pipe, master_config, policy, policy_generation)
+            try:
+                self.runtime.start(self._pipe, master_config, policy, policy_generation)
+            except BaseException:
+                self._end("start_failed_ended")
+                raise
 
     @hookimpl
-    def on_trajectory_collector_created(self, collector: Any) -> None:
+    def on_trajectory_collector_created(self, collector: Any, replay_buffer: Any = None) -> None:
         """Call site: right after the collector actor exists, before ``start_collection``.
 
         The runtime requests GENERATION here and syncs the first weights. Mutates nothing of NeMo RL.
@@ -131,12 +155,18 @@ class NemoRLHooks:
         self._collector = collector
         self._record("collector_created", None)
         if self.runtime is not None:
-            self.runtime.attach_collector(collector)
+            self.runtime.attach_collector(collector, replay_buffer)
 
     @hookimpl
     def before_training(self, step: int) -> None:
         """Call site: before ``policy.prepare_for_lp_inference`` of ``step``. Blocks until ACTOR_TRAINING is granted."""
-        self._acquire_train(step, Priority.ACTOR_TRAINING, "train_granted")
+        if self.runtime is None:
+            self._acquire_train(step, Priority.ACTOR_TRAINING, "train_granted")
+            return
+        self._require_pipe("before_training")
+        self.runtime.before_training(step)  # the runtime requests (and later releases) the step's grant
+        self._holds_train = True
+        self._record("train_granted", step)
 
     @hookimpl
     def before_weight_sync(self, step: int) -> None:
@@ -156,29 +186,37 @@ class NemoRLHooks:
         granted until :meth:`on_weight_version_published`.
         """
         self._require_pipe("after_training")
-        version = step + 1
-        if self._policy is not None:
-            self._policy.offload_after_refit()
-        self._record("offloaded", step)
         if self.runtime is not None:
-            self.runtime.refresh_active(step, version)
+            version = self.runtime.after_training(step)  # offload → NCCL teardown → in-flight refresh
+        else:
+            version = step + 1
+            if self._policy is not None:
+                self._policy.offload_after_refit()
+        self._record("offloaded", step)
         return version
 
     @hookimpl
     def on_weight_version_published(self, step: int, weight_version: int) -> None:
         """Call site: after the collector received ``weight_version``. Releases ACTOR_TRAINING."""
         self._record("published", step, ())
+        if self.runtime is not None and self._holds_train:
+            self.runtime.on_published(step, weight_version)  # releases ACTOR_TRAINING
+            self._holds_train = False
+            self._record("train_released", step)
+            return
         self._release_train(step, "train_released")
 
     @hookimpl
     def before_checkpoint(self, step: int) -> None:
         """Call site: before ``policy.save_checkpoint`` (it runs on the training workers). Blocks for the GPUs."""
         self._acquire_train(step, Priority.ACTOR_TRAINING, "checkpoint_granted")
+        self._checkpoint_grant = True
 
     @hookimpl
     def after_checkpoint(self, step: int) -> None:
         """Call site: after ``policy.save_checkpoint`` returned."""
         self._release_train(step, "checkpoint_released")
+        self._checkpoint_grant = False
 
     @hookimpl
     def on_pipeline_end(self) -> None:
@@ -211,7 +249,9 @@ class NemoRLHooks:
         errors: list[str] = []
         if self.runtime is not None:
             try:
-                self.runtime.stop()
+                self.runtime.stop()  # releases the step grant it holds, planned shrink, unregister
+                if not self._checkpoint_grant:
+                    self._holds_train = False
             except Exception as exc:
                 errors.append(f"runtime.stop: {exc}")
         try:

@@ -29,8 +29,16 @@ class FakePolicy:
 
 
 def _config(**rlix: Any) -> dict[str, Any]:
+    """A config that passes the topology check (async GRPO, non-colocated async vLLM, IS correction)."""
     section = {"train_devices": [2], "infer_devices": [2, 3], "request_timeout_s": 60, **rlix}
-    return {"rlix": section, "policy": {"generation": {"vllm_cfg": {"tensor_parallel_size": 1}}}}
+    return {
+        "rlix": section,
+        "grpo": {"async_grpo": {"enabled": True}, "num_prompts_per_step": 4},
+        "loss_fn": {"use_importance_sampling_correction": True},
+        "policy": {"megatron_cfg": {"enabled": True}, "generation": {
+            "backend": "vllm", "colocated": {"enabled": False},
+            "vllm_cfg": {"tensor_parallel_size": 1, "async_engine": True}}},
+    }
 
 
 def _train_allocated(cp: Any, pid: str) -> bool:

@@ -1,0 +1,175 @@
+"""Generation control over NeMo RL's ``VllmGeneration`` (DESIGN §7): the fleet, and routing for the collector.
+
+* :class:`NemoVllmFleet` - :class:`~rlix_plugins.pipeline.protocols.RolloutFleet` over the DP-leader Ray workers
+  of a ``VllmGeneration`` (``worker_group.workers[worker_group.get_dp_leader_worker_idx(r)]``): ``sleep`` =
+  ``sleep_async()`` (the level is the workers' ``vllm_cfg.sleep_level``, patch 0003; the topology check makes it
+  equal ``rlix.sleep_level``), ``wake_up`` = ``wake_up_async(tags=)``, ``abort`` / ``memory_in_use`` via
+  :mod:`.worker_ops` (``__ray_call__``), ``engine_rpc`` = ``RayEngineRpc(leader, "checkpoint_engine_rpc_async",
+  "reset_prefix_cache_async")`` (NeMo RL's existing pass-through to ``collective_rpc``). Holds actor handles
+  only: picklable, never a ``VllmGeneration`` (whose ``__del__`` shuts the workers down).
+* :class:`RouterShardSelector` + :class:`RouterFleetMonitor` - installed with NeMo RL's existing seam
+  ``policy_generation.attach_fleet_health(monitor, selector)`` BEFORE the generation object is pickled into
+  the trajectory collector. The routing state lives in the runtime's router actor (debug #33), so every copy
+  (driver, collector) routes over the same active ranks. ``next_shard()`` blocks while no rank is active.
+  ``release`` ends the ticket and counts tickets whose rank was shrunk meanwhile (``preempted_releases``).
+  GAP: at the pin ``_async_generate_base`` neither reports nor retries such a request (vLLM finishes it with
+  ``finish_reason="abort"``); re-dispatching it on another active rank needs a small gated patch there (not in
+  the series yet). :meth:`RouterClient.route` implements that retry for hosts that route themselves.
+* :func:`install_routing` - both of the above on a generation object; keeps the driver's object referenced.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import defaultdict, deque
+from typing import Any, Final
+
+import ray
+
+from rlix_plugins.errors import RlixConfigError, RlixTimeoutError, SchedulerError
+from rlix_plugins.nemo_rl import worker_ops
+from rlix_plugins.pipeline.router import RouterClient
+
+__all__ = ["NemoVllmFleet", "RouterFleetMonitor", "RouterShardSelector", "install_routing"]
+
+_KEEP_ALIVE: Final[list[Any]] = []  # driver-side generation objects we attached to: never garbage-collected here
+
+
+def _get(refs: Any, what: str, timeout_s: float) -> Any:
+    try:
+        return ray.get(refs, timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        raise RlixTimeoutError(f"{what}: no answer within {timeout_s:.0f} s") from None
+    except ray.exceptions.RayActorError as exc:
+        raise SchedulerError(f"{what}: a vLLM worker died ({str(exc).splitlines()[0][:200]})") from None
+
+
+class NemoVllmFleet:
+    """See the module docstring. ``leaders[r]`` = the DP-leader worker of rank r; ``devices[r]`` its GPUs."""
+
+    def __init__(self, leaders: list[Any], devices: dict[int, list[tuple[int, int]]]) -> None:
+        if sorted(devices) != list(range(len(leaders))):
+            raise RlixConfigError(f"devices for dp ranks {sorted(devices)}; the generation has {len(leaders)} ranks")
+        self.leaders = list(leaders)
+        self._devices = {int(r): [(int(d[0]), int(d[1])) for d in devs] for r, devs in devices.items()}
+
+    @classmethod
+    def from_generation(cls, generation: Any, infer_devices: list[int], infer_tp: int,
+                        gpus_per_node: int | None = None) -> NemoVllmFleet:
+        """From a ``VllmGeneration``: its DP leaders and the registered inference GPUs (``tp`` per rank)."""
+        wg = generation.worker_group
+        dp = int(wg.dp_size)
+        if dp * infer_tp != len(infer_devices):
+            raise RlixConfigError(
+                f"VllmGeneration has {dp} DP ranks x TP {infer_tp} but rlix.infer_devices lists {len(infer_devices)} "
+                "GPUs: make policy.generation.colocated.resources match rlix.infer_devices"
+            )
+        per_node = gpus_per_node or max(infer_devices) + 1
+        devices = {r: [(g // per_node, g % per_node) for g in infer_devices[r * infer_tp:(r + 1) * infer_tp]]
+                   for r in range(dp)}
+        leaders = [wg.workers[wg.get_dp_leader_worker_idx(r)] for r in range(dp)]
+        return cls(leaders, devices)
+
+    # RolloutFleet
+    def dp_ranks(self) -> list[int]:
+        return list(range(len(self.leaders)))
+
+    def devices(self, dp_rank: int) -> list[tuple[int, int]]:
+        return list(self._devices[dp_rank])
+
+    def engine_rpc(self, dp_rank: int) -> Any:
+        from rlix_plugins.vllm.driver import RayEngineRpc
+
+        return RayEngineRpc(self.leaders[dp_rank], "checkpoint_engine_rpc_async", "reset_prefix_cache_async")
+
+    def abort(self, dp_ranks: list[int], timeout_s: float) -> None:
+        _get([self.leaders[r].__ray_call__.remote(worker_ops.vllm_abort_all) for r in dp_ranks],
+             f"abort on dp ranks {dp_ranks}", timeout_s)
+
+    def sleep(self, dp_ranks: list[int], level: int, timeout_s: float) -> None:
+        _get([self.leaders[r].sleep_async.remote() for r in dp_ranks], f"sleep_async on dp ranks {dp_ranks}",
+             timeout_s)
+
+    def wake_up(self, dp_ranks: list[int], tags: list[str] | None, timeout_s: float) -> None:
+        _get([self.leaders[r].wake_up_async.remote(tags=tags) for r in dp_ranks],
+             f"wake_up_async on dp ranks {dp_ranks}", timeout_s)
+
+    def memory_in_use(self, dp_ranks: list[int], timeout_s: float) -> dict[int, int | None]:
+        values = _get([self.leaders[r].__ray_call__.remote(worker_ops.device_memory_in_use) for r in dp_ranks],
+                      f"memory probe on dp ranks {dp_ranks}", timeout_s)
+        return dict(zip(dp_ranks, values, strict=True))
+
+
+class RouterShardSelector:
+    """NeMo RL ``HealthyShardSelector`` surface (``next_shard``/``acquire``/``release``/``inflight``) over the
+    runtime's router actor. Picklable: the pickled copy in the collector talks to the same router.
+
+    ``next_shard`` takes a router ticket (blocking while no rank is active); ``release(shard)`` returns the
+    oldest ticket this process holds on that shard. Threads of one process share the ticket table.
+    """
+
+    def __init__(self, client: RouterClient) -> None:
+        self.client = client
+        self._init_local()
+
+    def _init_local(self) -> None:
+        self._lock = threading.Lock()
+        self._tickets: dict[int, deque[int]] = defaultdict(deque)
+        self.preempted_releases = 0
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"client": self.client}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.client = state["client"]
+        self._init_local()
+
+    def next_shard(self) -> int:
+        rank, ticket = self.client.acquire()
+        with self._lock:
+            self._tickets[rank].append(ticket)
+        return rank
+
+    def acquire(self, shard_idx: int) -> None:
+        """Counted by ``next_shard`` already (the ticket is the in-flight count)."""
+
+    def release(self, shard_idx: int) -> None:
+        with self._lock:
+            queue = self._tickets.get(shard_idx)
+            ticket = queue.popleft() if queue else None
+        if ticket is not None and self.client.release(ticket):
+            with self._lock:
+                self.preempted_releases += 1
+
+    def inflight(self, shard_idx: int) -> int:
+        return int(self.client._get(self.client.router.in_flight.remote([shard_idx]), "in_flight", 30.0))
+
+
+class RouterFleetMonitor:
+    """The ``GenerationFleetHealth`` surface ``VllmGeneration`` calls (``shard_count``, ``report_failure``,
+    ``report_success``); eligibility is the router's, so failures are only counted."""
+
+    def __init__(self, shard_count: int) -> None:
+        self._shard_count = int(shard_count)
+        self.failures: dict[int, int] = defaultdict(int)
+
+    @property
+    def shard_count(self) -> int:
+        return self._shard_count
+
+    def report_failure(self, shard_idx: int, error: BaseException) -> None:
+        self.failures[shard_idx] += 1
+
+    def report_success(self, shard_idx: int) -> None:
+        pass
+
+    def serving_shards(self) -> list[int]:
+        return list(range(self._shard_count))
+
+
+def install_routing(generation: Any, client: RouterClient) -> RouterShardSelector:
+    """Route ``generation`` (and every later pickled copy) through the router; call before the collector exists."""
+    selector = RouterShardSelector(client)
+    generation.attach_fleet_health(RouterFleetMonitor(client.num_dp_ranks), selector)
+    _KEEP_ALIVE.append(generation)
+    return selector

@@ -1,0 +1,133 @@
+"""NeMo RL host of the shared pipeline runtime: :class:`NemoRuntime` plugs NeMo RL's objects into
+:class:`rlix_plugins.pipeline.PipelineRuntime` (the same code path the demo host uses).
+
+* fleet: :class:`.generation.NemoVllmFleet` over ``VllmGeneration``'s DP leaders; routing installed on the
+  generation object with ``attach_fleet_health`` BEFORE the collector pickles it (:func:`.generation.install_routing`);
+* weights: :class:`.weights.MegatronWeightSource` (cache inside the Megatron workers);
+* offload (``after_training``): ``policy.offload_after_refit()`` → workers marked offloaded (a later cache build is
+  refused, debug #34) → Megatron NCCL groups destroyed inside every training worker; ``before_training`` rebuilds
+  them after the grant, before NeMo RL's ``prepare_for_lp_inference``;
+* publisher: :class:`CollectorPublisher` (``collector.set_weight_version``);
+* progress: a daemon thread counts the replay buffer's entries intended for the current weight version (F9) once
+  a second and reports the raw count with ``step_target = grpo.num_prompts_per_step`` via the coordinator.
+
+Threads: hook calls come from the driver's main thread; the progress thread only reads and reports.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any, Final
+
+import ray
+
+from rlix_plugins.errors import RlixError, RlixTimeoutError
+from rlix_plugins.nemo_rl import worker_ops
+from rlix_plugins.nemo_rl.config import RlixRunConfig, cfg_path
+from rlix_plugins.nemo_rl.generation import NemoVllmFleet, install_routing
+from rlix_plugins.nemo_rl.weights import MegatronWeightSource
+
+__all__ = ["CollectorPublisher", "NemoRuntime"]
+
+logger = logging.getLogger(__name__)
+_PROGRESS_PERIOD_S: Final = 1.0
+
+
+class CollectorPublisher:
+    """:class:`~rlix_plugins.pipeline.protocols.VersionPublisher` over NeMo RL's ``AsyncTrajectoryCollector``."""
+
+    def __init__(self, collector: Any) -> None:
+        self.collector = collector
+
+    def set_weight_version(self, version: int, timeout_s: float) -> None:
+        try:
+            ray.get(self.collector.set_weight_version.remote(int(version)), timeout=timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise RlixTimeoutError(f"collector.set_weight_version({version}) took over {timeout_s:.0f} s") from None
+
+
+class NemoRuntime:
+    """See the module docstring. One per pipeline (driver process)."""
+
+    def __init__(self, config: RlixRunConfig) -> None:
+        self.config = config
+        self.rt: Any = None
+        self.weights: MegatronWeightSource | None = None
+        self.policy: Any = None
+        self.step_target = 1
+        self._version = 0
+        self._stop = threading.Event()
+        self._progress: threading.Thread | None = None
+        self.progress_reports: list[tuple[int, int]] = []  # (version, collected) sent
+
+    def start(self, pipeline: Any, master_config: Any, policy: Any, policy_generation: Any) -> None:
+        from rlix_plugins.pipeline import PipelineRuntime
+
+        cfg = self.config
+        self.policy = policy
+        self.step_target = int(cfg_path(master_config, "grpo.num_prompts_per_step") or 1)
+        per_node = cfg_path(master_config, "cluster.gpus_per_node")
+        self.rt = PipelineRuntime(pipeline, cfg.runtime_config())
+        self.weights = MegatronWeightSource.from_policy(policy, list(cfg.train_devices), cfg.bucket_size_bytes,
+                                                        per_node)
+        fleet = NemoVllmFleet.from_generation(policy_generation, list(cfg.infer_devices), cfg.infer_tp, per_node)
+        self.rt.start(self.weights, fleet, offload=self._offload)
+        install_routing(policy_generation, self.rt.router_client())
+
+    def _workers_call(self, fn: Any, what: str) -> list[Any]:
+        assert self.weights is not None
+        return list(ray.get([w.__ray_call__.remote(fn) for w in self.weights.workers], timeout=self.config.sync_timeout_s))
+
+    def _offload(self) -> None:
+        assert self.weights is not None
+        self.policy.offload_after_refit()
+        self.weights.mark_offloaded(True)
+        self._workers_call(worker_ops.megatron_destroy_nccl, "destroy Megatron NCCL groups")
+
+    def attach_collector(self, collector: Any, replay_buffer: Any = None) -> None:
+        self.rt.attach_collector(CollectorPublisher(collector))
+        if replay_buffer is not None:
+            self._progress = threading.Thread(target=self._report_progress, args=(replay_buffer,), daemon=True,
+                                              name=f"rlix-progress-{self.rt.pipeline_id}")
+            self._progress.start()
+
+    def _report_progress(self, replay_buffer: Any) -> None:
+        last: tuple[int, int] | None = None
+        while not self._stop.wait(_PROGRESS_PERIOD_S):
+            try:
+                version = self._version
+                n = int(ray.get(replay_buffer.__ray_call__.remote(worker_ops.count_intended_for, version), timeout=10))
+                if last is None or (version, n) != last:
+                    self.rt.report_progress(n, self.step_target, step=version,
+                                            new_batch=last is None or last[0] != version)
+                    self.progress_reports.append((version, n))
+                    last = (version, n)
+            except Exception as exc:  # progress must never kill the run
+                logger.warning("rlix progress: %s", exc)
+
+    def before_training(self, step: int) -> None:
+        assert self.weights is not None
+        self.rt.before_training(step)
+        self._workers_call(worker_ops.megatron_rebuild_nccl, "rebuild Megatron NCCL groups")
+        self.weights.mark_offloaded(False)
+
+    def build_cache(self, step: int) -> None:
+        self.rt.before_weight_sync(step)
+
+    def after_training(self, step: int) -> int:
+        return int(self.rt.after_training(step, offload=self._offload))
+
+    def on_published(self, step: int, version: int) -> None:
+        self._version = version
+        self.rt.on_published(step, version)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._progress is not None:
+            self._progress.join(timeout=15)
+        errors: list[str] = []
+        if self.rt is not None:
+            errors = self.rt.end()
+        if errors:
+            raise RlixError("; ".join(errors))

@@ -1,0 +1,98 @@
+"""Start-up validation of a time-shared NeMo RL run (reference F10, plus the switches async GRPO needs).
+
+Called by ``NemoRLHooks.rlix_pipeline_start`` before anything is registered (the reference defined these checks
+but never called them). Every violation is collected and reported in ONE :class:`RlixConfigError` whose lines
+each say what to change (a Hydra override where one fixes it).
+
+Checks:
+
+* ``train ⊂ infer`` (partial overlap; the training GPUs are borrowed from the pipeline's own rollout GPUs);
+* at least 2 inference DP ranks (``len(infer) / vllm_tp``) and at least one FULL DP rank outside the training
+  GPUs (``len(infer - train) >= vllm_tp``): one rank must keep generating while the pipeline trains;
+* ``len(infer) % vllm_tp == 0`` and ``len(train) % (TP·PP·CP·EP) == 0`` (Megatron; DTensor: TP·CP);
+* ``grpo.async_grpo.enabled``, ``policy.generation.colocated.enabled == false`` (non-colocated vLLM),
+  ``vllm_cfg.async_engine`` (per-request routing needs the async engine), ``loss_fn.
+  use_importance_sampling_correction`` (trajectories from older weights are corrected), vLLM backend;
+* ``vllm_cfg.sleep_level`` (patch 0003), when set, equals ``rlix.sleep_level`` (the workers read theirs);
+* ``vllm_cfg.tensor_parallel_size`` equals ``rlix.infer_tp``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rlix_plugins.errors import RlixConfigError
+from rlix_plugins.nemo_rl.config import RlixRunConfig, cfg_path
+
+__all__ = ["topology_problems", "training_parallel_size", "validate_topology"]
+
+
+def training_parallel_size(master_config: Any) -> tuple[int, str]:
+    """GPUs one model replica of the trainer spans, and how that was computed (for messages)."""
+    if cfg_path(master_config, "policy.megatron_cfg.enabled"):
+        sizes = {k: int(cfg_path(master_config, f"policy.megatron_cfg.{k}") or 1) for k in (
+            "tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
+            "expert_model_parallel_size")}
+        prod = 1
+        for v in sizes.values():
+            prod *= v
+        return prod, "Megatron TP·PP·CP·EP = " + "·".join(str(v) for v in sizes.values())
+    tp = int(cfg_path(master_config, "policy.dtensor_cfg.tensor_parallel_size") or 1)
+    cp = int(cfg_path(master_config, "policy.dtensor_cfg.context_parallel_size") or 1)
+    return tp * cp, f"DTensor TP·CP = {tp}·{cp}"
+
+
+def topology_problems(master_config: Any, run: RlixRunConfig) -> list[str]:
+    """Every violated rule, each with its fix (empty list: the run may start)."""
+    problems: list[str] = []
+    train, infer, tp = set(run.train_devices), set(run.infer_devices), run.infer_tp
+    if not train <= infer:
+        problems.append(
+            f"rlix.train_devices {sorted(train)} must be a subset of rlix.infer_devices {sorted(infer)} "
+            f"(GPUs {sorted(train - infer)} are not inference GPUs): add them to rlix.infer_devices"
+        )
+    if len(infer) % tp:
+        problems.append(f"rlix.infer_devices has {len(infer)} GPUs, not a multiple of the vLLM tensor parallel size "
+                        f"{tp}: use a multiple of {tp} GPUs")
+    elif len(infer) // tp < 2:
+        problems.append(f"{len(infer) // tp} inference DP rank (infer devices {sorted(infer)} / vLLM TP {tp}); "
+                        f"time-sharing needs >= 2: list at least {2 * tp} GPUs in rlix.infer_devices")
+    if len(infer - train) < tp:
+        problems.append(f"only {len(infer - train)} inference GPU(s) outside the training GPUs; at least one full "
+                        f"DP rank ({tp} GPU(s)) must keep generating while the pipeline trains: add GPUs to "
+                        "rlix.infer_devices that are not in rlix.train_devices")
+    size, how = training_parallel_size(master_config)
+    if len(train) % size:
+        problems.append(f"rlix.train_devices has {len(train)} GPUs, not a multiple of {how}: use a multiple of "
+                        f"{size} GPUs or change the parallel sizes")
+    vllm_tp = cfg_path(master_config, "policy.generation.vllm_cfg.tensor_parallel_size")
+    if vllm_tp is not None and int(vllm_tp) != tp:
+        problems.append(f"rlix.infer_tp={tp} differs from policy.generation.vllm_cfg.tensor_parallel_size="
+                        f"{vllm_tp}: drop rlix.infer_tp or make them equal")
+    if not cfg_path(master_config, "grpo.async_grpo.enabled"):
+        problems.append("async GRPO is off: set grpo.async_grpo.enabled=true (time-sharing drives async_grpo_train)")
+    backend = cfg_path(master_config, "policy.generation.backend")
+    if backend is not None and backend != "vllm":
+        problems.append(f"policy.generation.backend={backend!r}: time-sharing supports vLLM only "
+                        "(policy.generation.backend=vllm)")
+    if cfg_path(master_config, "policy.generation.colocated.enabled") is not False:
+        problems.append("vLLM must not be colocated: set policy.generation.colocated.enabled=false (the scheduler "
+                        "shares GPUs across pipelines instead)")
+    if not cfg_path(master_config, "policy.generation.vllm_cfg.async_engine"):
+        problems.append("set policy.generation.vllm_cfg.async_engine=true (per-request routing over active DP ranks "
+                        "needs the async engine)")
+    if not cfg_path(master_config, "loss_fn.use_importance_sampling_correction"):
+        problems.append("set loss_fn.use_importance_sampling_correction=true (trajectories generated with older "
+                        "weights must be corrected)")
+    level = cfg_path(master_config, "policy.generation.vllm_cfg.sleep_level")
+    if level is not None and int(level) != run.sleep_level:
+        problems.append(f"policy.generation.vllm_cfg.sleep_level={level} differs from rlix.sleep_level="
+                        f"{run.sleep_level}: set both to the same value (the vLLM workers read theirs)")
+    return problems
+
+
+def validate_topology(master_config: Any, run: RlixRunConfig) -> None:
+    """Raise one :class:`RlixConfigError` listing every problem (see the module docstring)."""
+    problems = topology_problems(master_config, run)
+    if problems:
+        raise RlixConfigError("the time-sharing topology is invalid:\n  - " + "\n  - ".join(problems))

@@ -1,0 +1,87 @@
+"""Start-up validation of the NeMo RL config (``rlix:`` keys + topology), and that the hooks call it. CI, no NeMo RL."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+
+from rlix_plugins.errors import RlixConfigError
+from rlix_plugins.nemo_rl.config import load_run_config
+from rlix_plugins.nemo_rl.hooks import NemoRLHooks
+from rlix_plugins.nemo_rl.topology import topology_problems, validate_topology
+
+
+def _valid(**rlix: Any) -> dict[str, Any]:
+    return {
+        "rlix": {"train_devices": [0], "infer_devices": [0, 1], **rlix},
+        "grpo": {"async_grpo": {"enabled": True}, "num_prompts_per_step": 8},
+        "loss_fn": {"use_importance_sampling_correction": True},
+        "cluster": {"gpus_per_node": 2},
+        "policy": {"megatron_cfg": {"enabled": True, "tensor_model_parallel_size": 1},
+                   "generation": {"backend": "vllm", "colocated": {"enabled": False},
+                                  "vllm_cfg": {"tensor_parallel_size": 1, "async_engine": True}}},
+    }
+
+
+def _problems(cfg: dict[str, Any]) -> list[str]:
+    return topology_problems(cfg, load_run_config(cfg))
+
+
+def test_valid_config_and_runtime_knobs() -> None:
+    cfg = _valid(sleep_level=1, bucket_size_bytes=1 << 20, sync_timeout_s=30, watchdog_interval_s=0.5)
+    assert _problems(cfg) == []
+    run = load_run_config(cfg)
+    rc = run.runtime_config()
+    assert (rc.sleep_level, rc.sync_timeout_s, rc.watchdog_interval_s) == (1, 30.0, 0.5)
+    assert run.bucket_size_bytes == 1 << 20
+    assert rc.step_target_estimate == 8  # default: grpo.num_prompts_per_step (debug #27)
+
+
+@pytest.mark.parametrize(
+    ("edit", "fix"),
+    [
+        (lambda c: c["rlix"].update(train_devices=[2]), "must be a subset of rlix.infer_devices"),
+        (lambda c: c["rlix"].update(infer_devices=[0]), "needs >= 2"),
+        (lambda c: c["rlix"].update(train_devices=[0, 1]), "at least one full DP rank"),
+        (lambda c: c["rlix"].update(infer_devices=[0, 1, 2], infer_tp=2), "not a multiple of the vLLM tensor"),
+        (lambda c: c["policy"]["megatron_cfg"].update(tensor_model_parallel_size=2), "Megatron TP·PP·CP·EP"),
+        (lambda c: c["grpo"]["async_grpo"].update(enabled=False), "grpo.async_grpo.enabled=true"),
+        (lambda c: c["policy"]["generation"]["colocated"].update(enabled=True), "colocated.enabled=false"),
+        (lambda c: c["policy"]["generation"]["vllm_cfg"].update(async_engine=False), "async_engine=true"),
+        (lambda c: c["loss_fn"].update(use_importance_sampling_correction=False), "importance_sampling_correction"),
+        (lambda c: c["policy"]["generation"]["vllm_cfg"].update(sleep_level=1), "set both to the same value"),
+        (lambda c: c["policy"]["generation"].update(backend="sglang"), "vLLM only"),
+    ],
+)
+def test_each_rule_names_its_fix(edit: Any, fix: str) -> None:
+    cfg = copy.deepcopy(_valid())
+    edit(cfg)
+    problems = _problems(cfg)
+    assert any(fix in p for p in problems), problems
+
+
+def test_all_problems_in_one_error() -> None:
+    cfg = _valid(train_devices=[0, 1])
+    cfg["grpo"]["async_grpo"]["enabled"] = False
+    with pytest.raises(RlixConfigError) as err:
+        validate_topology(cfg, load_run_config(cfg))
+    assert "at least one full DP rank" in str(err.value) and "async_grpo.enabled" in str(err.value)
+
+
+@pytest.mark.parametrize(("key", "value"), [("sleep_level", 3), ("bucket_size_bytes", 0), ("sync_timeout_s", -1),
+                                            ("verify", "yes"), ("infer_devices", [0, 0])])
+def test_bad_rlix_keys(key: str, value: Any) -> None:
+    with pytest.raises(RlixConfigError, match=key if key != "infer_devices" else "twice"):
+        load_run_config(_valid(**{key: value}))
+
+
+def test_hooks_validate_before_registering() -> None:
+    """The reference defined its topology check but never called it: ours runs in rlix_pipeline_start, before any
+    Ray or control-plane call (no cluster needed for this test to fail fast)."""
+    cfg = _valid(train_devices=[0, 1])
+    hooks = NemoRLHooks()
+    with pytest.raises(RlixConfigError, match="full DP rank"):
+        hooks.rlix_pipeline_start(master_config=cfg, policy=None, policy_generation=None, start_step=0)
+    assert hooks.pipeline_id is None
