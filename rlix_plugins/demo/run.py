@@ -9,6 +9,7 @@ trainer plus a rollout rank of every pipeline, and one pipeline's training preem
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import sys
@@ -219,6 +220,9 @@ def run_demo(pipelines: int = 2, gpus: int = 2, steps: int = 3, out: str | os.Pa
     t_end = time.time()
     trace = cp.trace(since=t_trace)
     analysis = analyse_trace(trace, list(range(gpus)), t_trace, t_end)
+    with (out_dir / "trace.jsonl").open("w") as f:  # every scheduling decision, for offline analysis
+        for ev in trace:
+            f.write(json.dumps(dataclasses.asdict(ev)) + "\n")
     try:
         timeline: Path | str = render_timeline(trace, out_dir / "timeline.png", gpus=gpus,
                                                title=f"rlix demo: {pipelines} pipelines on {gpus} GPUs")
