@@ -76,6 +76,7 @@ class SchedulerCore:
         self._gen_open: dict[str, tuple[int, int | None]] = {}
         self._standing_seq: dict[str, int] = {}
         self._planned: dict[str, list[asyncio.Future[list[int]]]] = {}
+        self._grace: dict[int, tuple[float, str]] = {}  # GPU -> (monotonic end of its grace window, releasing pipeline)
         self._coordinators: dict[str, Any] = {}
         self._seq = itertools.count()
         self._trace = TraceRecorder(self._cfg.trace_capacity)
@@ -134,6 +135,7 @@ class SchedulerCore:
         for cid in pipe.clusters:
             self._close_gen(cid)
         self._coordinators.pop(pipeline_id, None)
+        self._end_grace(pipeline_id)  # nobody is coming back for those GPUs
         if awake:
             # debug #64/#65: these ranks may still hold GPU memory; a graceful end calls await_release first.
             detail += f" (rollout ranks {awake} were still active: call await_release before unregistering)"
@@ -174,7 +176,30 @@ class SchedulerCore:
             pending=tuple(sorted(pending, key=lambda r: (r.priority, r.seq))),
             progress={pid: p for pid, p in self._progress.items() if pid in pids},
             planned_releases=frozenset(cid for cid in self._planned if cid in clusters),
+            release_grace_gpus=frozenset(self._grace),
         )
+
+    def _start_grace(self, gpus: frozenset[int], pipeline_id: str) -> None:
+        if self._cfg.release_grace_s > 0:
+            until = time.monotonic() + self._cfg.release_grace_s
+            for g in gpus:
+                self._grace[g] = (until, pipeline_id)
+
+    def _end_grace(self, pipeline_id: str | None = None) -> bool:
+        """Drop ended grace windows (and every window of ``pipeline_id``, which left); True when one ended: its
+        GPUs may now be lent to rollout, so a cycle should run."""
+        now = time.monotonic()
+        ended = [g for g, (until, pid) in self._grace.items() if until <= now or pid == pipeline_id]
+        for g in ended:
+            del self._grace[g]
+        return bool(ended)
+
+    def _next_wait_s(self) -> float:
+        wait = self._cfg.poll_interval_s
+        if self._grace:
+            first = min(until for until, _ in self._grace.values())
+            wait = min(wait, max(first - time.monotonic(), 0.0) + 0.01)
+        return wait
 
     async def _run_loop(self) -> None:
         assert self._wake is not None
@@ -182,11 +207,12 @@ class SchedulerCore:
         next_health = time.monotonic() + self._cfg.health_interval_s
         while not self._stopped:
             try:
-                await asyncio.wait_for(self._wake.wait(), self._cfg.poll_interval_s)
+                await asyncio.wait_for(self._wake.wait(), self._next_wait_s())
                 woken = True
             except TimeoutError:
                 woken = False
             self._wake.clear()
+            woken = self._end_grace() or woken
             try:
                 if time.monotonic() >= next_health:
                     await self._health_check()

@@ -349,6 +349,7 @@ class Scheduler(SchedulerCore):
         if alloc is None:
             return []
         self._note_removed(spec.cluster_id)
+        self._start_grace(alloc.gpus, spec.pipeline_id)
         self._trace.record("release", pipeline_id=spec.pipeline_id, cluster_id=spec.cluster_id, gpus=alloc.gpus,
                            priority=alloc.priority, detail=f"step={step}")
         self._kick()

@@ -38,6 +38,9 @@ class SchedulerConfig:
     default_request_timeout_s: float = 1800.0
     #: Demand share vs GPU share difference (0..1) among the least-complete half that triggers a poll cycle.
     drift_threshold: float = 0.10
+    #: After a non-generation cluster releases GPUs, rollout ranks are not woken on them for this long. Back-to-back
+    #: training steps then keep their GPUs instead of paying a wake + weight sync + shrink per step (0 disables).
+    release_grace_s: float = 2.0
     #: Consecutive non-empty cycles run back to back before falling back to the poll cadence.
     max_busy_cycles: int = 20
     trace_capacity: int = 100_000
@@ -48,6 +51,8 @@ class SchedulerConfig:
             value = getattr(self, key)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
                 raise RlixConfigError(f"SchedulerConfig.{key}={value!r} must be a positive finite number of seconds")
+        if not (isinstance(self.release_grace_s, (int, float)) and 0 <= self.release_grace_s < math.inf):
+            raise RlixConfigError(f"SchedulerConfig.release_grace_s={self.release_grace_s!r} must be >= 0 seconds")
         if not 0 < self.drift_threshold < 1:
             raise RlixConfigError(f"SchedulerConfig.drift_threshold={self.drift_threshold} must be in (0, 1)")
         if self.max_busy_cycles < 1 or self.trace_capacity < 1:

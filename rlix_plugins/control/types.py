@@ -147,6 +147,10 @@ class SchedulerSnapshot:
     pending: tuple[PendingRequest, ...] = ()
     progress: dict[str, Progress] = field(default_factory=dict)  #: by pipeline id
     planned_releases: frozenset[str] = frozenset()  #: generation cluster ids to shrink to zero now
+    #: Idle GPUs a non-generation cluster released moments ago. Rollout ranks are not woken on them yet (the
+    #: releasing pipeline usually asks again within a second, e.g. back-to-back async steps; lending them would
+    #: cost a wake + weight sync + shrink for nothing). Non-generation requests may take them at once.
+    release_grace_gpus: frozenset[int] = frozenset()
 
     @property
     def idle_gpus(self) -> frozenset[int]:

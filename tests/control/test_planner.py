@@ -41,6 +41,24 @@ def test_training_preempts_other_pipelines_rollout_and_gets_it_back_later() -> N
     assert active(plan2, "b_actor_infer") == {0, 1, 2} and not plan2.shrinks
 
 
+def test_gpus_in_release_grace_are_not_lent_to_rollout_but_training_may_take_them() -> None:
+    """Back-to-back steps: GPUs a's training just released stay idle for rollout, a's next request takes them."""
+    from dataclasses import replace
+
+    c = _two_pipelines()
+    progress = {"a": (64, 64), "b": (64, 0)}
+    snap = snapshot(4, c, [gen_alloc(c["b_actor_infer"], [2]), gen_alloc(c["a_actor_infer"], [3])], [], progress)
+    graced = replace(snap, release_grace_gpus=frozenset({0, 1}))
+    plan = plan_cycle(graced)
+    validate_plan(graced, plan)
+    assert plan.is_noop, "rollout was woken on GPUs inside their release grace window"
+    assert active(plan_cycle(snap), "b_actor_infer") == {0, 1, 2}, "without grace the idle GPUs are lent"
+    again = replace(graced, pending=(PendingRequest("a_actor_train", TRAIN, 8),))
+    plan = plan_cycle(again)
+    validate_plan(again, plan)
+    assert [(g.cluster_id, sorted(g.gpus)) for g in plan.grants] == [("a_actor_train", [0, 1])] and not plan.shrinks
+
+
 def test_training_preempts_own_overlap_ranks_and_spares_the_rest() -> None:
     c = _two_pipelines()
     snap = snapshot(4, c, [gen_alloc(c["a_actor_infer"], [0, 1, 2, 3])], [PendingRequest("a_actor_train", TRAIN, 1)])

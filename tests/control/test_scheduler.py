@@ -23,7 +23,7 @@ from rlix_plugins.control.types import (
     ShrinkOp,
 )
 from rlix_plugins.errors import PipelineUnregisteredError, RlixConfigError, RlixTimeoutError, SchedulerError
-from tests.control._ray_helpers import control_plane, make_pipeline, wait_for
+from tests.control._ray_helpers import FAST_SCHEDULER, control_plane, make_pipeline, wait_for
 
 __all__ = ["control_plane"]  # the fixture, imported for pytest
 
@@ -324,3 +324,24 @@ def test_occupancy_replay_detects_double_allocation() -> None:
     assert _check_exclusive_occupancy(ok, {"a", "b"}) == 2
     with pytest.raises(AssertionError, match="double-allocated"):
         _check_exclusive_occupancy([ok[0], ok[2]], {"a", "b"})
+
+
+def test_back_to_back_training_keeps_its_gpu_and_idle_gpu_is_lent_after_grace(
+    control_plane: client.ControlPlane,
+) -> None:
+    """A released training GPU is not lent to rollout during the grace window (no wake+sync+shrink per step when
+    the next step asks again at once); once the window ends, the idle GPU goes back to rollout."""
+    cp = control_plane
+    a, _ = make_pipeline(cp, train=[0], infer=[0, 1])
+    b, hb = make_pipeline(cp, train=[1], infer=[0, 1])
+    assert b.request_gpus("actor_infer", GEN, step_target_estimate=64, timeout_s=10) == [0, 1]
+    for step in range(3):
+        assert a.request_gpus("actor_train", Priority.ACTOR_TRAINING, step=step, timeout_s=10) == [0]
+        a.release_gpus("actor_train", step=step)
+    b_calls = calls(hb)
+    expands_of_rank0 = [c for c in b_calls if 0 in c[2]]
+    assert len(expands_of_rank0) == 1, f"B's rank 0 was re-woken between A's back-to-back steps: {b_calls}"
+    released = time.time()
+    wait_for(lambda: active_gpus(cp, b.cluster_id("actor_infer")) == [0, 1], what="B's rank 0 lent again")
+    assert calls(hb)[-1][1:] == ([], [0])
+    assert calls(hb)[-1][0] >= released + FAST_SCHEDULER.release_grace_s - 0.5, "lent before the grace window ended"
