@@ -141,8 +141,11 @@ class NemoRLHooks:
         if self.runtime is not None:
             try:
                 self.runtime.start(self._pipe, master_config, policy, policy_generation)
-            except BaseException:
-                self._end("start_failed_ended")
+            except BaseException as exc:
+                try:  # release and unregister; the start error is the one to report
+                    self._end("start_failed_ended")
+                except Exception as end_exc:
+                    exc.add_note(f"ending the pipeline after the failed start also failed: {end_exc}")
                 raise
 
     @hookimpl

@@ -39,12 +39,35 @@ def vllm_abort_all(worker: Any) -> int:
     if states is None:
         raise RuntimeError(f"vllm_abort_all: {type(llm).__name__} exposes no output_processor.request_states "
                            "(async engine required: policy.generation.vllm_cfg.async_engine=true)")
-    ids = list(states)
+    ids = list(states)  # INTERNAL request ids (vLLM >= 0.2x keys request_states by them)
     if ids:
-        result = llm.abort(ids)
-        if asyncio.iscoroutine(result):  # AsyncLLM.abort is a coroutine: run it on the actor's event loop
-            asyncio.get_running_loop().create_task(result)
+        import inspect
+
+        if "internal" in inspect.signature(llm.abort).parameters:
+            result = llm.abort(ids, internal=True)
+        else:  # older AsyncLLM: abort takes the external ids
+            result = llm.abort([getattr(st, "external_req_id", rid) for rid, st in states.items()])
+        if asyncio.iscoroutine(result):  # AsyncLLM.abort: run it on the engine's event loop
+            _run_on_engine_loop(llm, result)
     return len(ids)
+
+
+def _run_on_engine_loop(llm: Any, coro: Any, timeout_s: float = 30.0) -> None:
+    """``__ray_call__`` runs a sync function on a Ray thread of an async actor, not on its event loop: hand the
+    coroutine to the loop AsyncLLM's output handler runs on (or to the running loop when called on it)."""
+    try:
+        running = asyncio.get_running_loop()
+    except RuntimeError:
+        running = None
+    if running is not None:
+        running.create_task(coro)
+        return
+    handler = getattr(llm, "output_handler", None)
+    loop = handler.get_loop() if handler is not None else None
+    if loop is None:
+        coro.close()
+        raise RuntimeError("vllm_abort_all: cannot find the engine's event loop (no AsyncLLM output handler yet)")
+    asyncio.run_coroutine_threadsafe(coro, loop).result(timeout=timeout_s)
 
 
 def device_memory_in_use(worker: Any) -> int | None:

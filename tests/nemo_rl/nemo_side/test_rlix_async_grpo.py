@@ -98,6 +98,7 @@ def _configure(components, tmp_path):
     cfg.checkpointing["enabled"] = True
     cfg.checkpointing["save_period"] = 2  # step index 1 saves by period, step 2 as the last step
     cfg.checkpointing["metric_name"] = None
+    cfg.grpo.async_grpo.enabled = True  # the topology check requires async GRPO (the mock left it off)
     cfg.rlix = {"train_devices": [0], "infer_devices": [0, 1], "request_timeout_s": 60}
     components["checkpointer"].init_tmp_checkpoint.return_value = str(tmp_path)
     components["checkpointer"].checkpoint_dir = tmp_path
