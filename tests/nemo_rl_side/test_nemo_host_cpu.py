@@ -11,7 +11,6 @@ On CPU vLLM's sleep is a no-op, so "memory dropped" is not measurable here (GPU-
 from __future__ import annotations
 
 import time
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -20,7 +19,6 @@ import ray
 from rlix_plugins.nemo_rl.generation import NemoVllmFleet, RouterShardSelector
 from rlix_plugins.nemo_rl.hooks import NemoRLHooks
 from rlix_plugins.nemo_rl.runtime_adapter import NemoRuntime
-
 from tests.nemo_rl_side.standins import (
     StandinCollector,
     StandinGeneration,
@@ -151,7 +149,7 @@ def test_time_shared_steps_with_real_vllm(engines: Any) -> None:
 def test_fleet_abort_finishes_callers_and_partial_sleep_wake(engines: Any) -> None:
     """Abort via __ray_call__ ends a long in-flight request (finish_reason 'abort', the caller returns: bug 7);
     partial sleep/wake reach only the named rank, at the workers' configured level."""
-    model, leaders = engines
+    _model, leaders = engines
     fleet = NemoVllmFleet.from_generation(StandinGeneration(leaders), [0, 1], 1, 4)
     assert fleet.devices(1) == [(0, 1)] and fleet.memory_in_use([0, 1], 30) == {0: None, 1: None}
     for w in leaders:
