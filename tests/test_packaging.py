@@ -1,0 +1,57 @@
+"""A built wheel carries the NeMo RL patch series, so ``rlix patch`` works for a user who pip-installed rlix-plugins
+(no checkout, no ``RLIX_PATCHES_DIR``)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _copy_tracked(dst: Path) -> None:
+    """The files git tracks (plus working-tree edits), without build leftovers or venvs."""
+    out = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True, check=True, timeout=60).stdout
+    for rel in filter(None, out.decode().split("\0")):
+        src, target = REPO / rel, dst / rel
+        if not src.exists() and not src.is_symlink():
+            continue  # deleted in the working tree
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if src.is_symlink():
+            os.symlink(os.readlink(src), target)
+        else:
+            shutil.copy2(src, target)
+
+
+@pytest.mark.timeout(300)
+def test_wheel_contains_the_patch_series(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    _copy_tracked(src)
+    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
+                           str(tmp_path / "dist"), str(src)], capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    [wheel] = list((tmp_path / "dist").glob("rlix_plugins-*.whl"))
+    names = zipfile.ZipFile(wheel).namelist()
+    series = sorted(n for n in names if n.startswith("rlix_plugins/patches/nemo-rl/"))
+    repo_series = sorted(p.name for p in (REPO / "rlix_plugins/patches/nemo-rl/7ea279a").iterdir())
+    assert series == [f"rlix_plugins/patches/nemo-rl/7ea279a/{n}" for n in repo_series], series
+    assert any(n.endswith(".patch") for n in series)
+
+    # Installed from the wheel (extracted as site-packages would hold it), the default root finds the series.
+    site = tmp_path / "site"
+    zipfile.ZipFile(wheel).extractall(site)
+    code = ("from rlix_plugins.patching import DEFAULT_SERIES_ROOT, discover_series;"
+            "print(DEFAULT_SERIES_ROOT); print([s.name for s in discover_series(DEFAULT_SERIES_ROOT)])")
+    env = {k: v for k, v in os.environ.items() if k != "RLIX_PATCHES_DIR"}
+    env["PYTHONPATH"] = str(site)
+    run = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert run.returncode == 0, run.stderr
+    root, found = run.stdout.splitlines()
+    assert root.startswith(str(site)) and found == "['7ea279a']"
