@@ -28,8 +28,9 @@ NOT_APPLIED = "not applied"
 DRIFTED = "drifted"
 PARTIAL = "partially applied"
 
-#: Where a checkout of rlix-plugins keeps its series; ``RLIX_PATCHES_DIR`` overrides it.
-DEFAULT_SERIES_ROOT = Path(__file__).resolve().parent.parent / "patches" / "nemo-rl"
+#: The series ships inside the package (wheel package data; ``patches/nemo-rl`` of a checkout links here);
+#: ``RLIX_PATCHES_DIR`` overrides it.
+DEFAULT_SERIES_ROOT = Path(__file__).resolve().parent / "patches" / "nemo-rl"
 _GIT_TIMEOUT_S = 60.0
 
 
