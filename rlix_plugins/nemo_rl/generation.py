@@ -11,23 +11,25 @@
   ``policy_generation.attach_fleet_health(monitor, selector)`` BEFORE the generation object is pickled into
   the trajectory collector. The routing state lives in the runtime's router actor (debug #33), so every copy
   (driver, collector) routes over the same active ranks. ``next_shard()`` blocks while no rank is active.
-  ``release`` ends the ticket and counts tickets whose rank was shrunk meanwhile (``preempted_releases``).
-  GAP: at the pin ``_async_generate_base`` neither reports nor retries such a request (vLLM finishes it with
-  ``finish_reason="abort"``); re-dispatching it on another active rank needs a small gated patch there (not in
-  the series yet). :meth:`RouterClient.route` implements that retry for hosts that route themselves.
+  ``release`` ends the ticket and says whether a shrink took the shard meanwhile. Retry: patch 0004 lets
+  :meth:`RouterShardSelector.rlix_dispatch` run the request, so one aborted by a shrink (vLLM finishes it with
+  ``finish_reason="abort"``) is re-run on another active shard (completed results are kept).
 * :func:`install_routing` - both of the above on a generation object; keeps the driver's object referenced.
 """
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections import defaultdict, deque
+from collections.abc import AsyncIterator
 from typing import Any, Final
 
 import ray
 
 from rlix_plugins.errors import RlixConfigError, RlixTimeoutError, SchedulerError
 from rlix_plugins.nemo_rl import worker_ops
+from rlix_plugins.pipeline.protocols import ShardPreemptedError
 from rlix_plugins.pipeline.router import RouterClient
 
 __all__ = ["NemoVllmFleet", "RouterFleetMonitor", "RouterShardSelector", "install_routing"]
@@ -133,13 +135,51 @@ class RouterShardSelector:
     def acquire(self, shard_idx: int) -> None:
         """Counted by ``next_shard`` already (the ticket is the in-flight count)."""
 
-    def release(self, shard_idx: int) -> None:
+    def release(self, shard_idx: int) -> bool:
+        """End this process's oldest ticket on the shard; True when a shrink took the shard meanwhile."""
         with self._lock:
             queue = self._tickets.get(shard_idx)
             ticket = queue.popleft() if queue else None
-        if ticket is not None and self.client.release(ticket):
+        preempted = ticket is not None and self.client.release(ticket)
+        if preempted:
             with self._lock:
                 self.preempted_releases += 1
+        return preempted
+
+    async def rlix_dispatch(self, generation: Any, *, data: Any, method_name: str, greedy: bool,
+                            dp_shard_idx: int) -> AsyncIterator[Any]:
+        """Patch 0004's seam in ``VllmGeneration._async_generate_base`` (``RLIX_CONTROL_PLANE=rlix``): run the
+        request on ``dp_shard_idx`` (already acquired by ``next_shard``); if a shrink took that shard while it ran
+        (vLLM finished it as aborted, or the call failed), run it again on another active shard, at most
+        ``client.max_attempts`` times. A failure on a shard that was NOT shrunk is re-raised unchanged. Results
+        are yielded only from the attempt that completed (one sample per call, so buffering costs nothing)."""
+        shard = dp_shard_idx
+        tried: list[int] = []
+        for _attempt in range(self.client.max_attempts):
+            leader = generation.worker_group.get_dp_leader_worker_idx(shard)
+            results: list[Any] = []
+            try:
+                async for result in generation._generate_on_shard(
+                        data=data, method_name=method_name, greedy=greedy, dp_shard_idx=shard,
+                        leader_worker_idx=leader):
+                    results.append(result)
+            except Exception:
+                if not await asyncio.to_thread(self.release, shard):
+                    raise
+            else:
+                if not await asyncio.to_thread(self.release, shard):
+                    for result in results:
+                        yield result
+                    return
+            tried.append(shard)
+            shard = await asyncio.to_thread(self._next_excluding, tried)
+        raise ShardPreemptedError(shard, f"aborted by shrinks on {self.client.max_attempts} attempts (ranks {tried})")
+
+    def _next_excluding(self, tried: list[int]) -> int:
+        rank, ticket = self.client.acquire(exclude=tried)
+        with self._lock:
+            self._tickets[rank].append(ticket)
+        return rank
 
     def inflight(self, shard_idx: int) -> int:
         return int(self.client._get(self.client.router.in_flight.remote([shard_idx]), "in_flight", 30.0))

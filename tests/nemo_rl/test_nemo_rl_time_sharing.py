@@ -39,3 +39,30 @@ def test_async_grpo_time_sharing_on_nemo_rl_mocks(nemo_copies: dict[str, Path], 
     report(f"NeMo RL async_grpo_train time-sharing scenario: {run.summary()}")
     got = {name.rsplit("::", 1)[-1]: outcome for name, outcome in run.outcomes.items()}
     assert got == dict.fromkeys(EXPECTED, "passed"), f"{got}\noutput tail:\n{run.output_tail}"
+
+
+ROUTING = Path(__file__).parent / "nemo_side" / "test_rlix_vllm_routing.py"
+ROUTING_EXPECTED = {
+    "test_routes_over_active_ranks_only",
+    "test_pickled_copy_sees_resizes",
+    "test_blocks_while_no_rank_is_active",
+    "test_request_aborted_by_a_shrink_is_retried_on_another_active_rank",
+    "test_without_the_variable_the_seam_is_inert",
+}
+
+
+@pytest.mark.timeout(700)
+def test_router_selector_on_the_real_vllm_generation(nemo_copies: dict[str, Path], tmp_path: Path) -> None:
+    """Our fleet selector + router on NeMo RL's real VllmGeneration (patched; built like its shard-selection tests):
+    routing over active ranks only, the collector's pickled copy, blocking when none is active, retry of a request
+    a shrink aborted (patch 0004), and no retry with the variable unset."""
+    patched = nemo_copies["patched"]
+    dst = patched / "tests" / "unit" / "models" / "generation" / ROUTING.name
+    shutil.copyfile(ROUTING, dst)
+    try:
+        run = run_nemo_pytest(patched, [str(dst.relative_to(patched))], tmp_path / "routing.xml", timeout_s=600)
+    finally:
+        dst.unlink()
+    report(f"NeMo RL VllmGeneration routing through the rlix router: {run.summary()}")
+    got = {name.rsplit("::", 1)[-1]: outcome for name, outcome in run.outcomes.items()}
+    assert got == dict.fromkeys(ROUTING_EXPECTED, "passed"), f"{got}\noutput tail:\n{run.output_tail}"
