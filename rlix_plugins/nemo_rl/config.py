@@ -25,10 +25,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 from rlix_plugins.errors import RlixConfigError
-from rlix_plugins.pipeline.config import RuntimeConfig
+
+if TYPE_CHECKING:
+    from rlix_plugins.pipeline.config import RuntimeConfig
 
 SECTION: Final = "rlix"
 _TIMEOUTS: Final = {
@@ -63,6 +65,8 @@ class RlixRunConfig:
 
     def runtime_config(self) -> RuntimeConfig:
         """The shared pipeline runtime's knobs (validated again there)."""
+        from rlix_plugins.pipeline.config import RuntimeConfig  # lazy: the package __init__ imports Ray
+
         return RuntimeConfig(
             sleep_level=self.sleep_level, request_timeout_s=self.request_timeout_s,
             init_timeout_s=self.init_timeout_s, sync_timeout_s=self.sync_timeout_s,
