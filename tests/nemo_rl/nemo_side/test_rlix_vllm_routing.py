@@ -105,7 +105,7 @@ def rlix_env(monkeypatch):
 
 
 def test_routes_over_active_ranks_only(rlix_env):
-    gen, router, selector = _routed(3, [1, 2])
+    gen, router, _selector = _routed(3, [1, 2])
     assert isinstance(gen.fleet_selector, RouterShardSelector)
     served = {_generate(gen)["served_by"] for _ in range(6)}
     assert served and served <= {1, 2}  # sequential requests: least-outstanding, ties to the lowest active rank
@@ -148,7 +148,7 @@ def test_request_aborted_by_a_shrink_is_retried_on_another_active_rank(rlix_env)
 def test_without_the_variable_the_seam_is_inert(monkeypatch):
     """RLIX_CONTROL_PLANE unset: VllmGeneration keeps its own acquire/next/release path (no retry)."""
     monkeypatch.delenv("RLIX_CONTROL_PLANE", raising=False)
-    gen, router, selector = _routed(2, [0, 1], shrink_on={0})
+    gen, _router, selector = _routed(2, [0, 1], shrink_on={0})
     out = _generate(gen)
     assert gen.worker_group.dispatched == [0]
     assert out["aborted"] is True and selector.preempted_releases == 1
