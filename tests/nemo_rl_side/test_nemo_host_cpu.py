@@ -146,7 +146,7 @@ def test_time_shared_steps_with_real_vllm(engines: Any) -> None:
     assert not [c for c, a in status["allocations"].items() if a["pipeline_id"] == pid]
 
 
-def test_fleet_abort_finishes_callers_and_partial_sleep_wake(engines: Any) -> None:
+def test_bug7_abort_finishes_callers_and_partial_sleep_wake(engines: Any) -> None:
     """Abort via __ray_call__ ends a long in-flight request (finish_reason 'abort', the caller returns: bug 7);
     partial sleep/wake reach only the named rank, at the workers' configured level."""
     _model, leaders = engines
