@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Every GPU check of the project in one device call (after the vLLM carry kit is set up; see README "GPU").
+# Runs under .gpukit/setup.sh (vLLM + deps on PYTHONPATH), installs the trimmed Ray kit, then:
+#   1. transport GPU tests + benchmarks/transport.py           -> $OUT/transport.json
+#   2. vLLM receiver GPU tests (cuda_ipc, NCCL, sleep/wake)     -> $OUT/vllm_gpu_results.json
+#   3. rlix demo on 1 GPU and, when there are 2, on 2 GPUs      -> $OUT/g1/, $OUT/g2/ (summary.json, timeline.png)
+# Every part runs even when an earlier one fails; the exit code is the number of failed parts.
+# NCCL settings: monitoring threads off (reference debug #56), debug output to find hangs.
+set -u
+OUT=${OUT:-/tmp/rlix_gpu_out}
+mkdir -p "$OUT"
+export TORCH_NCCL_ENABLE_MONITORING=0 NCCL_DEBUG=${NCCL_DEBUG:-WARN} RAY_AUTH_MODE=disabled PYTHONUNBUFFERED=1
+bash .gpukit/raykit/ray_setup.sh || echo "ray kit missing: the demo part will fail"
+ngpu=$(python3 -c "import torch; print(torch.cuda.device_count())")
+echo "GPUs: $ngpu"
+failed=0
+part() {  # part NAME TIMEOUT_S CMD...
+  local name=$1 limit=$2; shift 2
+  echo "=== $name (limit ${limit}s)"
+  local t0=$SECONDS
+  if timeout -k 10 "$limit" "$@"; then echo "=== $name ok in $((SECONDS - t0)) s"
+  else echo "=== $name FAILED (exit $?) after $((SECONDS - t0)) s"; failed=$((failed + 1)); fi
+}
+part transport-tests 150 python3 -m pytest -q -m gpu tests/transport/test_gpu.py -o addopts="" -p no:cacheprovider
+part transport-bench 200 python3 benchmarks/transport.py --json "$OUT/transport.json"
+part vllm-tests 400 python3 -m pytest -v -s -m gpu tests/vllm/test_vllm_gpu.py -o addopts="" -p no:cacheprovider
+part demo-1gpu 300 env CUDA_VISIBLE_DEVICES=0 python3 -m rlix_plugins.cli demo --gpus 1 --out "$OUT/g1"
+if [ "$ngpu" -ge 2 ]; then
+  part demo-2gpu 300 python3 -m rlix_plugins.cli demo --gpus 2 --out "$OUT/g2"
+fi
+exit "$failed"
