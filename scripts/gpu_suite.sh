@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Every GPU check of the project in one device call (after the vLLM carry kit is set up; see README "GPU").
+# The GPU checks of the project, batched for the device tool (after the vLLM carry kit is set up; see README "GPU").
+#   bash .gpukit/setup.sh bash scripts/gpu_suite.sh [transport] [vllm] [demo]     (default: all three)
+# One device command may run 10 minutes: run "transport vllm" in one call and "demo" in the next.
 # Runs under .gpukit/setup.sh (vLLM + deps on PYTHONPATH), installs the trimmed Ray kit, then:
 #   1. transport GPU tests + benchmarks/transport.py           -> $OUT/transport.json
 #   2. vLLM receiver GPU tests (cuda_ipc, NCCL, sleep/wake)     -> $OUT/vllm_gpu_results.json
@@ -21,11 +23,18 @@ part() {  # part NAME TIMEOUT_S CMD...
   if timeout -k 10 "$limit" "$@"; then echo "=== $name ok in $((SECONDS - t0)) s"
   else echo "=== $name FAILED (exit $?) after $((SECONDS - t0)) s"; failed=$((failed + 1)); fi
 }
-part transport-tests 150 python3 -m pytest -q -m gpu tests/transport/test_gpu.py -o addopts="" -p no:cacheprovider
-part transport-bench 200 python3 benchmarks/transport.py --json "$OUT/transport.json"
-part vllm-tests 400 python3 -m pytest -v -s -m gpu tests/vllm/test_vllm_gpu.py -o addopts="" -p no:cacheprovider
-part demo-1gpu 300 env CUDA_VISIBLE_DEVICES=0 python3 -m rlix_plugins.cli demo --gpus 1 --out "$OUT/g1"
-if [ "$ngpu" -ge 2 ]; then
-  part demo-2gpu 300 python3 -m rlix_plugins.cli demo --gpus 2 --out "$OUT/g2"
+want=${*:-transport vllm demo}
+if [[ " $want " == *" transport "* ]]; then
+  part transport-tests 120 python3 -m pytest -q -m gpu tests/transport/test_gpu.py -o addopts="" -p no:cacheprovider
+  part transport-bench 180 python3 benchmarks/transport.py --json "$OUT/transport.json"
+fi
+if [[ " $want " == *" vllm "* ]]; then
+  part vllm-tests 280 python3 -m pytest -v -s -m gpu tests/vllm/test_vllm_gpu.py -o addopts="" -p no:cacheprovider
+fi
+if [[ " $want " == *" demo "* ]]; then
+  part demo-1gpu 270 env CUDA_VISIBLE_DEVICES=0 python3 -m rlix_plugins.cli demo --gpus 1 --out "$OUT/g1"
+  if [ "$ngpu" -ge 2 ]; then
+    part demo-2gpu 270 python3 -m rlix_plugins.cli demo --gpus 2 --out "$OUT/g2"
+  fi
 fi
 exit "$failed"
