@@ -11,6 +11,7 @@ On CPU vLLM's sleep is a no-op, so "memory dropped" is not measurable here (GPU-
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -163,3 +164,72 @@ def test_bug7_abort_finishes_callers_and_partial_sleep_wake(engines: Any) -> Non
     fleet.wake_up([1], ["weights"], 30)
     assert ray.get(leaders[1].calls.remote()) == [("sleep", 2), ("wake_up", ["weights"])]
     assert ray.get(leaders[0].calls.remote()) == []
+
+
+_OTHER_DRIVER = """
+import sys, time
+from rlix_plugins.nemo_rl.hooks import NemoRLHooks
+cfg = {"rlix": {"train_devices": [1], "infer_devices": [0, 1], "request_timeout_s": 120, "ray_address": sys.argv[1]},
+       "grpo": {"async_grpo": {"enabled": True}, "num_prompts_per_step": 4},
+       "loss_fn": {"use_importance_sampling_correction": True},
+       "policy": {"megatron_cfg": {"enabled": True}, "generation": {"backend": "vllm", "colocated": {"enabled": False},
+                  "vllm_cfg": {"tensor_parallel_size": 1, "async_engine": True}}}}
+hooks = NemoRLHooks()
+hooks.rlix_pipeline_start(master_config=cfg, policy=None, policy_generation=None, start_step=0)
+hooks.before_training(step=0)
+print("GRANTED", hooks.pipeline_id, flush=True)
+time.sleep(600)
+"""
+
+
+def test_other_pipeline_preempts_and_its_crash_releases_its_gpus(engines: Any, tmp_path: Path) -> None:
+    """Pipeline B (another driver process) trains on GPU 1: the scheduler shrinks pipeline A's rank 1 first and A
+    keeps generating on rank 0. B is then killed mid-step (SIGKILL, holding GPU 1): its GPUs return to the pool,
+    A's watchdog / standing GENERATION request re-expands rank 1, and A finishes a step."""
+    import subprocess
+    import sys
+
+    from rlix_plugins.control import client
+
+    model, leaders = engines
+    cp = client.connect()
+    trainer = ray.remote(StandinMegatronWorker).options(num_cpus=0).remote(str(model))
+    policy, generation = StandinPolicy(trainer), StandinGeneration(leaders)
+    hooks = NemoRLHooks()
+    hooks.rlix_pipeline_start(master_config=_config(), policy=policy, policy_generation=generation, start_step=0)
+    rt = hooks.runtime
+    assert isinstance(rt, NemoRuntime)
+    other = None
+    try:
+        collector = ray.remote(StandinCollector).options(num_cpus=0, max_concurrency=8).remote(generation)
+        replay = ray.remote(StandinReplayBuffer).options(num_cpus=0).remote()  # empty: A still has demand
+        hooks.on_trajectory_collector_created(collector=collector, replay_buffer=replay)
+        _wait(lambda: ray.get(rt.rt.router.active.remote()) == [0, 1], 60, "A on both ranks")
+        address = ray.get_runtime_context().gcs_address
+        other = subprocess.Popen([sys.executable, "-c", _OTHER_DRIVER, address], cwd=tmp_path,
+                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        assert other.stdout is not None
+        line = other.stdout.readline()  # blocks until B holds GPU 1
+        assert line.startswith("GRANTED"), line
+        other_pid = line.split()[1]
+        assert ray.get(rt.rt.router.active.remote()) == [0]  # A's rank 1 was slept before B's grant returned
+        assert {o["dp_rank"] for o in ray.get(collector.generate.remote(3))} == {0}
+
+        other.kill()  # crash mid-step, while holding the training GPU
+        other.wait(timeout=30)
+        _wait(lambda: ray.get(rt.rt.router.active.remote()) == [0, 1], 120, "A re-expanded onto B's freed GPU")
+        allocs = cp.status()["allocations"]
+        assert not [c for c, a in allocs.items() if a["pipeline_id"] == other_pid]
+
+        hooks.before_training(step=0)
+        ray.get(trainer.train.remote(seed=21))
+        hooks.before_weight_sync(step=0)
+        version = hooks.after_training(step=0)
+        ray.get(collector.set_weight_version.remote(version))
+        hooks.on_weight_version_published(step=0, weight_version=version)
+        assert version == 1
+    finally:
+        if other is not None and other.poll() is None:
+            other.kill()
+        hooks.on_pipeline_end()
+    assert hooks.pipeline_id is None or hooks.pipeline_id not in cp.status()["pipelines"]
