@@ -60,6 +60,7 @@ class NemoRuntime:
         self._stop = threading.Event()
         self._progress: threading.Thread | None = None
         self.progress_reports: list[tuple[int, int]] = []  # (version, collected) sent
+        self._collector: Any = None
 
     def start(self, pipeline: Any, master_config: Any, policy: Any, policy_generation: Any) -> None:
         from rlix_plugins.pipeline import PipelineRuntime
@@ -86,6 +87,7 @@ class NemoRuntime:
         self._workers_call(worker_ops.megatron_destroy_nccl, "destroy Megatron NCCL groups")
 
     def attach_collector(self, collector: Any, replay_buffer: Any = None) -> None:
+        self._collector = collector
         self.rt.attach_collector(CollectorPublisher(collector))
         if replay_buffer is not None:
             self._progress = threading.Thread(target=self._report_progress, args=(replay_buffer,), daemon=True,
@@ -112,6 +114,10 @@ class NemoRuntime:
         self._workers_call(worker_ops.megatron_rebuild_nccl, "rebuild Megatron NCCL groups")
         self.weights.mark_offloaded(False)
 
+    def _kill_collector(self) -> None:
+        if self._collector is not None:
+            ray.kill(self._collector, no_restart=True)
+
     def build_cache(self, step: int) -> None:
         self.rt.before_weight_sync(step)
 
@@ -128,6 +134,8 @@ class NemoRuntime:
             self._progress.join(timeout=15)
         errors: list[str] = []
         if self.rt is not None:
-            errors = self.rt.end()
+            # Watchdog off → planned shrink to zero → collector stopped → unregister (debug #64-#66); NeMo RL's
+            # own ray.kill of the collector right after this hook is then a no-op.
+            errors = self.rt.end(stop_collector=self._kill_collector)
         if errors:
             raise RlixError("; ".join(errors))
