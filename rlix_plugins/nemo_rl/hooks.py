@@ -60,6 +60,8 @@ class PipelineRuntime(Protocol):
     def build_cache(self, step: int) -> None: ...
     def after_training(self, step: int) -> int: ...
     def on_published(self, step: int, version: int) -> None: ...
+    def before_checkpoint(self, step: int) -> None: ...
+    def after_checkpoint(self, step: int) -> None: ...
     def stop(self) -> None: ...
 
 
@@ -214,10 +216,14 @@ class NemoRLHooks:
         """Call site: before ``policy.save_checkpoint`` (it runs on the training workers). Blocks for the GPUs."""
         self._acquire_train(step, Priority.ACTOR_TRAINING, "checkpoint_granted")
         self._checkpoint_grant = True
+        if self.runtime is not None:
+            self.runtime.before_checkpoint(step)  # the offloaded workers' communication groups come back first
 
     @hookimpl
     def after_checkpoint(self, step: int) -> None:
         """Call site: after ``policy.save_checkpoint`` returned."""
+        if self.runtime is not None and self._checkpoint_grant:
+            self.runtime.after_checkpoint(step)
         self._release_train(step, "checkpoint_released")
         self._checkpoint_grant = False
 

@@ -118,6 +118,13 @@ class NemoRuntime:
         if self._collector is not None:
             ray.kill(self._collector, no_restart=True)
 
+    def before_checkpoint(self, step: int) -> None:
+        """The save runs on the training workers (grant held by the hooks): rebuild their communication groups."""
+        self._workers_call(worker_ops.megatron_rebuild_nccl, "rebuild Megatron NCCL groups for the checkpoint")
+
+    def after_checkpoint(self, step: int) -> None:
+        self._workers_call(worker_ops.megatron_destroy_nccl, "destroy Megatron NCCL groups after the checkpoint")
+
     def build_cache(self, step: int) -> None:
         self.rt.before_weight_sync(step)
 

@@ -118,6 +118,10 @@ def test_time_shared_steps_with_real_vllm(engines: Any) -> None:
             ray.get(collector.set_weight_version.remote(version))
             hooks.on_weight_version_published(step=step, weight_version=version)
             _wait(lambda: ray.get(rt.rt.router.active.remote()) == [0, 1], 60, "rank 0 re-expanded")
+        hooks.before_checkpoint(step=1)  # the save runs on the training workers: grant + comm groups back
+        assert ray.get(rt.rt.router.active.remote()) == [1]
+        hooks.after_checkpoint(step=1)
+        _wait(lambda: ray.get(rt.rt.router.active.remote()) == [0, 1], 60, "rank 0 re-expanded after the save")
         served = ray.get(collector.stop_background.remote())
         assert {r for r, _, _ in served} == {0, 1}
         _wait(lambda: (2, 0) in rt.progress_reports, 10, "progress for version 2")
@@ -140,7 +144,7 @@ def test_time_shared_steps_with_real_vllm(engines: Any) -> None:
     refreshes = [e for e in hist if e["op"] == "refresh"]
     assert [(e["ranks"], e["version"], e["verified"]) for e in refreshes] == [([1], 1, True), ([1], 2, True)]
     re_expands = [e for e in hist if e["op"] == "expand" and e["version"] >= 1]
-    assert [(e["ranks"], e["version"], e["published"]) for e in re_expands] == [([0], 1, 1), ([0], 2, 2)]
+    assert [(e["ranks"], e["version"], e["published"]) for e in re_expands] == [([0], 1, 1), ([0], 2, 2), ([0], 2, 2)]
     # Versions reached the collector in order, never -1, never bumped twice.
     assert versions == sorted(versions) and min(versions) == 0 and max(versions) == 2
     # Progress restarted from 0 for each new version (not the age-window count of older entries).
