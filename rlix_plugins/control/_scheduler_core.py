@@ -375,14 +375,29 @@ class SchedulerCore:
             self._coordinators[pipeline_id] = handle
         return handle
 
+    def _holds_resources(self, pipeline_id: str) -> bool:
+        clusters = self._pipelines[pipeline_id].clusters
+        return any(cid in self._allocations or cid in self._gen_open for cid in clusters) or any(
+            w.pipeline_id == pipeline_id for w in self._pending.values()
+        )
+
     async def _health_check(self) -> None:
-        """Fail pipelines whose coordinator actor died (e.g. the driver that owned it exited)."""
+        """Fail pipelines whose coordinator actor died (e.g. the driver that owned it exited).
+
+        A coordinator is found by name once and its handle kept; a driver that dies before that lookup takes its
+        (driver-owned) coordinator with it, so "no such actor" for a pipeline that holds GPUs or waits for them,
+        and registered longer than the grace below, means its driver is gone: fail it, or its GPUs never return.
+        """
+        grace_s = 2 * self._cfg.health_interval_s + self._cfg.health_timeout_s
         probes: dict[str, Any] = {}
-        for pid in list(self._pipelines):
+        for pid, pipe in list(self._pipelines.items()):
             try:
                 probes[pid] = self._coordinator(pid).ping.remote()
             except SchedulerError:
-                continue  # not created yet: nothing to probe
+                if time.time() - pipe.registered_at > grace_s and self._holds_resources(pid):
+                    self._fail(pid, f"no coordinator actor {coordinator_name(pid)!r} {grace_s:.0f} s after "
+                                    "registration while holding or awaiting GPUs (its driver exited?)")
+                continue
         if not probes:
             return
         results = await asyncio.gather(

@@ -72,6 +72,21 @@ def test_dead_coordinator_holding_training_gpus_is_reaped(control_plane: client.
     _still_serving(cp, b)
 
 
+def test_driver_dead_before_its_coordinator_was_ever_probed_is_reaped(control_plane: client.ControlPlane) -> None:
+    """A driver died before the scheduler ever found its coordinator (it never existed under its name): a pipeline
+    that holds GPUs with no coordinator past the grace is failed, so its GPUs return to the others."""
+    cp = control_plane
+    pid = cp.allocate_pipeline_id()
+    client.call(cp.orchestrator.register_pipeline.remote(pid, {"actor_train": 1, "actor_infer": 1},
+                                                         {"actor_train": [0], "actor_infer": [0, 1]}), "register")
+    client.call(cp.orchestrator.admit_pipeline.remote(pid), "admit")
+    assert client.call(cp.scheduler.request_gpus.remote(f"{pid}_actor_train", int(TRAIN), 0, None, 10), "req") == [0]
+    b, _ = make_pipeline(cp, train=[0], infer=[0, 1])
+    assert b.request_gpus("actor_train", TRAIN, timeout_s=30) == [0]
+    assert "fail" in _ops(cp, pid)
+    _still_serving(cp, b)
+
+
 def test_failed_expand_fails_only_that_pipeline(control_plane: client.ControlPlane) -> None:
     """A GENERATION request whose expand raises gets PipelineUnregisteredError; the other pipeline is served."""
     cp = control_plane
