@@ -36,13 +36,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Final
 
 import ray
 
+from rlix_plugins.control._rpc import ray_get
 from rlix_plugins.control.coordinator import Coordinator, CoordinatorConfig
 from rlix_plugins.control.orchestrator import Orchestrator
 from rlix_plugins.control.scheduler_state import SchedulerConfig
@@ -58,7 +58,7 @@ from rlix_plugins.control.types import (
     coordinator_name,
     pipeline_namespace,
 )
-from rlix_plugins.errors import RlixError, RlixTimeoutError, SchedulerError
+from rlix_plugins.errors import RlixError, SchedulerError
 
 #: Short control RPCs (register, status, release, ...).
 RPC_TIMEOUT_S: Final = 60.0
@@ -82,28 +82,8 @@ def ensure_ray(address: str | None = None) -> None:
 
 def call(ref: Any, what: str, timeout_s: float = RPC_TIMEOUT_S) -> Any:
     """``ray.get`` with a timeout; control-plane errors come back as rlix errors."""
-    try:
-        return ray.get(ref, timeout=timeout_s)
-    except ray.exceptions.GetTimeoutError:
-        raise RlixTimeoutError(
-            f"{what}: no answer within {timeout_s:.0f} s (is the control plane overloaded or hung? `rlix status`)"
-        ) from None
-    except ray.exceptions.RayActorError as exc:
-        raise SchedulerError(f"{what}: the actor serving it is dead ({_actor_death_reason(exc)})") from None
-    except ray.exceptions.RayTaskError as exc:
-        if isinstance(exc.cause, RlixError):
-            raise exc.cause from None
-        raise
-
-
-def _actor_death_reason(exc: BaseException) -> str:
-    """The rlix error that killed an actor in its constructor, else the first line of Ray's message."""
-    text = str(exc)
-    for line in reversed(text.splitlines()):
-        match = re.match(r"^rlix_plugins\.errors\.(\w+): (.*)$", line.strip())
-        if match:
-            return f"{match.group(1)}: {match.group(2)}"[:500]
-    return (text.splitlines()[0] if text else type(exc).__name__)[:200]
+    return ray_get(ref, what, timeout_s, unwrap=RlixError,
+                   hint=" (is the control plane overloaded or hung? `rlix status`)")
 
 
 def _lookup(name: str, namespace: str) -> Any | None:

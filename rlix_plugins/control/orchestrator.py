@@ -17,11 +17,12 @@ from typing import Any, Final
 
 import ray
 
+from rlix_plugins.control._rpc import ray_get
 from rlix_plugins.control.registration import build_cluster_specs, validate_pipeline_id
 from rlix_plugins.control.scheduler import Scheduler
 from rlix_plugins.control.scheduler_state import SchedulerConfig
 from rlix_plugins.control.types import RLIX_NAMESPACE, SCHEDULER_NAME, ClusterSpec, pipeline_namespace
-from rlix_plugins.errors import RlixConfigError, RlixTimeoutError, SchedulerError
+from rlix_plugins.errors import RlixConfigError, RlixTimeoutError
 
 logger = logging.getLogger(__name__)
 
@@ -132,14 +133,6 @@ def _create_scheduler(num_gpus: int, gpus_per_node: int, config: SchedulerConfig
 
 
 def _get(ref: Any, what: str, timeout_s: float = RPC_TIMEOUT_S) -> Any:
-    try:
-        return ray.get(ref, timeout=timeout_s)
-    except ray.exceptions.GetTimeoutError:
-        raise RlixTimeoutError(f"scheduler did not answer {what} within {timeout_s:.0f} s") from None
-    except ray.exceptions.RayActorError:
-        raise SchedulerError(f"the scheduler actor is dead ({what}); restart the control plane with `rlix up`") from None
-    except ray.exceptions.RayTaskError as exc:
-        cause = exc.cause
-        if isinstance(cause, Exception):
-            raise cause from None
-        raise
+    return ray_get(ref, f"scheduler {what}", timeout_s,
+                   dead="the scheduler actor is dead; restart the control plane with `rlix up`")
+

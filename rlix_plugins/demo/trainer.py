@@ -16,9 +16,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import ray
-
-from rlix_plugins.errors import RlixTimeoutError
+from rlix_plugins.control._rpc import ray_get
 from rlix_plugins.pipeline.protocols import SyncResult
 
 __all__ = ["ActorWeightSource", "DemoTrainer", "token_reward"]
@@ -154,12 +152,8 @@ class ActorWeightSource:
         self.trainer = trainer
 
     def _get(self, ref: Any, what: str, timeout_s: float) -> Any:
-        try:
-            return ray.get(ref, timeout=timeout_s)
-        except ray.exceptions.GetTimeoutError:
-            raise RlixTimeoutError(f"trainer: {what} did not finish within {timeout_s:.0f} s") from None
-        except ray.exceptions.RayTaskError as exc:
-            raise exc.cause if isinstance(exc.cause, Exception) else exc from None
+        return ray_get(ref, f"trainer: {what}", timeout_s, dead="the trainer actor died")
+
 
     def build_cache(self, version: int, timeout_s: float) -> int:
         return int(self._get(self.trainer.build_cache.remote(version), f"build_cache({version})", timeout_s))

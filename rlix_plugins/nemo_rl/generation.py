@@ -25,9 +25,8 @@ from collections import defaultdict, deque
 from collections.abc import AsyncIterator
 from typing import Any, Final
 
-import ray
-
-from rlix_plugins.errors import RlixConfigError, RlixTimeoutError, SchedulerError
+from rlix_plugins.control._rpc import ray_get
+from rlix_plugins.errors import RlixConfigError
 from rlix_plugins.nemo_rl import worker_ops
 from rlix_plugins.pipeline.protocols import ShardPreemptedError
 from rlix_plugins.pipeline.router import RouterClient
@@ -38,12 +37,8 @@ _KEEP_ALIVE: Final[list[Any]] = []  # driver-side generation objects we attached
 
 
 def _get(refs: Any, what: str, timeout_s: float) -> Any:
-    try:
-        return ray.get(refs, timeout=timeout_s)
-    except ray.exceptions.GetTimeoutError:
-        raise RlixTimeoutError(f"{what}: no answer within {timeout_s:.0f} s") from None
-    except ray.exceptions.RayActorError as exc:
-        raise SchedulerError(f"{what}: a vLLM worker died ({str(exc).splitlines()[0][:200]})") from None
+    return ray_get(refs, what, timeout_s, dead="a vLLM worker died", unwrap=())
+
 
 
 class NemoVllmFleet:

@@ -11,9 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-import ray
-
-from rlix_plugins.errors import RlixError, RlixTimeoutError, SchedulerError
+from rlix_plugins.control._rpc import ray_get
+from rlix_plugins.errors import RlixError
 from rlix_plugins.nemo_rl import worker_ops
 from rlix_plugins.pipeline.protocols import SyncResult
 
@@ -37,14 +36,8 @@ class MegatronWeightSource:
         return cls(list(policy.worker_group.workers), (first // per_node, first % per_node), bucket_size_bytes)
 
     def _get(self, refs: Any, what: str, timeout_s: float) -> Any:
-        try:
-            return ray.get(refs, timeout=timeout_s)
-        except ray.exceptions.GetTimeoutError:
-            raise RlixTimeoutError(f"{what}: no answer within {timeout_s:.0f} s") from None
-        except ray.exceptions.RayActorError as exc:
-            raise SchedulerError(f"{what}: a training worker died ({str(exc).splitlines()[0][:200]})") from None
-        except ray.exceptions.RayTaskError as exc:
-            raise exc.cause if isinstance(exc.cause, Exception) else exc from None
+        return ray_get(refs, what, timeout_s, dead="a training worker died")
+
 
     def build_cache(self, version: int, timeout_s: float) -> int:
         refs = [w.__ray_call__.remote(worker_ops.megatron_build_cache, version, self.bucket_size_bytes, timeout_s)

@@ -25,9 +25,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final, TypeVar
 
-import ray
-
-from rlix_plugins.errors import RlixConfigError, RlixTimeoutError, SchedulerError
+from rlix_plugins.control._rpc import ray_get
+from rlix_plugins.errors import RlixConfigError, RlixTimeoutError
 from rlix_plugins.pipeline.protocols import ShardPreemptedError
 
 __all__ = ["ROUTER_MAX_CONCURRENCY", "RolloutRouter", "RouterClient", "router_name"]
@@ -164,14 +163,8 @@ class RouterClient:
         self.max_attempts = max_attempts or max(num_dp_ranks, 2)
 
     def _get(self, ref: Any, what: str, timeout_s: float) -> Any:
-        try:
-            return ray.get(ref, timeout=timeout_s)
-        except ray.exceptions.GetTimeoutError:
-            raise RlixTimeoutError(f"router: {what} did not answer within {timeout_s:.0f} s") from None
-        except ray.exceptions.RayActorError:
-            raise SchedulerError(f"router: the router actor is dead ({what}); the pipeline ended or crashed") from None
-        except ray.exceptions.RayTaskError as exc:
-            raise exc.cause if isinstance(exc.cause, Exception) else exc from None
+        return ray_get(ref, f"router: {what}", timeout_s, dead="the router actor is dead; the pipeline ended or crashed")
+
 
     def acquire(self, exclude: list[int] | None = None) -> tuple[int, int]:
         rank, ticket = self._get(self.router.acquire.remote(self.timeout_s, exclude), "acquire", self.timeout_s + _RPC_S)

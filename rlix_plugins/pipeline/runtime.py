@@ -32,6 +32,7 @@ from typing import Any, Final
 
 import ray
 
+from rlix_plugins.control._rpc import ray_get
 from rlix_plugins.control.client import ControlPlane, PipelineHandle
 from rlix_plugins.control.coordinator import CoordinatorConfig
 from rlix_plugins.control.types import GENERATION_CLUSTER, TRAIN_CLUSTER, Priority, pipeline_namespace
@@ -54,17 +55,8 @@ _RPC_S: Final = 60.0
 
 
 def _get(ref: Any, what: str, timeout_s: float) -> Any:
-    try:
-        return ray.get(ref, timeout=timeout_s)
-    except ray.exceptions.GetTimeoutError:
-        raise RlixTimeoutError(f"{what}: no answer within {timeout_s:.0f} s") from None
-    except ray.exceptions.RayActorError as exc:
-        raise SchedulerError(f"{what}: actor died ({str(exc).splitlines()[0][:200]})") from None
-    except ray.exceptions.RayTaskError as exc:
-        cause = exc.cause
-        if isinstance(cause, Exception):
-            raise cause from None
-        raise
+    return ray_get(ref, what, timeout_s)
+
 
 
 class ProgressReporter:

@@ -13,6 +13,7 @@ import pytest
 import ray
 
 from rlix_plugins.control import client
+from rlix_plugins.control._rpc import actor_death_reason
 from rlix_plugins.control.types import Priority
 from rlix_plugins.errors import RlixConfigError, RlixTimeoutError, SchedulerError
 from tests.control._ray_helpers import FAST_SCHEDULER, control_plane, kill_control_plane, make_pipeline
@@ -117,5 +118,5 @@ def test_actor_death_reason_surfaces_the_rlix_error() -> None:
     msg = ("The actor died because of an error raised in its creation task, ray::Orchestrator.__init__()\n"
            '  File "orchestrator.py", line 42, in discover_pool\n'
            "rlix_plugins.errors.RlixConfigError: the Ray cluster has no GPUs; start it with GPUs")
-    assert client._actor_death_reason(RuntimeError(msg)) == "RlixConfigError: the Ray cluster has no GPUs; start it with GPUs"
-    assert client._actor_death_reason(RuntimeError("plain death\nmore")) == "plain death"
+    assert actor_death_reason(RuntimeError(msg)) == "RlixConfigError: the Ray cluster has no GPUs; start it with GPUs"
+    assert actor_death_reason(RuntimeError("plain death\nmore")) == "plain death"

@@ -1,0 +1,44 @@
+"""``ray.get`` with a timeout whose failures come back as rlix errors: the one place that maps Ray's exceptions."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import ray
+
+from rlix_plugins.errors import RlixTimeoutError, SchedulerError
+
+
+def actor_death_reason(exc: BaseException) -> str:
+    """The rlix error that killed an actor in its constructor, else the first line of Ray's message."""
+    text = str(exc)
+    for line in reversed(text.splitlines()):
+        match = re.match(r"^rlix_plugins\.errors\.(\w+): (.*)$", line.strip())
+        if match:
+            return f"{match.group(1)}: {match.group(2)}"[:500]
+    return (text.splitlines()[0] if text else type(exc).__name__)[:200]
+
+
+def ray_get(
+    refs: Any,
+    what: str,
+    timeout_s: float,
+    *,
+    dead: str = "the actor serving it is dead",
+    hint: str = "",
+    unwrap: type[BaseException] | tuple[type[BaseException], ...] = Exception,
+) -> Any:
+    """``ray.get(refs, timeout=timeout_s)``. A timeout raises ``RlixTimeoutError`` ("<what>: no answer within N s
+    <hint>"), a dead actor ``SchedulerError`` ("<what>: <dead> (<reason>)"); an exception raised by the remote call
+    is re-raised as itself when it is an ``unwrap`` instance (else Ray's ``RayTaskError`` propagates)."""
+    try:
+        return ray.get(refs, timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        raise RlixTimeoutError(f"{what}: no answer within {timeout_s:.0f} s{hint}") from None
+    except ray.exceptions.RayActorError as exc:
+        raise SchedulerError(f"{what}: {dead} ({actor_death_reason(exc)})") from None
+    except ray.exceptions.RayTaskError as exc:
+        if isinstance(exc.cause, unwrap):
+            raise exc.cause from None
+        raise
