@@ -27,7 +27,8 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from rlix_plugins.errors import RlixConfigError, RlixTimeoutError
+from rlix_plugins.control._rpc import ray_get
+from rlix_plugins.errors import RlixConfigError
 
 __all__ = ["GpuPlacementPool", "VirtualClusterAdapter", "placement_pool", "worker_name_prefix"]
 
@@ -66,8 +67,7 @@ class GpuPlacementPool:
                 raise RlixConfigError(f"GPUs {sorted(gpus)} requested; the Ray cluster has {total} (ids 0..{total - 1})")
             free = total - len(self._by_gpu)
             new = [placement_group([{"GPU": 1, "CPU": 0.01}], strategy="STRICT_PACK") for _ in range(free)]
-            if not ray.get([pg.ready() for pg in new], timeout=self._timeout_s):
-                raise RlixTimeoutError("placement groups not ready")
+            ray_get([pg.ready() for pg in new], f"{len(new)} per-GPU placement groups ready", self._timeout_s)
             probes = [ray.remote(_probe_gpu).options(num_cpus=0, num_gpus=0.01, scheduling_strategy=(
                 PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=0))).remote()
                 for pg in new]

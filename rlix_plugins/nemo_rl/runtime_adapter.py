@@ -22,7 +22,8 @@ from typing import Any, Final
 
 import ray
 
-from rlix_plugins.errors import RlixError, RlixTimeoutError
+from rlix_plugins.control._rpc import ray_get
+from rlix_plugins.errors import RlixError
 from rlix_plugins.nemo_rl import worker_ops
 from rlix_plugins.nemo_rl.config import RlixRunConfig, cfg_path
 from rlix_plugins.nemo_rl.generation import NemoVllmFleet, install_routing
@@ -41,10 +42,8 @@ class CollectorPublisher:
         self.collector = collector
 
     def set_weight_version(self, version: int, timeout_s: float) -> None:
-        try:
-            ray.get(self.collector.set_weight_version.remote(int(version)), timeout=timeout_s)
-        except ray.exceptions.GetTimeoutError:
-            raise RlixTimeoutError(f"collector.set_weight_version({version}) took over {timeout_s:.0f} s") from None
+        ray_get(self.collector.set_weight_version.remote(int(version)), f"collector.set_weight_version({version})",
+                timeout_s, dead="the trajectory collector died")
 
 
 class NemoRuntime:
@@ -78,7 +77,8 @@ class NemoRuntime:
 
     def _workers_call(self, fn: Any, what: str) -> list[Any]:
         assert self.weights is not None
-        return list(ray.get([w.__ray_call__.remote(fn) for w in self.weights.workers], timeout=self.config.sync_timeout_s))
+        return list(ray_get([w.__ray_call__.remote(fn) for w in self.weights.workers], what, self.config.sync_timeout_s,
+                            dead="a training worker died"))
 
     def _offload(self) -> None:
         assert self.weights is not None
@@ -99,7 +99,8 @@ class NemoRuntime:
         while not self._stop.wait(_PROGRESS_PERIOD_S):
             try:
                 version = self._version
-                n = int(ray.get(replay_buffer.__ray_call__.remote(worker_ops.count_intended_for, version), timeout=10))
+                n = int(ray_get(replay_buffer.__ray_call__.remote(worker_ops.count_intended_for, version),
+                                "replay_buffer.count_intended_for", 10.0, dead="the replay buffer died"))
                 if last is None or (version, n) != last:
                     self.rt.report_progress(n, self.step_target, step=version,
                                             new_batch=last is None or last[0] != version)

@@ -14,17 +14,18 @@ coordinator (which holds the resize lock around each call and signals grants aft
   If it fails, its ranks are unrouted and marked dirty before the error propagates.
 
 Lifetime: created by the pipeline's driver (owned by it, dies with it). Threaded (``max_concurrency`` 4) so
-``history``/``ping`` answer during a long sync; resizes themselves are serialised by ``_op_lock``.
+``history``/``ping`` answer during a long sync; resizes themselves are serialised by ``_op_lock`` (bounded wait).
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any, Final
 
-import ray
-
+from rlix_plugins.control._rpc import ray_get
 from rlix_plugins.errors import RlixError, RlixTimeoutError, SchedulerError, WeightVerificationError
 from rlix_plugins.pipeline.config import RuntimeConfig
 from rlix_plugins.pipeline.protocols import RolloutFleet, SyncResult, VersionPublisher, WeightSource
@@ -83,12 +84,20 @@ class FleetResizer:
         return event
 
     def _router_call(self, method: str, *args: Any, timeout_s: float = _RPC_S) -> Any:
+        return ray_get(getattr(self._router, method).remote(*args), f"pipeline {self._pid}: router.{method}",
+                       timeout_s, dead="the router actor is dead; the pipeline ended or crashed")
+
+    @contextlib.contextmanager
+    def _exclusive(self, what: str) -> Iterator[None]:
+        """Serialise resizes/refreshes; a stuck earlier operation fails this one instead of piling up threads."""
+        wait_s = self._cfg.sync_timeout_s + self._cfg.drain_timeout_s
+        if not self._op_lock.acquire(timeout=wait_s):
+            raise RlixTimeoutError(f"pipeline {self._pid}: {what} waited {wait_s:.0f} s for the previous resize or "
+                                   "refresh to finish (a stuck weight sync or drain?)")
         try:
-            return ray.get(getattr(self._router, method).remote(*args), timeout=timeout_s)
-        except ray.exceptions.GetTimeoutError:
-            raise RlixTimeoutError(f"pipeline {self._pid}: router.{method} did not answer in {timeout_s:.0f} s") from None
-        except ray.exceptions.RayTaskError as exc:
-            raise exc.cause if isinstance(exc.cause, Exception) else exc from None
+            yield
+        finally:
+            self._op_lock.release()
 
     # ------------------------------------------------------------------ scheduler entry point
     def resize_infer(self, dp_ranks_to_remove: list[int], dp_ranks_to_add: list[int]) -> None:
@@ -96,7 +105,7 @@ class FleetResizer:
             raise SchedulerError(
                 f"resize_infer(remove={dp_ranks_to_remove}, add={dp_ranks_to_add}): exactly one list must be non-empty"
             )
-        with self._op_lock:
+        with self._exclusive("resize_infer"):
             if dp_ranks_to_remove:
                 self._shrink(sorted(dp_ranks_to_remove), reason="scheduler")
             else:
@@ -181,7 +190,7 @@ class FleetResizer:
     # ------------------------------------------------------------------ runtime entry points
     def refresh_active(self) -> dict[str, Any]:
         """Sync the cache to every ACTIVE rank in flight (no drain). Caller holds the coordinator's resize lock."""
-        with self._op_lock:
+        with self._exclusive("refresh_active"):
             active = list(self._router_call("active"))
             if not active:
                 return self._record(op="refresh", ranks=[], seconds=0.0, version=None, verified=True)
@@ -201,7 +210,7 @@ class FleetResizer:
 
     def prewarm_and_sleep(self, ranks: list[int]) -> dict[str, Any]:
         """Start-up: wake and sleep every rank once while the pipeline holds its inference GPUs (debug #68)."""
-        with self._op_lock:
+        with self._exclusive("prewarm"):
             cfg = self._cfg
             t0 = time.perf_counter()
             self._fleet.wake_up(ranks, None, cfg.drain_timeout_s)
@@ -209,8 +218,3 @@ class FleetResizer:
             after = self._fleet.memory_in_use(ranks, cfg.drain_timeout_s)
             return self._record(op="prewarm", ranks=ranks, seconds=time.perf_counter() - t0, memory_after=after)
 
-    def shrink_all(self, reason: str) -> dict[str, Any] | None:
-        """Sleep every active rank (end of run, after the scheduler's planned release; idempotent)."""
-        with self._op_lock:
-            active = list(self._router_call("active"))
-            return self._shrink(active, reason) if active else None

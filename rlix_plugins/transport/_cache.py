@@ -180,7 +180,10 @@ class VersionedBucketCache:
         finally:
             self._lock.release()
 
-    def close(self) -> None:
-        """Free every buffer (end of the pipeline). Waits for a running sync or build."""
-        with self._lock:
+    def close(self, timeout_s: float = 300.0) -> None:
+        """Free every buffer (end of the pipeline). Waits (bounded) for a running sync or build."""
+        self._acquire(timeout_s, "close")
+        try:
             self._buffers, self._records, self._checksums, self._version = [], (), {}, None
+        finally:
+            self._lock.release()

@@ -234,7 +234,11 @@ def _send_buckets(
     buckets = snap.buckets
     stagings: list[torch.Tensor] = []
     copy_stream: Any = None
-    if staging_dev.type == "cuda" and buckets:
+    ipc_targets = [t for t in plan.targets if t.ipc_local_ranks]
+    bcast_targets = [t for t in plan.targets if t.broadcast_ranks]
+    # Only a broadcast or a cuda_ipc payload reads the GPU copy; cpu_serialize sends the pinned bucket itself.
+    reads_gpu_copy = host is not None or (bool(ipc_targets) and plan.same_gpu_transport == "cuda_ipc")
+    if staging_dev.type == "cuda" and buckets and reads_gpu_copy:
         count = 2 if len(buckets) > 1 else 1
         check_device_capacity(count * snap.capacity_bytes, staging_dev, what=f"sender staging ({count} buffers)")
         stagings = [torch.empty(snap.capacity_bytes, dtype=torch.uint8, device=staging_dev) for _ in range(count)]
@@ -248,8 +252,6 @@ def _send_buckets(
             event.record(copy_stream)
         return event
 
-    ipc_targets = [t for t in plan.targets if t.ipc_local_ranks]
-    bcast_targets = [t for t in plan.targets if t.broadcast_ranks]
     try:
         pending: Any = stage(0) if stagings else None
         for i, record in enumerate(buckets):
