@@ -7,7 +7,7 @@
 * offload (``after_training``): ``policy.offload_after_refit()`` → workers marked offloaded (a later cache build is
   refused, debug #34) → Megatron NCCL groups destroyed inside every training worker; ``before_training`` rebuilds
   them after the grant, before NeMo RL's ``prepare_for_lp_inference``;
-* publisher: :class:`CollectorPublisher` (``collector.set_weight_version``);
+* publisher: :class:`~rlix_plugins.pipeline.publisher.CollectorPublisher` (``collector.set_weight_version``);
 * progress: a daemon thread counts the replay buffer's entries intended for the current weight version (F9) once
   a second and reports the raw count with ``step_target = grpo.num_prompts_per_step`` via the coordinator.
 
@@ -28,22 +28,12 @@ from rlix_plugins.nemo_rl import worker_ops
 from rlix_plugins.nemo_rl.config import RlixRunConfig, cfg_path
 from rlix_plugins.nemo_rl.generation import NemoVllmFleet, install_routing
 from rlix_plugins.nemo_rl.weights import MegatronWeightSource
+from rlix_plugins.pipeline.publisher import CollectorPublisher
 
 __all__ = ["CollectorPublisher", "NemoRuntime"]
 
 logger = logging.getLogger(__name__)
 _PROGRESS_PERIOD_S: Final = 1.0
-
-
-class CollectorPublisher:
-    """:class:`~rlix_plugins.pipeline.protocols.VersionPublisher` over NeMo RL's ``AsyncTrajectoryCollector``."""
-
-    def __init__(self, collector: Any) -> None:
-        self.collector = collector
-
-    def set_weight_version(self, version: int, timeout_s: float) -> None:
-        ray_get(self.collector.set_weight_version.remote(int(version)), f"collector.set_weight_version({version})",
-                timeout_s, dead="the trajectory collector died")
 
 
 class NemoRuntime:

@@ -11,7 +11,8 @@ Public API
   (host publishes) ``on_published(step, version)`` → ``end(stop_collector=)``. See :mod:`.runtime`.
 * Seams (:mod:`.protocols`): :class:`RolloutFleet` (DP ranks: devices, abort, sleep, wake, memory probe,
   ``engine_rpc`` for ``vllm.driver.sync_engines``), :class:`WeightSource` (cache owner: ``build_cache(version)``,
-  ``sync(targets)`` → :class:`SyncResult`), :class:`VersionPublisher` (``set_weight_version``).
+  ``sync(targets)`` → :class:`SyncResult`), :class:`VersionPublisher` (``set_weight_version``), implemented for
+  every host's collector actor by :class:`CollectorPublisher` (:mod:`.publisher`).
 * Routing (:mod:`.router`): :class:`RolloutRouter` actor ``rlix:router:<pid>`` (active ranks, in-flight tickets;
   acquire blocks while no rank is active) and :class:`RouterClient` (picklable; ``route(call)`` retries a
   request aborted by a shrink on another active rank). :class:`ShardPreemptedError`.
@@ -31,7 +32,7 @@ How a host plugs in (NeMo RL, issue 6; the demo host in :mod:`rlix_plugins.demo`
 * ``WeightSource``: ``build_cache(v)`` runs ``VersionedBucketCache.build(v, refit iterator)`` on EVERY Megatron
   rank (owner pp0/dp0/tp0/cp0 keeps); ``sync`` runs ``vllm.driver.sync_engines`` on the owner worker with the
   engine handles it is given (cuda_ipc for same-GPU targets, NCCL broadcast for the rest).
-* ``VersionPublisher``: ``collector.set_weight_version.remote(v)``; the collector routes with a
+* ``VersionPublisher``: :class:`CollectorPublisher` (``collector.set_weight_version.remote(v)``); the collector routes with a
   :class:`RouterClient` instead of its pickled ``VllmGeneration`` round-robin, and reports progress with the
   runtime's :class:`ProgressReporter`.
 * Hooks → runtime: ``rlix_pipeline_start`` → ``start``; ``on_trajectory_collector_created`` → ``attach_collector``;
@@ -54,6 +55,7 @@ from rlix_plugins.pipeline.protocols import (
     VersionPublisher,
     WeightSource,
 )
+from rlix_plugins.pipeline.publisher import CollectorPublisher
 from rlix_plugins.pipeline.resizer import FleetResizer, resizer_name
 from rlix_plugins.pipeline.router import RolloutRouter, RouterClient, router_name
 from rlix_plugins.pipeline.runtime import PipelineRuntime, ProgressReporter
@@ -66,6 +68,7 @@ from rlix_plugins.pipeline.versions import (
 
 __all__ = [
     "BOOTSTRAP_VERSION",
+    "CollectorPublisher",
     "FleetResizer",
     "PipelineRuntime",
     "ProgressReporter",
