@@ -25,11 +25,11 @@ part() {  # part NAME TIMEOUT_S CMD...
 }
 want=${*:-transport vllm demo}
 if [[ " $want " == *" transport "* ]]; then
-  part transport-tests 120 python3 -m pytest -q -m gpu tests/transport/test_gpu.py -o addopts="" -p no:cacheprovider
-  part transport-bench 180 python3 benchmarks/transport.py --json "$OUT/transport.json"
+  part transport-tests 100 python3 -m pytest -q -m gpu tests/transport/test_gpu.py -o addopts="" -p no:cacheprovider
+  part transport-bench 150 python3 benchmarks/transport.py --json "$OUT/transport.json"
 fi
 if [[ " $want " == *" vllm "* ]]; then
-  part vllm-tests 280 python3 -m pytest -v -s -m gpu tests/vllm/test_vllm_gpu.py -o addopts="" -p no:cacheprovider
+  part vllm-tests 300 python3 -m pytest -v -s -m gpu tests/vllm/test_vllm_gpu.py -o addopts="" -p no:cacheprovider
 fi
 if [[ " $want " == *" demo "* ]]; then
   part demo-1gpu 270 env CUDA_VISIBLE_DEVICES=0 python3 -m rlix_plugins.cli demo --gpus 1 --out "$OUT/g1"
