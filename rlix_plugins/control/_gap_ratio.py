@@ -4,7 +4,8 @@ Model (after the reference ``plan_generation_gap_ratio``, with its starvation ga
 
 * **Eligible** receivers: registered generation clusters that are not being released this cycle, do not hold a
   non-GENERATION allocation (e.g. INITIALIZATION), and have a pending GENERATION request or active ranks.
-* **Demand** of a cluster: ``progress.remaining`` of its pipeline when progress is known and positive;
+* **Demand** of a cluster (:func:`rollout_demand`, shared with the scheduler's rebalance trigger):
+  ``progress.remaining`` of its pipeline when progress is known and positive;
   otherwise, with a pending GENERATION request, the request's ``step_target_estimate`` (1 when absent, so a
   pipeline with neither progress nor an estimate is never skipped: reference debug #27); otherwise 0.
   Progress wins over the estimate, so a standing request (re-issued by the scheduler while work is left) never
@@ -30,9 +31,10 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections.abc import Container
 
 from rlix_plugins.control._plan_state import PlanState, rank_index
-from rlix_plugins.control.types import PendingRequest, Priority, SchedulerSnapshot
+from rlix_plugins.control.types import PendingRequest, Priority, Progress, SchedulerSnapshot
 
 #: Safety caps per cycle (the reference used the same numbers).
 MAX_ITERATIONS = 10_000
@@ -46,26 +48,44 @@ def round_half_up(x: float) -> int:
     return math.floor(x + 0.5)
 
 
-def cluster_demands(state: PlanState) -> dict[str, int]:
-    """Demand (trajectories) of every eligible generation cluster, by cluster id."""
-    snap = state.snap
+def rollout_demand(progress: Progress | None, request: PendingRequest | None) -> int:
+    """THE demand rule (trajectories) of one generation cluster; the planner and the scheduler's rebalance
+    trigger (``scheduler_state.rebalance_reason``) both get their demand from here, so they never disagree.
+
+    ``progress.remaining`` when positive; otherwise, with a pending GENERATION request, the request's
+    ``step_target_estimate`` (>= 1: a pipeline that asks is never skipped, debug #27, even when its last progress
+    report says its step is complete); otherwise 0.
+    """
+    demand = progress.remaining if progress is not None else 0
+    if request is not None and demand == 0:
+        demand = max(request.step_target_estimate or 1, 1)
+    return demand
+
+
+def generation_demands(snap: SchedulerSnapshot, nongen: Container[str], gen_active: Container[str]) -> dict[str, int]:
+    """Demand of every ELIGIBLE generation cluster, by cluster id (see the module docstring).
+
+    Eligible: registered generation cluster, not released this cycle, not holding a non-GENERATION allocation
+    (``nongen``), with a pending GENERATION request or active ranks (``gen_active``).
+    """
     pending_gen: dict[str, PendingRequest] = {}
     for req in snap.pending:
         if req.priority == Priority.GENERATION and req.cluster_id not in pending_gen:
             pending_gen[req.cluster_id] = req
     demands: dict[str, int] = {}
     for cid, spec in snap.clusters.items():
-        if not spec.is_generation or cid in snap.planned_releases or cid in state.nongen:
+        if not spec.is_generation or cid in snap.planned_releases or cid in nongen:
             continue
         preq = pending_gen.get(cid)
-        if preq is None and cid not in state.gen_active:
+        if preq is None and cid not in gen_active:
             continue
-        prog = snap.progress.get(spec.pipeline_id)
-        demand = prog.remaining if prog is not None else 0
-        if preq is not None and demand == 0:
-            demand = max(preq.step_target_estimate or 1, 1)
-        demands[cid] = demand
+        demands[cid] = rollout_demand(snap.progress.get(spec.pipeline_id), preq)
     return demands
+
+
+def cluster_demands(state: PlanState) -> dict[str, int]:
+    """Demand of every eligible generation cluster in the planner's working state, by cluster id."""
+    return generation_demands(state.snap, state.nongen, state.gen_active)
 
 
 def _targets(state: PlanState, demands: dict[str, int]) -> tuple[list[str], dict[str, int], dict[str, int]]:

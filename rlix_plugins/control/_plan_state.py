@@ -117,12 +117,11 @@ class PlanState:
         clusters = self.snap.clusters
         allocations: dict[str, Allocation] = dict(self.nongen)
         for cid, ranks in self.gen_active.items():
-            spec = clusters[cid]
-            gpus: set[int] = set()
-            for r in ranks:
-                gpus.update(spec.bundle(r))
             allocations[cid] = Allocation(
-                cluster_id=cid, priority=Priority.GENERATION, gpus=frozenset(gpus), active_dp_ranks=frozenset(ranks)
+                cluster_id=cid,
+                priority=Priority.GENERATION,
+                gpus=clusters[cid].gpus_of(ranks),
+                active_dp_ranks=frozenset(ranks),
             )
         shrinks = tuple(
             ShrinkOp(cluster_id=cid, dp_ranks=tuple(sorted(ranks)), reason=self.shrink_reason[cid])

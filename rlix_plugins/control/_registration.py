@@ -1,7 +1,8 @@
 """Registration-time validation of cluster specs (pure). Called by the orchestrator before a pipeline exists.
 
 ``validate_cluster_specs(specs, gpus, gpus_per_node)`` validates built specs of one or more pipelines (the raw
-argument checks and canonical sorting live in ``registration.build_cluster_specs``).
+argument checks and canonical sorting live in ``registration.build_cluster_specs``); ``validate_spec`` checks one
+spec on its own. Specs are frozen: they are validated once, here, and never again per scheduling cycle.
 
 Both raise ``RlixConfigError`` whose message names the offending cluster, the value, and how to fix it.
 """
@@ -82,6 +83,16 @@ def _fmt_pool(pool: frozenset[int]) -> str:
         return "(empty)"
     lo, hi = min(pool), max(pool)
     return f"[{lo}..{hi}]" if len(pool) == hi - lo + 1 else str(sorted(pool))
+
+
+def validate_spec(spec: ClusterSpec, gpus: Collection[int], gpus_per_node: int) -> None:
+    """Validate ONE spec on its own (name, id, tp, mapping, pool, TP bundles), without the per-pipeline rules of
+    :func:`validate_cluster_specs` (the simulator's baseline placements train on GPUs their rollout does not use)."""
+    if gpus_per_node < 1:
+        raise RlixConfigError(f"gpus_per_node must be >= 1, got {gpus_per_node}")
+    problem = _spec_problem(spec, frozenset(gpus), gpus_per_node)
+    if problem:
+        raise RlixConfigError(f"cluster {spec.cluster_id!r}: {problem}")
 
 
 def validate_cluster_specs(specs: Iterable[ClusterSpec], gpus: Collection[int], gpus_per_node: int) -> None:

@@ -22,7 +22,6 @@ from rlix_plugins.control.scheduler_state import (
     SchedulerConfig,
     apply_shrink,
     merge_ops,
-    ranks_gpus,
     rebalance_reason,
 )
 from rlix_plugins.control.trace import TraceRecorder
@@ -286,7 +285,7 @@ class SchedulerCore:
                     else:
                         del self._allocations[cid]
                 self._trace.record("shrink", pipeline_id=spec.pipeline_id, cluster_id=cid,
-                                   gpus=ranks_gpus(spec, ranks), detail=f"ranks={list(ranks)} partial-plan")
+                                   gpus=spec.gpus_of(ranks), detail=f"ranks={list(ranks)} partial-plan")
             for pid, reason in failed.items():
                 self._fail(pid, reason)
             return
@@ -314,14 +313,14 @@ class SchedulerCore:
             reasons.setdefault(op.cluster_id, set()).add(op.reason)
         for cid, ranks in shrinks.items():
             spec = snapshot.clusters[cid]
-            self._trace.record("shrink", pipeline_id=spec.pipeline_id, cluster_id=cid, gpus=ranks_gpus(spec, ranks),
+            self._trace.record("shrink", pipeline_id=spec.pipeline_id, cluster_id=cid, gpus=spec.gpus_of(ranks),
                                priority=Priority.GENERATION,
                                detail=f"{'+'.join(sorted(reasons[cid]))} ranks={list(ranks)}")
         for cid, ranks in expands.items():
             if cid in alive:
                 spec = snapshot.clusters[cid]
                 self._trace.record("expand", pipeline_id=spec.pipeline_id, cluster_id=cid,
-                                   gpus=ranks_gpus(spec, ranks), priority=Priority.GENERATION, detail=f"ranks={list(ranks)}")
+                                   gpus=spec.gpus_of(ranks), priority=Priority.GENERATION, detail=f"ranks={list(ranks)}")
         for grant in plan.grants:
             spec = snapshot.clusters[grant.cluster_id]
             if grant.cluster_id in alive and grant.seq in self._pending:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from rlix_plugins.control._registration import validate_spec
 from rlix_plugins.control.planner import plan_cycle, validate_plan
 from rlix_plugins.control.types import (
     Allocation,
@@ -144,6 +145,10 @@ class Simulation:
             self.clusters[t_cid] = ClusterSpec(t_cid, pid, "actor_train", tuple(sorted(pl.train)), 1)
             self.clusters[i_cid] = ClusterSpec(i_cid, pid, "actor_infer", tuple(sorted(pl.infer)), job.tp)
             self.pipes.append(_Pipe(job, pid, t_cid, i_cid))
+        # Registration-time check, as in the scheduler: cycles never re-check the (frozen) specs. Per spec only:
+        # the baseline placements (static partition, one after another) train on GPUs their rollout does not use.
+        for s in self.clusters.values():
+            validate_spec(s, self.gpus, gpus_per_node)
         self.by_cluster = {p.train_cid: p for p in self.pipes} | {p.infer_cid: p for p in self.pipes}
         self.allocations: dict[str, Allocation] = {}
         self.pending: dict[str, PendingRequest] = {}
@@ -242,13 +247,13 @@ class Simulation:
             spec = self.clusters[op.cluster_id]
             for r in op.dp_ranks:
                 self.warm_until.pop((op.cluster_id, r), None)
-            gpus = tuple(g for r in op.dp_ranks for g in spec.bundle(r))
+            gpus = tuple(sorted(spec.gpus_of(op.dp_ranks)))
             self._trace(t, op.cluster_id, "shrink", gpus, int(Priority.GENERATION), f"{op.reason} ranks={list(op.dp_ranks)}")
         for eop in plan.expands:
             spec = self.clusters[eop.cluster_id]
             for r in eop.dp_ranks:
                 self.warm_until[(eop.cluster_id, r)] = t + self.by_cluster[eop.cluster_id].job.expand_time_s
-            gpus = tuple(g for r in eop.dp_ranks for g in spec.bundle(r))
+            gpus = tuple(sorted(spec.gpus_of(eop.dp_ranks)))
             self._trace(t, eop.cluster_id, "expand", gpus, int(Priority.GENERATION), f"ranks={list(eop.dp_ranks)}")
         self.allocations = dict(plan.allocations)
         for g in plan.grants:

@@ -116,8 +116,5 @@ def _generation_grants(state: PlanState) -> None:
         if cid in seen or cid in snap.planned_releases or cid not in state.gen_active:
             continue
         seen.add(cid)
-        spec = snap.clusters[cid]
-        gpus: set[int] = set()
-        for r in state.gen_active[cid]:
-            gpus.update(spec.bundle(r))
-        state.grants.append(Grant(cid, Priority.GENERATION, req.seq, frozenset(gpus)))
+        gpus = snap.clusters[cid].gpus_of(state.gen_active[cid])
+        state.grants.append(Grant(cid, Priority.GENERATION, req.seq, gpus))

@@ -88,11 +88,7 @@ class Scheduler(SchedulerCore):
             )
         if not clusters or any(s.pipeline_id != pipeline_id for s in clusters):
             raise RlixConfigError(f"pipeline {pipeline_id}: clusters must be non-empty and belong to the pipeline")
-        outside = sorted({g for s in clusters for g in s.device_mapping} - self._gpus)
-        if outside:
-            raise RlixConfigError(
-                f"pipeline {pipeline_id}: GPUs {outside} are outside the pool 0..{len(self._gpus) - 1}"
-            )
+        # The one place specs are validated (pool bounds included): they are frozen, so no cycle re-checks them.
         planner.validate_cluster_specs(clusters, self._gpus, self._gpus_per_node)
         self._pipelines[pipeline_id] = _Pipeline(clusters={s.cluster_id: s for s in clusters})
         gpus = {g for s in clusters for g in s.device_mapping}

@@ -11,6 +11,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from rlix_plugins.control._gap_ratio import generation_demands
 from rlix_plugins.control.types import (
     Allocation,
     ClusterSpec,
@@ -83,59 +84,46 @@ def merge_ops(ops: Iterable[ShrinkOp | ExpandOp]) -> dict[str, tuple[int, ...]]:
     return {cid: tuple(sorted(ranks)) for cid, ranks in merged.items()}
 
 
-def ranks_gpus(spec: ClusterSpec, ranks: Iterable[int]) -> frozenset[int]:
-    out: set[int] = set()
-    for r in ranks:
-        out.update(spec.bundle(r))
-    return frozenset(out)
-
-
 def apply_shrink(alloc: Allocation, spec: ClusterSpec, ranks: Iterable[int]) -> Allocation:
     """``alloc`` after the given DP ranks went to sleep (used when only part of a plan was executed)."""
     ranks = frozenset(ranks)
     return Allocation(
         cluster_id=alloc.cluster_id,
         priority=alloc.priority,
-        gpus=alloc.gpus - ranks_gpus(spec, ranks),
+        gpus=alloc.gpus - spec.gpus_of(ranks),
         active_dp_ranks=alloc.active_dp_ranks - ranks,
     )
 
 
 def demand(snapshot: SchedulerSnapshot) -> dict[str, int]:
-    """Remaining rollout work per pipeline (progress, else a pending GENERATION request's estimate)."""
-    out: dict[str, int] = {pid: p.remaining for pid, p in snapshot.progress.items()}
-    for req in snapshot.pending:
-        if req.priority == Priority.GENERATION:
-            spec = snapshot.clusters.get(req.cluster_id)
-            if spec is not None and spec.pipeline_id not in out:
-                out[spec.pipeline_id] = max(req.step_target_estimate or 1, 1)
-    return out
+    """Remaining rollout work per pipeline with an eligible generation cluster: the planner's own demand
+    (``_gap_ratio.generation_demands``, one rule for both), keyed by pipeline instead of cluster."""
+    nongen = {cid for cid, a in snapshot.allocations.items() if a.priority != Priority.GENERATION}
+    active = {cid for cid, a in snapshot.allocations.items() if a.priority == Priority.GENERATION and a.active_dp_ranks}
+    return {snapshot.clusters[cid].pipeline_id: d for cid, d in generation_demands(snapshot, nongen, active).items()}
 
 
 def rebalance_reason(snapshot: SchedulerSnapshot, drift_threshold: float) -> str | None:
     """Why a poll-triggered cycle should run now, or None (reference: ``_central_scheduling_loop``).
 
-    * a suspended generation cluster (allocation without active ranks) whose pipeline still has demand;
+    Over the pipelines the planner would serve (:func:`demand`):
+
+    * a generation cluster with demand but no active rank (suspended, debug #32);
     * among the least-complete half of the pipelines with demand, the share of remaining work x TP differs from
       the share of active generation GPUs by more than ``drift_threshold``.
     """
     work = demand(snapshot)
-    gen_allocs = {
-        cid: a for cid, a in snapshot.allocations.items()
-        if a.priority == Priority.GENERATION and cid in snapshot.clusters and cid not in snapshot.planned_releases
-    }
-    for cid, alloc in gen_allocs.items():
-        pid = snapshot.clusters[cid].pipeline_id
-        if not alloc.active_dp_ranks and work.get(pid, 0) > 0:
-            return f"{cid} is suspended with {work[pid]} trajectories left"
     gen_of = {s.pipeline_id: s for s in snapshot.clusters.values() if s.is_generation}
-    weights = {pid: w * gen_of[pid].tp_size for pid, w in work.items() if pid in gen_of and w > 0}
+    active: dict[str, int] = {}
+    for pid in work:
+        alloc = snapshot.allocations.get(gen_of[pid].cluster_id)
+        active[pid] = len(alloc.gpus) if alloc is not None and alloc.priority == Priority.GENERATION else 0
+    for pid, w in sorted(work.items()):
+        if w > 0 and not active[pid]:
+            return f"{gen_of[pid].cluster_id} is suspended with {w} trajectories left"
+    weights = {pid: w * gen_of[pid].tp_size for pid, w in work.items() if w > 0}
     total_w = sum(weights.values())
-    active = {
-        pid: len(gen_allocs[gen_of[pid].cluster_id].gpus) if gen_of[pid].cluster_id in gen_allocs else 0
-        for pid in weights
-    }
-    total_g = sum(active.values())
+    total_g = sum(active[pid] for pid in weights)
     if total_w <= 0 or total_g <= 0 or len(weights) < 2:
         return None
     frac_done = {
@@ -145,7 +133,7 @@ def rebalance_reason(snapshot: SchedulerSnapshot, drift_threshold: float) -> str
     }
     least = sorted(weights, key=lambda p: (frac_done[p], p))[: max(1, math.ceil(len(weights) / 2))]
     for pid in least:
-        drift = weights[pid] / total_w - active.get(pid, 0) / total_g
+        drift = weights[pid] / total_w - active[pid] / total_g
         if abs(drift) > drift_threshold:
             return f"{pid} demand share differs from its GPU share by {drift:+.0%}"
     return None

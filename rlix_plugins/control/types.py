@@ -17,6 +17,7 @@ Vocabulary
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -96,6 +97,13 @@ class ClusterSpec:
         """GPU ids of DP rank ``dp_rank``."""
         start = dp_rank * self.tp_size
         return self.device_mapping[start : start + self.tp_size]
+
+    def gpus_of(self, dp_ranks: Iterable[int]) -> frozenset[int]:
+        """GPU ids of the bundles of ``dp_ranks`` (the one place that maps a set of DP ranks to GPUs)."""
+        m, tp = self.device_mapping, self.tp_size
+        if tp == 1:
+            return frozenset(m[r] for r in dp_ranks)
+        return frozenset(g for r in dp_ranks for g in m[r * tp : (r + 1) * tp])
 
 
 @dataclass(frozen=True)

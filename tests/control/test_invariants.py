@@ -7,6 +7,7 @@ from dataclasses import replace
 import pytest
 from hypothesis import HealthCheck, given, settings
 
+from rlix_plugins.control._registration import validate_spec
 from rlix_plugins.control.planner import PlanInvariantError, plan_cycle, validate_cluster_specs, validate_plan
 from rlix_plugins.control.types import Allocation, ExpandOp, Grant, PendingRequest, Priority, ShrinkOp
 from rlix_plugins.errors import RlixConfigError, SchedulerError
@@ -177,11 +178,18 @@ def test_validate_cluster_specs_accepts_partial_overlap() -> None:
     validate_cluster_specs(_specs(train=[4], infer=[4, 5, 6, 7]) + list(pipeline("ft_2", [6, 7], [4, 5, 6, 7], 2).values()), range(8), 4)
 
 
+def test_validate_spec_checks_one_spec_without_pipeline_rules() -> None:
+    """The simulator's per-spec check: pool and bundles are refused, a training-only spec is fine on its own."""
+    validate_spec(spec("p", "actor_train", [0, 1]), range(8), 4)
+    with pytest.raises(RlixConfigError, match="crosses a node"):
+        validate_spec(spec("p", "actor_infer", [2, 3, 4, 5], 4), range(8), 4)
+    with pytest.raises(RlixConfigError, match="not in the pool"):
+        validate_spec(spec("p", "actor_infer", [7, 8]), range(8), 4)
+
+
 def test_more_invariants_are_named() -> None:
-    # a TP bundle that is not contiguous in the snapshot's specs
-    bad = {"x_actor_infer": spec("x", "actor_infer", [0, 2], 2)}
-    snap = snapshot(4, bad)
-    _bad(snap, plan_cycle(snap), "tp bundle")
+    # (TP bundles and pool bounds of the frozen specs are checked once, at registration: see
+    # test_validate_cluster_specs_rejects and test_scheduler_validates_specs_once_at_registration.)
     # a rank woken on an idle GPU that a waiting training request reserves
     c = {**pipeline("a", [0, 1], range(4)), **pipeline("b", [1, 2], range(4))}
     snap = snapshot(

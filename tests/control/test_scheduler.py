@@ -5,13 +5,16 @@ Each pipeline's resize handler is a real Ray actor that records ``resize_infer``
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import pytest
 import ray
 
 from rlix_plugins.control import client
-from rlix_plugins.control.scheduler_state import apply_shrink, merge_ops, rebalance_reason
+from rlix_plugins.control._gap_ratio import cluster_demands
+from rlix_plugins.control._plan_state import PlanState
+from rlix_plugins.control.scheduler_state import apply_shrink, demand, merge_ops, rebalance_reason
 from rlix_plugins.control.trace import TraceRecorder
 from rlix_plugins.control.types import (
     Allocation,
@@ -253,6 +256,40 @@ def test_pure_helpers_merge_shrink_and_rebalance_trigger() -> None:
     skew = {"a": Progress("a", 100, 0), "b": Progress("b", 100, 90)}
     assert "share" in (rebalance_reason(SchedulerSnapshot(**base, allocations=fair, progress=skew), 0.1) or "")
     assert snap.pending  # the loop runs a cycle whenever requests (real or standing) are pending
+
+
+def test_scheduler_validates_specs_once_at_registration() -> None:
+    """Pool bounds and TP bundles are refused at registration (cycles never re-check the frozen specs)."""
+    from rlix_plugins.control.scheduler import Scheduler
+
+    async def register(*specs: ClusterSpec) -> None:
+        sched = Scheduler(4, 2)
+        try:
+            await sched.register_pipeline(specs[0].pipeline_id, list(specs))
+        finally:
+            await sched.shutdown()
+
+    with pytest.raises(RlixConfigError, match=r"GPU\(s\) \[5\] are not in the pool \[0..3\]"):
+        asyncio.run(register(_spec("p", (0, 5))))
+    with pytest.raises(RlixConfigError, match="crosses a node boundary"):
+        asyncio.run(register(_spec("p", (1, 2), tp=2)))
+    asyncio.run(register(_spec("p", (0, 1, 2, 3), tp=2)))
+
+
+def test_rebalance_trigger_and_planner_share_one_demand_rule() -> None:
+    """Progress says 0 left while a GENERATION request waits: the trigger and the planner both see its estimate."""
+    a, b = _spec("a", (0, 1, 2, 3)), _spec("b", (0, 1, 2, 3))
+    snap = SchedulerSnapshot(
+        gpus=frozenset(range(4)), gpus_per_node=4, clusters={a.cluster_id: a, b.cluster_id: b},
+        allocations={b.cluster_id: Allocation(b.cluster_id, GEN, frozenset(range(4)), frozenset(range(4)))},
+        pending=(PendingRequest(a.cluster_id, GEN, 0, None, 4),),
+        progress={"a": Progress("a", 8, 8), "b": Progress("b", 8, 0)},
+    )
+    planner_view = cluster_demands(PlanState.from_snapshot(snap))
+    assert planner_view == {a.cluster_id: 4, b.cluster_id: 8}
+    assert demand(snap) == {"a": 4, "b": 8}
+    # a is owed rollout GPUs but holds none: the trigger sees the demand the planner will act on (it saw 0)
+    assert rebalance_reason(snap, 0.1) == "a_actor_infer is suspended with 4 trajectories left"
 
 
 def _check_exclusive_occupancy(events: list, pids: set[str]) -> int:
