@@ -4,7 +4,8 @@ Registered with ``PipelineHandle.set_resize_handler``; the scheduler reaches it 
 coordinator (which holds the resize lock around each call and signals grants after it returned).
 
 * **shrink** ``resize_infer(remove, [])``: remove from routing → abort in-flight requests → drain → sleep
-  (configured level) → check the rank's device memory dropped (where measurable).
+  (configured level) → measure the rank's device memory after the sleep and check it is below
+  ``RuntimeConfig.post_sleep_max_bytes`` (where measurable; recorded as ``memory_after``).
 * **expand** ``resize_infer([], add)``: wake → sync weights from the CPU cache (``WeightSource.sync``: buckets →
   finalize once per target rank → verify checksums) → publish the CURRENT version (no bump) → activate routing.
   Atomic: if any step before activation fails the ranks are NOT routed to; they are put back to sleep (best
@@ -120,13 +121,14 @@ class FleetResizer:
         self._fleet.abort(ranks, cfg.drain_timeout_s)
         self._router_call("wait_drained", ranks, cfg.drain_timeout_s, timeout_s=cfg.drain_timeout_s + _RPC_S)
         t_drain = time.perf_counter()
-        before = self._fleet.memory_in_use(ranks, cfg.drain_timeout_s)
         self._fleet.sleep(ranks, cfg.sleep_level, cfg.drain_timeout_s)
         t_sleep = time.perf_counter()
+        # Only AFTER the sleep: it is what the next tenant gets (checked below, reported per shrink). A probe
+        # before the sleep would only feed the history, on the critical path of every preemption.
         after = self._fleet.memory_in_use(ranks, cfg.drain_timeout_s)
         event = self._record(op="shrink", ranks=ranks, reason=reason, seconds=t_sleep - t0,
                              drain_s=t_drain - t_route, sleep_s=t_sleep - t_drain, level=cfg.sleep_level,
-                             memory_before=before, memory_after=after)
+                             memory_after=after, memory_s=time.perf_counter() - t_sleep)
         limit = cfg.post_sleep_max_bytes
         high = {r: b for r, b in after.items() if b is not None and limit is not None and b > limit}
         if high:

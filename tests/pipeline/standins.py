@@ -64,6 +64,7 @@ class RecordingFleet:
         ray.get(self.rec.log.remote("wake", sorted(dp_ranks)))
 
     def memory_in_use(self, dp_ranks: list[int], timeout_s: float) -> dict[int, int | None]:
+        ray.get(self.rec.log.remote("memory", sorted(dp_ranks)))
         mem = ray.get(self.rec.knob.remote("memory_after_sleep"))
         return dict.fromkeys(dp_ranks, mem)
 
@@ -94,5 +95,6 @@ class RecordingPublisher:
         ray.get(self.rec.log.remote("publish", version))
 
 
-def ops(rec: Any) -> list[tuple[str, Any]]:
-    return [(what, arg) for _, what, arg in ray.get(rec.get.remote())]
+def ops(rec: Any, *, memory: bool = False) -> list[tuple[str, Any]]:
+    """The recorded calls in order; memory probes only with ``memory=True``."""
+    return [(what, arg) for _, what, arg in ray.get(rec.get.remote()) if memory or what != "memory"]

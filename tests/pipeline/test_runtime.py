@@ -115,11 +115,16 @@ def test_expand_is_atomic_a_failed_sync_never_activates(resizer: Any) -> None:
 
 
 def test_shrink_order_and_memory_check(resizer: Any) -> None:
+    """Shrink = abort → sleep → ONE memory probe, after the sleep (reported; above the limit it fails)."""
     actor, router, rec = resizer
     ray.get(actor.resize_infer.remote([], [0, 1]), timeout=30)
+    n = len(ops(rec, memory=True))
+    ray.get(rec.set.remote("memory_after_sleep", 5 << 20))
     ray.get(actor.resize_infer.remote([1], []), timeout=30)
-    assert [o for o, _ in ops(rec)][-2:] == ["abort", "sleep"]
+    assert ops(rec, memory=True)[n:] == [("abort", [1]), ("sleep", ([1], 2)), ("memory", [1])]
     assert ray.get(router.active.remote()) == [0]
+    shrink = ray.get(actor.history.remote())[-1]
+    assert shrink["op"] == "shrink" and shrink["memory_after"] == {1: 5 << 20} and "memory_before" not in shrink
     ray.get(rec.set.remote("memory_after_sleep", 2 << 30))
     with pytest.raises(RlixError, match="still hold"):
         ray.get(actor.resize_infer.remote([0], []), timeout=30)
