@@ -7,8 +7,10 @@ allowed target is full the workers pause. ``sample(step, n)`` hands the trainer 
 ``step``. Progress = groups intended for the current step (not the age-window count), reported raw to the
 coordinator through the runtime's :class:`~rlix_plugins.pipeline.runtime.ProgressReporter`.
 
-Routing goes through :class:`~rlix_plugins.pipeline.router.RouterClient` (state in the router actor, never a
-local copy, debug #33); a request aborted by a shrink is retried on another active rank.
+Routing goes through the runtime's :class:`~rlix_plugins.pipeline.router.RouterClient`
+(``PipelineRuntime.router_client()``: state in the router actor, never a local copy, debug #33); a request aborted
+by a shrink is retried on another active rank. Weight versions arrive through
+:class:`~rlix_plugins.pipeline.publisher.CollectorPublisher` (``set_weight_version``), as for NeMo RL's collector.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import ray
 
 from rlix_plugins.errors import RlixError, RlixTimeoutError
 
-__all__ = ["CollectorPublisher", "DemoCollector"]
+__all__ = ["DemoCollector"]
 
 
 class DemoCollector:
@@ -157,16 +159,3 @@ class DemoCollector:
             return {"version": self._version, "versions_seen": list(self._versions_seen), "step": self._step,
                     "generated": self._generated, "errors": list(self._errors),
                     "buffered": {t: len(g) for t, g in self._buffer.items()}}
-
-
-class CollectorPublisher:
-    """Picklable :class:`~rlix_plugins.pipeline.protocols.VersionPublisher` over a :class:`DemoCollector` actor."""
-
-    def __init__(self, collector: Any) -> None:
-        self.collector = collector
-
-    def set_weight_version(self, version: int, timeout_s: float) -> None:
-        try:
-            ray.get(self.collector.set_weight_version.remote(version), timeout=timeout_s)
-        except ray.exceptions.GetTimeoutError:
-            raise RlixTimeoutError(f"collector.set_weight_version({version}) did not answer in {timeout_s:.0f} s") from None

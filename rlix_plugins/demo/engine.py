@@ -174,7 +174,7 @@ class DemoEngine:
                 before, t0 = self._device_free(), time.perf_counter()
                 self.llm.sleep(level=level)
                 self._sleeping = True
-                self._mem_log.append({"op": f"sleep{level}", "seconds": time.perf_counter() - t0,
+                self._mem_log.append({"op": f"sleep{level}", "time": time.time(), "seconds": time.perf_counter() - t0,
                                       "free_before": before, "free_after": self._device_free()})
 
         self._run(sleep, timeout_s, f"sleep(level={level})")
@@ -185,7 +185,7 @@ class DemoEngine:
                 before, t0 = self._device_free(), time.perf_counter()
                 self.llm.wake_up(tags=tags)
                 self._sleeping = tags is not None and "kv_cache" not in tags
-                self._mem_log.append({"op": "wake", "seconds": time.perf_counter() - t0,
+                self._mem_log.append({"op": "wake", "time": time.time(), "seconds": time.perf_counter() - t0,
                                       "free_before": before, "free_after": self._device_free()})
 
         self._run(wake, timeout_s, "wake_up")
@@ -232,7 +232,8 @@ class DemoEngine:
             return None
 
     def memory_log(self) -> list[dict[str, Any]]:
-        """(op, seconds, device free bytes before/after) of every sleep and wake (GPU only)."""
+        """(op, time, seconds, device-wide free bytes before/after) of every sleep and wake (the bytes are None on
+        CPU). Device-wide: on a shared GPU ``free_after - free_before`` of a sleep is what THIS rank gave back."""
         return list(self._mem_log)
 
     def stats(self) -> dict[str, Any]:

@@ -163,9 +163,9 @@ class DemoPipeline:
 
     def run(self) -> dict[str, Any]:
         from rlix_plugins.control import client
-        from rlix_plugins.demo.collector import CollectorPublisher, DemoCollector
+        from rlix_plugins.demo.collector import DemoCollector
         from rlix_plugins.demo.trainer import ActorWeightSource, DemoTrainer
-        from rlix_plugins.pipeline.router import RouterClient
+        from rlix_plugins.pipeline.publisher import CollectorPublisher
         from rlix_plugins.pipeline.runtime import PipelineRuntime
 
         spec = self.spec
@@ -188,7 +188,7 @@ class DemoPipeline:
         try:
             rt.start(ActorWeightSource(trainer), self._make_fleet, offload=offload)
             collector = ray.remote(DemoCollector).options(num_cpus=0, max_concurrency=64, max_restarts=0).remote(
-                RouterClient(rt.router, rt.num_dp_ranks, timeout_s=10.0), self.engines, rt.progress_reporter(),
+                rt.router_client(), self.engines, rt.progress_reporter(),
                 prompts_per_step=spec.prompts_per_step, group_size=spec.group_size, max_tokens=spec.max_tokens,
                 max_age=spec.max_age, seed=spec.seed)
             publisher = CollectorPublisher(collector)

@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import statistics
 import sys
 import time
 from collections.abc import Iterator
@@ -21,11 +22,76 @@ from typing import Any, TextIO
 from rlix_plugins.errors import RlixConfigError
 from rlix_plugins.pipeline.config import RuntimeConfig
 
-__all__ = ["analyse_trace", "format_event", "run_demo"]
+__all__ = ["analyse_trace", "format_event", "run_demo", "step_report"]
+
+
+#: ``RuntimeConfig.route_timeout_s`` of the demo: its collector retries a route that timed out (no active rank)
+#: itself, so a short bound only keeps its worker threads responsive to ``stop()``.
+_ROUTE_TIMEOUT_S = 30.0
 
 
 def _fmt_ranks(ranks: list[int]) -> str:
     return ",".join(f"dp{r}" for r in ranks)
+
+
+def _fmt_memory(memory: dict[Any, int | None] | None) -> str:
+    """``dp0 0.31 GiB, dp1 0.29 GiB``; ``n/a`` where nothing was measurable (vLLM-CPU)."""
+    known = {int(k): v for k, v in (memory or {}).items() if v is not None}
+    if not known:
+        return "n/a"
+    return ", ".join(f"dp{k} {v / 2**30:.2f} GiB" for k, v in sorted(known.items()))
+
+
+def _sleep_device_free(engine_log: list[dict[str, Any]], resize: dict[str, Any]) -> dict[str, Any]:
+    """Device-wide free bytes around the sleep an engine logged during ``resize`` (a shrink or prewarm record:
+    ``time`` is its end, ``seconds`` + ``memory_s`` its duration; 1 s of slack for the clocks). GPU only."""
+    t1 = resize["time"]
+    t0 = t1 - resize.get("seconds", 0.0) - resize.get("memory_s", 0.0) - 1.0
+    last = None
+    for e in engine_log:
+        if str(e.get("op", "")).startswith("sleep") and t0 <= e.get("time", float("inf")) <= t1:
+            last = e
+    if last is None or last.get("free_after") is None:
+        return {}
+    freed = last["free_after"] - last["free_before"] if last.get("free_before") is not None else None
+    return {"device_free_after_bytes": last["free_after"], "device_freed_bytes": freed}
+
+
+def step_report(events: list[dict[str, Any]], engine_memory: list[list[dict[str, Any]]] | None = None) -> list[dict[str, Any]]:
+    """One record per training step (plus ``"start"`` and ``"end"``): every expand's wake / sync / activate
+    seconds and, for every sleep (shrink or start-up prewarm), the memory each slept rank holds afterwards.
+
+    ``memory_after`` is the rank's own device bytes (``RolloutFleet.memory_in_use``; None on CPU or where the
+    driver does not list the process); with ``engine_memory`` (the engines' logs, GPU runs) each sleep also gets
+    the device-wide free bytes after it and the bytes it freed, per rank.
+    """
+    logs = engine_memory or []
+    out: list[dict[str, Any]] = []
+    for ev in events:
+        kind = ev["kind"]
+        if kind not in ("started", "step", "done"):
+            continue
+        rec: dict[str, Any] = {"step": ev["step"] if kind == "step" else ("start" if kind == "started" else "end")}
+        if kind == "step":
+            rec.update(version=ev["version"], reward=ev["reward"], seconds=ev["seconds"])
+        rec["expands"] = [
+            {"ranks": r["ranks"], "wake_s": r["wake_s"], "sync_s": r["sync_s"], "activate_s": r["activate_s"],
+             "total_s": r["seconds"], "version": r["version"], "verified": r["verified"]}
+            for r in ev.get("resizes", []) if r["op"] == "expand"
+        ]
+        rec["sleeps"] = []
+        for r in ev.get("resizes", []):
+            if r["op"] not in ("shrink", "prewarm"):
+                continue
+            memory = {int(k): v for k, v in (r.get("memory_after") or {}).items()}
+            sleep: dict[str, Any] = {"op": r["op"], "ranks": r["ranks"], "sleep_s": r.get("sleep_s"),
+                                     "memory_after": {k: memory.get(k) for k in r["ranks"]}}
+            device = {k: d for k in r["ranks"] if k < len(logs) and (d := _sleep_device_free(logs[k], r))}
+            if device:
+                sleep["device"] = device
+            rec["sleeps"].append(sleep)
+        out.append(rec)
+    return out
 
 
 def format_event(ev: dict[str, Any]) -> list[str]:
@@ -54,9 +120,8 @@ def format_event(ev: dict[str, Any]) -> list[str]:
     for r in ev.get("resizes", []):
         op = r["op"]
         if op == "shrink":
-            mem = {k: v for k, v in (r.get("memory_after") or {}).items() if v is not None}
             lines.append(f"    shrunk {_fmt_ranks(r['ranks'])}: drain {r['drain_s']:.2f} s + sleep(level {r['level']}) "
-                         f"{r['sleep_s']:.2f} s" + (f", device memory after {mem}" if mem else ""))
+                         f"{r['sleep_s']:.2f} s; memory in use after the sleep {_fmt_memory(r.get('memory_after'))}")
         elif op == "expand":
             lines.append(f"    expanded {_fmt_ranks(r['ranks'])}: wake {r['wake_s']:.2f} s + sync {r['sync_s']:.2f} s + "
                          f"activate {r['activate_s']:.2f} s = {r['seconds']:.2f} s; cache v{r['version']} "
@@ -170,7 +235,7 @@ def run_demo(pipelines: int = 2, gpus: int = 2, steps: int = 3, out: str | os.Pa
             name=f"p{i}", index=i, model_dir=str(model), train_devices=(i % gpus,), infer_devices=tuple(range(gpus)),
             steps=steps, prompts_per_step=prompts_per_step, group_size=group_size, max_tokens=max_tokens,
             on_gpu=on_gpu, seed=i, gpu_memory_utilization=min(0.9 / (2 * pipelines), 0.3),
-            runtime=RuntimeConfig(sleep_level=sleep_level)))
+            runtime=RuntimeConfig(sleep_level=sleep_level, route_timeout_s=_ROUTE_TIMEOUT_S)))
     actor: Any = ray.remote(DemoPipeline).options(num_cpus=0, max_concurrency=4, max_restarts=0)
     gate = ray.remote(DemoGate).options(num_cpus=0, max_concurrency=2 * pipelines + 4).remote(pipelines)
     drivers: list[Any] = [actor.remote(s, gate) for s in specs]
@@ -258,6 +323,7 @@ def run_demo(pipelines: int = 2, gpus: int = 2, steps: int = 3, out: str | os.Pa
             "engine_memory": res.get("engine_memory", []),
             "requests_served": sum((res.get("router") or {}).get("served", {}).values()),
             "requests_preempted": (res.get("router") or {}).get("preempted", 0),
+            "per_step": step_report(all_events[i], res.get("engine_memory")),
         })
     print("\nsummary", file=say)
     for p in summary["pipelines"]:
@@ -272,6 +338,16 @@ def run_demo(pipelines: int = 2, gpus: int = 2, steps: int = 3, out: str | os.Pa
     print(f"  weight syncs: {summary['syncs']} ({summary['expands']} expands), "
           f"{'every one verified (checksums)' if summary['all_syncs_verified'] else 'NOT all verified'}; "
           f"GPUs still allocated: {allocated or 'none'}", file=say)
+    expands = [e for p in summary["pipelines"] for st in p["per_step"] for e in st["expands"]]
+    if expands:
+        med = {k: statistics.median(e[k] for e in expands) for k in ("wake_s", "sync_s", "activate_s", "total_s")}
+        print(f"  expand (median of {len(expands)}): wake {med['wake_s']:.2f} s + sync {med['sync_s']:.2f} s + "
+              f"activate {med['activate_s']:.2f} s = {med['total_s']:.2f} s", file=say)
+    slept = [v for p in summary["pipelines"] for st in p["per_step"] for sl in st["sleeps"]
+             for v in sl["memory_after"].values() if v is not None]
+    print("  memory in use on a rank after its sleep: "
+          + (f"max {max(slept) / 2**30:.2f} GiB over {len(slept)} sleeps" if slept else "n/a (not measurable here)"),
+          file=say)
     print(f"  timeline: {timeline}", file=say, flush=True)
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
     return summary

