@@ -5,7 +5,8 @@ Keys (all under ``rlix``; Hydra overrides ``++rlix.<key>=<value>`` work like any
 * ``train_devices`` (required): GPU ids of the pool the training workers use (one GPU per worker).
 * ``infer_devices`` (required): GPU ids of the vLLM ranks; a superset of ``train_devices`` (partial overlap).
 * ``infer_tp`` (optional): GPUs per vLLM DP rank; default ``policy.generation.vllm_cfg.tensor_parallel_size``.
-* ``pipeline_id`` (optional): a fixed id; default: the orchestrator allocates ``ft_<12 hex>``.
+* ``pipeline_id`` (optional): a fixed id; default: the orchestrator allocates ``ft_<12 hex>`` (in ``setup()`` when
+  the shared placement runs, which writes it back here so the worker names and the registration agree).
 * ``ray_address`` (optional): Ray cluster of the control plane; default: the cluster this driver runs on.
 * ``bucket_size_bytes`` (optional, default 256 MiB): size of one CPU cache bucket (explicit: it must fit the VRAM
   left after a wake-up next to a co-tenant's KV cache; reference bug 5).
@@ -23,7 +24,7 @@ topology against the rest of the config by :mod:`rlix_plugins.nemo_rl.topology`.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
@@ -93,6 +94,17 @@ def cfg_path(obj: Any, dotted: str) -> Any:
     for key in dotted.split("."):
         obj = cfg_get(obj, key)
     return obj
+
+
+def remember_pipeline_id(master_config: Any, pipeline_id: str) -> None:
+    """Write ``rlix.pipeline_id`` into NeMo RL's config (a mapping, or an object such as a pydantic model)."""
+    raw = cfg_get(master_config, SECTION)
+    if raw is None:
+        raise RlixConfigError(f"the config has no '{SECTION}' section to record pipeline id {pipeline_id!r} in")
+    if isinstance(raw, MutableMapping):
+        raw["pipeline_id"] = pipeline_id
+    else:
+        raw.pipeline_id = pipeline_id
 
 
 def _devices(section: Mapping[str, Any], key: str) -> tuple[int, ...]:

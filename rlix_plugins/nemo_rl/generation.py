@@ -2,8 +2,8 @@
 
 * :class:`NemoVllmFleet` - :class:`~rlix_plugins.pipeline.protocols.RolloutFleet` over the DP-leader Ray workers
   of a ``VllmGeneration`` (``worker_group.workers[worker_group.get_dp_leader_worker_idx(r)]``): ``sleep`` =
-  ``sleep_async()`` (the level is the workers' ``vllm_cfg.sleep_level``, patch 0003; the topology check makes it
-  equal ``rlix.sleep_level``), ``wake_up`` = ``wake_up_async(tags=)``, ``abort`` / ``memory_in_use`` via
+  ``sleep_async(level=)`` (the runtime's ``rlix.sleep_level``, per call through patch 0003; the workers' own
+  ``vllm_cfg.sleep_level`` is only their default), ``wake_up`` = ``wake_up_async(tags=)``, ``abort`` / ``memory_in_use`` via
   :mod:`.worker_ops` (``__ray_call__``), ``engine_rpc`` = ``RayEngineRpc(leader, "checkpoint_engine_rpc_async",
   "reset_prefix_cache_async")`` (NeMo RL's existing pass-through to ``collective_rpc``). Holds actor handles
   only: picklable, never a ``VllmGeneration`` (whose ``__del__`` shuts the workers down).
@@ -38,7 +38,6 @@ _KEEP_ALIVE: Final[list[Any]] = []  # driver-side generation objects we attached
 
 def _get(refs: Any, what: str, timeout_s: float) -> Any:
     return ray_get(refs, what, timeout_s, dead="a vLLM worker died", unwrap=())
-
 
 
 class NemoVllmFleet:
@@ -84,8 +83,10 @@ class NemoVllmFleet:
              f"abort on dp ranks {dp_ranks}", timeout_s)
 
     def sleep(self, dp_ranks: list[int], level: int, timeout_s: float) -> None:
-        _get([self.leaders[r].sleep_async.remote() for r in dp_ranks], f"sleep_async on dp ranks {dp_ranks}",
-             timeout_s)
+        """``sleep_async(level=level)`` on the ranks' DP leaders: the scheduler's configured level (``rlix.sleep_level``)
+        reaches vLLM per call (patch 0003), whatever the workers' own ``vllm_cfg.sleep_level`` default is."""
+        _get([self.leaders[r].sleep_async.remote(level=int(level)) for r in dp_ranks],
+             f"sleep_async(level={level}) on dp ranks {dp_ranks}", timeout_s)
 
     def wake_up(self, dp_ranks: list[int], tags: list[str] | None, timeout_s: float) -> None:
         _get([self.leaders[r].wake_up_async.remote(tags=tags) for r in dp_ranks],

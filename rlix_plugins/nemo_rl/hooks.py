@@ -15,6 +15,7 @@ Two modes, chosen at ``rlix_pipeline_start``:
 
 ::
 
+    rlix_placement (setup()) → validate → pipeline id → shared per-GPU placement groups + worker name prefixes
     rlix_pipeline_start      → load + validate config & topology → connect → register/admit (→ runtime.start)
     on_trajectory_collector_created → (runtime: GENERATION; the first expand syncs real weights; progress)
     before_training(N)       → request ACTOR_TRAINING (blocks until granted; donors slept first)
@@ -115,6 +116,17 @@ class NemoRLHooks:
         return self._pipe
 
     # ------------------------------------------------------------------ hooks
+    @hookimpl
+    def rlix_placement(self, master_config: Any) -> tuple[Any, Any, dict[str, Any], dict[str, Any]]:
+        """Call site: NeMo RL's ``setup()``, before any cluster or worker exists (patch 0002; the loader there
+        builds its own instance, so this hook keeps no state). Answers the train / inference clusters over the
+        shared per-GPU placement groups and the per-pipeline ``name_prefix`` keywords
+        (:func:`.placement.nemo_rl_placement`). Mutates: writes ``rlix.pipeline_id`` into ``master_config``.
+        """
+        from rlix_plugins.nemo_rl.placement import nemo_rl_placement
+
+        return nemo_rl_placement(master_config)
+
     @hookimpl
     def rlix_pipeline_start(self, master_config: Any, policy: Any, policy_generation: Any, start_step: int) -> None:
         """Call site: ``async_grpo_train`` after setup, before the replay buffer / collector exist.

@@ -2,9 +2,10 @@
 surface its worker groups read.
 
 * :class:`GpuPlacementPool` - a detached named actor ``rlix:placement`` (namespace ``rlix``) that owns ONE placement
-  group per GPU (one ``{"GPU": 1}`` bundle each), created once and shared by every pipeline; ``groups(gpus)``
-  returns them keyed by the GPU id Ray actually assigned to the bundle (probed once), so rlix's device ids and
-  Ray's agree. The actor serialises creation (two drivers never create two groups for one GPU).
+  group per GPU (one ``{"GPU": 1, "CPU": n}`` bundle each, ``n`` = worker groups per GPU), created on first use and
+  shared by every pipeline; ``groups(gpus)`` returns them keyed by the GPU id Ray actually assigned to the bundle
+  (probed once), so rlix's device ids and Ray's agree. The actor serialises creation (two drivers never create
+  two groups for one GPU).
 * :class:`VirtualClusterAdapter` - duck-typed to the members of NeMo RL's ``RayVirtualCluster`` that
   ``RayWorkerGroup`` / ``Policy`` / ``VllmGeneration`` read (``world_size``, ``node_count``,
   ``get_placement_groups``, ``_init_placement_groups``, ``_sorted_bundle_indices``,
@@ -13,9 +14,14 @@ surface its worker groups read.
   not own: each worker asks for ``1 / max_colocated_worker_groups`` GPU, so several pipelines' workers fit one
   bundle. ``shutdown`` is a no-op (the pool owns the groups). Any other attribute raises AttributeError.
 * :func:`worker_name_prefix` - unique worker-actor names per pipeline (``<pid>-<role>``).
+* :func:`nemo_rl_placement` - what the ``rlix_placement`` hook answers NeMo RL's patched ``setup()`` (patch 0002):
+  the train adapter (one group per ``rlix.train_devices`` GPU, in order: Megatron rank i on GPU i), the inference
+  adapter (one per ``rlix.infer_devices`` GPU: vLLM DP rank r on ``infer_devices[r]``) and the ``name_prefix``
+  keywords of ``Policy`` / ``VllmGeneration``. It fixes the pipeline id here (``rlix.pipeline_id`` or a fresh one,
+  written back into the config) so the names and the later registration agree.
 
-GAP: NeMo RL's ``setup()`` builds its own ``RayVirtualCluster``s; handing it these adapters needs a seam
-(a ``cluster_factory`` in ``setup``) that the patch series does not have yet - not wired, not proven on GPUs.
+Limits (clear errors): vLLM TP 1 only (a TP group needs one multi-bundle placement group, NeMo RL's tied-worker
+layout), one node (the pool keys groups by node-local GPU id). Not proven on GPUs yet.
 """
 
 from __future__ import annotations
@@ -30,10 +36,14 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from rlix_plugins.control._rpc import ray_get
 from rlix_plugins.errors import RlixConfigError
 
-__all__ = ["GpuPlacementPool", "VirtualClusterAdapter", "placement_pool", "worker_name_prefix"]
+__all__ = ["GpuPlacementPool", "VirtualClusterAdapter", "nemo_rl_placement", "placement_pool", "worker_name_prefix"]
 
 POOL_NAME: Final = "rlix:placement"
 _NAMESPACE: Final = "rlix"
+#: Default worker groups one GPU's bundle holds: each worker asks ``1 / n`` GPU and 1 CPU (NeMo RL's workers keep
+#: Ray's default CPU), so a bundle is ``{"GPU": 1, "CPU": n}``. A pipeline puts at most two on a GPU (a training
+#: worker and a vLLM rank): 4 = two pipelines per GPU. The pool's first creator fixes it for the cluster.
+WORKER_GROUPS_PER_GPU: Final = 4
 
 
 def worker_name_prefix(pipeline_id: str, role: str) -> str:
@@ -54,25 +64,40 @@ def _free_port() -> tuple[str, int]:
 class GpuPlacementPool:
     """See the module docstring. A plain (one call at a time) actor: creation is serialised."""
 
-    def __init__(self, timeout_s: float = 120.0) -> None:
+    def __init__(self, timeout_s: float = 120.0, worker_groups_per_gpu: int = WORKER_GROUPS_PER_GPU) -> None:
+        if worker_groups_per_gpu < 1:
+            raise RlixConfigError(f"worker_groups_per_gpu={worker_groups_per_gpu} must be >= 1")
         self._timeout_s = timeout_s
+        self._per_gpu = int(worker_groups_per_gpu)
         self._by_gpu: dict[int, PlacementGroup] = {}
 
+    def worker_groups_per_gpu(self) -> int:
+        return self._per_gpu
+
     def groups(self, gpus: list[int]) -> dict[int, PlacementGroup]:
-        """Placement groups of ``gpus`` (created on first use: one per GPU of the node, probed, kept)."""
-        missing = [g for g in gpus if g not in self._by_gpu]
-        if missing:
-            total = int(ray.cluster_resources().get("GPU", 0))
-            if max(gpus) >= total:
-                raise RlixConfigError(f"GPUs {sorted(gpus)} requested; the Ray cluster has {total} (ids 0..{total - 1})")
-            free = total - len(self._by_gpu)
-            new = [placement_group([{"GPU": 1, "CPU": 0.01}], strategy="STRICT_PACK") for _ in range(free)]
-            ray_get([pg.ready() for pg in new], f"{len(new)} per-GPU placement groups ready", self._timeout_s)
-            probes = [ray.remote(_probe_gpu).options(num_cpus=0, num_gpus=0.01, scheduling_strategy=(
-                PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=0))).remote()
-                for pg in new]
-            for pg, ids in zip(new, ray.get(probes, timeout=self._timeout_s), strict=True):
-                self._by_gpu[ids[0]] = pg
+        """Placement groups of ``gpus``, created on first use and kept. Ray picks a new bundle's GPU, so groups are
+        created (as many as GPUs are missing), probed for their GPU id, kept, until every requested GPU has one;
+        a group that landed on another GPU is kept for later requests."""
+        total = int(ray.cluster_resources().get("GPU", 0))
+        if gpus and max(gpus) >= total:
+            raise RlixConfigError(f"GPUs {sorted(gpus)} requested; the Ray cluster has {total} (ids 0..{total - 1})")
+        while need := [g for g in gpus if g not in self._by_gpu]:
+            new = [placement_group([{"GPU": 1, "CPU": self._per_gpu}], strategy="STRICT_PACK") for _ in need]
+            try:
+                ray_get([pg.ready() for pg in new], f"{len(new)} per-GPU placement groups ready", self._timeout_s,
+                        hint=f" (each needs 1 free GPU and {self._per_gpu} free CPUs; GPUs {need} are missing)")
+                probes = [ray.remote(_probe_gpu).options(num_cpus=0, num_gpus=0.01, scheduling_strategy=(
+                    PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=0))).remote()
+                    for pg in new]
+                ids = ray_get(probes, "probing the GPU ids of new placement groups", self._timeout_s)
+            except BaseException:
+                from ray.util import remove_placement_group
+
+                for pg in new:
+                    remove_placement_group(pg)
+                raise
+            for pg, gid in zip(new, ids, strict=True):
+                self._by_gpu[gid[0]] = pg
         return {g: self._by_gpu[g] for g in gpus}
 
     def release_all(self) -> int:
@@ -86,10 +111,11 @@ class GpuPlacementPool:
         return n
 
 
-def placement_pool() -> Any:
-    """The cluster's pool actor (created detached on first use)."""
+def placement_pool(worker_groups_per_gpu: int = WORKER_GROUPS_PER_GPU) -> Any:
+    """The cluster's pool actor (created detached on first use; ``worker_groups_per_gpu`` only matters then)."""
     return ray.remote(GpuPlacementPool).options(name=POOL_NAME, namespace=_NAMESPACE, lifetime="detached",
-                                                get_if_exists=True, num_cpus=0).remote()
+                                                get_if_exists=True, num_cpus=0).remote(
+        worker_groups_per_gpu=worker_groups_per_gpu)
 
 
 class VirtualClusterAdapter:
@@ -134,3 +160,37 @@ class VirtualClusterAdapter:
 
     def shutdown(self) -> bool:
         return True  # the pool owns the placement groups; they outlive any one pipeline
+
+
+def nemo_rl_placement(master_config: Any) -> tuple[VirtualClusterAdapter, VirtualClusterAdapter, dict[str, Any],
+                                                    dict[str, Any]]:
+    """``(train_cluster, inference_cluster, policy_kwargs, generation_kwargs)`` for NeMo RL's ``setup()``.
+
+    Validates the config and topology first (nothing is placed for a run that cannot start). Blocks on: the
+    control plane (connect, allocate an id) and the pool (group creation, bounded by ``rlix.init_timeout_s``).
+    """
+    from rlix_plugins.control import client
+    from rlix_plugins.nemo_rl.config import load_run_config, remember_pipeline_id
+    from rlix_plugins.nemo_rl.topology import validate_topology
+
+    cfg = load_run_config(master_config)
+    validate_topology(master_config, cfg)
+    if cfg.infer_tp != 1:
+        raise RlixConfigError(
+            f"shared placement supports vLLM tensor_parallel_size=1 only (got {cfg.infer_tp}): a TP group needs one "
+            "multi-GPU placement group; use policy.generation.vllm_cfg.tensor_parallel_size=1 for time-sharing"
+        )
+    cp = client.connect(cfg.ray_address)
+    pid = cfg.pipeline_id or cp.allocate_pipeline_id()
+    remember_pipeline_id(master_config, pid)  # rlix_pipeline_start registers under the same id
+    gpus = sorted(set(cfg.train_devices) | set(cfg.infer_devices))
+    pool, dead = placement_pool(), "the placement pool actor died; `rlix down` and start again"
+    groups = ray_get(pool.groups.remote(gpus), f"shared placement groups of GPUs {gpus}", cfg.init_timeout_s,
+                     dead=dead)
+    per_gpu = int(ray_get(pool.worker_groups_per_gpu.remote(), "pool.worker_groups_per_gpu", 60.0, dead=dead))
+    train = VirtualClusterAdapter([groups[g] for g in cfg.train_devices], max_colocated_worker_groups=per_gpu,
+                                  name=f"{pid}-train")
+    infer = VirtualClusterAdapter([groups[g] for g in cfg.infer_devices], max_colocated_worker_groups=per_gpu,
+                                  name=f"{pid}-infer")
+    return (train, infer, {"name_prefix": worker_name_prefix(pid, "policy")},
+            {"name_prefix": worker_name_prefix(pid, "vllm")})

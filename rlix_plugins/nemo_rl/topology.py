@@ -13,7 +13,8 @@ Checks:
 * ``grpo.async_grpo.enabled``, ``policy.generation.colocated.enabled == false`` (non-colocated vLLM),
   ``vllm_cfg.async_engine`` (per-request routing needs the async engine), ``loss_fn.
   use_importance_sampling_correction`` (trajectories from older weights are corrected), vLLM backend;
-* ``vllm_cfg.sleep_level`` (patch 0003), when set, equals ``rlix.sleep_level`` (the workers read theirs);
+* ``vllm_cfg.sleep_level`` (patch 0003), when set, equals ``rlix.sleep_level`` (scheduler shrinks pass
+  ``rlix.sleep_level`` per call; two different configured levels would only confuse);
 * ``vllm_cfg.tensor_parallel_size`` equals ``rlix.infer_tp``.
 """
 
@@ -87,7 +88,8 @@ def topology_problems(master_config: Any, run: RlixRunConfig) -> list[str]:
     level = cfg_path(master_config, "policy.generation.vllm_cfg.sleep_level")
     if level is not None and int(level) != run.sleep_level:
         problems.append(f"policy.generation.vllm_cfg.sleep_level={level} differs from rlix.sleep_level="
-                        f"{run.sleep_level}: set both to the same value (the vLLM workers read theirs)")
+                        f"{run.sleep_level}: set both to the same value, or drop vllm_cfg.sleep_level (shrinks use "
+                        "rlix.sleep_level)")
     return problems
 
 

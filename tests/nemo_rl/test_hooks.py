@@ -150,6 +150,8 @@ else:
     pm = hooks.plugin_manager
     pm.check_pending()
     print("PLUGIN", type(pm.get_plugin("rlix")).__module__, sorted(h for h in vars(mod.RLixHookSpec) if not h.startswith("_")) == sorted(mod.HOOK_NAMES))
+    print("FIRSTRESULT", sorted(n for n in mod.HOOK_NAMES if getattr(pm.hook, n).spec.opts["firstresult"]))
+    print("PLACEMENT_IMPLS", [type(i.plugin).__module__ for i in pm.hook.rlix_placement.get_hookimpls()])
     import pluggy
     impl = pluggy.HookimplMarker(mod.PROJECT_NAME)
     class Bootstrap:
@@ -178,3 +180,6 @@ def test_real_seam_loads_our_hooks_through_the_entry_point(tmp_path: Path, value
     else:
         assert "PLUGIN rlix_plugins.nemo_rl.hooks True" in out.stdout
         assert "REJECTED True" in out.stdout  # the seam never lets -1 reach the collector
+        # setup()'s placement hook: first result (one answer), answered by our implementation
+        assert "FIRSTRESULT ['after_training', 'rlix_placement']" in out.stdout
+        assert "PLACEMENT_IMPLS ['rlix_plugins.nemo_rl.hooks']" in out.stdout

@@ -15,11 +15,10 @@ import shutil
 from pathlib import Path
 
 import pytest
-from _nemo_checkout import report, run_nemo_pytest
+from _nemo_checkout import NEMO_SIDE_HELPERS, report, run_nemo_pytest, run_nemo_side
 
 pytestmark = pytest.mark.nemo_rl
 
-NEMO_SIDE = Path(__file__).parent / "nemo_side" / "test_rlix_async_grpo.py"
 EXPECTED = {
     "test_standalone_loads_nothing_of_rlix",
     "test_time_sharing_hook_order_with_real_control_plane",
@@ -28,14 +27,8 @@ EXPECTED = {
 
 @pytest.mark.timeout(1000)
 def test_async_grpo_time_sharing_on_nemo_rl_mocks(nemo_copies: dict[str, Path], tmp_path: Path) -> None:
-    patched = nemo_copies["patched"]
-    dst = patched / "tests" / "unit" / "algorithms" / NEMO_SIDE.name
-    shutil.copyfile(NEMO_SIDE, dst)
-    try:
-        run = run_nemo_pytest(patched, [str(dst.relative_to(patched))], tmp_path / "ts.xml", timeout_s=800,
-                              num_gpus=4)
-    finally:
-        dst.unlink()
+    run = run_nemo_side(nemo_copies["patched"], "test_rlix_async_grpo.py", "tests/unit/algorithms",
+                        tmp_path / "ts.xml", timeout_s=800, num_gpus=4, helpers=NEMO_SIDE_HELPERS[:1])
     report(f"NeMo RL async_grpo_train time-sharing scenario: {run.summary()}")
     got = {name.rsplit("::", 1)[-1]: outcome for name, outcome in run.outcomes.items()}
     assert got == dict.fromkeys(EXPECTED, "passed"), f"{got}\noutput tail:\n{run.output_tail}"
@@ -48,6 +41,7 @@ ROUTING_EXPECTED = {
     "test_blocks_while_no_rank_is_active",
     "test_request_aborted_by_a_shrink_is_retried_on_another_active_rank",
     "test_without_the_variable_the_seam_is_inert",
+    "test_fleet_sleep_passes_the_configured_level_to_the_real_worker",
 }
 
 
@@ -55,7 +49,8 @@ ROUTING_EXPECTED = {
 def test_router_selector_on_the_real_vllm_generation(nemo_copies: dict[str, Path], tmp_path: Path) -> None:
     """Our fleet selector + router on NeMo RL's real VllmGeneration (patched; built like its shard-selection tests):
     routing over active ranks only, the collector's pickled copy, blocking when none is active, retry of a request
-    a shrink aborted (patch 0004), and no retry with the variable unset."""
+    a shrink aborted (patch 0004), and no retry with the variable unset; our fleet's sleep level reaching NeMo RL's
+    real (patched) sleep_async per call (patch 0003)."""
     patched = nemo_copies["patched"]
     dst = patched / "tests" / "unit" / "models" / "generation" / ROUTING.name
     shutil.copyfile(ROUTING, dst)
@@ -66,3 +61,32 @@ def test_router_selector_on_the_real_vllm_generation(nemo_copies: dict[str, Path
     report(f"NeMo RL VllmGeneration routing through the rlix router: {run.summary()}")
     got = {name.rsplit("::", 1)[-1]: outcome for name, outcome in run.outcomes.items()}
     assert got == dict.fromkeys(ROUTING_EXPECTED, "passed"), f"{got}\noutput tail:\n{run.output_tail}"
+
+
+SETUP = Path(__file__).parent / "nemo_side" / "test_rlix_setup_placement.py"
+RECIPES = Path(__file__).resolve().parents[2] / "recipes" / "nemo_rl"
+SETUP_EXPECTED = {
+    "test_standalone_setup_builds_its_own_clusters_and_static_world",
+    "test_two_pipelines_share_per_gpu_groups_under_unique_names",
+}
+
+
+@pytest.mark.timeout(700)
+def test_setup_places_two_pipelines_in_shared_groups(nemo_copies: dict[str, Path], tmp_path: Path) -> None:
+    """NeMo RL's patched setup() (patch 0002's placement seam): unset, its own clusters, default actor names and the
+    static refit world; with RLIX_CONTROL_PLANE=rlix, two pipelines from our recipes in one process get the pool's
+    per-GPU placement groups, fractional workers and per-pipeline actor names (real RayWorkerGroup workers)."""
+    patched = nemo_copies["patched"]
+    dst = patched / "tests" / "unit" / "algorithms" / SETUP.name
+    recipes = patched / "examples" / "configs" / "rlix"
+    shutil.copyfile(SETUP, dst)
+    shutil.copytree(RECIPES, recipes)
+    try:
+        run = run_nemo_pytest(patched, [str(dst.relative_to(patched))], tmp_path / "setup.xml", timeout_s=600,
+                              num_gpus=4)
+    finally:
+        dst.unlink()
+        shutil.rmtree(recipes)
+    report(f"NeMo RL setup() shared placement: {run.summary()}")
+    got = {name.rsplit("::", 1)[-1]: outcome for name, outcome in run.outcomes.items()}
+    assert got == dict.fromkeys(SETUP_EXPECTED, "passed"), f"{got}\noutput tail:\n{run.output_tail}"

@@ -1,8 +1,8 @@
 """Stand-ins with NeMo RL's worker surfaces (NeMo RL cannot be installed in this venv), over REAL components.
 
 * :class:`StandinVllmWorker` - the members NeMo RL's ``VllmAsyncGenerationWorker`` DP leader is called with
-  (``generate_async``, ``sleep_async`` reading ``cfg["vllm_cfg"]["sleep_level"]`` as patch 0003 does,
-  ``wake_up_async(tags=)``, ``reset_prefix_cache_async``, ``checkpoint_engine_rpc_async``) over a real vLLM
+  (``generate_async``, ``sleep_async(level=None)`` falling back to ``cfg["vllm_cfg"]["sleep_level"]`` as patch
+  0003 does, ``wake_up_async(tags=)``, ``reset_prefix_cache_async``, ``checkpoint_engine_rpc_async``) over a real vLLM
   ``AsyncLLM`` (CPU), started with dummy weights like NeMo RL's engines (``load_format="dummy"``).
 * :class:`StandinMegatronWorker` - the members our weight source uses on NeMo RL's Megatron worker (``rank``,
   ``_iter_params_with_optional_kv_scales``) over the tiny model's real tensors; ``train(seed)`` swaps them.
@@ -50,8 +50,8 @@ class StandinVllmWorker:
         assert last is not None
         return {"tokens": list(last.outputs[0].token_ids), "finish_reason": last.outputs[0].finish_reason}
 
-    async def sleep_async(self) -> None:
-        level = self.cfg["vllm_cfg"].get("sleep_level", 1)
+    async def sleep_async(self, level: int | None = None) -> None:
+        level = level or self.cfg["vllm_cfg"].get("sleep_level", 1)  # patch 0003: the call's level, else config
         self.log.append(("sleep", level))
         await self.llm.reset_prefix_cache()
         await self.llm.sleep(level=level)

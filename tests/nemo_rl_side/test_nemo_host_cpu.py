@@ -43,7 +43,9 @@ def engines(ray_cluster: dict[str, float], tmp_path_factory: pytest.TempPathFact
 
     model = build_tiny_qwen2(tmp_path_factory.mktemp("m") / "tiny", seed=0)
     cls = ray.remote(StandinVllmWorker).options(num_cpus=0, runtime_env={"env_vars": ENV})
-    leaders = [cls.remote(str(model), 2) for _ in range(2)]
+    # The workers' own default level is NeMo RL's (1, vllm_cfg.sleep_level unset): rlix.sleep_level (2 by default)
+    # must reach them per call, or the configured level has no effect (the sleep asserts below fail).
+    leaders = [cls.remote(str(model), 1) for _ in range(2)]
     ray.get([w.start.remote() for w in leaders], timeout=300)
     yield model, leaders
     for w in leaders:
@@ -60,7 +62,7 @@ def _config(**rlix: Any) -> dict[str, Any]:
         "loss_fn": {"use_importance_sampling_correction": True},
         "policy": {"megatron_cfg": {"enabled": True}, "generation": {
             "backend": "vllm", "colocated": {"enabled": False},
-            "vllm_cfg": {"tensor_parallel_size": 1, "async_engine": True, "sleep_level": 2}}},
+            "vllm_cfg": {"tensor_parallel_size": 1, "async_engine": True}}},
     }
 
 
@@ -87,7 +89,7 @@ def test_time_shared_steps_with_real_vllm(engines: Any) -> None:
     try:
         # Routing installed on the driver's object BEFORE the collector pickles it (debug #33).
         assert isinstance(generation.fleet_selector, RouterShardSelector)
-        # Init: every rank prewarmed once (wake + sleep at the configured level), none routed yet.
+        # Init: every rank prewarmed once (wake + sleep at rlix.sleep_level = 2, not the workers' 1), none routed yet.
         for w in leaders:
             assert ray.get(w.calls.remote())[:2] == [("wake_up", None), ("sleep", 2)]
         assert ray.get(rt.rt.router.active.remote()) == []
@@ -158,7 +160,7 @@ def test_time_shared_steps_with_real_vllm(engines: Any) -> None:
 
 def test_bug7_abort_finishes_callers_and_partial_sleep_wake(engines: Any) -> None:
     """Abort via __ray_call__ ends a long in-flight request (finish_reason 'abort', the caller returns: bug 7);
-    partial sleep/wake reach only the named rank, at the workers' configured level."""
+    partial sleep/wake reach only the named rank, at the level the fleet is given (not the workers' default 1)."""
     _model, leaders = engines
     fleet = NemoVllmFleet.from_generation(StandinGeneration(leaders), [0, 1], 1, 4)
     assert fleet.devices(1) == [(0, 1)] and fleet.memory_in_use([0, 1], 30) == {0: None, 1: None}

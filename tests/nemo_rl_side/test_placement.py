@@ -47,3 +47,56 @@ def test_two_pipelines_share_per_gpu_groups(ray_cluster: dict[str, float]) -> No
     finally:
         ray.get(pool.release_all.remote(), timeout=60)
         ray.kill(pool)
+
+
+def _run_config(train: list[int], **rlix: object) -> dict[str, object]:
+    """A NeMo RL config that passes the topology check (async GRPO, non-colocated async vLLM TP 1, IS correction)."""
+    return {
+        "rlix": {"train_devices": train, "infer_devices": [0, 1], "init_timeout_s": 120, **rlix},
+        "grpo": {"async_grpo": {"enabled": True}, "num_prompts_per_step": 4},
+        "loss_fn": {"use_importance_sampling_correction": True},
+        "policy": {"megatron_cfg": {"enabled": True}, "generation": {
+            "backend": "vllm", "colocated": {"enabled": False},
+            "vllm_cfg": {"tensor_parallel_size": 1, "async_engine": True}}},
+    }
+
+
+def test_setup_placement_answers_two_pipelines_the_same_groups(ray_cluster: dict[str, float]) -> None:
+    """What the ``rlix_placement`` hook answers NeMo RL's setup(): the same per-GPU groups for both pipelines
+    (train GPU ⊂ infer GPUs), fractional workers, per-pipeline name prefixes, the pipeline id fixed in the config
+    (the later registration uses it). Bad topologies fail before anything is placed."""
+    from rlix_plugins.nemo_rl.placement import POOL_NAME, nemo_rl_placement
+
+    bad = _run_config([0, 1])  # no inference rank left outside training
+    with pytest.raises(RlixConfigError, match="at least one full DP rank"):
+        nemo_rl_placement(bad)
+    tp2 = _run_config([0], infer_devices=[0, 1, 2, 3])
+    tp2["policy"]["generation"]["vllm_cfg"]["tensor_parallel_size"] = 2  # type: ignore[index]
+    with pytest.raises(RlixConfigError, match="tensor_parallel_size=1 only"):
+        nemo_rl_placement(tp2)
+    with pytest.raises(ValueError):  # nothing placed: no pool was created
+        ray.get_actor(POOL_NAME, namespace="rlix")
+
+    pool = placement_pool(worker_groups_per_gpu=3)  # first creator fixes the fraction (3 CPUs per GPU bundle here)
+    try:
+        a_cfg, b_cfg = _run_config([0]), _run_config([1], pipeline_id="ft_0123456789ab")
+        a_train, a_infer, a_policy, a_gen = nemo_rl_placement(a_cfg)
+        b_train, b_infer, b_policy, b_gen = nemo_rl_placement(b_cfg)
+        a_pid = a_cfg["rlix"]["pipeline_id"]  # type: ignore[index]
+        assert isinstance(a_pid, str) and a_pid.startswith("ft_") and b_cfg["rlix"]["pipeline_id"] == "ft_0123456789ab"  # type: ignore[index]
+        ids = [[pg.id for pg in c.get_placement_groups()] for c in (a_train, a_infer, b_train, b_infer)]
+        assert ids[1] == ids[3] and len(set(ids[1])) == 2  # one group per GPU, the same for both pipelines
+        assert ids[0] == [ids[1][0]] and ids[2] == [ids[1][1]]  # A trains on GPU 0's group, B on GPU 1's
+        assert {c.max_colocated_worker_groups for c in (a_train, a_infer, b_train, b_infer)} == {3}
+        assert (a_policy, a_gen) == ({"name_prefix": f"{a_pid}-policy"}, {"name_prefix": f"{a_pid}-vllm"})
+        assert (b_policy, b_gen) == ({"name_prefix": "ft_0123456789ab-policy"}, {"name_prefix": "ft_0123456789ab-vllm"})
+        # Three workers (A's trainer and both pipelines' vLLM rank 0) fit GPU 0's bundle, each on GPU 0.
+        workers = [_Worker.options(num_gpus=1 / 3, num_cpus=1, scheduling_strategy=PlacementGroupSchedulingStrategy(
+            placement_group=c.get_placement_groups()[0], placement_group_bundle_index=0)).remote()
+            for c in (a_train, a_infer, b_infer)]
+        assert ray.get([w.gpu.remote() for w in workers], timeout=120) == [[0], [0], [0]]
+        for w in workers:
+            ray.kill(w)
+    finally:
+        ray.get(pool.release_all.remote(), timeout=60)
+        ray.kill(pool)

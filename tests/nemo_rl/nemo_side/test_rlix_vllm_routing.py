@@ -6,6 +6,7 @@ Driven by ``tests/nemo_rl/test_nemo_rl_time_sharing.py`` of rlix-plugins; not pa
 
 import asyncio
 import os
+import sys
 import threading
 import time
 
@@ -152,3 +153,59 @@ def test_without_the_variable_the_seam_is_inert(monkeypatch):
     out = _generate(gen)
     assert gen.worker_group.dispatched == [0]
     assert out["aborted"] is True and selector.preempted_releases == 1
+
+
+class _RecordingAsyncLLM:
+    """Stands in for vLLM's ``AsyncLLM`` (vLLM cannot be installed in the conformance venv): records the sleep calls
+    NeMo RL's real ``sleep_async`` makes."""
+
+    def __init__(self):
+        self.calls = []
+
+    async def reset_prefix_cache(self):
+        self.calls.append("reset_prefix_cache")
+
+    async def sleep(self, level):
+        self.calls.append(("sleep", level))
+
+
+def _real_async_worker_cls():
+    from nemo_rl.models.generation.vllm.vllm_worker_async import VllmAsyncGenerationWorkerImpl
+
+    class _Worker(VllmAsyncGenerationWorkerImpl):
+        """NeMo RL's async vLLM worker with its engine start skipped (``sleep_async`` is NeMo RL's, patched)."""
+
+        def __init__(self, sleep_level=None):
+            vllm_cfg = {"async_engine": True}
+            if sleep_level is not None:
+                vllm_cfg["sleep_level"] = sleep_level
+            self.cfg = {"vllm_cfg": vllm_cfg}
+            self.llm = _RecordingAsyncLLM()
+
+        def llm_calls(self):
+            return list(self.llm.calls)
+
+    # This test module is not importable in Ray's workers (no package): ship the class by value.
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    return ray.remote(num_cpus=0)(_Worker)
+
+
+def test_fleet_sleep_passes_the_configured_level_to_the_real_worker():
+    """rlix.sleep_level reaches vLLM: NemoVllmFleet.sleep(level) calls NeMo RL's real (patched) sleep_async with that
+    level, whatever the worker's own vllm_cfg.sleep_level default is; NeMo RL's own level-less call is unchanged."""
+    from rlix_plugins.nemo_rl.generation import NemoVllmFleet
+
+    cls = _real_async_worker_cls()
+    default, configured = cls.remote(), cls.remote(sleep_level=1)
+    try:
+        fleet = NemoVllmFleet([default, configured], {0: [(0, 0)], 1: [(0, 1)]})
+        fleet.sleep([0, 1], 2, 60)
+        fleet.sleep([1], 1, 60)
+        assert ray.get(default.llm_calls.remote()) == ["reset_prefix_cache", ("sleep", 2)]
+        assert ray.get(configured.llm_calls.remote()) == ["reset_prefix_cache", ("sleep", 2),
+                                                          "reset_prefix_cache", ("sleep", 1)]
+        ray.get(default.sleep_async.remote())  # NeMo RL's own call (no level): its config's level, default 1
+        assert ray.get(default.llm_calls.remote())[-1] == ("sleep", 1)
+    finally:
+        ray.kill(default)
+        ray.kill(configured)
