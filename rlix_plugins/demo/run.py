@@ -22,7 +22,7 @@ from typing import Any, TextIO
 from rlix_plugins.errors import RlixConfigError
 from rlix_plugins.pipeline.config import RuntimeConfig
 
-__all__ = ["analyse_trace", "format_event", "run_demo", "step_report"]
+__all__ = ["analyse_trace", "format_event", "resize_lines", "run_demo", "step_report"]
 
 
 #: ``RuntimeConfig.route_timeout_s`` of the demo: its collector retries a route that timed out (no active rank)
@@ -92,6 +92,25 @@ def step_report(events: list[dict[str, Any]], engine_memory: list[list[dict[str,
             rec["sleeps"].append(sleep)
         out.append(rec)
     return out
+
+
+def resize_lines(pipelines: list[dict[str, Any]]) -> list[str]:
+    """Summary lines over every pipeline's ``per_step``: median expand split, memory after the sleeps."""
+    records = [st for p in pipelines for st in p["per_step"]]
+    expands = [e for st in records for e in st["expands"]]
+    sleeps = [sl for st in records for sl in st["sleeps"]]
+    lines: list[str] = []
+    if expands:
+        med = {k: statistics.median(e[k] for e in expands) for k in ("wake_s", "sync_s", "activate_s", "total_s")}
+        lines.append(f"  expand (median of {len(expands)}): wake {med['wake_s']:.2f} s + sync {med['sync_s']:.2f} s + "
+                     f"activate {med['activate_s']:.2f} s = {med['total_s']:.2f} s")
+    held = [v for sl in sleeps for v in sl["memory_after"].values() if v is not None]
+    freed = [d["device_freed_bytes"] for sl in sleeps for d in sl.get("device", {}).values()
+             if d.get("device_freed_bytes") is not None]
+    lines.append("  memory in use on a rank after its sleep: "
+                 + (f"max {max(held) / 2**30:.2f} GiB over {len(held)} sleeps" if held else "n/a (not measurable here)")
+                 + (f"; device memory freed per sleep: median {statistics.median(freed) / 2**30:.2f} GiB" if freed else ""))
+    return lines
 
 
 def format_event(ev: dict[str, Any]) -> list[str]:
@@ -338,16 +357,8 @@ def run_demo(pipelines: int = 2, gpus: int = 2, steps: int = 3, out: str | os.Pa
     print(f"  weight syncs: {summary['syncs']} ({summary['expands']} expands), "
           f"{'every one verified (checksums)' if summary['all_syncs_verified'] else 'NOT all verified'}; "
           f"GPUs still allocated: {allocated or 'none'}", file=say)
-    expands = [e for p in summary["pipelines"] for st in p["per_step"] for e in st["expands"]]
-    if expands:
-        med = {k: statistics.median(e[k] for e in expands) for k in ("wake_s", "sync_s", "activate_s", "total_s")}
-        print(f"  expand (median of {len(expands)}): wake {med['wake_s']:.2f} s + sync {med['sync_s']:.2f} s + "
-              f"activate {med['activate_s']:.2f} s = {med['total_s']:.2f} s", file=say)
-    slept = [v for p in summary["pipelines"] for st in p["per_step"] for sl in st["sleeps"]
-             for v in sl["memory_after"].values() if v is not None]
-    print("  memory in use on a rank after its sleep: "
-          + (f"max {max(slept) / 2**30:.2f} GiB over {len(slept)} sleeps" if slept else "n/a (not measurable here)"),
-          file=say)
+    for line in resize_lines(summary["pipelines"]):
+        print(line, file=say)
     print(f"  timeline: {timeline}", file=say, flush=True)
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
     return summary

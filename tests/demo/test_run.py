@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rlix_plugins.demo.run import format_event, step_report
+from rlix_plugins.demo.run import format_event, resize_lines, step_report
 
 
 def _expand(t: float, ranks: list[int]) -> dict[str, Any]:
@@ -41,6 +41,12 @@ def test_step_report_breaks_expands_down_and_keeps_memory_after_each_sleep() -> 
     # the engines logged no sleep during the final shrink (window 3.7..5.0 s): no device numbers, not step 0's stale ones
     assert end["step"] == "end" and end["sleeps"][0]["memory_after"] == {0: None, 1: None}
     assert "device" not in end["sleeps"][0]
+    assert resize_lines([{"per_step": [start, step0, end]}]) == [
+        "  expand (median of 2): wake 0.10 s + sync 0.40 s + activate 0.10 s = 0.60 s",
+        "  memory in use on a rank after its sleep: max 0.29 GiB over 1 sleeps; device memory freed per sleep: "
+        "median 2.00 GiB",
+    ]
+    assert resize_lines([{"per_step": [end]}]) == ["  memory in use on a rank after its sleep: n/a (not measurable here)"]
 
 
 def test_shrink_line_prints_the_memory_after_the_sleep() -> None:
