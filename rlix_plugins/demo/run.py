@@ -256,7 +256,10 @@ def run_demo(pipelines: int = 2, gpus: int = 2, steps: int = 3, out: str | os.Pa
             on_gpu=on_gpu, seed=i, gpu_memory_utilization=min(0.9 / (2 * pipelines), 0.3),
             runtime=RuntimeConfig(sleep_level=sleep_level, route_timeout_s=_ROUTE_TIMEOUT_S)))
     actor: Any = ray.remote(DemoPipeline).options(num_cpus=0, max_concurrency=4, max_restarts=0)
-    gate = ray.remote(DemoGate).options(num_cpus=0, max_concurrency=2 * pipelines + 4).remote(pipelines)
+    # The start-up barrier waits for every pipeline's first rollout rank. On one GPU a later pipeline can only get
+    # one after an earlier one trains (which the barrier holds back): a deadlock, so one GPU runs without it.
+    gate = (ray.remote(DemoGate).options(num_cpus=0, max_concurrency=2 * pipelines + 4).remote(pipelines)
+            if gpus > 1 else None)
     drivers: list[Any] = [actor.remote(s, gate) for s in specs]
     runs = {d.run.remote(): i for i, d in enumerate(drivers)}
     seen = [0] * pipelines
