@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU checks of the project, batched for the device tool (after the vLLM carry kit is set up; see README "GPU").
-#   bash .gpukit/setup.sh bash scripts/gpu_suite.sh [transport] [vllm] [demo]     (default: all three)
+#   bash .gpukit/setup.sh bash scripts/gpu_suite.sh [transport] [vllm|vllm-nccl] [demo]     (default: all three)
 # One device command may run 10 minutes: run "transport vllm" in one call and "demo" in the next.
 # Runs under .gpukit/setup.sh (vLLM + deps on PYTHONPATH), installs the trimmed Ray kit, then:
 #   1. transport GPU tests + benchmarks/transport.py           -> $OUT/transport.json
@@ -30,11 +30,16 @@ if [[ " $want " == *" transport "* ]]; then
 fi
 if [[ " $want " == *" vllm "* ]]; then
   part vllm-tests 300 python3 -m pytest -v -s -m gpu tests/vllm/test_vllm_gpu.py -o addopts="" -p no:cacheprovider
+elif [[ " $want " == *" vllm-nccl "* ]]; then  # only the 2-GPU test (the rest already ran on one GPU)
+  part vllm-nccl-test 240 python3 -m pytest -v -s -m gpu tests/vllm/test_vllm_gpu.py -k nccl -o addopts="" -p no:cacheprovider
 fi
 if [[ " $want " == *" demo "* ]]; then
   part demo-1gpu 270 env CUDA_VISIBLE_DEVICES=0 python3 -m rlix_plugins.cli demo --gpus 1 --out "$OUT/g1"
   if [ "$ngpu" -ge 2 ]; then
     part demo-2gpu 270 python3 -m rlix_plugins.cli demo --gpus 2 --out "$OUT/g2"
   fi
+fi
+if [ "$failed" -gt 0 ] && [ -d /tmp/ray/session_latest/logs ]; then  # Ray's worker logs say where a run hung
+  tar -czf "$OUT/ray_logs.tgz" -C /tmp/ray/session_latest logs 2>/dev/null && ls -la "$OUT/ray_logs.tgz"
 fi
 exit "$failed"

@@ -102,6 +102,8 @@ class SyncReport:
     transfer_seconds: float
     #: part of ``transfer_seconds`` from each bucket's send to its barrier (wire + receiver load), summed
     wire_seconds: float
+    #: GPU time of the host->device staging copies (CUDA events on the copy stream; 0 without GPU staging)
+    staging_copy_seconds: float
     teardown_seconds: float
     verified: bool
 
@@ -176,7 +178,7 @@ def sync_weights(
         t0 = time.perf_counter()
         host: GroupHost | None = None
         ok = False
-        setup_s = transfer_s = wire_s = 0.0
+        setup_s = transfer_s = wire_s = copy_s = 0.0
         try:
             if group_name is not None:
                 host = GroupHost(group_name, backend, staging_dev, timeout_s, master_addr)
@@ -189,7 +191,7 @@ def sync_weights(
                 host.join(plan.broadcast_world_size)
                 _wait_all(calls, timeout_s, f"setup_collective_group({group_name})")
             setup_s = time.perf_counter() - t0
-            wire_s = _send_buckets(snap, plan, endpoints, host, group_name, staging_dev, timeout_s)
+            wire_s, copy_s = _send_buckets(snap, plan, endpoints, host, group_name, staging_dev, timeout_s)
             transfer_s = time.perf_counter() - t0 - setup_s
             ok = True
         except (TransportError, RlixConfigError):
@@ -214,6 +216,7 @@ def sync_weights(
         setup_seconds=setup_s,
         transfer_seconds=transfer_s,
         wire_seconds=wire_s,
+        staging_copy_seconds=copy_s,
         teardown_seconds=teardown_s,
         verified=verify,
     )
@@ -227,10 +230,10 @@ def _send_buckets(
     group_name: str | None,
     staging_dev: torch.device,
     timeout_s: float,
-) -> float:
+) -> tuple[float, float]:
     """Per bucket i: queue the copy of bucket i+1 -> wait for bucket i's copy -> start receiver calls ->
-    sender broadcast -> barrier. Returns the seconds spent from each bucket's send to its barrier (the
-    wire + load time, without the host->device copies it overlaps).
+    sender broadcast -> barrier. Returns (seconds from each bucket's send to its barrier, summed: the
+    wire + load time without the copies it overlaps; GPU seconds of the host->device staging copies).
 
     On a CUDA sender two staging buffers alternate on a side stream. The copy of bucket i+1 is queued
     *before* waiting on bucket i's, so the copy engine never idles while Python builds payloads and
@@ -251,15 +254,19 @@ def _send_buckets(
         stagings = [torch.empty(snap.capacity_bytes, dtype=torch.uint8, device=staging_dev) for _ in range(count)]
         copy_stream = torch.cuda.Stream(staging_dev)
 
+    copy_events: list[tuple[Any, Any]] = []
+
     def stage(i: int) -> Any:
         record = buckets[i]
         with torch.cuda.stream(copy_stream):
+            start, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record(copy_stream)
             stagings[i % len(stagings)][: record.meta.used_bytes].copy_(record.payload, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(copy_stream)
-        return event
+            done.record(copy_stream)
+        copy_events.append((start, done))
+        return done
 
-    wire_s = 0.0
+    wire_s = copy_s = 0.0
     try:
         pending: Any = stage(0) if stagings else None
         for i, record in enumerate(buckets):
@@ -298,11 +305,12 @@ def _send_buckets(
     finally:
         if stagings:
             torch.cuda.synchronize(staging_dev)
+            copy_s = sum(a.elapsed_time(b) for a, b in copy_events) / 1000.0
             stagings.clear()
             if plan.same_gpu_transport == "cuda_ipc":
                 torch.cuda.ipc_collect()  # release staging blocks kept alive for IPC consumers
             torch.cuda.empty_cache()  # give the staging memory back to the device (the GPU is shared)
-    return wire_s
+    return wire_s, copy_s
 
 
 def _teardown(
