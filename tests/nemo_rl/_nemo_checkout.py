@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -135,6 +136,28 @@ def run_nemo_pytest(
     """NeMo RL's pytest on ``targets`` inside ``copy``, on a private Ray head (``num_gpus`` declared)."""
     with private_ray_head(num_gpus) as address:
         return _run_nemo_pytest(copy, targets, junit, timeout_s, {**(extra_env or {}), "RAY_ADDRESS": address})
+
+
+#: Our files that run inside a patched copy (``nemo_side/``), and the helper modules every scenario imports.
+NEMO_SIDE = Path(__file__).parent / "nemo_side"
+NEMO_SIDE_HELPERS = ("rlix_grpo_harness.py", "rlix_worker_standins.py")
+
+
+def run_nemo_side(
+    copy: Path, scenario: str, dest: str, junit: Path, *, timeout_s: float, num_gpus: int = 0,
+    helpers: tuple[str, ...] = (),
+) -> PytestRun:
+    """Copy ``nemo_side/<scenario>`` (+ ``helpers``) into ``copy/<dest>``, run it with NeMo RL's pytest, remove them."""
+    dst = copy / dest
+    copied = []
+    try:
+        for name in (*helpers, scenario):
+            shutil.copyfile(NEMO_SIDE / name, dst / name)
+            copied.append(dst / name)
+        return run_nemo_pytest(copy, [f"{dest}/{scenario}"], junit, timeout_s=timeout_s, num_gpus=num_gpus)
+    finally:
+        for path in copied:
+            path.unlink()
 
 
 def _run_nemo_pytest(

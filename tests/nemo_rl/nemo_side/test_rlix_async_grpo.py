@@ -7,142 +7,33 @@ the real entry point, and the real rlix control plane runs on this session's Ray
 Driven by ``tests/nemo_rl/test_nemo_rl_time_sharing.py`` of rlix-plugins; not part of NeMo RL.
 """
 
-import os
 import sys
 import time
-from unittest.mock import MagicMock, patch
 
-import pytest
-import ray
-from nemo_rl.algorithms import rlix_hooks as seam
-from nemo_rl.algorithms.grpo import async_grpo_train
+from tests.unit.algorithms.rlix_grpo_harness import (  # noqa: F401  (fixture import: overrides NeMo RL's)
+    HookCapture,
+    RecordingCollector,
+    configure,
+    init_ray_cluster,
+    ray_gpu_monitor,
+    record_policy,
+    run_async_grpo,
+)
 from tests.unit.algorithms.test_grpo import (  # noqa: F401  (fixture import)
-    StubAsyncTrajectoryCollector,
-    _initial_grpo_save_state,
     _mock_policy_generation,
-    _patched_logprob_phase,
-    mock_async_grpo_infrastructure,
     mock_grpo_components,
 )
 
-_REAL_RAY_GET = ray.get
 NUM_STEPS = 3
-
-
-@pytest.fixture(scope="session", autouse=True)
-def init_ray_cluster():
-    """Overrides NeMo RL's: the control plane needs a GPU pool (the driver's private head declares 4 GPUs)."""
-    if os.environ.get("RAY_ADDRESS"):
-        ray.init(address=os.environ["RAY_ADDRESS"], namespace="rlix_conformance")
-    else:
-        ray.init(num_cpus=8, num_gpus=4, include_dashboard=False, namespace="rlix_conformance")
-    yield
-    ray.shutdown()
-
-
-@pytest.fixture(scope="session", autouse=True)
-def ray_gpu_monitor(init_ray_cluster):
-    """Overrides NeMo RL's GPU monitor (no GPUs here)."""
-    yield None
-
-
-def _real_or_stub_get(stub_get):
-    """NeMo RL's fixture patches ray.get for its stubs; control-plane ObjectRefs still need the real one."""
-
-    def get(ref, **kwargs):
-        refs = ref if isinstance(ref, list) else [ref]
-        if refs and all(isinstance(r, ray.ObjectRef) for r in refs):
-            return _REAL_RAY_GET(ref, **kwargs)
-        return stub_get(ref, **kwargs)
-
-    return get
-
-
-class _RecordingCollector(StubAsyncTrajectoryCollector):
-    """NeMo RL's collector stub, plus the published weight versions (and whether training GPUs were held)."""
-
-    def __init__(self, events, probe):
-        super().__init__(events=None)
-        self._log, self._probe = events, probe
-
-    def _recording(self, name):
-        mock = MagicMock()
-        mock.remote = MagicMock(side_effect=lambda *a, **k: self._log.append((name, a[0] if a else None, self._probe())))
-        return mock
-
-    @property
-    def set_weight_version(self):
-        return self._recording("set_weight_version")
-
-    @property
-    def start_collection(self):
-        return self._recording("start_collection")
-
-    @property
-    def prepare_for_refit(self):
-        return self._recording("prepare_for_refit")
-
-    @property
-    def resume_after_refit(self):
-        return self._recording("resume_after_refit")
+RLIX = {"train_devices": [0], "infer_devices": [0, 1], "request_timeout_s": 60}
 
 
 def _configure(components, tmp_path):
-    cfg = components["master_config"]
-    cfg.policy["generation"]["backend"] = "vllm"
-    cfg.policy["generation"]["colocated"]["enabled"] = False
-    cfg.grpo.max_num_steps = NUM_STEPS
-    cfg.grpo.val_period = 2
-    cfg.grpo.val_at_start = True
-    cfg.grpo.val_at_end = False
-    cfg.checkpointing["enabled"] = True
-    cfg.checkpointing["save_period"] = 2  # step index 1 saves by period, step 2 as the last step
-    cfg.checkpointing["metric_name"] = None
-    cfg.grpo.async_grpo.enabled = True  # the topology check requires async GRPO (the mock left it off)
-    cfg.rlix = {"train_devices": [0], "infer_devices": [0, 1], "request_timeout_s": 60}
-    components["checkpointer"].init_tmp_checkpoint.return_value = str(tmp_path)
-    components["checkpointer"].checkpoint_dir = tmp_path
-    return cfg
+    return configure(components, tmp_path, steps=NUM_STEPS, rlix=RLIX)
 
 
 def _run(components, policy_generation, events, probe, refits):
-    policy = components["policy"]
-    collector = _RecordingCollector(events, probe)
-    collector_cls = MagicMock()
-    collector_cls.options.return_value.remote.return_value = collector
-    batch = next(iter(components["train_dataloader"]))
-    stack = mock_async_grpo_infrastructure(
-        batch, {"mean_gen_tokens_per_sample": 2.0}, refit_side_effect=lambda *a, **k: refits.append(a)
-    )
-    with stack, _patched_logprob_phase(policy):
-        stub_get = ray.get  # NeMo RL's patched ray.get
-        with (
-            patch("ray.get", side_effect=_real_or_stub_get(stub_get)),
-            patch("nemo_rl.algorithms.async_utils.AsyncTrajectoryCollector", collector_cls),
-            patch("nemo_rl.algorithms.grpo.validate", return_value=({"accuracy": 0.5}, {})),
-            patch("nemo_rl.algorithms.grpo.torch.save"),
-        ):
-            async_grpo_train(
-                policy,
-                policy_generation,
-                components["train_dataloader"],
-                components["val_dataloader"],
-                components["tokenizer"],
-                components["loss_fn"],
-                components["task_to_env"],
-                components["val_task_to_env"],
-                components["logger"],
-                components["checkpointer"],
-                _initial_grpo_save_state(),
-                components["master_config"],
-            )
-
-
-def _record_policy(policy, events, probe):
-    for name in ("prepare_for_lp_inference", "offload_after_refit", "save_checkpoint"):
-        getattr(policy, name).side_effect = lambda *a, _n=name, **k: events.append((_n, None, probe()))
-    result = policy.train.return_value
-    policy.train.side_effect = lambda *a, **k: (events.append(("train", None, probe())), result)[1]
+    run_async_grpo(components, policy_generation, RecordingCollector(events, probe), refits)
 
 
 def test_standalone_loads_nothing_of_rlix(mock_grpo_components, tmp_path, monkeypatch):
@@ -152,7 +43,7 @@ def test_standalone_loads_nothing_of_rlix(mock_grpo_components, tmp_path, monkey
     _configure(mock_grpo_components, tmp_path)
     events, refits = [], []
     generation = _mock_policy_generation()
-    _record_policy(mock_grpo_components["policy"], events, lambda: None)
+    record_policy(mock_grpo_components["policy"], events, lambda: None)
     _run(mock_grpo_components, generation, events, lambda: None, refits)
     assert not [m for m in sys.modules if m.startswith("rlix_plugins")]
     assert len(refits) == 1 + NUM_STEPS  # initial refit + one per step
@@ -165,15 +56,11 @@ def test_time_sharing_hook_order_with_real_control_plane(mock_grpo_components, t
     from rlix_plugins.control import client
 
     cp = client.connect()
+    capture = HookCapture()
     loaded = {}
-    real_load = seam.load_rlix_hooks
-
-    def load_and_keep():
-        loaded["hooks"] = real_load()
-        return loaded["hooks"]
 
     def impl():
-        return loaded["hooks"].plugin_manager.get_plugin("rlix") if "hooks" in loaded else None
+        return capture.impl
 
     def probe():
         """(training GPUs allocated to this pipeline right now per the scheduler, the last hook event)."""
@@ -188,9 +75,9 @@ def test_time_sharing_hook_order_with_real_control_plane(mock_grpo_components, t
     _configure(mock_grpo_components, tmp_path)
     events, refits = [], []
     generation = _mock_policy_generation()
-    _record_policy(mock_grpo_components["policy"], events, probe)
+    record_policy(mock_grpo_components["policy"], events, probe)
     t0 = time.time()
-    with patch.object(seam, "load_rlix_hooks", side_effect=load_and_keep):
+    with capture:
         _run(mock_grpo_components, generation, events, probe, refits)
 
     hooks = impl()
