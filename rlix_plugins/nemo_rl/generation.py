@@ -123,7 +123,11 @@ class RouterShardSelector:
         self._init_local()
 
     def next_shard(self) -> int:
-        rank, ticket = self.client.acquire()
+        return self._take()
+
+    def _take(self, exclude: list[int] | None = None) -> int:
+        """A router ticket on an active rank (skipping ``exclude`` when another is active), kept for ``release``."""
+        rank, ticket = self.client.acquire(exclude=exclude)
         with self._lock:
             self._tickets[rank].append(ticket)
         return rank
@@ -168,14 +172,8 @@ class RouterShardSelector:
                         yield result
                     return
             tried.append(shard)
-            shard = await asyncio.to_thread(self._next_excluding, tried)
+            shard = await asyncio.to_thread(self._take, tried)
         raise ShardPreemptedError(shard, f"aborted by shrinks on {self.client.max_attempts} attempts (ranks {tried})")
-
-    def _next_excluding(self, tried: list[int]) -> int:
-        rank, ticket = self.client.acquire(exclude=tried)
-        with self._lock:
-            self._tickets[rank].append(ticket)
-        return rank
 
     def inflight(self, shard_idx: int) -> int:
         return int(self.client._get(self.client.router.in_flight.remote([shard_idx]), "in_flight", 30.0))

@@ -16,14 +16,16 @@ Two modes, chosen at ``rlix_pipeline_start``:
 ::
 
     rlix_placement (setup()) → validate → pipeline id → shared per-GPU placement groups + worker name prefixes
-    rlix_pipeline_start      → load + validate config & topology → connect → register/admit (→ runtime.start)
+    rlix_pipeline_start      → load + validate config & topology → connect → register/admit (full mode: through
+                               the runtime, PipelineRuntime.register) (→ runtime.start)
     on_trajectory_collector_created → (runtime: GENERATION; the first expand syncs real weights; progress)
     before_training(N)       → request ACTOR_TRAINING (blocks until granted; donors slept first)
     before_weight_sync(N)    → (runtime: CPU cache of version N + 1 while the parameters are on GPU)
     after_training(N)        → offload (runtime: + NCCL teardown, in-flight refresh) → return N + 1
     on_weight_version_published(N, v) → release ACTOR_TRAINING
     before/after_checkpoint  → request / release ACTOR_TRAINING around policy.save_checkpoint
-    on_pipeline_end          → (runtime: watchdog off, shrink to zero) → release → unregister (also at exit)
+    on_pipeline_end          → release a checkpoint grant → runtime: watchdog off, shrink to zero, unregister
+                               (control-only: release → unregister); also at interpreter exit
 
 Version rule (DESIGN §3): the version published after step N is N + 1 (the version of the cache step N built,
 the same number the standalone loop would publish); never -1, never bumped twice.
@@ -40,7 +42,7 @@ from typing import Any, Final, Protocol, final
 
 import pluggy
 
-from rlix_plugins.control.types import TRAIN_CLUSTER, Priority
+from rlix_plugins.control.types import GENERATION_CLUSTER, TRAIN_CLUSTER, Priority
 from rlix_plugins.errors import RlixError
 from rlix_plugins.nemo_rl.config import RlixRunConfig, load_run_config
 from rlix_plugins.nemo_rl.topology import validate_topology
@@ -55,7 +57,8 @@ hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
 class PipelineRuntime(Protocol):
     """Weight and generation work of a pipeline (:class:`.runtime_adapter.NemoRuntime`; None = control-only)."""
 
-    def start(self, pipeline: Any, master_config: Any, policy: Any, policy_generation: Any) -> None: ...
+    def register(self, cp: Any) -> Any: ...
+    def start(self, master_config: Any, policy: Any, policy_generation: Any) -> None: ...
     def attach_collector(self, collector: Any, replay_buffer: Any = None) -> None: ...
     def before_training(self, step: int) -> None: ...
     def build_cache(self, step: int) -> None: ...
@@ -144,17 +147,21 @@ class NemoRLHooks:
 
             self.runtime = NemoRuntime(cfg)
         cp = client.connect(cfg.ray_address)
-        self._pipe = cp.register_pipeline(
-            cluster_tp_configs={TRAIN_CLUSTER: 1, "actor_infer": cfg.infer_tp},
-            cluster_device_mappings={TRAIN_CLUSTER: list(cfg.train_devices), "actor_infer": list(cfg.infer_devices)},
-            pipeline_id=cfg.pipeline_id,
-        )
+        if self.runtime is not None:
+            self._pipe = self.runtime.register(cp)  # registered (and at the end unregistered) by the runtime
+        else:
+            self._pipe = cp.register_pipeline(
+                cluster_tp_configs={TRAIN_CLUSTER: 1, GENERATION_CLUSTER: cfg.infer_tp},
+                cluster_device_mappings={TRAIN_CLUSTER: list(cfg.train_devices),
+                                         GENERATION_CLUSTER: list(cfg.infer_devices)},
+                pipeline_id=cfg.pipeline_id,
+            )
         self._config, self._policy = cfg, policy
         atexit.register(self._end_at_exit)
         self._record("registered", None, cfg.train_devices)
         if self.runtime is not None:
             try:
-                self.runtime.start(self._pipe, master_config, policy, policy_generation)
+                self.runtime.start(master_config, policy, policy_generation)
             except BaseException as exc:
                 try:  # release and unregister; the start error is the one to report
                     self._end("start_failed_ended")
@@ -267,22 +274,22 @@ class NemoRLHooks:
             if self._ended or self._pipe is None:
                 return
             self._ended = True
-        errors: list[str] = []
+        # A grant the hooks took themselves (checkpoint, or control-only) goes first, while still registered; the
+        # runtime then releases its own step grant, shrinks to zero and unregisters; control-only unregisters here.
+        steps: list[tuple[str, Any]] = []
+        if self._checkpoint_grant or self.runtime is None:
+            steps.append((f"release {TRAIN_CLUSTER}", lambda: self._release_train(None, "train_released")))
         if self.runtime is not None:
+            steps.append(("runtime.stop", self.runtime.stop))
+        else:
+            steps.append(("unregister", lambda: self._pipe.unregister("the NeMo RL run ended")))
+        errors: list[str] = []
+        for what, fn in steps:
             try:
-                self.runtime.stop()  # releases the step grant it holds, planned shrink, unregister
-                if not self._checkpoint_grant:
-                    self._holds_train = False
+                fn()
             except Exception as exc:
-                errors.append(f"runtime.stop: {exc}")
-        try:
-            self._release_train(None, "train_released")
-        except Exception as exc:
-            errors.append(f"release {TRAIN_CLUSTER}: {exc}")
-        try:
-            self._pipe.unregister("the NeMo RL run ended")
-        except Exception as exc:
-            errors.append(f"unregister: {exc}")
+                errors.append(f"{what}: {exc}")
+        self._holds_train = self._checkpoint_grant = False
         self._record(event, None)
         self._pipe = None
         atexit.unregister(self._end_at_exit)

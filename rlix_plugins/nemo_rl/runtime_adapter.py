@@ -8,8 +8,11 @@
   refused, debug #34) → Megatron NCCL groups destroyed inside every training worker; ``before_training`` rebuilds
   them after the grant, before NeMo RL's ``prepare_for_lp_inference``;
 * publisher: :class:`~rlix_plugins.pipeline.publisher.CollectorPublisher` (``collector.set_weight_version``);
+* registration: :meth:`NemoRuntime.register` registers + admits through ``PipelineRuntime.register`` (the demo
+  host's path); ``stop`` ends it through ``PipelineRuntime.end`` (which unregisters);
 * progress: a daemon thread counts the replay buffer's entries intended for the current weight version (F9) once
-  a second and reports the raw count with ``step_target = grpo.num_prompts_per_step`` via the coordinator.
+  a second and sends the raw count with ``step_target = grpo.num_prompts_per_step`` through the runtime's
+  fire-and-forget :class:`~rlix_plugins.pipeline.runtime.ProgressReporter` (never blocks on the coordinator).
 
 Threads: hook calls come from the driver's main thread; the progress thread only reads and reports.
 """
@@ -51,14 +54,24 @@ class NemoRuntime:
         self.progress_reports: list[tuple[int, int]] = []  # (version, collected) sent
         self._collector: Any = None
 
-    def start(self, pipeline: Any, master_config: Any, policy: Any, policy_generation: Any) -> None:
+    def register(self, cp: Any) -> Any:
+        """Register + admit the pipeline through the shared runtime (the demo host's path); returns its handle. The
+        runtime also unregisters it (:meth:`stop`)."""
         from rlix_plugins.pipeline import PipelineRuntime
 
+        cfg = self.config
+        self.rt = PipelineRuntime.register(cp, list(cfg.train_devices), list(cfg.infer_devices), infer_tp=cfg.infer_tp,
+                                           config=cfg.runtime_config(), pipeline_id=cfg.pipeline_id)
+        return self.rt.pipe
+
+    def start(self, master_config: Any, policy: Any, policy_generation: Any) -> None:
+        """Init phases of the registered pipeline (:meth:`register` first), then routing on ``policy_generation``."""
+        if self.rt is None:
+            raise RlixError("NemoRuntime.start before register(): the pipeline is not registered")
         cfg = self.config
         self.policy = policy
         self.step_target = int(cfg_path(master_config, "grpo.num_prompts_per_step") or 1)
         per_node = cfg_path(master_config, "cluster.gpus_per_node")
-        self.rt = PipelineRuntime(pipeline, cfg.runtime_config())
         self.weights = MegatronWeightSource.from_policy(policy, list(cfg.train_devices), cfg.bucket_size_bytes,
                                                         per_node)
         fleet = NemoVllmFleet.from_generation(policy_generation, list(cfg.infer_devices), cfg.infer_tp, per_node)
@@ -80,11 +93,12 @@ class NemoRuntime:
         self._collector = collector
         self.rt.attach_collector(CollectorPublisher(collector))
         if replay_buffer is not None:
-            self._progress = threading.Thread(target=self._report_progress, args=(replay_buffer,), daemon=True,
+            self._progress = threading.Thread(target=self._report_progress,
+                                              args=(replay_buffer, self.rt.progress_reporter()), daemon=True,
                                               name=f"rlix-progress-{self.rt.pipeline_id}")
             self._progress.start()
 
-    def _report_progress(self, replay_buffer: Any) -> None:
+    def _report_progress(self, replay_buffer: Any, reporter: Any) -> None:
         last: tuple[int, int] | None = None
         while not self._stop.wait(_PROGRESS_PERIOD_S):
             try:
@@ -92,8 +106,7 @@ class NemoRuntime:
                 n = int(ray_get(replay_buffer.__ray_call__.remote(worker_ops.count_intended_for, version),
                                 "replay_buffer.count_intended_for", 10.0, dead="the replay buffer died"))
                 if last is None or (version, n) != last:
-                    self.rt.report_progress(n, self.step_target, step=version,
-                                            new_batch=last is None or last[0] != version)
+                    reporter.report(n, self.step_target, step=version, new_batch=last is None or last[0] != version)
                     self.progress_reports.append((version, n))
                     last = (version, n)
             except Exception as exc:  # progress must never kill the run
