@@ -81,7 +81,8 @@ class PipelineSpec:
     max_age: int = 1
     bucket_size_bytes: int = 1 << 20
     on_gpu: bool = False
-    kv_cache_bytes: int = 64 << 20
+    #: vLLM KV cache per engine; None: 64 MiB on CPU, 1 GiB on a GPU (so a sleep visibly frees memory there)
+    kv_cache_bytes: int | None = None
     gpu_memory_utilization: float = 0.2
     seed: int = 0
     lr: float = 3e-3
@@ -95,7 +96,7 @@ def engine_kwargs(spec: PipelineSpec) -> tuple[dict[str, Any], dict[str, str]]:
 
     kwargs: dict[str, Any] = {
         "model": spec.model_dir, "dtype": "bfloat16", "max_model_len": 64, "max_num_seqs": 16,
-        "enforce_eager": True, "seed": spec.seed, "kv_cache_memory_bytes": spec.kv_cache_bytes,
+        "enforce_eager": True, "seed": spec.seed, "kv_cache_memory_bytes": spec.kv_cache_bytes if spec.kv_cache_bytes is not None else (1 << 30 if spec.on_gpu else 64 << 20),
     }
     env = {"HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "TOKENIZERS_PARALLELISM": "false",
            "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}

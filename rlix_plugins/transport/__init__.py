@@ -94,7 +94,7 @@ from rlix_plugins.transport._cuda_ipc import make_cuda_ipc_payload, open_cuda_ip
 from rlix_plugins.transport._memory import check_device_capacity, check_host_capacity, host_available_bytes
 from rlix_plugins.transport._plan import CommPlan, DeviceRef, TargetPlan, build_comm_plan
 from rlix_plugins.transport._receiver import receive_bucket
-from rlix_plugins.transport._sender import PendingCall, ReceiverEndpoint, SyncReport, sync_weights
+from rlix_plugins.transport._sender import PendingCall, ReceiverEndpoint, SyncReport, sync_weights, wait_all
 
 __all__ = [
     "ALIGN_BYTES",
@@ -133,4 +133,5 @@ __all__ = [
     "tensor_checksum",
     "unpack_bucket",
     "verify_checksums",
+    "wait_all",
 ]

@@ -54,7 +54,7 @@ def str_to_dtype(name: str) -> torch.dtype:
 
 
 def element_size(dtype: torch.dtype) -> int:
-    return torch.empty(0, dtype=dtype).element_size()
+    return dtype.itemsize  # no tensor allocation (this runs per tensor on the unpack path)
 
 
 def tensor_nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:

@@ -106,22 +106,30 @@ class SyncReport:
     staging_copy_seconds: float
     teardown_seconds: float
     verified: bool
+    #: the sender's checksums of the version sent (``{name: [nbytes, word_sum, weighted_sum]}``)
+    checksums: Mapping[str, list[int]]
 
 
-def _wait_all(calls: Mapping[int, PendingCall], timeout_s: float, what: str) -> None:
-    """Per-step barrier: every call must finish within ``timeout_s`` (one deadline for all)."""
+def wait_all(calls: Mapping[int, PendingCall], timeout_s: float, what: str) -> dict[int, Any]:
+    """Bounded barrier over started calls (one deadline for all); their results by dp rank.
+
+    Every error names the dp rank. A ``WeightVerificationError`` stays one, also when an RPC layer
+    (vLLM's ``collective_rpc``, Ray) forwarded only its text.
+    """
     deadline = time.monotonic() + timeout_s
+    out: dict[int, Any] = {}
     for dp_rank, call in calls.items():
         try:
-            call.result(timeout=max(deadline - time.monotonic(), 0.0))
-        except WeightVerificationError:
-            raise
+            out[dp_rank] = call.result(timeout=max(deadline - time.monotonic(), 0.0))
         except TimeoutError as exc:
             raise RlixTimeoutError(
                 f"{what}: dp rank {dp_rank} did not answer within {timeout_s:.0f} s (receiver dead or stuck)"
             ) from exc
         except Exception as exc:
+            if isinstance(exc, WeightVerificationError) or "WeightVerificationError" in repr(exc):
+                raise WeightVerificationError(f"{what}: dp rank {dp_rank}: {exc}") from exc
             raise TransportError(f"{what}: dp rank {dp_rank} failed: {exc!r}") from exc
+    return out
 
 
 def _failed_calls(calls: Mapping[int, PendingCall], grace_s: float) -> str:
@@ -189,7 +197,7 @@ def sync_weights(
                     for t in bcast_targets
                 }
                 host.join(plan.broadcast_world_size)
-                _wait_all(calls, timeout_s, f"setup_collective_group({group_name})")
+                wait_all(calls, timeout_s, f"setup_collective_group({group_name})")
             setup_s = time.perf_counter() - t0
             wire_s, copy_s = _send_buckets(snap, plan, endpoints, host, group_name, staging_dev, timeout_s)
             transfer_s = time.perf_counter() - t0 - setup_s
@@ -205,7 +213,7 @@ def sync_weights(
         version, checksums, num_buckets, payload = snap.version, snap.checksums, len(snap.buckets), snap.used_bytes
     if verify:
         calls = {t.dp_rank: endpoints[t.dp_rank].verify_model(checksums) for t in plan.targets}
-        _wait_all(calls, timeout_s, f"verify_model(version {version})")
+        wait_all(calls, timeout_s, f"verify_model(version {version})")
     return SyncReport(
         version=version,
         num_buckets=num_buckets,
@@ -219,6 +227,7 @@ def sync_weights(
         staging_copy_seconds=copy_s,
         teardown_seconds=teardown_s,
         verified=verify,
+        checksums=checksums,
     )
 
 
@@ -302,7 +311,7 @@ def _send_buckets(
                         f"bucket {record.meta.index}/{len(buckets)} of version {snap.version}: sender broadcast failed "
                         f"({exc!r}); failed receivers: {culprits or 'none reported yet'}"
                     ) from exc
-            _wait_all(calls, timeout_s, f"bucket {record.meta.index}/{len(buckets)} of version {snap.version}")
+            wait_all(calls, timeout_s, f"bucket {record.meta.index}/{len(buckets)} of version {snap.version}")
             wire_s += time.perf_counter() - t_send
     finally:
         if stagings:
@@ -345,9 +354,9 @@ def _teardown(
     if ok:
         if host is not None:
             host.close(clean=True)
-        _wait_all(calls, timeout_s, f"destroy_collective_group({group_name})")
+        wait_all(calls, timeout_s, f"destroy_collective_group({group_name})")
         return
     try:
-        _wait_all(calls, timeout_s, f"destroy_collective_group({group_name}) after a failed sync")
+        wait_all(calls, timeout_s, f"destroy_collective_group({group_name}) after a failed sync")
     except Exception as exc:
         log.warning("receiver teardown after a failed sync: %s", exc)

@@ -30,8 +30,15 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar, final
 
-from rlix_plugins.errors import RlixConfigError, RlixTimeoutError, TransportError, WeightVerificationError
-from rlix_plugins.transport import CommPlan, PendingCall, SyncReport, VersionedBucketCache, sync_weights
+from rlix_plugins.errors import RlixConfigError, RlixTimeoutError
+from rlix_plugins.transport import (
+    CommPlan,
+    PendingCall,
+    SyncReport,
+    VersionedBucketCache,
+    sync_weights,
+    wait_all,
+)
 
 __all__ = ["EngineRpc", "EngineSyncReport", "LLMEngineRpc", "RayEngineRpc", "sync_engines"]
 
@@ -55,12 +62,15 @@ class LLMEngineRpc:
     Do not call ``llm.generate`` concurrently with a sync: ``vllm.LLM`` is not thread-safe.
     """
 
-    def __init__(self, llm: Any) -> None:
+    def __init__(self, llm: Any, rpc_timeout_s: float = 300.0) -> None:
         self.llm = llm
+        #: vLLM's own bound on one ``collective_rpc``: a stuck worker frees this engine's RPC thread
+        #: (the caller's wait is bounded separately, by the sync's per-phase timeout)
+        self.rpc_timeout_s = rpc_timeout_s
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlix-engine-rpc")
 
     def call(self, method: str, args: tuple[Any, ...]) -> Future[Any]:
-        return self._pool.submit(self.llm.collective_rpc, method, args=args)
+        return self._pool.submit(self.llm.collective_rpc, method, timeout=self.rpc_timeout_s, args=args)
 
     def reset_prefix_cache(self) -> Future[Any]:
         return self._pool.submit(self.llm.reset_prefix_cache)
@@ -143,22 +153,6 @@ class EngineSyncReport:
     verified: dict[int, list[dict[str, int]]]
 
 
-def _gather(calls: Mapping[int, PendingCall], timeout_s: float, what: str) -> dict[int, Any]:
-    """Bounded barrier (one deadline for all calls) that names the dp rank and keeps the worker's message."""
-    deadline = time.monotonic() + timeout_s
-    out: dict[int, Any] = {}
-    for dp_rank, call in calls.items():
-        try:
-            out[dp_rank] = call.result(timeout=max(deadline - time.monotonic(), 0.0))
-        except TimeoutError as exc:
-            raise RlixTimeoutError(f"{what}: dp rank {dp_rank} did not answer within {timeout_s:.0f} s") from exc
-        except Exception as exc:
-            if "WeightVerificationError" in repr(exc) or isinstance(exc, WeightVerificationError):
-                raise WeightVerificationError(f"{what}: dp rank {dp_rank}: {exc}") from exc
-            raise TransportError(f"{what}: dp rank {dp_rank} failed: {exc}") from exc
-    return out
-
-
 def _bounded(fn: Callable[[], _T], deadline_s: float, what: str) -> _T:
     """Run ``fn`` on a daemon thread; raise ``RlixTimeoutError`` if it has not returned after ``deadline_s``."""
     box: dict[str, Any] = {}
@@ -187,7 +181,7 @@ def _bounded(fn: Callable[[], _T], deadline_s: float, what: str) -> _T:
 def _abort(engines: Mapping[int, EngineRpc], dp_ranks: list[int], sync_id: str, timeout_s: float) -> None:
     try:
         calls = {dp: engines[dp].call("rlix_abort_weight_update", (sync_id,)) for dp in dp_ranks}
-        _gather(calls, timeout_s, f"abort of sync {sync_id}")
+        wait_all(calls, timeout_s, f"abort of sync {sync_id}")
     except Exception as exc:  # never mask the error that caused the abort
         log.warning("rlix: abort of sync %s failed on some engine: %s", sync_id, exc)
 
@@ -225,8 +219,7 @@ def sync_engines(
     sync_id = uuid.uuid4().hex[:12]
     targets = [t.dp_rank for t in plan.targets]
     endpoints = {dp: _SyncEndpoint(engines[dp], sync_id, apply_mode) for dp in targets}
-    with cache.read(timeout_s) as snap:
-        expected, expected_version, num_buckets = snap.checksums, snap.version, len(snap.buckets)
+    num_buckets = max(cache.num_buffers, 1)  # >= the buckets of any version (buffers are reused, never shrunk)
     deadline_s = overall_timeout_s if overall_timeout_s is not None else timeout_s * (num_buckets + 4)
     try:
         report = _bounded(
@@ -234,25 +227,22 @@ def sync_engines(
                 cache, plan, endpoints, staging_device=staging_device, master_addr=master_addr,
                 backend=backend, timeout_s=timeout_s, verify=False, group_prefix=f"rlix_{sync_id}",
             ),
-            deadline_s, f"weight sync {sync_id} (version {expected_version}, {num_buckets} buckets)",
+            deadline_s, f"weight sync {sync_id} (up to {num_buckets} buckets)",
         )
-        if verify and report.version != expected_version:
-            raise TransportError(
-                f"the cache was rebuilt during sync {sync_id} (version {expected_version} -> {report.version}); sync again"
-            )
         t0 = time.perf_counter()
-        done = _gather({dp: engines[dp].call("finalize_weight_update", (sync_id,)) for dp in targets},
+        done = wait_all({dp: engines[dp].call("finalize_weight_update", (sync_id,)) for dp in targets},
                        timeout_s, f"finalize_weight_update(sync {sync_id})")
     except BaseException:
         _abort(engines, targets, sync_id, timeout_s)
         raise
     changed = [dp for dp in targets if any(done[dp])]
-    _gather({dp: engines[dp].reset_prefix_cache() for dp in changed}, timeout_s, "reset_prefix_cache")
+    wait_all({dp: engines[dp].reset_prefix_cache() for dp in changed}, timeout_s, "reset_prefix_cache")
     finalize_s = time.perf_counter() - t0
     verified: dict[int, list[dict[str, int]]] = {}
     t1 = time.perf_counter()
     if verify:
-        results = _gather({dp: engines[dp].call("verify_model", (expected,)) for dp in targets},
+        expected = dict(report.checksums)  # of the version this sync sent (read under the same cache lock)
+        results = wait_all({dp: engines[dp].call("verify_model", (expected,)) for dp in targets},
                           timeout_s, f"verify_model(version {report.version})")
         verified = {dp: list(r) for dp, r in results.items()}
     return EngineSyncReport(
