@@ -91,8 +91,17 @@ def test_driver(mock_grpo_components, tmp_path, monkeypatch):
             time.sleep(DRIVER_LIMIT_S * 2)
         time.sleep(float(spec["train_s"]))
 
+    from rlix_plugins.control import client
+
+    cp = client.connect()
+
+    def holds_training_gpus():
+        """Per the scheduler, right now (the probe of every recorded policy phase)."""
+        allocs = cp.status()["allocations"]
+        return any(a["pipeline_id"] == spec["pipeline_id"] and c.endswith(TRAIN) for c, a in allocs.items())
+
     events, refits = [], []
-    record_policy(policy, events, lambda: None, on_train=on_train)
+    record_policy(policy, events, holds_training_gpus, on_train=on_train)
     with HookCapture() as capture:
         run_async_grpo(mock_grpo_components, generation, CollectorHandle(collector), refits,
                        sample_delay_s=float(spec["rollout_s"]))
@@ -123,6 +132,11 @@ def test_driver(mock_grpo_components, tmp_path, monkeypatch):
         per = [h.name for h in hooks.history if h.step == step and h.name in STEP_EVENTS]
         assert per == list(STEP_EVENTS), (step, per)
     assert hooks.history[-1].name == "ended"
+    # The scheduler held this pipeline's training GPUs through every phase that runs on them (the other pipeline
+    # never got them in between), checkpoints included.
+    for name in ("prepare_for_lp_inference", "train", "offload_after_refit", "save_checkpoint"):
+        seen = [held for n, _, held in events if n == name]
+        assert seen and all(seen), (name, events)
     # Every weight sync was verified by checksum, none failed; a rank serves only what it was synced.
     ops = {e["op"] for e in history}
     assert not {"expand_failed", "refresh_failed"} & ops, history
@@ -172,7 +186,7 @@ def _finish(proc, name, tmp_path, deadline):
 
 def _specs(tmp_path, **overrides):
     tag = uuid.uuid4().hex[:6]
-    base = {"infer": [0, 1, 2, 3], "out": str(tmp_path), "steps": 3, "train_s": 0.5, "rollout_s": 1.0}
+    base = {"infer": [0, 1, 2, 3], "out": str(tmp_path), "steps": 3, "train_s": 0.5, "rollout_s": 2.5}
     a = {**base, "pipeline_id": f"tp_a_{tag}", "train": [0, 1], "seed": 1, "result": str(tmp_path / "a.json"),
          **overrides.get("a", {})}
     b = {**base, "pipeline_id": f"tp_b_{tag}", "train": [2, 3], "seed": 2, "result": str(tmp_path / "b.json"),
@@ -216,6 +230,12 @@ def _preemptions(trace, trainer_pid, donor_pid):
     return found
 
 
+def _dump(trace, path):
+    """The trace next to the drivers' logs (for a failure's post-mortem); returns it."""
+    path.write_text("\n".join(f"{e.time:.3f} {e.op:10s} {e.cluster_id:28s} {list(e.gpus)} {e.detail}" for e in trace))
+    return trace
+
+
 def _mine(status, pids):
     return {c: a for c, a in status["allocations"].items() if a["pipeline_id"] in pids}
 
@@ -229,7 +249,7 @@ def test_two_pipelines_time_share(tmp_path):
     procs = {"a": _spawn("a", a, tmp_path), "b": _spawn("b", b, tmp_path)}
     deadline = time.time() + DRIVER_LIMIT_S
     results = {name: _finish(p, name, tmp_path, deadline) for name, p in procs.items()}
-    trace = cp.trace(t0)
+    trace = _dump(cp.trace(t0), tmp_path / "trace.txt")
     pa, pb = a["pipeline_id"], b["pipeline_id"]
 
     # Training of one preempted the other's rollout ranks (the scheduler shrank them in the grant's cycle).
@@ -276,7 +296,7 @@ def test_killed_driver_leaves_the_other_finishing(tmp_path):
         time.sleep(0.5)
     t_freed = time.time()
     result_a = _finish(proc_a, "a", tmp_path, deadline)
-    trace = cp.trace(t0)
+    trace = _dump(cp.trace(t0), tmp_path / "trace.txt")
     assert result_a["t_end"] > t_freed, "A finished before B's GPUs came back: lengthen A's run"
     # A's rollout took B's training GPUs again after the kill.
     regained = [e for e in trace if e.time > t_kill and e.pipeline_id == pa and e.op == "expand"
