@@ -145,16 +145,18 @@ NEMO_SIDE_HELPERS = ("rlix_grpo_harness.py", "rlix_worker_standins.py")
 
 def run_nemo_side(
     copy: Path, scenario: str, dest: str, junit: Path, *, timeout_s: float, num_gpus: int = 0,
-    helpers: tuple[str, ...] = (),
+    helpers: tuple[str, ...] = NEMO_SIDE_HELPERS, extra_env: dict[str, str] | None = None,
 ) -> PytestRun:
-    """Copy ``nemo_side/<scenario>`` (+ ``helpers``) into ``copy/<dest>``, run it with NeMo RL's pytest, remove them."""
+    """Copy ``nemo_side/<scenario>`` and the shared ``helpers`` into ``copy/<dest>``, run the scenario with NeMo RL's
+    pytest (private Ray head, ``num_gpus`` declared), remove the copies."""
     dst = copy / dest
     copied = []
     try:
         for name in (*helpers, scenario):
             shutil.copyfile(NEMO_SIDE / name, dst / name)
             copied.append(dst / name)
-        return run_nemo_pytest(copy, [f"{dest}/{scenario}"], junit, timeout_s=timeout_s, num_gpus=num_gpus)
+        return run_nemo_pytest(copy, [f"{dest}/{scenario}"], junit, timeout_s=timeout_s, num_gpus=num_gpus,
+                               extra_env=extra_env)
     finally:
         for path in copied:
             path.unlink()

@@ -15,7 +15,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from _nemo_checkout import NEMO_SIDE_HELPERS, report, run_nemo_pytest, run_nemo_side
+from _nemo_checkout import report, run_nemo_pytest, run_nemo_side
 
 pytestmark = pytest.mark.nemo_rl
 
@@ -28,7 +28,7 @@ EXPECTED = {
 @pytest.mark.timeout(1000)
 def test_async_grpo_time_sharing_on_nemo_rl_mocks(nemo_copies: dict[str, Path], tmp_path: Path) -> None:
     run = run_nemo_side(nemo_copies["patched"], "test_rlix_async_grpo.py", "tests/unit/algorithms",
-                        tmp_path / "ts.xml", timeout_s=800, num_gpus=4, helpers=NEMO_SIDE_HELPERS[:1])
+                        tmp_path / "ts.xml", timeout_s=800, num_gpus=4)
     report(f"NeMo RL async_grpo_train time-sharing scenario: {run.summary()}")
     got = {name.rsplit("::", 1)[-1]: outcome for name, outcome in run.outcomes.items()}
     assert got == dict.fromkeys(EXPECTED, "passed"), f"{got}\noutput tail:\n{run.output_tail}"

@@ -20,7 +20,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from _nemo_checkout import NEMO_SIDE_HELPERS, report, run_nemo_side
+from _nemo_checkout import report, run_nemo_side
 
 pytestmark = [pytest.mark.nemo_rl, pytest.mark.slow]
 
@@ -33,8 +33,10 @@ EXPECTED = {
 
 @pytest.mark.timeout(1000)
 def test_two_async_grpo_pipelines_share_gpus(nemo_copies: dict[str, Path], tmp_path: Path) -> None:
+    measured = tmp_path / "measured.txt"  # the scenarios' one-line summaries (preemptions, recovery times)
     run = run_nemo_side(nemo_copies["patched"], "test_rlix_two_pipelines.py", "tests/unit/algorithms",
-                        tmp_path / "two.xml", timeout_s=900, num_gpus=4, helpers=NEMO_SIDE_HELPERS)
-    report(f"NeMo RL two time-shared async_grpo_train pipelines: {run.summary()}")
+                        tmp_path / "two.xml", timeout_s=900, num_gpus=4, extra_env={"RLIX_MEASURED": str(measured)})
+    lines = measured.read_text().strip().replace("\n", "; ") if measured.exists() else "no measurements"
+    report(f"NeMo RL two time-shared async_grpo_train pipelines: {run.summary()} ({lines})")
     got = {name.rsplit("::", 1)[-1]: outcome for name, outcome in run.outcomes.items()}
     assert got == EXPECTED, f"{got}\noutput tail:\n{run.output_tail}"

@@ -236,6 +236,14 @@ def _dump(trace, path):
     return trace
 
 
+def _measured(line):
+    """One summary line: printed, and appended to ``$RLIX_MEASURED`` when the outer test asks for it."""
+    print(line, flush=True)
+    if os.environ.get("RLIX_MEASURED"):
+        with open(os.environ["RLIX_MEASURED"], "a") as f:
+            f.write(line + "\n")
+
+
 def _mine(status, pids):
     return {c: a for c, a in status["allocations"].items() if a["pipeline_id"] in pids}
 
@@ -260,8 +268,8 @@ def test_two_pipelines_time_share(tmp_path):
     status = cp.status()
     assert pa not in status["pipelines"] and pb not in status["pipelines"], status["pipelines"]
     assert status["allocations"] == {}, status["allocations"]
-    print(f"two pipelines: preemptions A->B {len(a_over_b)}, B->A {len(b_over_a)}; "
-          f"run {max(r['t_end'] for r in results.values()) - t0:.1f} s", flush=True)
+    _measured(f"time-share: {len(a_over_b)} training grants of A preempted B's rollout ranks, {len(b_over_a)} of B "
+              f"preempted A's; both done {max(r['t_end'] for r in results.values()) - t0:.0f} s after the start")
 
 
 def test_killed_driver_leaves_the_other_finishing(tmp_path):
@@ -306,5 +314,5 @@ def test_killed_driver_leaves_the_other_finishing(tmp_path):
     _gpu_owners_never_overlap(trace)
     status = cp.status()
     assert pa not in status["pipelines"] and status["allocations"] == {}, status
-    print(f"kill: B's GPUs back {t_freed - t_kill:.1f} s after SIGKILL; A finished {result_a['t_end'] - t_kill:.1f} s "
-          "after it", flush=True)
+    _measured(f"kill: B's GPUs back {t_freed - t_kill:.1f} s after its SIGKILL, A finished {result_a['t_end'] - t_kill:.0f} s "
+              "after it")
