@@ -191,37 +191,12 @@ class DemoEngine:
         self._run(wake, timeout_s, "wake_up")
 
     def memory_in_use(self) -> int | None:
-        """Device bytes THIS process holds (the engine runs in-process), per NVML / nvidia-smi; None on CPU or
-        when the driver does not list the process (other PID namespace). Device-wide numbers would count the
-        co-tenant pipelines' engines on the same GPU, so they are only logged (``memory_log``), never checked."""
-        try:
-            import torch
+        """Device bytes this process tree holds (the engine runs in-process), per NVML; None on CPU or when the
+        driver lists other PIDs. Device-wide numbers would count the co-tenant pipelines' engines on the same
+        GPU, so they are only logged (``memory_log``), never checked."""
+        from rlix_plugins.pipeline.gpu_memory import process_tree_gpu_bytes
 
-            if not torch.cuda.is_available():
-                return None
-        except ImportError:
-            return None
-        pid = os.getpid()
-        try:
-            import pynvml
-
-            pynvml.nvmlInit()
-            index = int(os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0])
-            procs = pynvml.nvmlDeviceGetComputeRunningProcesses(pynvml.nvmlDeviceGetHandleByIndex(index))
-            found = [int(p.usedGpuMemory or 0) for p in procs if p.pid == pid]
-            return sum(found) if found else None
-        except Exception:
-            pass
-        try:
-            import subprocess
-
-            out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
-                                 capture_output=True, text=True, timeout=10).stdout
-            found = [int(float(mib)) << 20 for p, mib in (line.split(",") for line in out.splitlines() if "," in line)
-                     if int(p) == pid]
-            return sum(found) if found else None
-        except Exception:
-            return None
+        return process_tree_gpu_bytes()
 
     def _device_free(self) -> int | None:
         try:

@@ -71,13 +71,11 @@ def _run_on_engine_loop(llm: Any, coro: Any, timeout_s: float = 30.0) -> None:
 
 
 def device_memory_in_use(worker: Any) -> int | None:
-    """Device bytes in use as the driver sees them (not ``memory_allocated``: NCCL/vLLM pools count too)."""
-    import torch
+    """Device bytes this worker's process tree holds, per NVML (vLLM's engine core is a child process; NCCL and
+    vLLM pools count too). Not device-wide: co-tenant pipelines on the same GPU would fail the post-sleep check."""
+    from rlix_plugins.pipeline.gpu_memory import process_tree_gpu_bytes
 
-    if not torch.cuda.is_available():
-        return None
-    free, total = torch.cuda.mem_get_info()
-    return int(total - free)
+    return process_tree_gpu_bytes()
 
 
 # ---------------------------------------------------------------------------------------------- Megatron workers
