@@ -26,7 +26,13 @@ os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
 
 import torch
 
-from rlix_plugins.transport import GroupHost, VersionedBucketCache, build_comm_plan, sync_weights
+from rlix_plugins.transport import (
+    GroupHost,
+    VersionedBucketCache,
+    build_comm_plan,
+    sync_weights,
+    wait_for_teardowns,
+)
 from rlix_plugins.transport.local_receiver import SubprocessReceiver
 
 MiB = 1 << 20
@@ -197,6 +203,8 @@ def bench_gpu(sizes_gib: list[float], bucket: int, repeats: int) -> dict[str, An
             sync_weights(tiny, plan, {1: other}, staging_device="cuda:0", timeout_s=120)
             lifecycle = []
             for _ in range(5):
+                wait_for_teardowns(30)  # the previous sync's background NCCL abort (not part of the next sync)
+                other.call_worker(0, "wait_for_teardowns").result(60)
                 r = sync_weights(tiny, plan, {1: other}, staging_device="cuda:0", timeout_s=120)
                 lifecycle.append((r.setup_seconds, r.teardown_seconds, r.setup_seconds + r.transfer_seconds + r.teardown_seconds))
             results["nccl_group"] = {

@@ -75,6 +75,7 @@ from rlix_plugins.transport._broadcast import (
     destroy_collective_group,
     group_names,
     setup_collective_group,
+    wait_for_teardowns,
 )
 from rlix_plugins.transport._bucket import (
     ALIGN_BYTES,
@@ -134,4 +135,5 @@ __all__ = [
     "unpack_bucket",
     "verify_checksums",
     "wait_all",
+    "wait_for_teardowns",
 ]

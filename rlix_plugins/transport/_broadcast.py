@@ -18,7 +18,8 @@ group from a failed sync never collides with the next one. Destroying a group th
 joined is a no-op. Teardown is local on every rank: NCCL groups are aborted (``ncclCommAbort``)
 after the last barrier, gloo groups shut down; ``ProcessGroupNCCL.shutdown()`` is NOT used because
 its finalize waits for every peer and deadlocks the sender-first order (seen on 2x H200, torch 2.11).
-Measured there: NCCL setup (rendezvous + communicator init + warm-up) ~0.18 s, teardown ~1.0 s.
+Measured there: NCCL setup (rendezvous + communicator init + warm-up) ~0.19 s; the abort ~0.5 s, which
+runs in the background after a successful sync (``wait_for_teardowns`` waits for it).
 Hazard: NCCL's watchdog may kill a process whose collective exceeds the group
 timeout when ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` is 1 or 3 (torch's default); callers that must
 survive a dead peer set it to 2 before the first NCCL group is created.
@@ -26,8 +27,10 @@ survive a dead peer set it to 2 before the first NCCL group is created.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -132,6 +135,51 @@ def _release_pg(pg: Any, backend: str, device: torch.device, *, clean: bool) -> 
         log.warning("process group teardown (%s, clean=%s) raised %r", backend, clean, exc)
 
 
+# NCCL communicator teardown (``ncclCommAbort`` through ``ProcessGroupNCCL.abort``) took ~0.5 s per rank on
+# 2x H200 (NCCL 2.28), on the critical path of every expand and in-flight refresh. After a successful sync no
+# collective is in flight, so it runs on a background thread and the sync returns at once; the group is already
+# out of the registry (its name is unique per sync), and its TCPStore port closes when the thread drops it.
+# Failure paths still tear down inline (peers may be stuck mid-collective).
+_TEARDOWNS: list[threading.Thread] = []
+_TEARDOWNS_LOCK = threading.Lock()
+
+
+def _release_in_background(pg: Any, backend: str, device: torch.device) -> None:
+    holder = [pg]
+
+    def run() -> None:
+        _release_pg(holder[0], backend, device, clean=True)
+        holder.clear()  # last reference: the group (and the store it holds) is freed on this thread
+
+    thread = threading.Thread(target=run, name="rlix-group-teardown", daemon=True)
+    with _TEARDOWNS_LOCK:
+        _TEARDOWNS[:] = [t for t in _TEARDOWNS if t.is_alive()]
+        _TEARDOWNS.append(thread)
+    thread.start()
+
+
+def wait_for_teardowns(timeout_s: float = 30.0) -> bool:
+    """Block until this process's background group teardowns finished (their GPU memory and ports are free);
+    False if some are still running after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    with _TEARDOWNS_LOCK:
+        pending = list(_TEARDOWNS)
+    for thread in pending:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    return not any(t.is_alive() for t in pending)
+
+
+atexit.register(wait_for_teardowns, 10.0)
+
+
+def _release(pg: Any, backend: str, device: torch.device, *, clean: bool) -> None:
+    """Clean NCCL teardown in the background (see above); everything else inline."""
+    if clean and backend == "nccl":
+        _release_in_background(pg, backend, device)
+    else:
+        _release_pg(pg, backend, device, clean=clean)
+
+
 # ---------------------------------------------------------------------------------------------
 # receiver side (called inside receiver processes, e.g. by the vLLM worker extension)
 # ---------------------------------------------------------------------------------------------
@@ -217,8 +265,8 @@ def destroy_collective_group(group_name: str) -> bool:
         group = _GROUPS.pop(group_name, None)
     if group is None:
         return False
-    _release_pg(group.pg, group.backend, group.device, clean=True)
-    group.pg = group.store = None
+    pg, group.pg, group.store = group.pg, None, None
+    _release(pg, group.backend, group.device, clean=True)
     return True
 
 
@@ -274,6 +322,6 @@ class GroupHost:
     def close(self, *, clean: bool) -> None:
         pg, self._pg = self._pg, None
         if pg is not None:
-            _release_pg(pg, self.backend, self.device, clean=clean)
+            _release(pg, self.backend, self.device, clean=clean)
         del pg
         self._store = None  # last reference: the store's listening socket closes here

@@ -276,6 +276,12 @@ class _Worker:
             info.update(free=int(free), total=int(total), allocated=int(self.torch.cuda.memory_allocated(self.device)))
         return info
 
+    def wait_for_teardowns(self, timeout_s: float = 30.0) -> bool:
+        """This worker's background group teardowns finished (memory and ports released)."""
+        from rlix_plugins.transport import wait_for_teardowns
+
+        return wait_for_teardowns(timeout_s)
+
     def tensors(self) -> dict[str, tuple[str, list[int], bytes]]:
         from rlix_plugins.transport import dtype_to_str
 

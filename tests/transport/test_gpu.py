@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from rlix_plugins.transport import VersionedBucketCache, build_comm_plan, sync_weights
+from rlix_plugins.transport import VersionedBucketCache, build_comm_plan, sync_weights, wait_for_teardowns
 from rlix_plugins.transport.local_receiver import SubprocessReceiver
 
 pytestmark = pytest.mark.gpu
@@ -57,6 +57,8 @@ def _cycles(
         cache.build(version, iter(model))
         before = _free(devices)
         report = sync_weights(cache, plan, endpoints, staging_device="cuda:0", timeout_s=120, verify=True)
+        # NCCL groups are aborted in the background after a successful sync: memory is back once that finished
+        assert wait_for_teardowns(30) and all(ep.call_worker(0, "wait_for_teardowns").result(60) for ep in endpoints.values())
         after = _free(devices)
         assert report.verified and report.num_buckets >= 3
         for ep in endpoints.values():
