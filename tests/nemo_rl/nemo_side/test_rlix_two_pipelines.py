@@ -195,10 +195,11 @@ def _specs(tmp_path, **overrides):
 
 
 def _gpu_owners_never_overlap(trace):
-    """Replay the occupancy ops of the trace: one cluster per GPU at any time."""
-    owner = {}
+    """Replay the occupancy ops of the trace: one cluster per GPU at any time. Returns the GPU spans checked."""
+    owner, checked = {}, 0
     for e in trace:
         if e.op in ("allocate", "expand"):
+            checked += len(e.gpus)
             for g in e.gpus:
                 assert owner.get(g) in (None, e.cluster_id), f"GPU {g}: {e.cluster_id} while {owner[g]} holds it ({e})"
                 owner[g] = e.cluster_id
@@ -210,6 +211,7 @@ def _gpu_owners_never_overlap(trace):
                 owner = {g: (None if c == e.cluster_id else c) for g, c in owner.items()}
         elif e.op in ("unregister", "fail"):
             owner = {g: (None if c is not None and c.startswith(e.pipeline_id) else c) for g, c in owner.items()}
+    return checked
 
 
 def _preemptions(trace, trainer_pid, donor_pid):
@@ -263,7 +265,7 @@ def test_two_pipelines_time_share(tmp_path):
     # Training of one preempted the other's rollout ranks (the scheduler shrank them in the grant's cycle).
     a_over_b, b_over_a = _preemptions(trace, pa, pb), _preemptions(trace, pb, pa)
     assert a_over_b or b_over_a, [(e.op, e.pipeline_id, e.cluster_id, e.gpus, e.detail) for e in trace]
-    _gpu_owners_never_overlap(trace)
+    assert _gpu_owners_never_overlap(trace) >= 20  # every step's grants and expands were replayed
     # Both finished and left; nothing allocated.
     status = cp.status()
     assert pa not in status["pipelines"] and pb not in status["pipelines"], status["pipelines"]
@@ -311,7 +313,7 @@ def test_killed_driver_leaves_the_other_finishing(tmp_path):
                 and set(e.gpus) & set(b["train"])]
     assert regained, [(e.op, e.pipeline_id, e.cluster_id, e.gpus, e.detail) for e in trace if e.time > t_kill]
     assert [e for e in trace if e.time > t_kill and e.pipeline_id == pb and e.op in ("fail", "unregister")]
-    _gpu_owners_never_overlap(trace)
+    assert _gpu_owners_never_overlap(trace) >= 20  # every step's grants and expands were replayed
     status = cp.status()
     assert pa not in status["pipelines"] and status["allocations"] == {}, status
     _measured(f"kill: B's GPUs back {t_freed - t_kill:.1f} s after its SIGKILL, A finished {result_a['t_end'] - t_kill:.0f} s "
