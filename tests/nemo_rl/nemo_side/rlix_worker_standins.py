@@ -10,9 +10,12 @@ receiver (:class:`rlix_plugins.vllm.receiver.RlixReceiverMixin` with checksum ve
 What cannot exist in the conformance venv (no vLLM, no Megatron) is replaced, and only that:
 
 * :class:`StandinVllmLeader` - the members our fleet calls on NeMo RL's ``VllmAsyncGenerationWorker`` DP leader
-  (``sleep_async(level=)`` of patch 0003, ``wake_up_async(tags=)``, ``reset_prefix_cache_async``, ``checkpoint_engine_rpc_async``,
-  ``llm.output_processor.request_states`` / ``llm.abort``) with ONE in-process "vLLM worker": our receiver mixin
-  over NeMo RL's refit contract (``_load_weights`` + ``_weight_update_lifecycle``) on a dict of tensors.
+  (``sleep_async(level=)`` of patch 0003, ``wake_up_async(tags=)``, ``reset_prefix_cache_async``,
+  ``checkpoint_engine_rpc_async``, ``llm.output_processor.request_states`` / ``llm.abort``) with ONE in-process
+  "vLLM worker": our receiver mixin over NeMo RL's refit contract (``_load_weights`` +
+  ``_weight_update_lifecycle``), loading in place into a zero-initialised ("dummy weights") torch module.
+* :class:`RecordingCollectorActor` + :class:`CollectorHandle` - the ``AsyncTrajectoryCollector`` surface the loop
+  calls, as a real actor (our resize actor publishes to it from its own process); it generates nothing.
 * :class:`StandinMegatronWorker` - ``rank`` + NeMo RL's refit iterator ``_iter_params_with_optional_kv_scales``
   over small real tensors that ``train(seed)`` replaces; ``megatron.core.parallel_state`` is a stub saying "model
   parallel not initialized" (a one-process trainer has no Megatron groups to tear down).
