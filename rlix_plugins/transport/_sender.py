@@ -12,6 +12,7 @@ next sync builds a fresh group under a fresh name and port.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import uuid
@@ -316,7 +317,8 @@ def _send_buckets(
     finally:
         if stagings:
             torch.cuda.synchronize(staging_dev)
-            copy_s = sum(a.elapsed_time(b) for a, b in copy_events) / 1000.0
+            with contextlib.suppress(Exception):  # a diagnostic: never mask the error that got us here
+                copy_s = sum(a.elapsed_time(b) for a, b in copy_events) / 1000.0
             stagings.clear()
             if plan.same_gpu_transport == "cuda_ipc":
                 torch.cuda.ipc_collect()  # release staging blocks kept alive for IPC consumers
