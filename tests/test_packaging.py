@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 import zipfile
@@ -12,27 +11,15 @@ from pathlib import Path
 
 import pytest
 
+from tests._repo import copy_tracked
+
 REPO = Path(__file__).resolve().parents[1]
-
-
-def _copy_tracked(dst: Path) -> None:
-    """The files git tracks (plus working-tree edits), without build leftovers or venvs."""
-    out = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True, check=True, timeout=60).stdout
-    for rel in filter(None, out.decode().split("\0")):
-        src, target = REPO / rel, dst / rel
-        if not src.exists() and not src.is_symlink():
-            continue  # deleted in the working tree
-        target.parent.mkdir(parents=True, exist_ok=True)
-        if src.is_symlink():
-            os.symlink(os.readlink(src), target)
-        else:
-            shutil.copy2(src, target)
 
 
 @pytest.mark.timeout(300)
 def test_wheel_contains_the_patch_series(tmp_path: Path) -> None:
     src = tmp_path / "src"
-    _copy_tracked(src)
+    copy_tracked(src)
     proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
                            str(tmp_path / "dist"), str(src)], capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -10,12 +10,13 @@ load, and the real seam file of patch 0001 loads our hooks with ``RLIX_CONTROL_P
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests._repo import copy_tracked
 
 REPO = Path(__file__).resolve().parents[2]
 SEAM_PATCH = REPO / "rlix_plugins/patches/nemo-rl/7ea279a/0001-rlix-hooks-seam.patch"
@@ -35,19 +36,6 @@ print("SEAM", type(seam.load_rlix_hooks().plugin_manager.get_plugin("rlix")).__n
 """
 
 
-def _copy_tracked(dst: Path) -> None:
-    out = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True, check=True, timeout=60).stdout
-    for rel in filter(None, out.decode().split("\0")):
-        src, target = REPO / rel, dst / rel
-        if not src.exists() and not src.is_symlink():
-            continue
-        target.parent.mkdir(parents=True, exist_ok=True)
-        if src.is_symlink():
-            os.symlink(os.readlink(src), target)
-        else:
-            shutil.copy2(src, target)
-
-
 @pytest.mark.timeout(300)
 def test_entry_points_resolve_from_another_interpreter_through_pythonpath(tmp_path: Path) -> None:
     if not BASE_PYTHON.exists():
@@ -59,7 +47,7 @@ def test_entry_points_resolve_from_another_interpreter_through_pythonpath(tmp_pa
         pytest.skip(f"{BASE_PYTHON} already has rlix_plugins installed; the route cannot be isolated here")
 
     src, site = tmp_path / "src", tmp_path / "site"
-    _copy_tracked(src)
+    copy_tracked(src)
     pip = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
                           "--target", str(site), str(src)], capture_output=True, text=True, timeout=240)
     assert pip.returncode == 0, pip.stderr[-3000:]
