@@ -140,7 +140,7 @@ def run_nemo_pytest(
 
 #: Our files that run inside a patched copy (``nemo_side/``), and the helper modules every scenario imports.
 NEMO_SIDE = Path(__file__).parent / "nemo_side"
-NEMO_SIDE_HELPERS = ("rlix_grpo_harness.py", "rlix_worker_standins.py")
+NEMO_SIDE_HELPERS = ("rlix_ray_fixtures.py", "rlix_grpo_harness.py", "rlix_worker_standins.py")
 
 
 def run_nemo_side(

@@ -77,15 +77,12 @@ def test_setup_places_two_pipelines_in_shared_groups(nemo_copies: dict[str, Path
     static refit world; with RLIX_CONTROL_PLANE=rlix, two pipelines from our recipes in one process get the pool's
     per-GPU placement groups, fractional workers and per-pipeline actor names (real RayWorkerGroup workers)."""
     patched = nemo_copies["patched"]
-    dst = patched / "tests" / "unit" / "algorithms" / SETUP.name
     recipes = patched / "examples" / "configs" / "rlix"
-    shutil.copyfile(SETUP, dst)
     shutil.copytree(RECIPES, recipes)
     try:
-        run = run_nemo_pytest(patched, [str(dst.relative_to(patched))], tmp_path / "setup.xml", timeout_s=600,
-                              num_gpus=4)
+        run = run_nemo_side(patched, SETUP.name, "tests/unit/algorithms", tmp_path / "setup.xml", timeout_s=600,
+                            num_gpus=4, helpers=("rlix_ray_fixtures.py",))
     finally:
-        dst.unlink()
         shutil.rmtree(recipes)
     report(f"NeMo RL setup() shared placement: {run.summary()}")
     got = {name.rsplit("::", 1)[-1]: outcome for name, outcome in run.outcomes.items()}

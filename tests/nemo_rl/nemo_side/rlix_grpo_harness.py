@@ -1,8 +1,8 @@
 """Shared by the nemo_side scenarios: runs INSIDE a patched NeMo RL copy (copied next to them into
 ``tests/unit/algorithms/``), imported as ``tests.unit.algorithms.rlix_grpo_harness``. Not a test module.
 
-* fixtures ``init_ray_cluster`` / ``ray_gpu_monitor`` (import them into a test module to override NeMo RL's):
-  join ``RAY_ADDRESS`` (the outer test's private head, 4 GPUs declared) or start a private 4-GPU head;
+* fixtures ``init_ray_cluster`` / ``ray_gpu_monitor`` from ``rlix_ray_fixtures`` (import them into a test module
+  to override NeMo RL's);
 * :func:`configure` - NeMo RL's ``mock_grpo_components`` config switched to the time-sharing topology;
 * :func:`record_policy` - the mock policy's phases recorded with a probe of the control plane;
 * :class:`HookCapture` - keeps the hook implementation the seam loaded through the entry point;
@@ -13,15 +13,17 @@ Driven by rlix-plugins' ``tests/nemo_rl/test_nemo_rl_time_sharing.py`` and ``tes
 """
 
 import contextlib
-import os
 import time
 from typing import Any
 from unittest.mock import MagicMock, patch
 
-import pytest
 import ray
 from nemo_rl.algorithms import rlix_hooks as seam
 from nemo_rl.algorithms.grpo import async_grpo_train
+from tests.unit.algorithms.rlix_ray_fixtures import (  # noqa: F401  (re-exported for the scenarios)
+    init_ray_cluster,
+    ray_gpu_monitor,
+)
 from tests.unit.algorithms.test_grpo import (
     StubAsyncTrajectoryCollector,
     StubReplayBuffer,
@@ -31,23 +33,6 @@ from tests.unit.algorithms.test_grpo import (
 )
 
 REAL_RAY_GET = ray.get
-
-
-@pytest.fixture(scope="session", autouse=True)
-def init_ray_cluster():
-    """Overrides NeMo RL's: the control plane needs a GPU pool (the driver's private head declares 4 GPUs)."""
-    if os.environ.get("RAY_ADDRESS"):
-        ray.init(address=os.environ["RAY_ADDRESS"], namespace="rlix_conformance")
-    else:
-        ray.init(num_cpus=8, num_gpus=4, include_dashboard=False, namespace="rlix_conformance")
-    yield
-    ray.shutdown()
-
-
-@pytest.fixture(scope="session", autouse=True)
-def ray_gpu_monitor(init_ray_cluster):
-    """Overrides NeMo RL's GPU monitor (no GPUs here)."""
-    yield None
 
 
 def real_or_stub_get(stub_get):

@@ -13,32 +13,17 @@ Driven by ``tests/nemo_rl/test_nemo_rl_time_sharing.py`` of rlix-plugins (it cop
 ``examples/configs/rlix/``); not part of NeMo RL.
 """
 
-import os
 import sys
 from pathlib import Path
 
-import pytest
 import ray
+from tests.unit.algorithms.rlix_ray_fixtures import (  # noqa: F401  (fixture import: overrides NeMo RL's)
+    init_ray_cluster,
+    ray_gpu_monitor,
+)
 
 WORKER_FQN = f"{__name__}.PlacedWorker"
 REPO = Path(__file__).resolve().parents[3]
-
-
-@pytest.fixture(scope="session", autouse=True)
-def init_ray_cluster():
-    """Overrides NeMo RL's: the control plane needs a GPU pool (the driver's private head declares 4 GPUs)."""
-    if os.environ.get("RAY_ADDRESS"):
-        ray.init(address=os.environ["RAY_ADDRESS"], namespace="rlix_conformance")
-    else:
-        ray.init(num_cpus=8, num_gpus=4, include_dashboard=False, namespace="rlix_conformance")
-    yield
-    ray.shutdown()
-
-
-@pytest.fixture(scope="session", autouse=True)
-def ray_gpu_monitor(init_ray_cluster):
-    """Overrides NeMo RL's GPU monitor (no GPUs here)."""
-    yield None
 
 
 @ray.remote
