@@ -16,7 +16,18 @@ tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 mkdir -p "$KIT/deps"
 "$PY" -m pip download -q --no-deps "${WHEEL_TAGS[@]}" -d "$tmp" ray==2.60.0
-"$PY" -m zipfile -e "$tmp"/ray-2.60.0-*.whl "$tmp/site"
+# zipfile drops the executable bits (gcs_server/raylet then fail with PermissionError): restore them from
+# the wheel's external_attr.
+"$PY" - "$tmp" <<'PY'
+import glob, os, sys, zipfile
+tmp = sys.argv[1]
+with zipfile.ZipFile(glob.glob(f"{tmp}/ray-2.60.0-*.whl")[0]) as zf:
+    for info in zf.infolist():
+        path = zf.extract(info, f"{tmp}/site")
+        mode = (info.external_attr >> 16) & 0o777
+        if mode:
+            os.chmod(path, mode)
+PY
 (cd "$tmp/site/ray" && rm -rf jars rllib tune serve train data llm && find dashboard/client -mindepth 1 -delete)
 find "$tmp/site" -name __pycache__ -prune -exec rm -rf {} +
 tar -cJf "$KIT/ray.tar.xz" -C "$tmp/site" ./ray ./ray-2.60.0.dist-info

@@ -1,0 +1,23 @@
+"""Run a NeMo RL entry script with every Ray actor on this interpreter (the GPU machine has no uv and no network).
+
+NeMo RL starts its actors with ``uv run --extra <x>`` executables (``PY_EXECUTABLES``); ``NEMO_RL_PY_EXECUTABLES_SYSTEM=1``
+covers only the vLLM/Megatron/SGLang/TRT-LLM workers, not the DTensor policy worker (``PY_EXECUTABLES.FSDP``), the
+collector and the replay buffer. This launcher points every ``PY_EXECUTABLES`` entry at ``sys.executable`` before
+the registry reads them, then runs the script as ``__main__``. A GPU-kit tool, not part of the product:
+
+    python3 scripts/gpu/nemo_rl_system_python.py examples/run_grpo.py --config ... key=value ...
+"""
+
+from __future__ import annotations
+
+import runpy
+import sys
+
+from nemo_rl.distributed import virtual_cluster
+
+for name in dir(virtual_cluster.PY_EXECUTABLES):
+    if name.isupper():
+        setattr(virtual_cluster.PY_EXECUTABLES, name, sys.executable)
+
+script, sys.argv = sys.argv[1], sys.argv[1:]
+runpy.run_path(script, run_name="__main__")

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Carry the GPU kits to the device machine over several calls of <= 64 MiB each, on ONE warm machine (it goes back
+# 30 s after a call: make the calls back to back). Kits (all under .gpukit/, built here once):
+#   vLLM  (docs/gpu.md: .gpukit/p1 p2 deps stash.sh setup.sh)   Ray (scripts/make_gpu_raykit.sh: .gpukit/raykit)
+#   NeMo RL (scripts/make_gpu_nemokit.sh: .gpukit/nemokit/w1 w2)
+#   bash scripts/gpu_kit.sh groups           here: the carry lists, one per call (each under the limit)
+#   bash scripts/gpu_kit.sh stash            device, every call but the last: park the carried kit parts in /tmp/gpukit
+#   bash scripts/gpu_kit.sh run CMD...       device, last call: restore the parked parts, install what is missing
+#                                            (once per machine) and run CMD with vLLM, Ray and NeMo RL importable
+set -u
+cd "$(dirname "$0")/.."
+STASH=/tmp/gpukit
+case "${1:-}" in
+groups)
+  echo "call 1: .gpukit/p1 .gpukit/stash.sh .gpukit/raykit/deps .gpukit/raykit/ray_setup.sh   (bash scripts/gpu_kit.sh stash)"
+  echo "call 2: .gpukit/raykit/ray.tar.xz .gpukit/nemokit/w1                                   (bash scripts/gpu_kit.sh stash)"
+  echo "call 3: .gpukit/p2 .gpukit/deps .gpukit/setup.sh .gpukit/nemokit/w2                    (bash scripts/gpu_kit.sh run ...)"
+  du -shc .gpukit/p1 .gpukit/raykit/deps | tail -1; du -shc .gpukit/raykit/ray.tar.xz .gpukit/nemokit/w1 | tail -1
+  du -shc .gpukit/p2 .gpukit/deps .gpukit/nemokit/w2 | tail -1 ;;
+stash)
+  mkdir -p "$STASH" && cp -a .gpukit/. "$STASH/" && du -sh "$STASH" ;;
+run)
+  shift
+  mkdir -p "$STASH" && cp -a .gpukit/. "$STASH/" && cp -a "$STASH/." .gpukit/ || exit 3
+  export PIP_BREAK_SYSTEM_PACKAGES=1
+  if [ ! -d /tmp/site/vllm ]; then bash .gpukit/stash.sh >/dev/null || exit 3; fi
+  # shellcheck disable=SC1091
+  source <(sed '$d' .gpukit/setup.sh) || exit 4      # vLLM into /tmp/site once + its environment (not its exec line)
+  bash .gpukit/raykit/ray_setup.sh || exit 5
+  if [ -d .gpukit/nemokit/w2 ] && [ ! -d /tmp/nemo-rl/nemo_rl ]; then
+    mkdir -p /tmp/nemo-rl && tar -xJf .gpukit/nemokit/w2/nemo_rl.tar.xz -C /tmp/nemo-rl || exit 6
+    python3 -m pip install -q --no-index --find-links .gpukit/nemokit/w1 --find-links .gpukit/nemokit/w2 \
+      pydantic torchdata tensordict datasets mlflow-skinny swanlab wandb soundfile math-verify hydra-core omegaconf \
+      prometheus-client rich matplotlib uvicorn fastapi pyzmq nvidia-ml-py "colored==2.2.3" || exit 7
+  fi
+  export NEMO_RL_SRC=/tmp/nemo-rl NEMO_RL_PY_EXECUTABLES_SYSTEM=1
+  [ $# -gt 0 ] && exec "$@" ;;
+*)
+  echo "usage: bash scripts/gpu_kit.sh groups|stash|run CMD..." >&2; exit 2 ;;
+esac

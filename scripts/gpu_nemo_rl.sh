@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Real NeMo RL on the GPU machine, under `bash scripts/gpu_kit.sh run` (vLLM, Ray and the pinned NeMo RL in place).
+#   bash scripts/gpu_kit.sh run bash scripts/gpu_nemo_rl.sh standalone     stock grpo_math_1B, unpatched vs patched
+#   bash scripts/gpu_kit.sh run bash scripts/gpu_nemo_rl.sh shared         two pipelines time-sharing the GPU
+# Every NeMo RL run: the stock recipe (DTensor v1 policy) scaled down to a tiny local Qwen2 and local arithmetic
+# prompts (no hub on the machine); each writes its console log and NeMo RL's metrics under $OUT.
+set -u
+REPO=$PWD
+OUT=${OUT:-/tmp/rlix_gpu_out}
+WORK=/tmp/rlix_nemo
+STEPS=${STEPS:-5}
+mkdir -p "$OUT" "$WORK"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 RAY_DEDUP_LOGS=0 TORCH_NCCL_ENABLE_MONITORING=0
+[ -d "$WORK/data/model" ] || python3 scripts/gpu/nemo_rl_data.py "$WORK/data" || exit 3
+if [ ! -d "$WORK/patched/nemo_rl" ]; then  # the pinned series on a copy (the kit's source is no git checkout)
+  mkdir -p "$WORK/patched" && cp -a "$NEMO_RL_SRC/." "$WORK/patched/"
+  cat rlix_plugins/patches/nemo-rl/7ea279a/0*.patch >"$WORK/series.patch"
+  (cd "$WORK/patched" && { git apply --whitespace=nowarn "$WORK/series.patch" || patch -p1 <"$WORK/series.patch"; }) || exit 4
+fi
+
+# The stock recipe, scaled down: tiny model and batches, eager vLLM, no checkpoints or validation, DTensor v1.
+TINY=(policy.model_name="$WORK/data/model" policy.dtensor_cfg._v2=false policy.sequence_packing.enabled=false
+  policy.max_total_sequence_length=256 policy.generation.max_new_tokens=48 policy.train_global_batch_size=16
+  policy.train_micro_batch_size=4 policy.generation.vllm_cfg.enforce_eager=true
+  policy.generation.vllm_cfg.gpu_memory_utilization=0.25 grpo.num_prompts_per_step=4 grpo.num_generations_per_prompt=4
+  grpo.max_num_steps="$STEPS" grpo.val_period=0 checkpointing.enabled=false data.train.dataset_name=ResponseDataset
+  ++data.train.data_path="$WORK/data/train.jsonl" ++data.train.input_key=input ++data.train.output_key=output
+  data.default.prompt_file=null env.math.num_workers=2 logger.monitor_gpus=false logger.tensorboard_enabled=true
+  cluster.gpus_per_node=1)
+
+grpo_run() {  # grpo_run NAME CHECKOUT LIMIT_S [overrides...]: one run_grpo.py driver, log + metrics under $OUT/NAME
+  local name=$1 src=$2 limit=$3; shift 3
+  mkdir -p "$OUT/$name"
+  local t0=$SECONDS
+  (cd "$src" && PYTHONPATH="$src:$PYTHONPATH" timeout -k 10 "$limit" python3 "$REPO/scripts/gpu/nemo_rl_system_python.py" \
+     examples/run_grpo.py --config examples/configs/grpo_math_1B.yaml "${TINY[@]}" \
+     logger.log_dir="$OUT/$name/logs" "$@") >"$OUT/$name/console.log" 2>&1
+  local rc=$?
+  echo "=== $name: exit $rc in $((SECONDS - t0)) s"
+  grep -E "Step [0-9]+/|Total step time|Avg Reward|reward|E2E \(Tokens" "$OUT/$name/console.log" | tail -n 40
+  [ $rc -ne 0 ] && tail -n 60 "$OUT/$name/console.log"
+  return $rc
+}
+
+failed=0
+for part in "${@:-standalone}"; do
+  case $part in
+  standalone)
+    unset RLIX_CONTROL_PLANE
+    grpo_run standalone_unpatched "$NEMO_RL_SRC" 280 || failed=$((failed + 1))
+    grpo_run standalone_patched "$WORK/patched" 280 || failed=$((failed + 1)) ;;
+  *) echo "unknown part $part"; failed=$((failed + 1)) ;;
+  esac
+done
+ray stop --force >/dev/null 2>&1
+exit "$failed"
