@@ -27,11 +27,18 @@ run)
   # shellcheck disable=SC1091
   source <(sed '$d' .gpukit/setup.sh) || exit 4      # vLLM into /tmp/site once + its environment (not its exec line)
   bash .gpukit/raykit/ray_setup.sh || exit 5
-  if [ -d .gpukit/nemokit/w2 ] && [ ! -d /tmp/nemo-rl/nemo_rl ]; then
+  if [ -d .gpukit/nemokit/w2 ] && [ ! -f /tmp/nemo-rl/.kit-installed ]; then
     mkdir -p /tmp/nemo-rl && tar -xJf .gpukit/nemokit/w2/nemo_rl.tar.xz -C /tmp/nemo-rl || exit 6
-    python3 -m pip install -q --no-index --find-links .gpukit/nemokit/w1 --find-links .gpukit/nemokit/w2 \
-      pydantic torchdata tensordict datasets mlflow-skinny swanlab wandb soundfile math-verify hydra-core omegaconf \
-      prometheus-client rich matplotlib uvicorn fastapi pyzmq nvidia-ml-py "colored==2.2.3" || exit 7
+    # The closure was resolved when the kit was built (scripts/gpu_nemokit_closure.py): install it as is. pip's
+    # resolver would refuse soft pins against what the image and the vLLM/Ray kits hold (mlflow-skinny: cachetools<8,
+    # swanlab: protobuf<7), none of which bites on the imports NeMo RL's GRPO path makes.
+    python3 -m pip install -q --no-index --no-deps --no-compile .gpukit/nemokit/w1/*.whl .gpukit/nemokit/w2/*.whl || exit 7
+    touch /tmp/nemo-rl/.kit-installed
+  fi
+  # NeMo RL pins transformers<5.9 (and asserts < 5.12 at import); the image has 5.17: shadow it (and the tokenizers
+  # it accepts) in /tmp/site.
+  if [ -d .gpukit/nemokit/w3 ] && [ ! -f /tmp/site/.w3-installed ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .gpukit/nemokit/w3/*.whl && touch /tmp/site/.w3-installed || exit 7
   fi
   export NEMO_RL_SRC=/tmp/nemo-rl NEMO_RL_PY_EXECUTABLES_SYSTEM=1
   [ $# -gt 0 ] && exec "$@" ;;

@@ -10,6 +10,7 @@ OUT=${OUT:-/tmp/rlix_gpu_out}
 WORK=/tmp/rlix_nemo
 STEPS=${STEPS:-5}
 mkdir -p "$OUT" "$WORK"
+ray() { python3 -c 'import sys; from ray.scripts.scripts import main; sys.argv[0] = "ray"; sys.exit(main())' "$@"; }  # kit: no entry-point script
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 RAY_DEDUP_LOGS=0 TORCH_NCCL_ENABLE_MONITORING=0
 [ -d "$WORK/data/model" ] || python3 scripts/gpu/nemo_rl_data.py "$WORK/data" || exit 3
 if [ ! -d "$WORK/patched/nemo_rl" ]; then  # the pinned series on a copy (the kit's source is no git checkout)
@@ -32,10 +33,13 @@ grpo_run() {  # grpo_run NAME CHECKOUT LIMIT_S [overrides...]: one run_grpo.py d
   local name=$1 src=$2 limit=$3; shift 3
   mkdir -p "$OUT/$name"
   local t0=$SECONDS
+  # An external cluster (NeMo RL's init_ray joins it): its own would start Ray's dashboard, which the trimmed kit lacks.
+  ray start --head --num-gpus 1 --include-dashboard=false --disable-usage-stats >"$OUT/$name/ray_start.log" 2>&1
   (cd "$src" && PYTHONPATH="$src:$PYTHONPATH" timeout -k 10 "$limit" python3 "$REPO/scripts/gpu/nemo_rl_system_python.py" \
      examples/run_grpo.py --config examples/configs/grpo_math_1B.yaml "${TINY[@]}" \
      logger.log_dir="$OUT/$name/logs" "$@") >"$OUT/$name/console.log" 2>&1
   local rc=$?
+  ray stop --force >/dev/null 2>&1
   echo "=== $name: exit $rc in $((SECONDS - t0)) s"
   grep -E "Step [0-9]+/|Total step time|Avg Reward|reward|E2E \(Tokens" "$OUT/$name/console.log" | tail -n 40
   [ $rc -ne 0 ] && tail -n 60 "$OUT/$name/console.log"
