@@ -30,8 +30,10 @@ vLLM resolves both class names by qualified name inside every worker process.
 * ``CPU_WORKER_CLS`` is the same composition for vLLM-CPU (tests, CPU demo).
 
 The ``vllm.general_plugins`` entry point (``rlix_plugins.vllm.plugin:register``) runs in every vLLM
-process; it does nothing unless ``RLIX_CONTROL_PLANE=rlix`` (then it pre-imports the receiver so a broken
-install fails at engine start). It never changes which engines get the receiver.
+process; it asks for the AMX tile state on CPUs that have AMX (:mod:`rlix_plugins.vllm.amx`: vLLM-CPU's
+AMX kernels need it and never ask) and otherwise does nothing unless ``RLIX_CONTROL_PLANE=rlix`` (then it
+pre-imports the receiver so a broken install fails at engine start). It never changes which engines get
+the receiver.
 
 Receiver methods (unprefixed names as in DESIGN.md §6; none collides with vLLM 0.25/0.32 workers or
 NeMo's extension): ``setup_collective_group``, ``update_parameter_in_bucket``, ``broadcast_parameter``,

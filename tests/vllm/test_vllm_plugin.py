@@ -1,4 +1,4 @@
-"""The ``vllm.general_plugins`` entry point: installed, a no-op without ``RLIX_CONTROL_PLANE=rlix``.
+"""The ``vllm.general_plugins`` entry point: installed, asks for AMX, otherwise a no-op without ``RLIX_CONTROL_PLANE=rlix``.
 
 vLLM calls ``load_general_plugins()`` in every process it starts; each case runs it in a fresh
 interpreter (as vLLM's processes do), so the once-per-process guard cannot hide anything.
@@ -10,7 +10,6 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -25,19 +24,24 @@ mods_before = set(sys.modules)
 handlers_before = [repr(h) for h in logging.getLogger().handlers]
 loggers_before = set(logging.Logger.manager.loggerDict)
 vllm.plugins.load_general_plugins()
+new_modules = sorted(m for m in set(sys.modules) - mods_before if not m.startswith("lora"))
+amx_status = sys.modules["rlix_plugins.vllm.amx"].amx_permission_status() if "rlix_plugins.vllm.amx" in sys.modules else None
+from rlix_plugins.vllm.amx import permitted_xfeatures  # read-only (ARCH_GET_XCOMP_PERM)
 out = {
-    "new_modules": sorted(m for m in set(sys.modules) - mods_before if not m.startswith("lora")),
+    "new_modules": new_modules,
     "env_changed": sorted(k for k in set(os.environ) | set(before_env) if os.environ.get(k) != before_env.get(k)),
     "entry_points": {p.name: p.value for p in entry_points(group="vllm.general_plugins")},
     "handlers_changed": [repr(h) for h in logging.getLogger().handlers] != handlers_before,
     "new_loggers": sorted(set(logging.Logger.manager.loggerDict) - loggers_before),
     "loaded": sys.modules.get("rlix_plugins.vllm.plugin") is not None
         and sys.modules["rlix_plugins.vllm.plugin"].loaded_here(),
+    "amx": amx_status,
+    "xtiledata": bool((permitted_xfeatures() or 0) & (1 << 18)),  # AMX tile data permitted to this process
 }
 print("PROBE" + json.dumps(out))
 """
 
-_OURS = {"rlix_plugins", "rlix_plugins.vllm", "rlix_plugins.vllm.plugin"}
+_OURS = {"rlix_plugins", "rlix_plugins.vllm", "rlix_plugins.vllm.plugin", "rlix_plugins.vllm.amx"}
 
 
 def _probes(cases: dict[str, dict[str, str]], cwd: str) -> dict[str, dict]:
@@ -59,13 +63,17 @@ def _probes(cases: dict[str, dict[str, str]], cwd: str) -> dict[str, dict]:
     return out
 
 
-def test_entry_point_installed_and_a_noop_unless_enabled(tmp_path: Path) -> None:
-    res = _probes({
+@pytest.fixture(scope="module")
+def res(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+    return _probes({
         # baseline: vLLM's own general plugins only (the allow-list excludes ours)
         "without_rlix": {"VLLM_PLUGINS": "lora_filesystem_resolver,lora_hf_hub_resolver"},
         "unset": {},  # RLIX_CONTROL_PLANE removed from the environment
         "enabled": {"RLIX_CONTROL_PLANE": "rlix"},
-    }, cwd=str(tmp_path))
+    }, cwd=str(tmp_path_factory.mktemp("probe_cwd")))
+
+
+def test_entry_point_installed_and_a_noop_unless_enabled(res: dict[str, dict]) -> None:
     base = res["without_rlix"]
     assert base["entry_points"].get("rlix") == "rlix_plugins.vllm.plugin:register", (
         f"entry point missing ({base['entry_points']}); run: pip install --no-deps --no-build-isolation -e ."
@@ -81,3 +89,17 @@ def test_entry_point_installed_and_a_noop_unless_enabled(tmp_path: Path) -> None
     assert enabled["loaded"] is True
     assert "rlix_plugins.vllm.receiver" in enabled["new_modules"]
     assert enabled["env_changed"] == base["env_changed"]
+
+
+def test_entry_point_asks_for_amx_in_every_vllm_process(res: dict[str, dict]) -> None:
+    """vLLM-CPU runs AMX kernels but never asks Linux for the tile state (rlix_plugins/vllm/amx.py): the
+    entry point asks, with or without the control plane; plain vLLM's plugins leave the process without it."""
+    from rlix_plugins.vllm.amx import cpu_has_amx
+
+    assert res["without_rlix"]["amx"] is None and res["without_rlix"]["xtiledata"] is False
+    for name in ("unset", "enabled"):
+        if cpu_has_amx():
+            assert res[name]["amx"] == "granted" and res[name]["xtiledata"] is True, (name, res[name])
+        else:
+            assert res[name]["amx"] == "not supported: no amx_tile flag in /proc/cpuinfo", (name, res[name])
+            assert res[name]["xtiledata"] is False

