@@ -49,6 +49,19 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return run_cli(args.pipelines, args.gpus, args.steps, args.out, args.address, args.sleep_level)
 
 
+def _cmd_recipe(args: argparse.Namespace) -> int:
+    from rlix_plugins.nemo_rl.recipe import run_cli
+
+    return run_cli(args.stock, args.out, args.pipelines, args.gpus, args.gpus_per_node)
+
+
+def _gpu_ids(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected GPU ids like 0 or 0,1, got {text!r}") from None
+
+
 def _cmd_patch(args: argparse.Namespace) -> int:
     from rlix_plugins.patching import run_cli
 
@@ -115,6 +128,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=_positive_int, default=3, help="training steps per pipeline (default 3)")
     p.add_argument("--out", default="out/demo", help="directory for timeline.png and summary.json")
     p.add_argument("--sleep-level", type=int, choices=[1, 2], default=2, help="vLLM sleep level of shrunk ranks")
+
+    p = add("recipe", _cmd_recipe, "Write the time-sharing overlays (one per pipeline) of a stock NeMo RL GRPO recipe.")
+    p.add_argument("stock", metavar="STOCK.yaml", help="the stock NeMo RL recipe (its defaults: chain is resolved)")
+    p.add_argument("--pipelines", type=_positive_int, default=2, help="pipelines sharing the GPUs (default 2)")
+    p.add_argument("--gpus", type=_gpu_ids, required=True, help="GPU ids they share, e.g. 0 or 0,1")
+    p.add_argument("--gpus-per-node", type=_positive_int, default=None, help="GPUs of the node (default: max id + 1)")
+    p.add_argument("--out", required=True, help="directory for the overlays")
 
     p = add("patch", _cmd_patch, "Apply, check or revert the pinned NeMo RL patch series.")
     p.add_argument("action", choices=["apply", "check", "revert"])

@@ -15,7 +15,8 @@ Model (after the reference ``plan_generation_gap_ratio``, with its starvation ga
 * ``target = max(round_half_up(weight / Σweight x budget / tp) x tp, tp)`` capped at the mapping size: every
   eligible receiver is owed at least one bundle.
 * Iteration (one activation per iteration, capped): the acceptor furthest below target (clusters with no active
-  rank first, then normalised gap, gap, pipeline id) takes one bundle. Candidates prefer no shrink, then donors
+  rank first, then normalised gap, among clusters with no active rank the one waiting longest
+  (``snapshot.generation_waiting_since``), gap, pipeline id) takes one bundle. Candidates prefer no shrink, then donors
   with more remaining work (protecting nearly finished pipelines), then the lower DP rank. Donors are clusters
   above target and shrink at most down to ``max(1 bundle, target)`` ("donors keep their target"); an acceptor
   with **no** active rank may also take from a donor at target that keeps ≥1 rank (anti-starvation). A shrink
@@ -31,7 +32,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Container
+from collections.abc import Container, Iterator
 
 from rlix_plugins.control._plan_state import PlanState, rank_index
 from rlix_plugins.control.types import PendingRequest, Priority, Progress, SchedulerSnapshot
@@ -83,6 +84,22 @@ def generation_demands(snap: SchedulerSnapshot, nongen: Container[str], gen_acti
     return demands
 
 
+def note_generation_waits(waiting_since: dict[str, int], snap: SchedulerSnapshot, clock: Iterator[int]) -> None:
+    """Update ``waiting_since`` (cluster id -> logical time it started waiting) for ``snap``: a generation cluster
+    with a pending GENERATION request (a waiter or a standing one) and no active rank keeps the time it was first
+    seen so; any other cluster is dropped (it got a rank, stopped asking, or left). The scheduler and the
+    simulator call this on every snapshot they build and pass a copy as ``snapshot.generation_waiting_since``."""
+    asking = {r.cluster_id for r in snap.pending if r.priority == Priority.GENERATION}
+    for cid in sorted(asking):
+        alloc = snap.allocations.get(cid)
+        if alloc is not None and alloc.priority == Priority.GENERATION and alloc.active_dp_ranks:
+            asking.discard(cid)
+        elif cid not in waiting_since:
+            waiting_since[cid] = next(clock)
+    for cid in [c for c in waiting_since if c not in asking]:
+        del waiting_since[cid]
+
+
 def cluster_demands(state: PlanState) -> dict[str, int]:
     """Demand of every eligible generation cluster in the planner's working state, by cluster id."""
     return generation_demands(state.snap, state.nongen, state.gen_active)
@@ -126,13 +143,17 @@ def plan_gap_ratio(state: PlanState) -> None:
         return
     eligible, weights, targets = _targets(state, demands)
 
-    def key(cid: str) -> tuple[bool, float, int, str, str] | None:
+    waiting_since = state.snap.generation_waiting_since
+
+    def key(cid: str) -> tuple[bool, float, int, int, str, str] | None:
         a = state.active_gpus(cid)
         t = targets[cid]
         if a >= t:
             return None
         gap = t - a
-        return (a > 0, -gap / t, -gap, clusters[cid].pipeline_id, cid)
+        # Among clusters with no active rank the longest waiter goes first (turns on a contended bundle).
+        waited = waiting_since.get(cid, -1) if a == 0 else 0
+        return (a > 0, -gap / t, waited, -gap, clusters[cid].pipeline_id, cid)
 
     # Lazy heap of acceptors: an entry is re-checked against the current key when popped.
     heap = [(k, cid) for cid in eligible if (k := key(cid)) is not None]

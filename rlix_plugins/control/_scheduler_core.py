@@ -12,12 +12,13 @@ import asyncio
 import itertools
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import ray
 
 from rlix_plugins.control import planner
+from rlix_plugins.control._gap_ratio import note_generation_waits
 from rlix_plugins.control.scheduler_state import (
     SchedulerConfig,
     apply_shrink,
@@ -74,6 +75,7 @@ class SchedulerCore:
         # has no active rank, the snapshot carries a standing GENERATION request for it (debug #27, #32).
         self._gen_open: dict[str, tuple[int, int | None]] = {}
         self._standing_seq: dict[str, int] = {}
+        self._gen_waiting: dict[str, int] = {}  # generation cluster -> when it started waiting for a rank (turns)
         self._planned: dict[str, list[asyncio.Future[list[int]]]] = {}
         self._grace: dict[int, tuple[float, str]] = {}  # GPU -> (monotonic end of its grace window, releasing pipeline)
         self._coordinators: dict[str, Any] = {}
@@ -167,7 +169,7 @@ class SchedulerCore:
             if cid in clusters and cid not in waiting and (prog is None or prog.remaining > 0):
                 seq = self._standing_seq.setdefault(cid, next(self._seq))
                 pending.append(PendingRequest(cid, Priority.GENERATION, seq, step, estimate))
-        return SchedulerSnapshot(
+        snap = SchedulerSnapshot(
             gpus=self._gpus,
             gpus_per_node=self._gpus_per_node,
             clusters=clusters,
@@ -177,6 +179,8 @@ class SchedulerCore:
             planned_releases=frozenset(cid for cid in self._planned if cid in clusters),
             release_grace_gpus=frozenset(self._grace),
         )
+        note_generation_waits(self._gen_waiting, snap, self._seq)
+        return replace(snap, generation_waiting_since=dict(self._gen_waiting))
 
     def _start_grace(self, gpus: frozenset[int], pipeline_id: str) -> None:
         if self._cfg.release_grace_s > 0:

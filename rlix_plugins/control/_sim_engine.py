@@ -26,9 +26,11 @@ every ``tick_s``, then executes the plan exactly like the scheduler actor: shrin
 
 from __future__ import annotations
 
+import itertools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+from rlix_plugins.control._gap_ratio import note_generation_waits
 from rlix_plugins.control._registration import validate_spec
 from rlix_plugins.control.planner import plan_cycle, validate_plan
 from rlix_plugins.control.types import (
@@ -156,6 +158,8 @@ class Simulation:
         self.warm_until: dict[tuple[str, int], float] = {}
         self.events: list[TraceEvent] = []
         self.seq = 0
+        self.waiting_since: dict[str, int] = {}
+        self.clock = itertools.count()
         self.cycles = 0
         self.busy = 0.0
 
@@ -231,7 +235,7 @@ class Simulation:
             if p.state in ("run", "init"):
                 remaining = min(math.ceil(p.open_work() - EPS), p.job.step_target)
                 progress[p.pid] = Progress(p.pid, p.job.step_target, p.job.step_target - max(remaining, 0))
-        return SchedulerSnapshot(
+        snap = SchedulerSnapshot(
             gpus=self.gpus,
             gpus_per_node=self.gpus_per_node,
             clusters=self.clusters,
@@ -240,6 +244,8 @@ class Simulation:
             progress=progress,
             planned_releases=frozenset(self.planned),
         )
+        note_generation_waits(self.waiting_since, snap, self.clock)  # as the scheduler does
+        return replace(snap, generation_waiting_since=dict(self.waiting_since))
 
     def _execute(self, t: float, plan: CyclePlan) -> None:
         """Shrinks -> expands -> commit -> grants and releases, like the scheduler actor."""

@@ -4,11 +4,16 @@ Called by ``NemoRLHooks.rlix_pipeline_start`` before anything is registered (the
 but never called them). Every violation is collected and reported in ONE :class:`RlixConfigError` whose lines
 each say what to change (a Hydra override where one fixes it).
 
-Checks:
+Two topologies are accepted:
 
-* ``train ⊂ infer`` (partial overlap; the training GPUs are borrowed from the pipeline's own rollout GPUs);
-* at least 2 inference DP ranks (``len(infer) / vllm_tp``) and at least one FULL DP rank outside the training
-  GPUs (``len(infer - train) >= vllm_tp``): one rank must keep generating while the pipeline trains;
+* **partial overlap** (the general case): ``train ⊂ infer``, at least 2 inference DP ranks
+  (``len(infer) / vllm_tp``) and at least one FULL DP rank outside the training GPUs
+  (``len(infer - train) >= vllm_tp``), so one rank keeps generating while the pipeline trains;
+* **one GPU** (:func:`is_one_gpu_topology`): ``train == infer == [g]`` with one vLLM DP rank (TP 1); its
+  docstring says why it is safe and what it costs.
+
+Checks common to both:
+
 * ``len(infer) % vllm_tp == 0`` and ``len(train) % (TP·PP·CP·EP) == 0`` (Megatron; DTensor: TP·CP);
 * ``grpo.async_grpo.enabled``, ``policy.generation.colocated.enabled == false`` (non-colocated vLLM),
   ``vllm_cfg.async_engine`` (per-request routing needs the async engine), ``loss_fn.
@@ -25,7 +30,7 @@ from typing import Any
 from rlix_plugins.errors import RlixConfigError
 from rlix_plugins.nemo_rl.config import RlixRunConfig, cfg_path
 
-__all__ = ["topology_problems", "training_parallel_size", "validate_topology"]
+__all__ = ["is_one_gpu_topology", "topology_problems", "training_parallel_size", "validate_topology"]
 
 
 def training_parallel_size(master_config: Any) -> tuple[int, str]:
@@ -43,6 +48,49 @@ def training_parallel_size(master_config: Any) -> tuple[int, str]:
     return tp * cp, f"DTensor TP·CP = {tp}·{cp}"
 
 
+def is_one_gpu_topology(run: RlixRunConfig) -> bool:
+    """The one-GPU topology: ``rlix.train_devices == rlix.infer_devices == [g]``, one vLLM DP rank (TP 1).
+
+    The pipeline trains and rolls out on the same GPU. While it trains, its only rollout rank is slept (the
+    ACTOR_TRAINING grant preempts every GENERATION rank on its mapping, its own included); while a co-tenant on
+    that GPU trains, this pipeline's rollout is slept too. Why it cannot deadlock:
+
+    * the training grant never waits for rollout: GENERATION is preemptable by every other priority, so
+      ``before_training`` gets the GPU once the rank is aborted, drained and slept; the collector's requests
+      meanwhile block in routing (bounded by ``rlix.route_timeout_s``) and are re-run once a rank is back;
+    * the in-flight refresh after training has no active rank to update (it records an empty refresh); the
+      published version is set on the resizer inside the resize lock, so the expand that wakes the rank after
+      training syncs and publishes the new version, never the old one;
+    * GENERATION demand outlives the grant: the scheduler keeps a standing GENERATION request for an open
+      generation cluster without active ranks (and the runtime's watchdog re-asks), so the rank is granted back
+      after training; among pipelines waiting for the same GPU the one that has waited longest is woken first,
+      so co-tenants take turns instead of one starving until the other finishes.
+
+    What it costs: no overlap of generation and training for that pipeline (async GRPO still generates the next
+    batch ahead, with weights one step old, whenever the GPU is its), and every step pays one sleep + wake +
+    weight sync of the rank. On more GPUs prefer partial overlap (a rank outside the training GPUs).
+    """
+    return run.infer_tp == 1 and len(run.infer_devices) == 1 and tuple(run.train_devices) == tuple(run.infer_devices)
+
+
+_ONE_GPU_HINT = "; or, on one GPU, train and roll out on it: rlix.train_devices=[g] rlix.infer_devices=[g] with vLLM TP 1"
+
+
+def _partial_overlap_problems(run: RlixRunConfig) -> list[str]:
+    """The rank rules of the general topology: one full DP rank must keep generating while the pipeline trains."""
+    problems: list[str] = []
+    train, infer, tp = set(run.train_devices), set(run.infer_devices), run.infer_tp
+    if len(infer) % tp == 0 and len(infer) // tp < 2:
+        problems.append(f"{len(infer) // tp} inference DP rank (infer devices {sorted(infer)} / vLLM TP {tp}); "
+                        f"time-sharing needs >= 2: list at least {2 * tp} GPUs in rlix.infer_devices"
+                        + _ONE_GPU_HINT)
+    if len(infer - train) < tp:
+        problems.append(f"only {len(infer - train)} inference GPU(s) outside the training GPUs; at least one full "
+                        f"DP rank ({tp} GPU(s)) must keep generating while the pipeline trains: add GPUs to "
+                        "rlix.infer_devices that are not in rlix.train_devices" + _ONE_GPU_HINT)
+    return problems
+
+
 def topology_problems(master_config: Any, run: RlixRunConfig) -> list[str]:
     """Every violated rule, each with its fix (empty list: the run may start)."""
     problems: list[str] = []
@@ -55,13 +103,8 @@ def topology_problems(master_config: Any, run: RlixRunConfig) -> list[str]:
     if len(infer) % tp:
         problems.append(f"rlix.infer_devices has {len(infer)} GPUs, not a multiple of the vLLM tensor parallel size "
                         f"{tp}: use a multiple of {tp} GPUs")
-    elif len(infer) // tp < 2:
-        problems.append(f"{len(infer) // tp} inference DP rank (infer devices {sorted(infer)} / vLLM TP {tp}); "
-                        f"time-sharing needs >= 2: list at least {2 * tp} GPUs in rlix.infer_devices")
-    if len(infer - train) < tp:
-        problems.append(f"only {len(infer - train)} inference GPU(s) outside the training GPUs; at least one full "
-                        f"DP rank ({tp} GPU(s)) must keep generating while the pipeline trains: add GPUs to "
-                        "rlix.infer_devices that are not in rlix.train_devices")
+    if not is_one_gpu_topology(run):
+        problems += _partial_overlap_problems(run)
     size, how = training_parallel_size(master_config)
     if len(train) % size:
         problems.append(f"rlix.train_devices has {len(train)} GPUs, not a multiple of {how}: use a multiple of "

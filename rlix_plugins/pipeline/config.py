@@ -29,7 +29,7 @@ class RuntimeConfig:
     drain_timeout_s: float = 60.0
     #: A routed request waits at most this long for an active rank (routing blocks while none is active).
     route_timeout_s: float = 600.0
-    #: Attempts of one request when shrinks abort it (default: the number of DP ranks).
+    #: Attempts of one request when shrinks abort it (default: max(DP ranks, router.MIN_ROUTE_ATTEMPTS)).
     max_route_attempts: int | None = None
     #: Wait for the coordinator's resize lock before the in-flight refresh.
     resize_lock_timeout_s: float = 180.0

@@ -8,8 +8,9 @@ that routes holds a :class:`RouterClient` (a handle, nothing else).
 * ``acquire(timeout_s)`` picks the least-outstanding ACTIVE rank and returns ``(rank, ticket)``; it BLOCKS while
   no rank is active (a pipeline whose ranks are all preempted waits, it does not fail), bounded by the timeout.
 * ``release(ticket)`` returns whether the rank was deactivated (shrunk) while the ticket was out: the caller
-  then retries the aborted request on another active rank (:meth:`RouterClient.route`, at most
-  ``max_attempts``, reference F3). Any other failure is re-raised unchanged.
+  then retries the aborted request on another active rank, or on the same one once it is back (:meth:`RouterClient.route`,
+  at most ``max_attempts``, default ``max(DP ranks, MIN_ROUTE_ATTEMPTS)``; the reference's ``dp_size`` bound, F3,
+  would never retry with one rank). Any other failure is re-raised unchanged.
 * ``deactivate(ranks)`` (first step of a shrink) / ``activate(ranks)`` (last step of an expand);
   ``wait_drained(ranks, timeout_s)`` waits until no ticket is out on the ranks (shrink: abort → drain → sleep).
 
@@ -29,10 +30,15 @@ from rlix_plugins.control._rpc import ray_get
 from rlix_plugins.errors import RlixConfigError, RlixTimeoutError
 from rlix_plugins.pipeline.protocols import ShardPreemptedError
 
-__all__ = ["ROUTER_MAX_CONCURRENCY", "RolloutRouter", "RouterClient", "router_name"]
+__all__ = ["MIN_ROUTE_ATTEMPTS", "ROUTER_MAX_CONCURRENCY", "RolloutRouter", "RouterClient", "router_name"]
 
 #: Threads of the router actor: concurrent blocked ``acquire`` calls plus control calls.
 ROUTER_MAX_CONCURRENCY: Final = 256
+#: Least default attempts of one request (default: max(DP ranks, this)). A retry follows only a shrink the router
+#: confirmed, and each waits at most the route timeout for an active rank; but a request can be preempted once per
+#: training step of any co-tenant on its rank's GPU (with one rank, the one-GPU topology, every retry waits for
+#: that same rank), so "one attempt per rank" would fail requests that only waited their turn.
+MIN_ROUTE_ATTEMPTS: Final = 8
 _RPC_S: Final = 30.0
 T = TypeVar("T")
 
@@ -160,7 +166,7 @@ class RouterClient:
         self.router = router
         self.num_dp_ranks = num_dp_ranks
         self.timeout_s = timeout_s
-        self.max_attempts = max_attempts or max(num_dp_ranks, 2)
+        self.max_attempts = max_attempts or max(num_dp_ranks, MIN_ROUTE_ATTEMPTS)
 
     def _get(self, ref: Any, what: str, timeout_s: float) -> Any:
         return ray_get(ref, f"router: {what}", timeout_s, dead="the router actor is dead; the pipeline ended or crashed")

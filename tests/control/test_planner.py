@@ -195,3 +195,30 @@ def test_stable_state_is_a_noop() -> None:
         progress={"a": (64, 0), "b": (64, 0)},
     )
     assert plan_cycle(snap).is_noop
+
+
+def test_one_gpu_co_tenants_take_turns_longest_waiter_first() -> None:
+    """Two pipelines with train = infer = [0] (the one-GPU topology). After one trains, both wait for the only
+    bundle; the one that has waited longer gets it (b here, although the pipeline-id order prefers a)."""
+    from dataclasses import replace
+
+    from rlix_plugins.control._gap_ratio import note_generation_waits
+
+    c = {**pipeline("a", [0], [0]), **pipeline("b", [0], [0])}
+    progress = {"a": (64, 0), "b": (64, 0)}
+    asks = [PendingRequest("b_actor_infer", GEN, 3), PendingRequest("a_actor_infer", GEN, 9)]
+    clock = iter(range(100))
+    waiting: dict[str, int] = {}
+    # a rolls out while b waits; then a's training preempts a's own rank
+    note_generation_waits(waiting, snapshot(1, c, [gen_alloc(c["a_actor_infer"], [0])], asks[:1], progress), clock)
+    training = snapshot(1, c, [whole_alloc(c["a_actor_train"])], asks, progress)
+    note_generation_waits(waiting, training, clock)
+    assert waiting == {"b_actor_infer": 0, "a_actor_infer": 1}
+    released = replace(snapshot(1, c, [], asks, progress), generation_waiting_since=dict(waiting))
+    plan = plan_cycle(released)
+    validate_plan(released, plan)
+    assert active(plan, "b_actor_infer") == {0} and active(plan, "a_actor_infer") == frozenset()
+    assert active(plan_cycle(snapshot(1, c, [], asks, progress)), "a_actor_infer") == {0}, "without waits: id order"
+    # b got its rank: it no longer waits; a keeps its place
+    note_generation_waits(waiting, apply_plan(released, plan), clock)
+    assert waiting == {"a_actor_infer": 1}

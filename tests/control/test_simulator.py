@@ -57,6 +57,19 @@ def test_no_starvation_with_more_pipelines_than_free_gpus() -> None:
     _assert_exclusive(run.events)
 
 
+def test_one_gpu_two_pipelines_take_turns_and_both_finish() -> None:
+    """The one-GPU topology (train = infer = [0] for both): each training step preempts the GPU's rollout, and
+    the GPU goes back to rollout of the pipeline that waited longest, so both make progress all along (before
+    the fix, the pipeline-id order gave p0 every turn and p1 started only once p0 had finished)."""
+    jobs = _jobs(2, train_gpus=1, steps=3, step_target=64, traj_time_s=10.0, train_time_s=20.0)
+    run = Simulation(jobs, [Placement((0,), (0,))] * 2, 1, 1, validate=True).run()
+    assert run.steps == 6 and set(run.finish_s) == {"p0", "p1"}
+    _assert_exclusive(run.events)
+    trains = [e.pipeline_id for e in run.events if e.op == "allocate" and e.priority == Priority.ACTOR_TRAINING]
+    assert trains == ["p0", "p1"] * 3, trains  # turns: one step each, alternately
+    preempted = [e.pipeline_id for e in run.events if e.op == "shrink" and "preempt" in e.detail]
+    assert set(preempted) == {"p0", "p1"}  # each pipeline's training slept the GPU's rollout
+
 def test_rlix_beats_one_after_another_on_a_rollout_heavy_mix() -> None:
     jobs = _jobs(2, steps=4, step_target=512, traj_time_s=40.0, train_time_s=20.0)
     cmp = compare(jobs, 8, 8, validate=True)

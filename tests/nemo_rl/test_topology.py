@@ -10,7 +10,7 @@ import pytest
 from rlix_plugins.errors import RlixConfigError
 from rlix_plugins.nemo_rl.config import load_run_config
 from rlix_plugins.nemo_rl.hooks import NemoRLHooks
-from rlix_plugins.nemo_rl.topology import topology_problems, validate_topology
+from rlix_plugins.nemo_rl.topology import is_one_gpu_topology, topology_problems, validate_topology
 
 
 def _valid(**rlix: Any) -> dict[str, Any]:
@@ -43,7 +43,7 @@ def test_valid_config_and_runtime_knobs() -> None:
     ("edit", "fix"),
     [
         (lambda c: c["rlix"].update(train_devices=[2]), "must be a subset of rlix.infer_devices"),
-        (lambda c: c["rlix"].update(infer_devices=[0]), "needs >= 2"),
+        (lambda c: c["rlix"].update(infer_devices=[0, 1], infer_tp=2), "needs >= 2"),  # 1 rank, not one GPU
         (lambda c: c["rlix"].update(train_devices=[0, 1]), "at least one full DP rank"),
         (lambda c: c["rlix"].update(infer_devices=[0, 1, 2], infer_tp=2), "not a multiple of the vLLM tensor"),
         (lambda c: c["policy"]["megatron_cfg"].update(tensor_model_parallel_size=2), "Megatron TP·PP·CP·EP"),
@@ -85,3 +85,47 @@ def test_hooks_validate_before_registering() -> None:
     with pytest.raises(RlixConfigError, match="full DP rank"):
         hooks.rlix_pipeline_start(master_config=cfg, policy=None, policy_generation=None, start_step=0)
     assert hooks.pipeline_id is None
+
+
+def test_one_gpu_topology_is_an_explicit_case() -> None:
+    """train = infer = [g], one vLLM DP rank: accepted (is_one_gpu_topology says why it is safe), on any GPU id,
+    with the DTensor trainer too; every other rule still applies to it."""
+    for g in (0, 3):
+        cfg = _valid(train_devices=[g], infer_devices=[g])
+        assert is_one_gpu_topology(load_run_config(cfg)) and _problems(cfg) == []
+    dtensor = _valid(train_devices=[0], infer_devices=[0])
+    dtensor["policy"]["megatron_cfg"]["enabled"] = False
+    dtensor["policy"]["dtensor_cfg"] = {"enabled": True, "tensor_parallel_size": 1}
+    assert _problems(dtensor) == []
+    colocated = _valid(train_devices=[0], infer_devices=[0])
+    colocated["policy"]["generation"]["colocated"]["enabled"] = True
+    assert any("colocated.enabled=false" in p for p in _problems(colocated))
+
+
+@pytest.mark.parametrize(
+    ("rlix", "fix"),
+    [
+        ({"train_devices": [1], "infer_devices": [0]}, "must be a subset of rlix.infer_devices"),  # trains elsewhere
+        ({"train_devices": [0, 1], "infer_devices": [0, 1]}, "at least one full DP rank"),  # 2 GPUs, none outside
+        ({"train_devices": [0], "infer_devices": [0], "infer_tp": 2}, "not a multiple of the vLLM tensor"),
+        ({"train_devices": [0, 1], "infer_devices": [0, 1], "infer_tp": 2}, "time-sharing needs >= 2"),  # 1 rank, TP 2
+    ],
+)
+def test_unsafe_one_gpu_variants_are_refused_with_the_fix(rlix: dict[str, Any], fix: str) -> None:
+    cfg = _valid(**rlix)
+    cfg["policy"]["generation"]["vllm_cfg"]["tensor_parallel_size"] = rlix.get("infer_tp", 1)
+    run = load_run_config(cfg)
+    assert not is_one_gpu_topology(run)
+    problems = _problems(cfg)
+    assert any(fix in p for p in problems), problems
+
+
+def test_rank_rule_messages_point_at_the_one_gpu_topology() -> None:
+    problems = _problems(_valid(train_devices=[0, 1], infer_devices=[0, 1]))
+    assert any("rlix.train_devices=[g] rlix.infer_devices=[g]" in p for p in problems), problems
+
+
+def test_megatron_tp2_on_one_gpu_is_refused() -> None:
+    cfg = _valid(train_devices=[0], infer_devices=[0])
+    cfg["policy"]["megatron_cfg"]["tensor_model_parallel_size"] = 2
+    assert any("Megatron TP·PP·CP·EP" in p for p in _problems(cfg))

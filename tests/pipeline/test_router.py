@@ -119,3 +119,29 @@ def test_concurrent_acquires_are_spread_and_all_wake(router: Any) -> None:
     for t in threads:
         t.join(10)
     assert sorted(got) == [0, 0, 1, 1, 2, 2]
+
+
+def test_one_rank_request_waits_out_repeated_preemptions_by_default(ray_cluster: Any) -> None:
+    """One-GPU topology: the only rank is slept by every training step (the pipeline's own and each co-tenant's).
+    A request aborted by those shrinks waits for the rank to come back and runs again; with the old default bound
+    (max(DP ranks, 2) attempts) the third preemption failed it, and NeMo RL's collector (max_generation_failures=0)
+    would have aborted the run."""
+    router = ray.remote(RolloutRouter).options(num_cpus=0, max_concurrency=16).remote(1)
+    try:
+        ray.get(router.activate.remote([0]))
+        client = RouterClient(router, 1, timeout_s=10)
+        calls: list[int] = []
+
+        def generate(rank: int) -> dict[str, Any]:
+            calls.append(rank)
+            if len(calls) <= 3:
+                ray.get(router.deactivate.remote([rank]))  # a training step takes the GPU ...
+                threading.Timer(0.2, lambda: ray.get(router.activate.remote([rank]))).start()  # ... and gives it back
+                return {"aborted": True}
+            return {"aborted": False, "rank": rank}
+
+        assert client.route(generate, is_aborted=lambda r: r["aborted"]) == {"aborted": False, "rank": 0}
+        assert calls == [0, 0, 0, 0]
+        assert ray.get(router.stats.remote())["preempted"] == 3
+    finally:
+        ray.kill(router)

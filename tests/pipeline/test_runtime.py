@@ -166,3 +166,52 @@ def test_failed_in_flight_refresh_unroutes_its_ranks(resizer: Any) -> None:
     with pytest.raises(TransportError):
         ray.get(actor.refresh_active.remote(), timeout=30)
     assert ray.get(router.active.remote()) == [] and ray.get(actor.dirty.remote()) == [0, 1]
+
+
+def test_one_gpu_two_pipelines_take_turns_on_gpu_0(control_plane: ControlPlane) -> None:
+    """The one-GPU topology on the real runtime and scheduler: two pipelines with train = infer = [0]. Each
+    training grant sleeps the GPU's rollout (its own rank or the co-tenant's), the in-flight refresh has no
+    active rank to update, and after training the GPU goes back to rollout: each pipeline's expands sync the
+    version it published last. Both finish their steps (no deadlock), and rollout alternates between them."""
+    import threading
+
+    pipes = [_runtime(control_plane, [0], [0]) for _ in range(2)]
+    errors: list[BaseException] = []
+    steps = 3
+
+    def loop(rt: PipelineRuntime, rec: Any) -> None:
+        try:
+            # the second pipeline's first rank comes only once the first one trains: no start-up barrier
+            rt.attach_collector(RecordingPublisher(rec))
+            for step in range(steps):
+                rt.before_training(step)
+                assert not any(_active(p) for p, _ in pipes), "a rollout rank on GPU 0 served during training"
+                rt.before_weight_sync(step)
+                rt.on_published(step, rt.after_training(step))
+                # the next step starts only after the GPU went back to rollout (of either pipeline) at least once
+                wait_for(lambda: any(_active(p) for p, _ in pipes), timeout_s=15, what="GPU 0 back to rollout")
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=loop, args=pipe) for pipe in pipes]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors
+    assert all(not t.is_alive() for t in threads), "a pipeline is stuck (deadlock on the one GPU)"
+    for rt, rec in pipes:
+        assert rt.published == steps
+        history = rt.resize_history()
+        refreshes = [e for e in history if e["op"] == "refresh"]
+        assert len(refreshes) == steps and all(e["ranks"] == [] for e in refreshes), refreshes
+        expands = [e for e in history if e["op"] == "expand"]
+        assert expands and all(e["published"] == max(e["version"], 0) for e in expands), expands  # synced = published
+        assert max(e["version"] for e in expands) >= 1, "no expand synced a trained version"
+        publishes = [a for o, a in ops(rec) if o == "publish"]
+        assert publishes == sorted(publishes), f"an expand published an older version: {publishes}"
+    # turns: both pipelines had rollout between steps, not one of them only after the other finished
+    assert all(sum(e["op"] == "expand" for e in rt.resize_history()) >= 2 for rt, _ in pipes)
+    for rt, _ in pipes:
+        assert rt.end() == []
+        assert _status_allocs(control_plane, rt.pipeline_id) == {}

@@ -1,0 +1,337 @@
+"""``rlix recipe``: from a stock NeMo RL GRPO recipe and the GPUs to share, the time-sharing overlays.
+
+One overlay per pipeline: a YAML with ``defaults: <stock recipe>`` (NeMo RL's own inheritance) plus only the keys
+time-sharing changes, each with its reason as a comment. The stock recipe is resolved the way NeMo RL's
+``nemo_rl.utils.config.load_config`` does (``defaults:`` chains, later files win, dicts merge, ``_override_: true``
+replaces a section) without importing NeMo RL; the result (stock + overlay) passes the same start-up checks as a
+real run (:func:`.config.load_run_config`, :func:`.topology.topology_problems`), or nothing is written.
+
+Layout of ``N`` pipelines on ``G`` GPUs (one node, vLLM TP 1: what the shared placement supports):
+
+* ``G == 1``: every pipeline trains and rolls out on that GPU (:func:`.topology.is_one_gpu_topology`);
+* ``G >= 2``: partial overlap as in ``recipes/nemo_rl/``: every pipeline rolls out on all G GPUs and trains on
+  its own home slice (``G // N`` GPUs, at most ``G - 1`` so one rank always stays outside, rounded down to whole
+  trainer replicas).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import string
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Final
+
+from rlix_plugins.errors import RlixConfigError
+from rlix_plugins.nemo_rl.config import DEFAULT_BUCKET_SIZE_BYTES, cfg_path, load_run_config
+from rlix_plugins.nemo_rl.topology import topology_problems, training_parallel_size
+
+__all__ = ["Overlay", "PipelineLayout", "layout", "load_stock", "make_overlays", "run_cli", "write_overlays"]
+
+#: The vLLM worker class that carries the weight receiver (``rlix_plugins.vllm.nemo_rl_vllm_kwargs()``).
+_WORKER_CLS: Final = "rlix_plugins.vllm.gpu_worker.RlixGPUWorker"
+_SLEEP_LEVEL: Final = 2
+
+
+# ---------------------------------------------------------------- NeMo RL's config inheritance, reimplemented
+def _merge(base: Any, over: Any) -> Any:
+    """OmegaConf.merge for plain YAML data: mappings merge key by key, anything else is replaced; ``???``
+    (mandatory, unset) never overwrites; ``_override_: true`` replaces the whole section (NeMo RL's marker)."""
+    if not (isinstance(base, dict) and isinstance(over, dict)):
+        return over
+    out = dict(base)
+    for key, value in over.items():
+        if value == "???" and key in out:
+            continue
+        if isinstance(value, dict) and value.get("_override_", False):
+            out[key] = {k: v for k, v in value.items() if k != "_override_"}
+        else:
+            out[key] = _merge(out.get(key), value)
+    return out
+
+
+#: OmegaConf's float rule (YAML 1.2-like: ``1e-8`` is a float, PyYAML's YAML 1.1 reads it as a string).
+_FLOAT: Final = re.compile(r"""^(?:
+     [-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+    |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+    |\.[0-9_]+(?:[eE][-+][0-9]+)?
+    |[-+]?[0-9][0-9_]*(?::[0-5]?[0-9])+\.[0-9_]*
+    |[-+]?\.(?:inf|Inf|INF)
+    |\.(?:nan|NaN|NAN))$""", re.X)
+
+
+def _yaml_loader() -> Any:
+    """PyYAML's SafeLoader read the way OmegaConf reads YAML (its float rule; timestamps stay strings)."""
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    Loader.yaml_implicit_resolvers = {
+        ch: [(tag, rx) for tag, rx in rules if tag not in ("tag:yaml.org,2002:float", "tag:yaml.org,2002:timestamp")]
+        for ch, rules in yaml.SafeLoader.yaml_implicit_resolvers.items()
+    }
+    Loader.add_implicit_resolver("tag:yaml.org,2002:float", _FLOAT, list("-+0123456789."))
+    return Loader
+
+
+def load_stock(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The recipe at ``path`` with its ``defaults:`` chain resolved (relative to each file's directory)."""
+    import yaml
+
+    path = Path(path)
+    try:
+        config = yaml.load(path.read_text(), Loader=_yaml_loader())  # a SafeLoader subclass
+    except OSError as exc:
+        raise RlixConfigError(f"cannot read the recipe {path}: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        raise RlixConfigError(f"{path} is not valid YAML: {exc}") from None
+    if not isinstance(config, dict):
+        raise RlixConfigError(f"{path} must be a YAML mapping (a NeMo RL recipe), not {type(config).__name__}")
+    defaults = config.pop("defaults", None)
+    if defaults is None:
+        return config
+    parents = [defaults] if isinstance(defaults, str) else list(defaults)
+    base: dict[str, Any] = {}
+    for parent in parents:
+        parent_path = Path(str(parent))
+        base = _merge(base, load_stock(parent_path if parent_path.is_absolute() else path.parent / parent_path))
+    return _merge(base, config)
+
+
+def _resolved(config: Mapping[str, Any], dotted: str, depth: int = 0) -> Any:
+    """``cfg_path`` that follows a whole-value absolute interpolation (``${policy.x}``) like OmegaConf does."""
+    value = cfg_path(config, dotted)
+    if isinstance(value, str) and value.startswith("${") and value.endswith("}"):
+        ref = value[2:-1]
+        if ":" in ref or ref.startswith(".") or depth > 16:
+            raise RlixConfigError(f"{dotted}={value!r}: rlix recipe follows plain ${{a.b}} references only; "
+                                  "set the value in the recipe")
+        return _resolved(config, ref, depth + 1)
+    return value
+
+
+# ---------------------------------------------------------------- layout
+@dataclass(frozen=True)
+class PipelineLayout:
+    name: str
+    train_devices: tuple[int, ...]
+    infer_devices: tuple[int, ...]
+
+
+def layout(num_pipelines: int, gpus: Sequence[int], trainer_size: int) -> list[PipelineLayout]:
+    """Where each pipeline trains and rolls out (see the module docstring); refuses what cannot be shared."""
+    gpus = tuple(gpus)
+    if num_pipelines < 1:
+        raise RlixConfigError(f"--pipelines {num_pipelines}: need at least 1")
+    if num_pipelines > len(string.ascii_lowercase):
+        raise RlixConfigError(f"--pipelines {num_pipelines}: at most {len(string.ascii_lowercase)}")
+    names = string.ascii_lowercase[:num_pipelines]
+    if len(gpus) == 1:
+        if trainer_size != 1:
+            raise RlixConfigError(f"one model replica of the trainer spans {trainer_size} GPUs; one GPU cannot hold "
+                                  "it: share more GPUs (--gpus) or set the trainer's parallel sizes to 1")
+        return [PipelineLayout(n, gpus, gpus) for n in names]
+    home = len(gpus) // num_pipelines
+    per_pipeline = min(home, len(gpus) - 1) // trainer_size * trainer_size
+    if per_pipeline < 1:
+        raise RlixConfigError(
+            f"{num_pipelines} pipelines on {len(gpus)} GPUs leave each a home slice of {home} GPU(s) to train on; "
+            f"a trainer replica needs {trainer_size} and one GPU must stay outside training: use more GPUs, fewer "
+            "pipelines, or one GPU for all (--gpus g)")
+    return [PipelineLayout(n, gpus[i * home:i * home + per_pipeline], gpus) for i, n in enumerate(names)]
+
+
+# ---------------------------------------------------------------- overlays
+@dataclass
+class Overlay:
+    """The changed keys of one pipeline (dotted key -> (value, reason)) and the notes printed with them."""
+
+    pipeline: PipelineLayout
+    changes: dict[str, tuple[Any, str]] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    def nested(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key, (value, _) in self.changes.items():
+            node = out
+            *parents, leaf = key.split(".")
+            for p in parents:
+                node = node.setdefault(p, {})
+            node[leaf] = value
+        return out
+
+
+def _set(overlay: Overlay, stock: Mapping[str, Any], key: str, value: Any, reason: str) -> None:
+    """Record ``key = value`` unless the stock recipe already has that value (only changed keys are written)."""
+    if key.startswith("rlix.") or cfg_path(stock, key) != value:
+        overlay.changes[key] = (value, reason)
+
+
+def _refusals(stock: Mapping[str, Any], gpus: Sequence[int], gpus_per_node: int) -> list[str]:
+    problems: list[str] = []
+    backend = _resolved(stock, "policy.generation.backend")
+    if backend not in (None, "vllm"):
+        problems.append(f"policy.generation.backend={backend!r}: time-sharing supports vLLM only; use a vLLM recipe "
+                        "or set policy.generation.backend=vllm in it")
+    tp = _resolved(stock, "policy.generation.vllm_cfg.tensor_parallel_size") or 1
+    if int(tp) != 1:
+        problems.append(f"policy.generation.vllm_cfg.tensor_parallel_size={tp}: shared placement supports vLLM TP 1 "
+                        "only; set it to 1 in the recipe")
+    nodes = _resolved(stock, "cluster.num_nodes") or 1
+    if int(nodes) != 1:
+        problems.append(f"cluster.num_nodes={nodes}: time-sharing runs on one node; use a one-node recipe")
+    if len(set(gpus)) != len(gpus) or any(g < 0 for g in gpus):
+        problems.append(f"--gpus {list(gpus)}: list distinct GPU ids >= 0")
+    elif max(gpus) >= gpus_per_node:
+        problems.append(f"--gpus {list(gpus)} on a node of {gpus_per_node} GPUs (--gpus-per-node): GPU ids are 0.."
+                        f"{gpus_per_node - 1}")
+    return problems
+
+
+def _worker_groups_per_gpu(layouts: Sequence[PipelineLayout]) -> tuple[int, int]:
+    """(largest number of worker groups one GPU holds, that GPU): every pipeline's vLLM rank plus its trainer."""
+    count: dict[int, int] = {}
+    for p in layouts:
+        for g in set(p.infer_devices) | set(p.train_devices):
+            count[g] = count.get(g, 0) + (g in p.infer_devices) + (g in p.train_devices)
+    g = max(count, key=lambda k: (count[k], -k))
+    return count[g], g
+
+
+def make_overlays(stock: Mapping[str, Any], num_pipelines: int, gpus: Sequence[int],
+                  gpus_per_node: int | None = None) -> list[Overlay]:
+    """The overlay of each pipeline, validated by the start-up checks; ``RlixConfigError`` lists every refusal."""
+    from rlix_plugins.nemo_rl.placement import WORKER_GROUPS_PER_GPU
+
+    gpus = list(gpus)
+    per_node = gpus_per_node or (max(gpus) + 1 if gpus else 1)
+    problems = _refusals(stock, gpus, per_node)
+    if problems:
+        raise RlixConfigError("cannot time-share this recipe:\n  - " + "\n  - ".join(problems))
+    trainer_size, how = training_parallel_size(stock)
+    try:
+        layouts = layout(num_pipelines, gpus, trainer_size)
+    except RlixConfigError as exc:
+        raise RlixConfigError(f"cannot time-share this recipe ({how}): {exc}") from None
+    groups, gpu = _worker_groups_per_gpu(layouts)
+    if groups > WORKER_GROUPS_PER_GPU:
+        raise RlixConfigError(
+            f"GPU {gpu} would hold {groups} worker groups (vLLM ranks + trainers of {num_pipelines} pipelines); the "
+            f"shared placement holds {WORKER_GROUPS_PER_GPU} per GPU: use fewer pipelines or more GPUs")
+    overlays = [_overlay(stock, p, num_pipelines, per_node) for p in layouts]
+    for ov in overlays:
+        merged = _merge(dict(stock), ov.nested())
+        found = topology_problems(merged, load_run_config(merged))
+        if found:  # a rule this module does not know yet: refuse rather than write an overlay that fails at start
+            raise RlixConfigError(f"pipeline {ov.pipeline.name}: the overlay does not pass the topology check:\n  - "
+                                  + "\n  - ".join(found))
+    return overlays
+
+
+def _overlay(stock: Mapping[str, Any], p: PipelineLayout, num_pipelines: int, gpus_per_node: int) -> Overlay:
+    ov = Overlay(p)
+    sync = not _resolved(stock, "grpo.async_grpo.enabled")
+    colocated = _resolved(stock, "policy.generation.colocated.enabled") is not False
+    if sync or colocated:
+        ov.notes.append(
+            f"the stock recipe runs {'synchronous' if sync else 'async'} GRPO with {'colocated' if colocated else 'non-colocated'} "
+            "inference; time-sharing needs async GRPO with non-colocated vLLM (the scheduler shares the GPUs "
+            "instead): switched, with importance-sampling correction for the trajectories from older weights")
+    one_gpu = len(p.infer_devices) == 1
+    if one_gpu:
+        ov.notes.append("one GPU: this pipeline trains and rolls out on it; its rollout sleeps while any pipeline "
+                        "on the GPU trains (no generation/training overlap for it; see topology.is_one_gpu_topology)")
+    _set(ov, stock, "grpo.async_grpo.enabled", True, "time-sharing drives async_grpo_train")
+    _set(ov, stock, "loss_fn.use_importance_sampling_correction", True,
+         "trajectories from older weights are corrected (NeMo RL requires it with async GRPO)")
+    _set(ov, stock, "policy.generation.colocated.enabled", False,
+         "non-colocated vLLM; the scheduler shares GPUs instead")
+    _set(ov, stock, "policy.generation.colocated.resources.gpus_per_node", len(p.infer_devices),
+         "one vLLM rank per rlix.infer_devices GPU")
+    _set(ov, stock, "policy.generation.colocated.resources.num_nodes", 1, "one node")
+    _set(ov, stock, "policy.generation.vllm_cfg.async_engine", True, "per-request routing over the active DP ranks")
+    _set(ov, stock, "policy.generation.vllm_cfg.sleep_level", _SLEEP_LEVEL, "patch 0003; must equal rlix.sleep_level")
+    _set(ov, stock, "policy.generation.vllm_kwargs.worker_cls", _WORKER_CLS,
+         "the weight receiver (rlix_plugins.vllm.nemo_rl_vllm_kwargs())")
+    _set(ov, stock, "cluster.gpus_per_node", gpus_per_node, "GPUs of the node the pipelines share")
+    if num_pipelines > 1:
+        for key in ("checkpointing.checkpoint_dir", "logger.log_dir"):
+            base = _resolved(stock, key)
+            if isinstance(base, str):
+                _set(ov, stock, key, f"{base.rstrip('/')}/rlix_{p.name}",
+                     "pipelines made from one recipe must not write the same directory")
+    where = "the one GPU (one-GPU topology)" if one_gpu else f"its home slice of {len(p.train_devices)} GPU(s)"
+    _set(ov, stock, "rlix.train_devices", list(p.train_devices), f"trains on {where}")
+    _set(ov, stock, "rlix.infer_devices", list(p.infer_devices), "rolls out on every shared GPU")
+    _set(ov, stock, "rlix.bucket_size_bytes", DEFAULT_BUCKET_SIZE_BYTES,
+         "256 MiB per bucket: must fit next to a co-tenant's KV cache")
+    _set(ov, stock, "rlix.sleep_level", _SLEEP_LEVEL, "2 frees weights and KV cache while slept")
+    return ov
+
+
+# ---------------------------------------------------------------- output
+def _scalar(value: Any) -> str:
+    import yaml
+
+    return str(yaml.safe_dump([value], default_flow_style=True, width=1 << 16).strip())[1:-1]
+
+
+def render(overlay: Overlay, defaults: str, stock_name: str, num_pipelines: int) -> str:
+    """The overlay file: a header, ``defaults:``, then each changed key with its reason as a comment."""
+    p = overlay.pipeline
+    lines = [
+        f"# rlix-plugins time-sharing overlay: pipeline {p.name} of {num_pipelines} (trains on GPUs "
+        f"{list(p.train_devices)}, rolls out on GPUs {list(p.infer_devices)})",
+        f"# Stock NeMo RL recipe {stock_name} + only the keys time-sharing changes. Written by `rlix recipe`;",
+        "# run with RLIX_CONTROL_PLANE=rlix (see README \"NeMo RL\").",
+        *[f"# Note: {n}" for n in overlay.notes],
+        f"defaults: {_scalar(defaults)}",
+    ]
+    reasons = {k: r for k, (_, r) in overlay.changes.items()}
+
+    def emit(node: Mapping[str, Any], prefix: str, indent: int) -> None:
+        for key, value in node.items():
+            dotted = f"{prefix}{key}"
+            pad = "  " * indent
+            if isinstance(value, dict):
+                lines.append(f"{pad}{key}:")
+                emit(value, dotted + ".", indent + 1)
+            else:
+                lines.append(f"{pad}{key}: {_scalar(value)}  # {reasons[dotted]}")
+
+    for key, value in overlay.nested().items():
+        lines.append("")
+        emit({key: value}, "", 0)
+    return "\n".join(lines) + "\n"
+
+
+def write_overlays(stock_path: str | os.PathLike[str], out_dir: str | os.PathLike[str], num_pipelines: int,
+                   gpus: Sequence[int], gpus_per_node: int | None = None) -> list[tuple[Path, Overlay]]:
+    """Validate, then write ``<out>/<stock stem>_rlix_<name>.yaml`` per pipeline (``defaults:`` relative to out)."""
+    stock_path, out = Path(stock_path).resolve(), Path(out_dir)
+    overlays = make_overlays(load_stock(stock_path), num_pipelines, gpus, gpus_per_node)
+    out.mkdir(parents=True, exist_ok=True)
+    defaults = os.path.relpath(stock_path, out.resolve())
+    written = []
+    for ov in overlays:
+        path = out / f"{stock_path.stem}_rlix_{ov.pipeline.name}.yaml"
+        path.write_text(render(ov, defaults, stock_path.name, num_pipelines))
+        written.append((path, ov))
+    return written
+
+
+def run_cli(stock: str, out: str, num_pipelines: int, gpus: Sequence[int], gpus_per_node: int | None) -> int:
+    written = write_overlays(stock, out, num_pipelines, gpus, gpus_per_node)
+    for path, ov in written:
+        print(f"{path}: pipeline {ov.pipeline.name}, train {list(ov.pipeline.train_devices)}, "
+              f"infer {list(ov.pipeline.infer_devices)}")
+        for note in ov.notes:
+            print(f"  note: {note}")
+        for key, (value, reason) in ov.changes.items():
+            print(f"  {key} = {_scalar(value)}  # {reason}")
+    print("run each with: RLIX_CONTROL_PLANE=rlix python examples/run_grpo.py --config <overlay> (one per pipeline, "
+          "after `rlix up`)")
+    return 0
