@@ -2,6 +2,7 @@
 # Real NeMo RL on the GPU machine, under `bash scripts/gpu_kit.sh run` (vLLM, Ray and the pinned NeMo RL in place).
 #   bash scripts/gpu_kit.sh run bash scripts/gpu_nemo_rl.sh standalone     stock grpo_math_1B, unpatched vs patched
 #   bash scripts/gpu_kit.sh run bash scripts/gpu_nemo_rl.sh shared         two pipelines time-sharing the GPU
+#   bash scripts/gpu_kit.sh run bash scripts/gpu_nemo_rl.sh sequential     the same two, one after the other
 # Every NeMo RL run: the stock recipe (DTensor v1 policy) scaled down to a tiny local Qwen2 and local arithmetic
 # prompts (no hub on the machine); each writes its console log and NeMo RL's metrics under $OUT.
 set -u
@@ -46,6 +47,41 @@ grpo_run() {  # grpo_run NAME CHECKOUT LIMIT_S [overrides...]: one run_grpo.py d
   return $rc
 }
 
+stamp() { python3 -u -c 'import sys, time
+for line in sys.stdin: sys.stdout.write(f"{time.time():.3f} {line}")'; }  # time-stamped console lines
+
+shared_runs() {  # shared_runs NAME MODE: MODE "together" (both drivers at once) or "sequential" (one after the other)
+  local name=$1 mode=$2 dir="$OUT/$1" cfgdir="$WORK/patched/examples/configs/rlix"
+  mkdir -p "$dir"
+  python3 -m rlix_plugins.cli recipe "$WORK/patched/examples/configs/grpo_math_1B.yaml" --pipelines 2 --gpus 0 \
+    --out "$cfgdir" >"$dir/recipe.log" 2>&1 || { cat "$dir/recipe.log"; return 1; }
+  ray start --head --num-gpus 1 --include-dashboard=false --disable-usage-stats >"$dir/ray_start.log" 2>&1
+  export RAY_ADDRESS=127.0.0.1:6379
+  python3 -m rlix_plugins.cli up --address "$RAY_ADDRESS" >"$dir/rlix_up.log" 2>&1 || { cat "$dir/rlix_up.log"; return 1; }
+  local t0=$SECONDS pids=() p rc=0
+  for p in a b; do
+    (cd "$WORK/patched" && PYTHONPATH="$WORK/patched:$PYTHONPATH" RLIX_CONTROL_PLANE=rlix \
+       VLLM_RAY_EXTRA_ENV_VARS_TO_COPY=PYTHONPATH timeout -k 10 520 python3 "$REPO/scripts/gpu/nemo_rl_system_python.py" \
+       examples/run_grpo.py --config "examples/configs/rlix/grpo_math_1B_rlix_$p.yaml" "${TINY[@]}" \
+       logger.log_dir="$dir/logs_$p" 2>&1 | stamp >"$dir/console_$p.log") &
+    pids+=($!)
+    if [ "$mode" = sequential ]; then wait "${pids[-1]}" || rc=$((rc + 1)); fi
+  done
+  if [ "$mode" = together ]; then for p in "${pids[@]}"; do wait "$p" || rc=$((rc + 1)); done; fi
+  echo "=== $name ($mode): $rc failed drivers, $((SECONDS - t0)) s wall"
+  python3 -m rlix_plugins.cli status --json >"$dir/status.json" 2>&1
+  python3 -m rlix_plugins.cli timeline --out "$dir/timeline.png" >"$dir/timeline.log" 2>&1
+  sleep 5  # let the workers' processes exit, then read what is left on the GPU
+  nvidia-smi --query-compute-apps=pid,used_memory --format=csv >"$dir/gpu_after.csv"
+  nvidia-smi --query-gpu=memory.used --format=csv,noheader >>"$dir/gpu_after.csv"
+  python3 "$REPO/scripts/gpu/nemo_rl_shared_report.py" "$dir" | tee "$dir/report.txt"
+  python3 -m rlix_plugins.cli down --address "$RAY_ADDRESS" >/dev/null 2>&1
+  ray stop --force >/dev/null 2>&1
+  unset RAY_ADDRESS
+  for p in a b; do grep -v "^[0-9.]* *$" "$dir/console_$p.log" | grep -E "Error|Traceback|rlix" | tail -n 15; done
+  return $rc
+}
+
 failed=0
 for part in "${@:-standalone}"; do
   case $part in
@@ -53,6 +89,8 @@ for part in "${@:-standalone}"; do
     unset RLIX_CONTROL_PLANE
     grpo_run standalone_unpatched "$NEMO_RL_SRC" 280 || failed=$((failed + 1))
     grpo_run standalone_patched "$WORK/patched" 280 || failed=$((failed + 1)) ;;
+  shared) shared_runs shared together || failed=$((failed + 1)) ;;
+  sequential) shared_runs sequential sequential || failed=$((failed + 1)) ;;
   *) echo "unknown part $part"; failed=$((failed + 1)) ;;
   esac
 done
