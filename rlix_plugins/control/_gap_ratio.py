@@ -18,7 +18,11 @@ Model (after the reference ``plan_generation_gap_ratio``, with its starvation ga
   rank first, then normalised gap, gap, pipeline id) takes one bundle. Candidates prefer no shrink, then donors
   with more remaining work (protecting nearly finished pipelines), then the lower DP rank. Donors are clusters
   above target and shrink at most down to ``max(1 bundle, target)`` ("donors keep their target"); an acceptor
-  with **no** active rank may also take from a donor at target that keeps ≥1 rank (anti-starvation). A shrink
+  with **no** active rank may also take from a donor at target that keeps ≥1 rank (anti-starvation), and, when
+  its pipeline really has rollout work (progress unknown or ``remaining > 0``), the LAST rank of a donor whose
+  pipeline reported its step's rollout complete and asks for nothing: an idle pipeline never keeps a GPU that
+  a pipeline without any rank waits for (with more pipelines than bundles the waiter would otherwise wait until
+  the idle one trains, and a host that trains only once every pipeline is up never does: issue 17). A shrink
   search scores at most ``MAX_CANDIDATES`` bundles (bounded latency on fragmented pools).
 * Finally a work-conserving fill: idle, unreserved bundles go to eligible clusters with demand > 0 (least GPUs
   per unit of weight first). It never shrinks anybody.
@@ -129,7 +133,7 @@ def plan_gap_ratio(state: PlanState) -> None:
     def key(cid: str) -> tuple[bool, float, int, str, str] | None:
         a = state.active_gpus(cid)
         t = targets[cid]
-        if a >= t:
+        if a >= t or demands[cid] == 0:  # an idle donor that gave its last rank away does not want it back
             return None
         gap = t - a
         return (a > 0, -gap / t, -gap, clusters[cid].pipeline_id, cid)
@@ -184,6 +188,21 @@ def _free_candidate(state: PlanState, cid: str) -> int | None:
     return None
 
 
+def _has_rollout_work(state: PlanState, cid: str) -> bool:
+    """Whether the pipeline of ``cid`` reported work left in its step, or has reported nothing yet (new, or back
+    after a planned release). A request whose progress says "step complete" (a watchdog re-request while the
+    batch waits for training) does not count: it must not take the last rank of another idle pipeline."""
+    progress = state.snap.progress.get(state.snap.clusters[cid].pipeline_id)
+    return progress is None or progress.remaining > 0
+
+
+def _reported_idle(state: PlanState, cid: str) -> bool:
+    """Whether the pipeline of ``cid`` reported its step's rollout complete (a cluster that reported nothing is
+    never called idle: its demand is unknown, not zero)."""
+    progress = state.snap.progress.get(state.snap.clusters[cid].pipeline_id)
+    return progress is not None and progress.remaining == 0
+
+
 def _activate_one(
     state: PlanState, cid: str, targets: dict[str, int], demands: dict[str, int], *, allow_shrink: bool
 ) -> list[str] | None:
@@ -198,10 +217,11 @@ def _activate_one(
     spec = clusters[cid]
     gen_active = state.gen_active
     starving = cid not in gen_active
+    takes_idle = starving and _has_rollout_work(state, cid)
     active = gen_active.get(cid, set())
     shrunk = state.shrunk.get(cid, set())
     # Ranks a donor may still give up in this cycle: down to max(1, target bundles), or (for a starving
-    # acceptor) down to one rank.
+    # acceptor) down to one rank, or to none when the donor has no demand and the starving acceptor has work.
     budget: dict[str, int] = {}
     owner = state.owner
     for d in {owner[g] for g in spec.device_mapping if g in owner}:
@@ -210,7 +230,8 @@ def _activate_one(
         n_active = len(gen_active[d])
         b = n_active - max(1, targets[d] // clusters[d].tp_size)
         if starving:
-            b = max(b, n_active - 1)
+            idle = takes_idle and demands.get(d, 0) == 0 and _reported_idle(state, d)
+            b = max(b, n_active if idle else n_active - 1)
         if b > 0:
             budget[d] = b
     if not budget:
