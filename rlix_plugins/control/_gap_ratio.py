@@ -133,7 +133,7 @@ def plan_gap_ratio(state: PlanState) -> None:
     def key(cid: str) -> tuple[bool, float, int, str, str] | None:
         a = state.active_gpus(cid)
         t = targets[cid]
-        if a >= t or demands[cid] == 0:  # an idle donor that gave its last rank away does not want it back
+        if a >= t:
             return None
         gap = t - a
         return (a > 0, -gap / t, -gap, clusters[cid].pipeline_id, cid)
@@ -161,6 +161,8 @@ def plan_gap_ratio(state: PlanState) -> None:
             continue
         activations += 1
         for c in (cid, *donors):
+            if demands[c] == 0:
+                continue  # an idle donor that gave its last rank away does not want one back
             kc = key(c)
             if kc is not None:
                 heapq.heappush(heap, (kc, c))
