@@ -37,7 +37,7 @@ import heapq
 import math
 from collections.abc import Container
 
-from rlix_plugins.control._plan_state import PlanState, rank_index
+from rlix_plugins.control._plan_state import PlanState, bundles, mappings_overlap, rank_index
 from rlix_plugins.control.types import PendingRequest, Priority, Progress, SchedulerSnapshot
 
 #: Safety caps per cycle (the reference used the same numbers).
@@ -45,7 +45,7 @@ MAX_ITERATIONS = 10_000
 MAX_ACTIVATIONS = 1_000
 #: Candidate bundles scored per activation that needs a shrink (bounds the cost on fragmented pools; the
 #: best of those scored is taken).
-MAX_CANDIDATES = 48
+MAX_CANDIDATES = 16
 
 
 def round_half_up(x: float) -> int:
@@ -129,6 +129,8 @@ def plan_gap_ratio(state: PlanState) -> None:
     if not demands:
         return
     eligible, weights, targets = _targets(state, demands)
+    donor_order = sorted((-demands[c], c) for c in eligible)
+    floors = {c: max(1, targets[c] // clusters[c].tp_size) for c in eligible}
 
     def key(cid: str) -> tuple[bool, float, int, str, str] | None:
         a = state.active_gpus(cid)
@@ -155,7 +157,7 @@ def plan_gap_ratio(state: PlanState) -> None:
         if cur != k:
             heapq.heappush(heap, (cur, cid))
             continue
-        donors = _activate_one(state, cid, targets, demands, allow_shrink=True)
+        donors = _activate_one(state, cid, targets, demands, donor_order, floors)
         if donors is None:
             stuck.add(cid)
             continue
@@ -206,14 +208,23 @@ def _reported_idle(state: PlanState, cid: str) -> bool:
 
 
 def _activate_one(
-    state: PlanState, cid: str, targets: dict[str, int], demands: dict[str, int], *, allow_shrink: bool
+    state: PlanState,
+    cid: str,
+    targets: dict[str, int],
+    demands: dict[str, int],
+    donor_order: list[tuple[int, str]] | None = None,
+    floors: dict[str, int] | None = None,
 ) -> list[str] | None:
-    """Wake one bundle of ``cid``; returns the donors shrunk for it (maybe none), or None if impossible."""
+    """Wake one bundle of ``cid``; returns the donors shrunk for it (maybe none), or None if impossible.
+
+    Without ``donor_order`` (eligible clusters as ``(-demand, cluster id)``, sorted) only an idle bundle is taken;
+    ``floors`` (cluster id -> max(1, target bundles)) comes with it.
+    """
     r = _free_candidate(state, cid)
     if r is not None:
         state.expand(cid, r)
         return []
-    if not allow_shrink:
+    if donor_order is None or floors is None:
         return None
     clusters = state.snap.clusters
     spec = clusters[cid]
@@ -222,42 +233,53 @@ def _activate_one(
     takes_idle = starving and _has_rollout_work(state, cid)
     active = gen_active.get(cid, set())
     shrunk = state.shrunk.get(cid, set())
-    # Ranks a donor may still give up in this cycle: down to max(1, target bundles), or (for a starving
-    # acceptor) down to one rank, or to none when the donor has no demand and the starving acceptor has work.
+    # Ranks a donor may still give up in this cycle: down to ``floors[d]`` = max(1, target bundles), or (for a
+    # starving acceptor) down to one rank, or to none when the donor has no demand and the starving acceptor has
+    # work. Computed on demand (the scan usually stops at the first donors) and memoised for this activation.
     budget: dict[str, int] = {}
-    owner = state.owner
-    for d in {owner[g] for g in spec.device_mapping if g in owner}:
-        if d == cid or d not in targets or d not in gen_active:
-            continue
-        n_active = len(gen_active[d])
-        b = n_active - max(1, targets[d] // clusters[d].tp_size)
-        if starving:
-            idle = takes_idle and demands.get(d, 0) == 0 and _reported_idle(state, d)
-            b = max(b, n_active if idle else n_active - 1)
-        if b > 0:
-            budget[d] = b
-    if not budget:
-        return None
+
+    def budget_of(d: str) -> int:
+        n_active = len(gen_active.get(d, ()))
+        if not n_active or d not in floors:
+            b = 0
+        else:
+            b = n_active - floors[d]
+            if starving:
+                idle = takes_idle and demands.get(d, 0) == 0 and _reported_idle(state, d)
+                b = max(b, n_active if idle else n_active - 1)
+        budget[d] = b
+        return b
+
     # Candidates are bundles touching a rank of a donor with budget left (no free bundle exists). Donors are
-    # visited by decreasing demand and their ranks by increasing GPU id (= increasing acceptor rank, mappings
-    # being sorted and bundles contiguous), so the scan stops at the first single-victim candidate.
+    # visited by decreasing demand (``donor_order``) and their ranks by increasing GPU id (= increasing acceptor
+    # rank, mappings being sorted and bundles contiguous), so the scan stops at the first single-victim candidate.
     idx = rank_index(spec)
+    my_bundles = bundles(spec)
     protected, free, reserved, nongen = state.protected, state.free, state.reserved, state.nongen
+    owner = state.owner
     owner_rank: dict[str, dict[int, int]] = {}
     best: tuple[int, int, int] | None = None
     best_victims: list[tuple[str, int]] = []
     seen: set[int] = set()
-    for neg_demand, donor in sorted((-demands.get(d, 0), d) for d in budget):
+    for neg_demand, donor in donor_order:
         if best is not None and best[0] == 1 and best[1] < neg_demand:
             break
+        if donor == cid or donor not in gen_active:
+            continue
+        b = budget.get(donor)
+        if (b if b is not None else budget_of(donor)) <= 0:
+            continue
         dspec = clusters[donor]
+        if not mappings_overlap(spec, dspec):
+            continue
+        dbundles = bundles(dspec)
         done = False
         for dr0 in sorted(gen_active[donor]):
             if done:
                 break
             if (donor, dr0) in protected:
                 continue
-            for g0 in dspec.bundle(dr0):
+            for g0 in dbundles[dr0]:
                 r = idx.get(g0)
                 if r is None or r in seen:
                     continue
@@ -268,39 +290,39 @@ def _activate_one(
                     done = True
                     break
                 victims: dict[tuple[str, int], None] = {}
-                ok = True
-                for g in spec.bundle(r):
+                for g in my_bundles[r]:
                     if g in free:
                         if g in reserved:
-                            ok = False
                             break
                         continue
                     d = owner[g]
-                    if d not in budget or d in nongen:
-                        ok = False
+                    b = budget.get(d)
+                    if d in nongen or (b if b is not None else budget_of(d)) <= 0:
                         break
                     ridx = owner_rank.get(d)
                     if ridx is None:
                         ridx = owner_rank[d] = rank_index(clusters[d])
-                    dr = ridx[g]
-                    if (d, dr) in protected:
-                        ok = False
+                    victim = (d, ridx[g])
+                    if victim in protected:
                         break
-                    victims[(d, dr)] = None
-                if not ok:
-                    continue
-                per_donor: dict[str, int] = {}
-                for d, _dr in victims:
-                    per_donor[d] = per_donor.get(d, 0) + 1
-                if any(n > budget[d] for d, n in per_donor.items()):
-                    continue
-                min_donor_demand = min(demands.get(d, 0) for d in per_donor)
-                key = (len(victims), -min_donor_demand, r)
-                if best is None or key < best:
-                    best, best_victims = key, list(victims)
-                if best[0] == 1 and best[1] <= neg_demand:
-                    done = True  # later ranks of this donor map to higher acceptor ranks: they cannot beat it
-                    break
+                    victims[victim] = None
+                else:
+                    if len(victims) == 1:
+                        (d, _dr), = victims
+                        min_donor_demand = demands.get(d, 0)
+                    else:
+                        per_donor: dict[str, int] = {}
+                        for d, _dr in victims:
+                            per_donor[d] = per_donor.get(d, 0) + 1
+                        if any(n > budget[d] for d, n in per_donor.items()):
+                            continue
+                        min_donor_demand = min(demands.get(d, 0) for d in per_donor)
+                    key = (len(victims), -min_donor_demand, r)
+                    if best is None or key < best:
+                        best, best_victims = key, list(victims)
+                    if best[0] == 1 and best[1] <= neg_demand:
+                        done = True  # later ranks of this donor map to higher acceptor ranks: they cannot beat it
+                        break
     if best is None:
         return None
     for d, dr in best_victims:
@@ -324,6 +346,6 @@ def _fill_idle(
     heapq.heapify(heap)
     while cap > 0 and heap and state.free:
         _, cid = heapq.heappop(heap)
-        if _activate_one(state, cid, targets, demands, allow_shrink=False) is not None:
+        if _activate_one(state, cid, targets, demands) is not None:
             cap -= 1
             heapq.heappush(heap, (state.active_gpus(cid) / weights[cid], cid))
