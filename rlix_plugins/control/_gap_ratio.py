@@ -129,8 +129,7 @@ def plan_gap_ratio(state: PlanState) -> None:
     if not demands:
         return
     eligible, weights, targets = _targets(state, demands)
-    donor_order = sorted((-demands[c], c) for c in eligible)
-    floors = {c: max(1, targets[c] // clusters[c].tp_size) for c in eligible}
+    donors_info = _Donors(state, eligible, targets, demands)
 
     def key(cid: str) -> tuple[bool, float, int, str, str] | None:
         a = state.active_gpus(cid)
@@ -157,12 +156,13 @@ def plan_gap_ratio(state: PlanState) -> None:
         if cur != k:
             heapq.heappush(heap, (cur, cid))
             continue
-        donors = _activate_one(state, cid, targets, demands, donor_order, floors)
+        donors = _activate_one(state, cid, targets, demands, donors_info)
         if donors is None:
             stuck.add(cid)
             continue
         activations += 1
         for c in (cid, *donors):
+            donors_info.update(c)
             if demands[c] == 0:
                 continue  # an idle donor that gave its last rank away does not want one back
             kc = key(c)
@@ -170,6 +170,32 @@ def plan_gap_ratio(state: PlanState) -> None:
                 heapq.heappush(heap, (kc, c))
 
     _fill_idle(state, eligible, weights, demands, targets, MAX_ACTIVATIONS - activations)
+
+
+class _Donors:
+    """Per-cycle donor bookkeeping of the gap ratio (keeps each shrink search off the whole cluster list).
+
+    ``order``: eligible clusters as ``(-demand, cluster id)``, sorted (donors are visited by decreasing demand);
+    ``floors``: max(1, target bundles), the rank count a donor keeps for a non-starving acceptor; ``surplus``:
+    clusters holding more ranks than their floor (the only donors of a non-starving acceptor), kept current by
+    ``update`` after every activation.
+    """
+
+    def __init__(self, state: PlanState, eligible: list[str], targets: dict[str, int], demands: dict[str, int]) -> None:
+        clusters = state.snap.clusters
+        self._state = state
+        self.order = sorted((-demands[c], c) for c in eligible)
+        self.floors = {c: max(1, targets[c] // clusters[c].tp_size) for c in eligible}
+        self.surplus: set[str] = set()
+        for c in eligible:
+            self.update(c)
+
+    def update(self, cid: str) -> None:
+        ranks = self._state.gen_active.get(cid)
+        if ranks is not None and len(ranks) > self.floors[cid]:
+            self.surplus.add(cid)
+        else:
+            self.surplus.discard(cid)
 
 
 def _free_candidate(state: PlanState, cid: str) -> int | None:
@@ -212,19 +238,17 @@ def _activate_one(
     cid: str,
     targets: dict[str, int],
     demands: dict[str, int],
-    donor_order: list[tuple[int, str]] | None = None,
-    floors: dict[str, int] | None = None,
+    donors_info: _Donors | None = None,
 ) -> list[str] | None:
     """Wake one bundle of ``cid``; returns the donors shrunk for it (maybe none), or None if impossible.
 
-    Without ``donor_order`` (eligible clusters as ``(-demand, cluster id)``, sorted) only an idle bundle is taken;
-    ``floors`` (cluster id -> max(1, target bundles)) comes with it.
+    Without ``donors_info`` only an idle bundle is taken.
     """
     r = _free_candidate(state, cid)
     if r is not None:
         state.expand(cid, r)
         return []
-    if donor_order is None or floors is None:
+    if donors_info is None:
         return None
     clusters = state.snap.clusters
     spec = clusters[cid]
@@ -236,6 +260,7 @@ def _activate_one(
     # Ranks a donor may still give up in this cycle: down to ``floors[d]`` = max(1, target bundles), or (for a
     # starving acceptor) down to one rank, or to none when the donor has no demand and the starving acceptor has
     # work. Computed on demand (the scan usually stops at the first donors) and memoised for this activation.
+    floors = donors_info.floors
     budget: dict[str, int] = {}
 
     def budget_of(d: str) -> int:
@@ -261,16 +286,21 @@ def _activate_one(
     best: tuple[int, int, int] | None = None
     best_victims: list[tuple[str, int]] = []
     seen: set[int] = set()
-    for neg_demand, donor in donor_order:
+    # Any active donor may give to a starving acceptor (down to one rank, or none when idle), only donors above
+    # their floor to the others. Keep those holding a GPU of the acceptor's mapping: by scanning the mapping when
+    # it is small, else by a (cached) mapping-overlap test per donor.
+    pool = gen_active if starving else donors_info.surplus
+    holders = {owner[g] for g in spec.device_mapping if g in owner} if len(spec.device_mapping) <= 4 * len(pool) else None
+    for neg_demand, donor in donors_info.order:
         if best is not None and best[0] == 1 and best[1] < neg_demand:
             break
-        if donor == cid or donor not in gen_active:
+        if donor not in pool or donor == cid or (holders is not None and donor not in holders):
             continue
         b = budget.get(donor)
         if (b if b is not None else budget_of(donor)) <= 0:
             continue
         dspec = clusters[donor]
-        if not mappings_overlap(spec, dspec):
+        if holders is None and not mappings_overlap(spec, dspec):
             continue
         dbundles = bundles(dspec)
         done = False
