@@ -4,13 +4,14 @@
     python benchmarks/scheduler_scale.py --quick    # fewer samples
 
 Part 1 times ``plan_cycle`` (and ``validate_plan``) in CPU time of the planner thread for (pipelines, GPUs) in
-{(2,8), (8,64), (32,256), (64,512)}; target: p99 <= 10 ms at (64,512). Three views: random busy snapshots
+{(2,8), (8,64), (32,256), (64,512)}; target: p99 <= 10 ms at (64,512) in every view and layout. Three views: random busy snapshots
 (adversarial: far from the planner's previous decision), "steady" re-plans of a converged state whose progress
 moved, and every call inside a simulated run. Two layouts: each pipeline's rollout mapping is a 32-GPU window
 around its training GPUs ("window"), or the whole pool ("pool", the worst case).
 
 Part 2 runs ``rlix simulate``'s comparison for 2- and 4-pipeline mixes; targets: >= 1.6x aggregate steps/hour vs
-one-after-another and >= 1.25x vs a static partition on at least one realistic mix. Phase times from the
+one-after-another and >= 1.25x vs a static partition on at least one realistic mix, and never below 1.0x static
+(every mix's ratio is printed; a mix below is flagged). Phase times from the
 reference notes (docs: shared/notes/rlix_reference.md §6 and gpu_vllm.md): the reference's dual-FT experiment
 (4 GPUs, training on 2, rollout on all 4) took ~41 s per step after ~120 s of initialisation; vLLM sleep/wake
 at level 2 costs < 0.1 s, plus a weight push, so a woken rank serves after ~2 s. The larger mixes scale those
@@ -139,7 +140,7 @@ def bench_latency(samples: int) -> bool:
                 steady_ms.append((time.thread_time() - t0) * 1e3)
             p99 = _pct(plan_ms, 0.99)
             if (p, g) == (64, 512):
-                ok &= _pct(steady_ms, 0.99) <= 10.0 and (layout == "pool" or p99 <= 10.0)
+                ok &= _pct(steady_ms, 0.99) <= 10.0 and p99 <= 10.0
             print(
                 f"{p:>9} {g:>5} {layout:>7} {statistics.median(plan_ms):>9.2f} {p99:>9.2f} "
                 f"{statistics.median(steady_ms):>11.2f} {_pct(steady_ms, 0.99):>11.2f}"
@@ -154,8 +155,8 @@ def bench_latency(samples: int) -> bool:
             ok &= p99 <= 10.0
         print(f"{p:>9} {g:>5} {len(ms):>7} {statistics.median(ms):>9.2f} {p99:>9.2f} {max(ms):>9.2f}")
     print(
-        "target p99 <= 10 ms at (64, 512) (random snapshots, window layout; steady state and simulated runs, "
-        f"both layouts): {'met' if ok else 'NOT met'}"
+        "target p99 <= 10 ms at (64, 512) (random snapshots and steady state in both layouts, simulated runs): "
+        f"{'met' if ok else 'NOT met'}"
     )
     return ok
 
@@ -217,8 +218,11 @@ MIXES: list[tuple[str, int, Callable[[int], list[JobSpec]]]] = [
 
 def bench_simulation(steps: int) -> bool:
     print(f"\n== simulated throughput ({steps} steps per pipeline; async GRPO max_age=1; same planner) ==")
-    print(f"{'mix':<24}{'GPUs':>5}{'steps':>6}{'rlix steps/h':>13}{'vs 1-after-1':>13}{'vs static':>10}{'busy rlix/static/seq':>22}")
+    print("rlix trains each job as its best static configuration does (train GPUs / time in the 'train' column)")
+    print(f"{'mix':<24}{'GPUs':>5}{'steps':>6}{'rlix steps/h':>13}{'vs 1-after-1':>13}{'vs static':>10}"
+          f"{'busy rlix/static/seq':>22}  train")
     met_seq = met_static = met_both = False
+    losses: list[str] = []
     for name, gpus, make in MIXES:
         cmp = compare(make(steps), gpus, GPUS_PER_NODE, validate=False, record=False)
         done = cmp.runs["rlix"].steps
@@ -226,13 +230,19 @@ def bench_simulation(steps: int) -> bool:
         met_seq |= r_seq >= 1.6
         met_static |= r_static >= 1.25
         met_both |= r_seq >= 1.6 and r_static >= 1.25
+        if r_static < 1.0:
+            losses.append(f"{name} on {gpus} GPUs ({r_static:.2f}x)")
         busy = "/".join(f"{cmp.runs[m].busy_share:.0%}" for m in ("rlix", "static", "sequential"))
-        print(f"{name:<24}{gpus:>5}{done:>6}{cmp.runs['rlix'].steps_per_hour:>13.1f}{r_seq:>12.2f}x{r_static:>9.2f}x{busy:>22}")
+        train = ",".join(f"{j.train_gpus}x{j.train_time_s:.0f}s" for j in cmp.rlix_jobs)
+        flag = "  <-- LOSES to static" if r_static < 1.0 else ""
+        print(f"{name:<24}{gpus:>5}{done:>6}{cmp.runs['rlix'].steps_per_hour:>13.1f}{r_seq:>12.2f}x{r_static:>9.2f}x"
+              f"{busy:>22}  {train}{flag}")
     print(
         f"targets: >=1.6x vs one-after-another {'met' if met_seq else 'NOT met'}; >=1.25x vs static "
-        f"{'met' if met_static else 'NOT met'}; both on one mix {'met' if met_both else 'NOT met'}"
+        f"{'met' if met_static else 'NOT met'}; both on one mix {'met' if met_both else 'NOT met'}; never below "
+        f"static: {'met' if not losses else 'NOT met: ' + '; '.join(losses)}"
     )
-    return met_seq and met_static
+    return met_seq and met_static and not losses
 
 
 def main(argv: list[str] | None = None) -> int:

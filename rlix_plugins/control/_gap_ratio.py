@@ -19,7 +19,11 @@ Model (after the reference ``plan_generation_gap_ratio``, with its starvation ga
   (``snapshot.generation_waiting_since``), gap, pipeline id) takes one bundle. Candidates prefer no shrink, then donors
   with more remaining work (protecting nearly finished pipelines), then the lower DP rank. Donors are clusters
   above target and shrink at most down to ``max(1 bundle, target)`` ("donors keep their target"); an acceptor
-  with **no** active rank may also take from a donor at target that keeps ≥1 rank (anti-starvation). A shrink
+  with **no** active rank may also take from a donor at target that keeps ≥1 rank (anti-starvation), and, when
+  its pipeline really has rollout work (progress unknown or ``remaining > 0``), the LAST rank of a donor whose
+  pipeline reported its step's rollout complete and asks for nothing: an idle pipeline never keeps a GPU that
+  a pipeline without any rank waits for (with more pipelines than bundles the waiter would otherwise wait until
+  the idle one trains, and a host that trains only once every pipeline is up never does: issue 17). A shrink
   search scores at most ``MAX_CANDIDATES`` bundles (bounded latency on fragmented pools).
 * Finally a work-conserving fill: idle, unreserved bundles go to eligible clusters with demand > 0 (least GPUs
   per unit of weight first). It never shrinks anybody.
@@ -34,7 +38,7 @@ import heapq
 import math
 from collections.abc import Container, Iterator
 
-from rlix_plugins.control._plan_state import PlanState, rank_index
+from rlix_plugins.control._plan_state import PlanState, bundles, mappings_overlap, rank_index
 from rlix_plugins.control.types import PendingRequest, Priority, Progress, SchedulerSnapshot
 
 #: Safety caps per cycle (the reference used the same numbers).
@@ -42,7 +46,7 @@ MAX_ITERATIONS = 10_000
 MAX_ACTIVATIONS = 1_000
 #: Candidate bundles scored per activation that needs a shrink (bounds the cost on fragmented pools; the
 #: best of those scored is taken).
-MAX_CANDIDATES = 48
+MAX_CANDIDATES = 16
 
 
 def round_half_up(x: float) -> int:
@@ -142,6 +146,7 @@ def plan_gap_ratio(state: PlanState) -> None:
     if not demands:
         return
     eligible, weights, targets = _targets(state, demands)
+    donors_info = _Donors(state, eligible, targets, demands)
 
     waiting_since = state.snap.generation_waiting_since
 
@@ -172,17 +177,46 @@ def plan_gap_ratio(state: PlanState) -> None:
         if cur != k:
             heapq.heappush(heap, (cur, cid))
             continue
-        donors = _activate_one(state, cid, targets, demands, allow_shrink=True)
+        donors = _activate_one(state, cid, targets, demands, donors_info)
         if donors is None:
             stuck.add(cid)
             continue
         activations += 1
         for c in (cid, *donors):
+            donors_info.update(c)
+            if demands[c] == 0:
+                continue  # an idle donor that gave its last rank away does not want one back
             kc = key(c)
             if kc is not None:
                 heapq.heappush(heap, (kc, c))
 
     _fill_idle(state, eligible, weights, demands, targets, MAX_ACTIVATIONS - activations)
+
+
+class _Donors:
+    """Per-cycle donor bookkeeping of the gap ratio (keeps each shrink search off the whole cluster list).
+
+    ``order``: eligible clusters as ``(-demand, cluster id)``, sorted (donors are visited by decreasing demand);
+    ``floors``: max(1, target bundles), the rank count a donor keeps for a non-starving acceptor; ``surplus``:
+    clusters holding more ranks than their floor (the only donors of a non-starving acceptor), kept current by
+    ``update`` after every activation.
+    """
+
+    def __init__(self, state: PlanState, eligible: list[str], targets: dict[str, int], demands: dict[str, int]) -> None:
+        clusters = state.snap.clusters
+        self._state = state
+        self.order = sorted((-demands[c], c) for c in eligible)
+        self.floors = {c: max(1, targets[c] // clusters[c].tp_size) for c in eligible}
+        self.surplus: set[str] = set()
+        for c in eligible:
+            self.update(c)
+
+    def update(self, cid: str) -> None:
+        ranks = self._state.gen_active.get(cid)
+        if ranks is not None and len(ranks) > self.floors[cid]:
+            self.surplus.add(cid)
+        else:
+            self.surplus.discard(cid)
 
 
 def _free_candidate(state: PlanState, cid: str) -> int | None:
@@ -205,57 +239,98 @@ def _free_candidate(state: PlanState, cid: str) -> int | None:
     return None
 
 
+def _has_rollout_work(state: PlanState, cid: str) -> bool:
+    """Whether the pipeline of ``cid`` reported work left in its step, or has reported nothing yet (new, or back
+    after a planned release). A request whose progress says "step complete" (a watchdog re-request while the
+    batch waits for training) does not count: it must not take the last rank of another idle pipeline."""
+    progress = state.snap.progress.get(state.snap.clusters[cid].pipeline_id)
+    return progress is None or progress.remaining > 0
+
+
+def _reported_idle(state: PlanState, cid: str) -> bool:
+    """Whether the pipeline of ``cid`` reported its step's rollout complete (a cluster that reported nothing is
+    never called idle: its demand is unknown, not zero)."""
+    progress = state.snap.progress.get(state.snap.clusters[cid].pipeline_id)
+    return progress is not None and progress.remaining == 0
+
+
 def _activate_one(
-    state: PlanState, cid: str, targets: dict[str, int], demands: dict[str, int], *, allow_shrink: bool
+    state: PlanState,
+    cid: str,
+    targets: dict[str, int],
+    demands: dict[str, int],
+    donors_info: _Donors | None = None,
 ) -> list[str] | None:
-    """Wake one bundle of ``cid``; returns the donors shrunk for it (maybe none), or None if impossible."""
+    """Wake one bundle of ``cid``; returns the donors shrunk for it (maybe none), or None if impossible.
+
+    Without ``donors_info`` only an idle bundle is taken.
+    """
     r = _free_candidate(state, cid)
     if r is not None:
         state.expand(cid, r)
         return []
-    if not allow_shrink:
+    if donors_info is None:
         return None
     clusters = state.snap.clusters
     spec = clusters[cid]
     gen_active = state.gen_active
     starving = cid not in gen_active
+    takes_idle = starving and _has_rollout_work(state, cid)
     active = gen_active.get(cid, set())
     shrunk = state.shrunk.get(cid, set())
-    # Ranks a donor may still give up in this cycle: down to max(1, target bundles), or (for a starving
-    # acceptor) down to one rank.
+    # Ranks a donor may still give up in this cycle: down to ``floors[d]`` = max(1, target bundles), or (for a
+    # starving acceptor) down to one rank, or to none when the donor has no demand and the starving acceptor has
+    # work. Computed on demand (the scan usually stops at the first donors) and memoised for this activation.
+    floors = donors_info.floors
     budget: dict[str, int] = {}
-    owner = state.owner
-    for d in {owner[g] for g in spec.device_mapping if g in owner}:
-        if d == cid or d not in targets or d not in gen_active:
-            continue
-        n_active = len(gen_active[d])
-        b = n_active - max(1, targets[d] // clusters[d].tp_size)
-        if starving:
-            b = max(b, n_active - 1)
-        if b > 0:
-            budget[d] = b
-    if not budget:
-        return None
+
+    def budget_of(d: str) -> int:
+        n_active = len(gen_active.get(d, ()))
+        if not n_active or d not in floors:
+            b = 0
+        else:
+            b = n_active - floors[d]
+            if starving:
+                idle = takes_idle and demands.get(d, 0) == 0 and _reported_idle(state, d)
+                b = max(b, n_active if idle else n_active - 1)
+        budget[d] = b
+        return b
+
     # Candidates are bundles touching a rank of a donor with budget left (no free bundle exists). Donors are
-    # visited by decreasing demand and their ranks by increasing GPU id (= increasing acceptor rank, mappings
-    # being sorted and bundles contiguous), so the scan stops at the first single-victim candidate.
+    # visited by decreasing demand (``donor_order``) and their ranks by increasing GPU id (= increasing acceptor
+    # rank, mappings being sorted and bundles contiguous), so the scan stops at the first single-victim candidate.
     idx = rank_index(spec)
+    my_bundles = bundles(spec)
     protected, free, reserved, nongen = state.protected, state.free, state.reserved, state.nongen
+    owner = state.owner
     owner_rank: dict[str, dict[int, int]] = {}
     best: tuple[int, int, int] | None = None
     best_victims: list[tuple[str, int]] = []
     seen: set[int] = set()
-    for neg_demand, donor in sorted((-demands.get(d, 0), d) for d in budget):
+    # Any active donor may give to a starving acceptor (down to one rank, or none when idle), only donors above
+    # their floor to the others. Keep those holding a GPU of the acceptor's mapping: by scanning the mapping when
+    # it is small, else by a (cached) mapping-overlap test per donor.
+    pool = gen_active if starving else donors_info.surplus
+    holders = {owner[g] for g in spec.device_mapping if g in owner} if len(spec.device_mapping) <= 4 * len(pool) else None
+    for neg_demand, donor in donors_info.order:
         if best is not None and best[0] == 1 and best[1] < neg_demand:
             break
+        if donor not in pool or donor == cid or (holders is not None and donor not in holders):
+            continue
+        b = budget.get(donor)
+        if (b if b is not None else budget_of(donor)) <= 0:
+            continue
         dspec = clusters[donor]
+        if holders is None and not mappings_overlap(spec, dspec):
+            continue
+        dbundles = bundles(dspec)
         done = False
         for dr0 in sorted(gen_active[donor]):
             if done:
                 break
             if (donor, dr0) in protected:
                 continue
-            for g0 in dspec.bundle(dr0):
+            for g0 in dbundles[dr0]:
                 r = idx.get(g0)
                 if r is None or r in seen:
                     continue
@@ -266,39 +341,39 @@ def _activate_one(
                     done = True
                     break
                 victims: dict[tuple[str, int], None] = {}
-                ok = True
-                for g in spec.bundle(r):
+                for g in my_bundles[r]:
                     if g in free:
                         if g in reserved:
-                            ok = False
                             break
                         continue
                     d = owner[g]
-                    if d not in budget or d in nongen:
-                        ok = False
+                    b = budget.get(d)
+                    if d in nongen or (b if b is not None else budget_of(d)) <= 0:
                         break
                     ridx = owner_rank.get(d)
                     if ridx is None:
                         ridx = owner_rank[d] = rank_index(clusters[d])
-                    dr = ridx[g]
-                    if (d, dr) in protected:
-                        ok = False
+                    victim = (d, ridx[g])
+                    if victim in protected:
                         break
-                    victims[(d, dr)] = None
-                if not ok:
-                    continue
-                per_donor: dict[str, int] = {}
-                for d, _dr in victims:
-                    per_donor[d] = per_donor.get(d, 0) + 1
-                if any(n > budget[d] for d, n in per_donor.items()):
-                    continue
-                min_donor_demand = min(demands.get(d, 0) for d in per_donor)
-                key = (len(victims), -min_donor_demand, r)
-                if best is None or key < best:
-                    best, best_victims = key, list(victims)
-                if best[0] == 1 and best[1] <= neg_demand:
-                    done = True  # later ranks of this donor map to higher acceptor ranks: they cannot beat it
-                    break
+                    victims[victim] = None
+                else:
+                    if len(victims) == 1:
+                        (d, _dr), = victims
+                        min_donor_demand = demands.get(d, 0)
+                    else:
+                        per_donor: dict[str, int] = {}
+                        for d, _dr in victims:
+                            per_donor[d] = per_donor.get(d, 0) + 1
+                        if any(n > budget[d] for d, n in per_donor.items()):
+                            continue
+                        min_donor_demand = min(demands.get(d, 0) for d in per_donor)
+                    key = (len(victims), -min_donor_demand, r)
+                    if best is None or key < best:
+                        best, best_victims = key, list(victims)
+                    if best[0] == 1 and best[1] <= neg_demand:
+                        done = True  # later ranks of this donor map to higher acceptor ranks: they cannot beat it
+                        break
     if best is None:
         return None
     for d, dr in best_victims:
@@ -322,6 +397,6 @@ def _fill_idle(
     heapq.heapify(heap)
     while cap > 0 and heap and state.free:
         _, cid = heapq.heappop(heap)
-        if _activate_one(state, cid, targets, demands, allow_shrink=False) is not None:
+        if _activate_one(state, cid, targets, demands) is not None:
             cap -= 1
             heapq.heappush(heap, (state.active_gpus(cid) / weights[cid], cid))

@@ -37,6 +37,38 @@ def rank_index(spec: ClusterSpec) -> dict[int, int]:
     return idx
 
 
+_BUNDLES: dict[int, tuple[ClusterSpec, tuple[tuple[int, ...], ...]]] = {}
+
+
+def bundles(spec: ClusterSpec) -> tuple[tuple[int, ...], ...]:
+    """GPU ids of every DP rank of ``spec`` (``bundles(spec)[r] == spec.bundle(r)``), cached like
+    :func:`rank_index` (the planner's candidate scan reads bundles in its innermost loop)."""
+    hit = _BUNDLES.get(id(spec))
+    if hit is not None and hit[0] is spec:
+        return hit[1]
+    if len(_BUNDLES) >= _RANK_INDEX_MAX:
+        _BUNDLES.clear()
+    out = tuple(spec.bundle(r) for r in range(spec.num_dp_ranks))
+    _BUNDLES[id(spec)] = (spec, out)
+    return out
+
+
+_OVERLAP: dict[tuple[int, int], tuple[ClusterSpec, ClusterSpec, bool]] = {}
+
+
+def mappings_overlap(a: ClusterSpec, b: ClusterSpec) -> bool:
+    """Whether the device mappings of ``a`` and ``b`` share a GPU. Cached by object identity like
+    :func:`rank_index` (a planning cycle asks for every acceptor/donor pair; mappings hold hundreds of GPUs)."""
+    hit = _OVERLAP.get((id(a), id(b)))
+    if hit is not None and hit[0] is a and hit[1] is b:
+        return hit[2]
+    if len(_OVERLAP) >= _RANK_INDEX_MAX * 4:
+        _OVERLAP.clear()
+    result = not rank_index(a).keys().isdisjoint(b.device_mapping)
+    _OVERLAP[(id(a), id(b))] = (a, b, result)  # keeps both alive, so their ids are not reused while cached
+    return result
+
+
 def is_generation_alloc(alloc: Allocation) -> bool:
     return alloc.priority == Priority.GENERATION
 

@@ -53,6 +53,13 @@ class ResizeHandler(Protocol):
     def resize_infer(self, dp_ranks_to_remove: list[int], dp_ranks_to_add: list[int]) -> None: ...
 
 
+def _older(last: tuple[int, int, int | None], new: tuple[int, int, int | None]) -> bool:
+    """Whether progress ``new`` (completed, step_target, step) is older than ``last`` (see ``report_progress``)."""
+    if new[2] is None or last[2] is None:
+        return False
+    return new[2] < last[2] or (new[2] == last[2] and new[1] == last[1] and new[0] < last[0])
+
+
 @dataclass(frozen=True)
 class CoordinatorConfig:
     #: Wait for the resize lock (an in-flight refresh or another resize) before giving up.
@@ -203,6 +210,12 @@ class Coordinator:
 
         Forwarded when ``new_batch``, when the 2 % bucket of ``min(collected, step_target) / step_target``
         changes, or when ``step``/``step_target`` change; otherwise dropped (the hot path stays cheap).
+
+        A report older than the last one kept is dropped too: one for an earlier step, or one with fewer
+        trajectories for the same step (this actor is threaded, so reports sent in order may run out of order;
+        a late "3 of 4" after "4 of 4" made an idle pipeline look busy forever, issue 17). Within a run steps
+        only grow and a step's count only grows (a count that drops because the trainer took the batch does
+        not mean work came back).
         """
         if not isinstance(collected, int) or not isinstance(step_target, int) or collected < 0 or step_target < 0:
             raise RlixConfigError(
@@ -212,6 +225,8 @@ class Coordinator:
         bucket = int(completed / step_target * PROGRESS_BUCKETS) if step_target else PROGRESS_BUCKETS
         with self._state:
             last = self._last_progress
+            if last is not None and _older(last, (completed, step_target, step)):
+                return False
             if not new_batch and last is not None and bucket == self._bucket and last[1:] == (step_target, step):
                 return False
             self._bucket = bucket

@@ -2,9 +2,12 @@
 
 Three ways to run the same jobs (each job keeps its number of training GPUs and its vLLM TP size):
 
-* **rlix**: all jobs at once on the shared pool. Job ``i`` trains on the first ``train_gpus`` GPUs of its home
-  slice (``G/N`` GPUs) and may run rollout ranks on *every* GPU (partial overlap: train GPUs ⊂ infer GPUs);
-  ``plan_cycle`` time-shares everything.
+* **rlix**: all jobs at once on the shared pool. Job ``i`` trains on the head of its home slice (``G/N`` GPUs)
+  and may run rollout ranks on *every* GPU (partial overlap: train GPUs ⊂ infer GPUs); ``plan_cycle``
+  time-shares everything. Its training setup is the one of its best static configuration (below): ``train_gpus``
+  GPUs, or the whole home slice with the same data-parallel time scaling when the synchronous colocated
+  configuration wins. Otherwise the baseline would train twice as wide as rlix (issue 17: "train + train" lost
+  0.87x to static only because of that).
 * **static**: all jobs at once, each alone on its own ``G/N`` GPUs in its fastest *stock* NeMo RL configuration:
   async non-colocated (train on ``train_gpus``, rollout on the rest; needs room for a rollout rank) or
   synchronous colocated (rollout, then training data-parallel over the slice).
@@ -20,13 +23,14 @@ import argparse
 import json
 import pathlib
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 
 from rlix_plugins.control._sim_engine import JobSpec, Placement, SimRun, Simulation
 from rlix_plugins.control.types import TraceEvent
 from rlix_plugins.errors import RlixConfigError
 
-__all__ = ["Comparison", "JobSpec", "SimRun", "add_arguments", "best_alone", "compare", "rlix_placements", "run_cli"]
+__all__ = ["Comparison", "JobSpec", "SimRun", "add_arguments", "best_alone", "best_stock", "compare", "rlix_placements",
+           "run_cli"]
 
 MODES = ("rlix", "static", "sequential")
 
@@ -78,20 +82,32 @@ def stock_configs(job: JobSpec, size: int, gpus_per_node: int) -> list[tuple[Job
     return out
 
 
-def best_alone(job: JobSpec, size: int, gpus_per_node: int, **kw: object) -> SimRun:
-    """The fastest stock configuration of ``job`` alone on ``size`` GPUs."""
-    best: SimRun | None = None
+def best_stock(job: JobSpec, size: int, gpus_per_node: int, **kw: object) -> tuple[JobSpec, Placement, SimRun]:
+    """The fastest stock configuration of ``job`` alone on ``size`` GPUs: (variant, placement, its run)."""
+    best: tuple[JobSpec, Placement, SimRun] | None = None
     for variant, placement in stock_configs(job, size, gpus_per_node):
         run = Simulation([variant], [placement], size, gpus_per_node, **kw).run()  # type: ignore[arg-type]
-        if best is None or run.makespan_s < best.makespan_s:
-            best = run
+        if best is None or run.makespan_s < best[2].makespan_s:
+            best = (variant, placement, run)
     assert best is not None
     return best
+
+
+def best_alone(job: JobSpec, size: int, gpus_per_node: int, **kw: object) -> SimRun:
+    """The run of the fastest stock configuration of ``job`` alone on ``size`` GPUs."""
+    return best_stock(job, size, gpus_per_node, **kw)[2]
+
+
+def with_training_of(job: JobSpec, variant: JobSpec, placement: Placement) -> JobSpec:
+    """``job`` (async, as rlix runs it) with the training width and time of a stock ``variant``/``placement``."""
+    return replace(job, train_gpus=len(placement.train), train_time_s=variant.train_time_s)
 
 
 @dataclass
 class Comparison:
     runs: dict[str, SimRun]
+    #: the jobs as the rlix mode ran them (training setup of each job's best static configuration)
+    rlix_jobs: list[JobSpec] = field(default_factory=list)
 
     def ratio(self, baseline: str, metric: str = "steps_per_hour") -> float:
         base = getattr(self.runs[baseline], metric)
@@ -135,15 +151,15 @@ def compare(
     Both baselines use each job's fastest stock configuration (``stock_configs``) on its GPUs.
     """
     kw: dict[str, object] = {"dt_s": dt_s, "tick_s": tick_s, "validate": validate, "record": record}
-    runs: dict[str, SimRun] = {
-        "rlix": Simulation(list(jobs), rlix_placements(jobs, num_gpus, gpus_per_node), num_gpus, gpus_per_node, **kw).run()  # type: ignore[arg-type]
-    }
+    rlix_placements(jobs, num_gpus, gpus_per_node)  # refuses a job whose training does not fit its home slice
     n = len(jobs)
     home = num_gpus // n
     static = SimRun(makespan_s=0.0, steps=0, busy_gpu_s=0.0, num_gpus=num_gpus, finish_s={}, cycles=0)
     seq = SimRun(makespan_s=0.0, steps=0, busy_gpu_s=0.0, num_gpus=num_gpus, finish_s={}, cycles=0)
+    rlix_jobs: list[JobSpec] = []
     for i, job in enumerate(jobs):
-        r = best_alone(job, home, gpus_per_node, **kw)
+        variant, placement, r = best_stock(job, home, gpus_per_node, **kw)
+        rlix_jobs.append(with_training_of(job, variant, placement))
         static.events.extend(_shifted(r.events, job.start_s, i * home))
         static.finish_s[job.name] = job.start_s + r.makespan_s
         static.makespan_s = max(static.makespan_s, job.start_s + r.makespan_s)
@@ -157,9 +173,8 @@ def compare(
         seq.steps += r.steps
         seq.busy_gpu_s += r.busy_gpu_s
         seq.cycles += r.cycles
-    runs["static"] = static
-    runs["sequential"] = seq
-    return Comparison(runs)
+    rlix = Simulation(rlix_jobs, rlix_placements(rlix_jobs, num_gpus, gpus_per_node), num_gpus, gpus_per_node, **kw).run()  # type: ignore[arg-type]
+    return Comparison({"rlix": rlix, "static": static, "sequential": seq}, rlix_jobs)
 
 
 # ---- CLI ----------------------------------------------------------------------------------------------------

@@ -101,6 +101,10 @@ def test_progress_is_clamped_and_forwarded_per_2_percent_bucket(control_plane: c
     assert a.report_progress(3, 100, step=1, new_batch=True) is True  # a new batch always goes through
     assert a.report_progress(250, 100, step=1) is True  # overshoot: clamped to completed = target
     assert a.report_progress(4, 100, step=2) is True  # a new step number always goes through
+    # Reports that run out of order on the threaded coordinator (issue 17: a late "3 of 4" kept an idle pipeline
+    # "busy" forever): an earlier step, or fewer trajectories of the same step, never replace a newer report.
+    assert a.report_progress(3, 100, step=2) is False
+    assert a.report_progress(90, 100, step=1, new_batch=True) is False
 
     def at_scheduler() -> dict | None:
         return cp.status()["pipelines"][a.pipeline_id]["progress"]

