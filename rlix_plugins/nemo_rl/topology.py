@@ -10,6 +10,8 @@ Checks:
 * at least 2 inference DP ranks (``len(infer) / vllm_tp``) and at least one FULL DP rank outside the training
   GPUs (``len(infer - train) >= vllm_tp``): one rank must keep generating while the pipeline trains;
 * ``len(infer) % vllm_tp == 0`` and ``len(train) % (TP·PP·CP·EP) == 0`` (Megatron; DTensor: TP·CP);
+* not both ``policy.megatron_cfg.enabled`` and ``policy.dtensor_cfg.enabled`` (the weight cache is built in the
+  workers of the one NeMo RL builds; neither set is left to NeMo RL's own error, and to its unit-test mocks);
 * ``grpo.async_grpo.enabled``, ``policy.generation.colocated.enabled == false`` (non-colocated vLLM),
   ``vllm_cfg.async_engine`` (per-request routing needs the async engine), ``loss_fn.
   use_importance_sampling_correction`` (trajectories from older weights are corrected), vLLM backend;
@@ -62,6 +64,9 @@ def topology_problems(master_config: Any, run: RlixRunConfig) -> list[str]:
         problems.append(f"only {len(infer - train)} inference GPU(s) outside the training GPUs; at least one full "
                         f"DP rank ({tp} GPU(s)) must keep generating while the pipeline trains: add GPUs to "
                         "rlix.infer_devices that are not in rlix.train_devices")
+    if cfg_path(master_config, "policy.megatron_cfg.enabled") and cfg_path(master_config, "policy.dtensor_cfg.enabled"):
+        problems.append("policy.megatron_cfg.enabled and policy.dtensor_cfg.enabled are both true: enable one training "
+                        "backend (e.g. policy.megatron_cfg.enabled=false for the DTensor policy)")
     size, how = training_parallel_size(master_config)
     if len(train) % size:
         problems.append(f"rlix.train_devices has {len(train)} GPUs, not a multiple of {how}: use a multiple of "
