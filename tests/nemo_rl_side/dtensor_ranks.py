@@ -81,6 +81,42 @@ class DTensorWorkerShape:
         pass
 
 
+class FsdpRankActor(DTensorWorkerShape):
+    """One rank as a Ray actor, as NeMo RL runs its policy workers (``ray.remote(FsdpRankActor)``): the weight
+    source reaches it with ``__ray_call__``. Joins the gloo group of ``WORLD`` ranks at ``port`` and shards
+    ``model_dir``."""
+
+    def __init__(self, rank: int, port: int, model_dir: str) -> None:
+        import torch
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+        super().__init__(rank, shard_tiny_qwen2(model_dir, real=False), torch.bfloat16)
+
+    def train_step(self) -> float:
+        """One forward/backward/SGD step through FSDP2's all-gathers and reduce-scatters (its process groups)."""
+        import torch
+
+        self.model.train()
+        ids = torch.arange(16).view(2, 8) % self.model.config.vocab_size
+        with torch.autocast("cpu", dtype=self.dtype):  # as NeMo RL's train() (on "cuda")
+            loss = self.model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        torch.optim.SGD(self.model.parameters(), lr=1e-3).step()
+        self.model.zero_grad()
+        return float(loss)
+
+    def load_weights(self, model_dir: str) -> None:
+        """Replace the sharded weights with ``model_dir``'s (NeMo RL's loader: ``set_model_state_dict``)."""
+        import torch
+        from safetensors.torch import load_file
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        full = {k: v.to(torch.float32) for k, v in load_file(f"{model_dir}/model.safetensors").items()}
+        set_model_state_dict(self.model, full, options=StateDictOptions(full_state_dict=True, strict=False))
+        self.model.tie_weights()
+
+
 def make_worker(rank: int, model_dir: str, real: bool) -> Any:
     import torch
 
