@@ -3,13 +3,15 @@
 * :class:`DTensorWorkerShape` - the members rlix uses on NeMo RL's ``DTensorPolicyWorker``: ``rank``, ``model``,
   ``dtype``, ``cpu_offload`` and the checkpoint-engine refit triad, whose iterator is NeMo RL's
   ``dtensor_params_generator`` (``state_dict()`` → ``DTensor.full_tensor()`` → ``.to(dtype).contiguous()``).
-* :func:`make_worker` with ``real=True`` (NeMo RL importable: the conformance venv, NEMO_RL_SRC on the path) gives
-  NeMo RL's own ``DTensorPolicyWorkerImpl`` sharded by its own ``_parallelize_model``. Its ``__init__`` cannot run
-  on CPU (``ray.get_gpu_ids()``, ``init_process_group("nccl")``), so the instance is made with ``__new__`` and given
-  the members ``__init__`` sets; every method the weight source calls is then NeMo RL's.
+* :func:`make_worker` with ``kind="v1"`` / ``"v2"`` (NeMo RL importable: the conformance venv, NEMO_RL_SRC on the
+  path; v2 also needs nemo_automodel) gives NeMo RL's own ``DTensorPolicyWorkerImpl`` / ``DTensorPolicyWorkerV2Impl``.
+  Their ``__init__`` cannot run on CPU (``ray.get_gpu_ids()``, ``init_process_group("nccl")``, v2: Automodel's
+  CUDA model setup), so the instance is made with ``__new__`` and given the members ``__init__`` sets; every method
+  the weight source calls is then NeMo RL's. v1's model is sharded by NeMo RL's own ``_parallelize_model``; v2's
+  with the same layout by hand (an HF model, as Automodel loads Qwen2/Llama: no state-dict adapter).
 * :func:`run_ranks` spawns ``world`` processes; each runs the real :func:`worker_ops.build_cache` (version 1), then
   the runtime's offload mark and a refused build (version 2), and writes what it holds to ``out_dir/rank<r>.pt``.
-  ``python tests/nemo_rl_side/dtensor_ranks.py MODEL_DIR OUT_DIR [--real]`` does the same from another venv.
+  ``python tests/nemo_rl_side/dtensor_ranks.py MODEL_DIR OUT_DIR --worker v1`` does the same from another venv.
 """
 
 from __future__ import annotations
@@ -33,7 +35,11 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def shard_tiny_qwen2(model_dir: str, real: bool) -> Any:
+#: Worker kinds: the stand-in, NeMo RL's v1 and v2 DTensor policy workers.
+KINDS = ("shape", "v1", "v2")
+
+
+def shard_tiny_qwen2(model_dir: str, nemo_parallelizer: bool = False) -> Any:
     """NeMo RL's layout: float32 master weights, ``fully_shard`` per decoder layer then the root (mixed precision:
     bf16 parameters), tied embeddings re-tied. Needs the default process group."""
     import torch
@@ -42,7 +48,7 @@ def shard_tiny_qwen2(model_dir: str, real: bool) -> Any:
 
     model = Qwen2ForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     world = torch.distributed.get_world_size()
-    if real:
+    if nemo_parallelizer:
         from nemo_rl.models.dtensor.parallelize import _parallelize_model
 
         mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("dp", "tp"))
@@ -91,7 +97,7 @@ class FsdpRankActor(DTensorWorkerShape):
         import torch.distributed as dist
 
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
-        super().__init__(rank, shard_tiny_qwen2(model_dir, real=False), torch.bfloat16)
+        super().__init__(rank, shard_tiny_qwen2(model_dir), torch.bfloat16)
 
     def train_step(self) -> float:
         """One forward/backward/SGD step through FSDP2's all-gathers and reduce-scatters (its process groups)."""
@@ -117,15 +123,17 @@ class FsdpRankActor(DTensorWorkerShape):
         self.model.tie_weights()
 
 
-def make_worker(rank: int, model_dir: str, real: bool) -> Any:
+def make_worker(rank: int, model_dir: str, kind: str) -> Any:
     import torch
 
-    model = shard_tiny_qwen2(model_dir, real)
-    if not real:
+    model = shard_tiny_qwen2(model_dir, nemo_parallelizer=kind == "v1")
+    if kind == "shape":
         return DTensorWorkerShape(rank, model, torch.bfloat16)
-    from nemo_rl.models.policy.workers.dtensor_policy_worker import DTensorPolicyWorkerImpl
-
-    worker = DTensorPolicyWorkerImpl.__new__(DTensorPolicyWorkerImpl)
+    if kind == "v1":
+        from nemo_rl.models.policy.workers.dtensor_policy_worker import DTensorPolicyWorkerImpl as cls
+    else:
+        from nemo_rl.models.policy.workers.dtensor_policy_worker_v2 import DTensorPolicyWorkerV2Impl as cls
+    worker = cls.__new__(cls)
     worker.rank, worker.model, worker.dtype, worker.cpu_offload = rank, model, torch.bfloat16, False
     return worker
 
@@ -141,7 +149,7 @@ def held_tensors(worker: Any) -> dict[str, Any]:
         return {n: t.clone() for b in snap.buckets for n, t in unpack_bucket(b.meta, b.buffer)}
 
 
-def _rank_main(rank: int, port: int, model_dir: str, out_dir: str, real: bool) -> None:
+def _rank_main(rank: int, port: int, model_dir: str, out_dir: str, kind: str) -> None:
     import warnings
 
     warnings.filterwarnings("ignore")
@@ -153,7 +161,7 @@ def _rank_main(rank: int, port: int, model_dir: str, out_dir: str, real: bool) -
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    worker = make_worker(rank, model_dir, real)
+    worker = make_worker(rank, model_dir, kind)
     t0 = time.perf_counter()
     version = worker_ops.build_cache(worker, "dtensor", 1, BUCKET_BYTES, 60.0)
     build_s = time.perf_counter() - t0
@@ -178,12 +186,12 @@ def _rank_main(rank: int, port: int, model_dir: str, out_dir: str, real: bool) -
     dist.destroy_process_group()
 
 
-def run_ranks(model_dir: str, out_dir: str, real: bool = False, timeout_s: float = 240.0) -> dict[int, dict[str, Any]]:
+def run_ranks(model_dir: str, out_dir: str, kind: str = "shape", timeout_s: float = 240.0) -> dict[int, dict[str, Any]]:
     """Spawn the ranks (bounded: killed after ``timeout_s``) and return what each wrote."""
     import torch
     import torch.multiprocessing as mp
 
-    ctx = mp.start_processes(_rank_main, args=(free_port(), model_dir, out_dir, real), nprocs=WORLD,
+    ctx = mp.start_processes(_rank_main, args=(free_port(), model_dir, out_dir, kind), nprocs=WORLD,
                              start_method="spawn", join=False)
     deadline = time.monotonic() + timeout_s
     while not ctx.join(timeout=1.0):
@@ -198,6 +206,6 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("model_dir")
     parser.add_argument("out_dir")
-    parser.add_argument("--real", action="store_true", help="NeMo RL's DTensorPolicyWorkerImpl (NeMo RL importable)")
+    parser.add_argument("--worker", choices=KINDS, default="shape", help="v1/v2: NeMo RL's own worker classes")
     args = parser.parse_args()
-    run_ranks(args.model_dir, args.out_dir, args.real)
+    run_ranks(args.model_dir, args.out_dir, args.worker)

@@ -65,19 +65,41 @@ def test_cache_from_fsdp2_ranks_holds_the_unsharded_model(model_dir: Path, tmp_p
     _check(run_ranks(str(model_dir), str(tmp_path)), model_dir, "DTensorWorkerShape")
 
 
-@pytest.mark.nemo_rl
-@pytest.mark.slow  # ~90 s: NeMo RL's imports in 3 processes
-def test_cache_from_nemo_rls_own_dtensor_worker(model_dir: Path, tmp_path: Path) -> None:
-    """The same on NeMo RL's ``DTensorPolicyWorkerImpl`` (v1) and its ``_parallelize_model``, in its venv."""
+def _nemo_env(kind: str) -> dict[str, str]:
+    """PYTHONPATH for NeMo RL's venv: this checkout, NEMO_RL_SRC, and for v2 NeMo RL's Automodel submodule (the
+    pinned nemo_automodel); then the caller's PYTHONPATH. Skips v2 when nemo_automodel cannot be imported."""
     from tests.nemo_rl._nemo_checkout import nemo_python, nemo_src
 
+    src = nemo_src()
+    paths = [str(REPO), str(src)]
+    if kind == "v2":
+        paths.append(str(src / "3rdparty" / "Automodel-workspace" / "Automodel"))
     env = {k: v for k, v in os.environ.items() if k not in ("RLIX_CONTROL_PLANE", "PYTEST_ADDOPTS")}
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(nemo_src())])
+    env["PYTHONPATH"] = os.pathsep.join(paths + [p for p in [os.environ.get("PYTHONPATH")] if p])
+    if kind == "v2":
+        probe = subprocess.run([str(nemo_python()), "-c", "import nemo_rl.models.policy.workers.dtensor_policy_worker_v2"],
+                               env=env, capture_output=True, text=True, timeout=300)
+        if probe.returncode:
+            pytest.skip("NeMo RL's v2 worker does not import in its venv (init NeMo RL's 3rdparty/Automodel-workspace "
+                        f"submodule; its deps, e.g. torchao): {probe.stderr.strip().splitlines()[-1]}")
+    return env
+
+
+@pytest.mark.nemo_rl
+@pytest.mark.slow  # ~90 s: NeMo RL's imports in 3 processes
+@pytest.mark.parametrize(("kind", "worker_class"), [("v1", "DTensorPolicyWorkerImpl"),
+                                                    ("v2", "DTensorPolicyWorkerV2Impl")])
+def test_cache_from_nemo_rls_own_dtensor_worker(model_dir: Path, tmp_path: Path, kind: str, worker_class: str) -> None:
+    """The same on NeMo RL's own DTensor worker classes (v1 sharded by its ``_parallelize_model``), in its venv."""
+    from tests.nemo_rl._nemo_checkout import nemo_python
+
+    env = _nemo_env(kind)
     script = Path(__file__).with_name("dtensor_ranks.py")  # by path: NeMo RL's checkout has its own `tests`
-    proc = subprocess.run([str(nemo_python()), str(script), str(model_dir), str(tmp_path), "--real"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([str(nemo_python()), str(script), str(model_dir), str(tmp_path), "--worker", kind],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = {r: torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)}
-    _check(results, model_dir, "DTensorPolicyWorkerImpl")
+    _check(results, model_dir, worker_class)
 
 
 # ----------------------------------------------------------------------------------------- source selection
