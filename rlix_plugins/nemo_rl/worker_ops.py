@@ -21,9 +21,10 @@ import asyncio
 import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from rlix_plugins.nemo_rl.config import Trainer
+if TYPE_CHECKING:
+    from rlix_plugins.nemo_rl.config import Trainer
 
 __all__ = [
     "build_cache",
