@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, Literal
 
 from rlix_plugins.errors import RlixConfigError
 
@@ -94,6 +94,22 @@ def cfg_path(obj: Any, dotted: str) -> Any:
     for key in dotted.split("."):
         obj = cfg_get(obj, key)
     return obj
+
+
+#: NeMo RL's training backends whose workers the CPU bucket cache is built in (``policy.<name>_cfg.enabled``).
+Trainer = Literal["megatron", "dtensor"]
+
+
+def policy_trainer(master_config: Any) -> Trainer:
+    """The training backend NeMo RL's ``Policy`` builds its workers with (the same rule as its ``lm_policy.py``:
+    exactly one of ``policy.megatron_cfg.enabled`` / ``policy.dtensor_cfg.enabled``)."""
+    megatron = bool(cfg_path(master_config, "policy.megatron_cfg.enabled"))
+    dtensor = bool(cfg_path(master_config, "policy.dtensor_cfg.enabled"))
+    if megatron == dtensor:
+        raise RlixConfigError(
+            f"policy.megatron_cfg.enabled={megatron} and policy.dtensor_cfg.enabled={dtensor}: enable exactly one "
+            "training backend (the weight cache is built in its workers)")
+    return "megatron" if megatron else "dtensor"
 
 
 def remember_pipeline_id(master_config: Any, pipeline_id: str) -> None:

@@ -9,7 +9,7 @@ Two modes, chosen at ``rlix_pipeline_start``:
 
 * **full** (a real ``VllmGeneration`` and ``Policy``: both hold a ``worker_group``): the shared pipeline runtime
   (:mod:`rlix_plugins.pipeline`) through :class:`.runtime_adapter.NemoRuntime` - weights cached in the Megatron
-  workers, partial sleep/wake of vLLM DP ranks, routing installed on ``policy_generation`` before it is pickled
+  or DTensor workers, partial sleep/wake of vLLM DP ranks, routing installed on ``policy_generation`` before it is pickled
   into the collector, progress from the replay buffer, watchdog, planned shrink at the end.
 * **control-only** (anything else, e.g. NeMo RL's unit-test mocks): the GPU grants alone.
 

@@ -3,10 +3,11 @@
 
 * fleet: :class:`.generation.NemoVllmFleet` over ``VllmGeneration``'s DP leaders; routing installed on the
   generation object with ``attach_fleet_health`` BEFORE the collector pickles it (:func:`.generation.install_routing`);
-* weights: :class:`.weights.MegatronWeightSource` (cache inside the Megatron workers);
+* weights: :class:`.weights.PolicyWeightSource` (cache inside the Megatron or DTensor workers, per the config);
 * offload (``after_training``): ``policy.offload_after_refit()`` → workers marked offloaded (a later cache build is
-  refused, debug #34) → Megatron NCCL groups destroyed inside every training worker; ``before_training`` rebuilds
-  them after the grant, before NeMo RL's ``prepare_for_lp_inference``;
+  refused, debug #34) → the trainer's communication groups released (Megatron: NCCL groups destroyed inside every
+  training worker; DTensor: FSDP2's stay, see :mod:`.weights`); ``before_training`` restores them after the grant,
+  before NeMo RL's ``prepare_for_lp_inference``;
 * publisher: :class:`~rlix_plugins.pipeline.publisher.CollectorPublisher` (``collector.set_weight_version``);
 * registration: :meth:`NemoRuntime.register` registers + admits through ``PipelineRuntime.register`` (the demo
   host's path); ``stop`` ends it through ``PipelineRuntime.end`` (which unregisters);
@@ -30,7 +31,7 @@ from rlix_plugins.errors import RlixError
 from rlix_plugins.nemo_rl import worker_ops
 from rlix_plugins.nemo_rl.config import RlixRunConfig, cfg_path
 from rlix_plugins.nemo_rl.generation import NemoVllmFleet, install_routing
-from rlix_plugins.nemo_rl.weights import MegatronWeightSource
+from rlix_plugins.nemo_rl.weights import PolicyWeightSource
 from rlix_plugins.pipeline.publisher import CollectorPublisher
 
 __all__ = ["CollectorPublisher", "NemoRuntime"]
@@ -45,7 +46,7 @@ class NemoRuntime:
     def __init__(self, config: RlixRunConfig) -> None:
         self.config = config
         self.rt: Any = None
-        self.weights: MegatronWeightSource | None = None
+        self.weights: PolicyWeightSource | None = None
         self.policy: Any = None
         self.step_target = 1
         self._version = 0
@@ -72,22 +73,17 @@ class NemoRuntime:
         self.policy = policy
         self.step_target = int(cfg_path(master_config, "grpo.num_prompts_per_step") or 1)
         per_node = cfg_path(master_config, "cluster.gpus_per_node")
-        self.weights = MegatronWeightSource.from_policy(policy, list(cfg.train_devices), cfg.bucket_size_bytes,
-                                                        per_node)
+        self.weights = PolicyWeightSource.from_policy(policy, master_config, list(cfg.train_devices),
+                                                      cfg.bucket_size_bytes, per_node)
         fleet = NemoVllmFleet.from_generation(policy_generation, list(cfg.infer_devices), cfg.infer_tp, per_node)
         self.rt.start(self.weights, fleet, offload=self._offload)
         install_routing(policy_generation, self.rt.router_client())
-
-    def _workers_call(self, fn: Any, what: str) -> list[Any]:
-        assert self.weights is not None
-        return list(ray_get([w.__ray_call__.remote(fn) for w in self.weights.workers], what, self.config.sync_timeout_s,
-                            dead="a training worker died"))
 
     def _offload(self) -> None:
         assert self.weights is not None
         self.policy.offload_after_refit()
         self.weights.mark_offloaded(True)
-        self._workers_call(worker_ops.megatron_destroy_nccl, "destroy Megatron NCCL groups")
+        self.weights.release_comm_groups(self.config.sync_timeout_s)
 
     def attach_collector(self, collector: Any, replay_buffer: Any = None) -> None:
         self._collector = collector
@@ -115,7 +111,7 @@ class NemoRuntime:
     def before_training(self, step: int) -> None:
         assert self.weights is not None
         self.rt.before_training(step)
-        self._workers_call(worker_ops.megatron_rebuild_nccl, "rebuild Megatron NCCL groups")
+        self.weights.restore_comm_groups(self.config.sync_timeout_s)
         self.weights.mark_offloaded(False)
 
     def _kill_collector(self) -> None:
@@ -124,10 +120,12 @@ class NemoRuntime:
 
     def before_checkpoint(self, step: int) -> None:
         """The save runs on the training workers (grant held by the hooks): rebuild their communication groups."""
-        self._workers_call(worker_ops.megatron_rebuild_nccl, "rebuild Megatron NCCL groups for the checkpoint")
+        assert self.weights is not None
+        self.weights.restore_comm_groups(self.config.sync_timeout_s)
 
     def after_checkpoint(self, step: int) -> None:
-        self._workers_call(worker_ops.megatron_destroy_nccl, "destroy Megatron NCCL groups after the checkpoint")
+        assert self.weights is not None
+        self.weights.release_comm_groups(self.config.sync_timeout_s)
 
     def build_cache(self, step: int) -> None:
         self.rt.before_weight_sync(step)

@@ -15,6 +15,8 @@ Two topologies are accepted:
 Checks common to both:
 
 * ``len(infer) % vllm_tp == 0`` and ``len(train) % (TP·PP·CP·EP) == 0`` (Megatron; DTensor: TP·CP);
+* not both ``policy.megatron_cfg.enabled`` and ``policy.dtensor_cfg.enabled`` (the weight cache is built in the
+  workers of the one NeMo RL builds; neither set is left to NeMo RL's own error, and to its unit-test mocks);
 * ``grpo.async_grpo.enabled``, ``policy.generation.colocated.enabled == false`` (non-colocated vLLM),
   ``vllm_cfg.async_engine`` (per-request routing needs the async engine), ``loss_fn.
   use_importance_sampling_correction`` (trajectories from older weights are corrected), vLLM backend;
@@ -105,6 +107,9 @@ def topology_problems(master_config: Any, run: RlixRunConfig) -> list[str]:
                         f"{tp}: use a multiple of {tp} GPUs")
     if not is_one_gpu_topology(run):
         problems += _partial_overlap_problems(run)
+    if cfg_path(master_config, "policy.megatron_cfg.enabled") and cfg_path(master_config, "policy.dtensor_cfg.enabled"):
+        problems.append("policy.megatron_cfg.enabled and policy.dtensor_cfg.enabled are both true: enable one training "
+                        "backend (e.g. policy.megatron_cfg.enabled=false for the DTensor policy)")
     size, how = training_parallel_size(master_config)
     if len(train) % size:
         problems.append(f"rlix.train_devices has {len(train)} GPUs, not a multiple of {how}: use a multiple of "

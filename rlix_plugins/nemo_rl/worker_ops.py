@@ -2,11 +2,12 @@
 
 Ray runs ``fn(worker_instance, *args)`` in the actor's process; the function is pickled by reference, so
 ``rlix_plugins`` must be importable in the worker's venv (the PYTHONPATH route, README "NeMo RL"). This reaches
-NeMo RL's vLLM generation workers and Megatron policy workers without subclassing them or patching NeMo RL.
+NeMo RL's vLLM generation workers and its Megatron / DTensor policy workers without subclassing them or patching
+NeMo RL.
 
 Ownership/lifetime: the state these functions keep lives on the worker instance under ``_rlix_*`` attributes and
-dies with the worker. Lockstep: :func:`megatron_build_cache` must run on EVERY training worker concurrently (the
-HF export gathers across TP/PP/EP inside), the owner (global rank 0 = pp0/dp0/tp0/cp0) keeps the buckets.
+dies with the worker. Lockstep: :func:`build_cache` must run on EVERY training worker concurrently (the refit
+iterator gathers across the trainer's ranks inside), the owner (global rank 0) keeps the buckets.
 
 vLLM workers (async engine: ``self.llm`` is a ``vllm.v1.engine.async_llm.AsyncLLM``):
 * :func:`vllm_abort_all` aborts every request the engine holds; vLLM then finishes each caller's stream with
@@ -18,13 +19,21 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from rlix_plugins.nemo_rl.config import Trainer
 
 __all__ = [
+    "build_cache",
     "device_memory_in_use",
-    "megatron_build_cache",
-    "megatron_is_owner",
-    "megatron_sync_from_cache",
+    "is_cache_owner",
+    "mark_offloaded",
+    "megatron_destroy_nccl",
+    "megatron_rebuild_nccl",
+    "sync_from_cache",
     "vllm_abort_all",
 ]
 
@@ -78,7 +87,7 @@ def device_memory_in_use(worker: Any) -> int | None:
     return process_tree_gpu_bytes()
 
 
-# ---------------------------------------------------------------------------------------------- Megatron workers
+# ---------------------------------------------------------------------------------------------- policy workers
 def _rank(worker: Any) -> int:
     rank = getattr(worker, "rank", None)
     if rank is None:
@@ -88,44 +97,71 @@ def _rank(worker: Any) -> int:
     return int(rank)
 
 
-def megatron_is_owner(worker: Any) -> bool:
-    """The cache owner is the global rank 0 training worker (pp0/dp0/tp0/cp0)."""
+def is_cache_owner(worker: Any) -> bool:
+    """The cache owner is the global rank 0 training worker (Megatron pp0/dp0/tp0/cp0; DTensor rank 0)."""
     return _rank(worker) == 0
 
 
-def _named_hf_tensors(worker: Any) -> Any:
-    it = getattr(worker, "_iter_params_with_optional_kv_scales", None)
-    if it is None:
-        raise RuntimeError(f"{type(worker).__name__} has no _iter_params_with_optional_kv_scales (NeMo RL's Megatron "
-                           "refit iterator); time-sharing needs the Megatron policy (policy.megatron_cfg.enabled)")
-    return it()
+def _require(worker: Any, trainer: Trainer, members: tuple[str, ...]) -> None:
+    missing = [m for m in members if not callable(getattr(worker, m, None))]
+    if missing:
+        raise RuntimeError(f"{type(worker).__name__} has no {', '.join(missing)} (NeMo RL's {trainer} refit "
+                           f"iterator): policy.{trainer}_cfg.enabled does not match the policy's workers")
 
 
-def megatron_build_cache(worker: Any, version: int, bucket_size_bytes: int, timeout_s: float) -> int | None:
-    """Build cache ``version`` from the worker's refit iterator (HF names). EVERY training worker runs this;
-    the owner keeps the buckets, the others drain the iterator. Returns the version on the owner, else None."""
+@contextmanager
+def _hf_weights(worker: Any, trainer: Trainer) -> Iterator[Iterable[tuple[str, Any]]]:
+    """The worker's own refit iterator: full tensors under the HF names vLLM loads, as NeMo RL's refit sends them.
+
+    * Megatron: ``_iter_params_with_optional_kv_scales()`` (HF export; gathers across TP/PP/EP).
+    * DTensor (v1 ``DTensorPolicyWorker`` and v2 ``DTensorPolicyWorkerV2``): the checkpoint-engine refit triad
+      ``_prepare_checkpoint_engine_weight_send`` (onloads a ``cpu_offload`` model) → ``_checkpoint_engine_weight_
+      iterator`` (``dtensor_params_generator``: ``state_dict()`` order, ``DTensor.full_tensor()`` all-gather,
+      cast to the policy's ``self.dtype``, tied ``lm_head.weight`` kept; v2 also merges LoRA and applies the
+      model's HF state-dict adapter) → ``_finalize_checkpoint_engine_weight_send`` (offloads it again).
+    """
+    if trainer == "megatron":
+        _require(worker, trainer, ("_iter_params_with_optional_kv_scales",))
+        yield worker._iter_params_with_optional_kv_scales()
+        return
+    _require(worker, trainer, ("_prepare_checkpoint_engine_weight_send", "_checkpoint_engine_weight_iterator",
+                               "_finalize_checkpoint_engine_weight_send"))
+    worker._prepare_checkpoint_engine_weight_send()
+    try:
+        yield worker._checkpoint_engine_weight_iterator()
+    finally:
+        worker._finalize_checkpoint_engine_weight_send()
+
+
+def build_cache(worker: Any, trainer: Trainer, version: int, bucket_size_bytes: int, timeout_s: float) -> int | None:
+    """Build cache ``version`` from the worker's refit iterator (HF names). Lockstep: EVERY training worker runs
+    this at once (the iterator's all-gathers are collectives); the owner keeps the buckets, the others drain the
+    iterator. Returns the version on the owner, else None."""
     from rlix_plugins.transport import VersionedBucketCache
 
     if getattr(worker, "_rlix_offloaded", False) and version >= 0:
-        raise RuntimeError(f"build_cache({version}) after the offload would read empty storage (debug #34): build "
-                           "it in before_weight_sync, while the parameters are on the device")
+        # Megatron's offload leaves empty storage (debug #34); DTensor's moves the shards to the CPU, where the
+        # NCCL all-gather of full_tensor() cannot run. Refused on every rank, so no peer waits in a collective.
+        raise RuntimeError(f"build_cache({version}) after the offload would read parameters that are no longer on "
+                           "the device (debug #34): build it in before_weight_sync, while they are")
     cache = getattr(worker, "_rlix_cache", None)
     if cache is None:
-        cache = VersionedBucketCache(bucket_size_bytes, is_owner=megatron_is_owner(worker))
+        cache = VersionedBucketCache(bucket_size_bytes, is_owner=is_cache_owner(worker))
         worker._rlix_cache = cache
-    built = cache.build(version, _named_hf_tensors(worker), timeout_s=timeout_s)
+    with _hf_weights(worker, trainer) as weights:
+        built = cache.build(version, weights, timeout_s=timeout_s)
     return None if built is None else int(built)
 
 
-def megatron_mark_offloaded(worker: Any, offloaded: bool) -> None:
+def mark_offloaded(worker: Any, offloaded: bool) -> None:
     worker._rlix_offloaded = bool(offloaded)
 
 
-def megatron_sync_from_cache(worker: Any, targets: dict[int, tuple[Any, list[tuple[int, int]]]],
-                             sender: tuple[int, int], timeout_s: float, verify: bool,
-                             backend: str | None = None) -> Any:
+def sync_from_cache(worker: Any, targets: dict[int, tuple[Any, list[tuple[int, int]]]],
+                    sender: tuple[int, int], timeout_s: float, verify: bool, backend: str | None = None) -> Any:
     """On the owner: push the cache to ``targets`` (dp rank -> (EngineRpc, devices)) - same-GPU targets by
-    cuda_ipc (cpu_serialize without CUDA), others by a per-sync broadcast group. Returns a ``SyncResult``."""
+    cuda_ipc (cpu_serialize without CUDA), others by a per-sync broadcast group. Returns a ``SyncResult``.
+    The same for every trainer: the cache holds HF-named tensors whichever workers built it."""
     import torch
 
     from rlix_plugins.pipeline.protocols import SyncResult
@@ -133,8 +169,8 @@ def megatron_sync_from_cache(worker: Any, targets: dict[int, tuple[Any, list[tup
     from rlix_plugins.vllm.driver import sync_engines
 
     cache = getattr(worker, "_rlix_cache", None)
-    if cache is None or not megatron_is_owner(worker):
-        raise RuntimeError("megatron_sync_from_cache must run on the cache owner after megatron_build_cache")
+    if cache is None or not is_cache_owner(worker):
+        raise RuntimeError("sync_from_cache must run on the cache owner after build_cache")
     on_gpu = torch.cuda.is_available()
     t0 = time.perf_counter()
     plan = build_comm_plan(sender, {dp: devs for dp, (_, devs) in targets.items()},
@@ -149,6 +185,7 @@ def megatron_sync_from_cache(worker: Any, targets: dict[int, tuple[Any, list[tup
                       broadcast_dp_ranks=report.transport.broadcast_dp_ranks)
 
 
+# ---------------------------------------------------------------------------------------------- Megatron workers
 def megatron_destroy_nccl(worker: Any) -> dict[str, Any]:
     """After the offload: destroy the worker's Megatron NCCL groups (kept for :func:`megatron_rebuild_nccl`)."""
     from rlix_plugins.nemo_rl.megatron_nccl import destroy_groups

@@ -6,8 +6,8 @@ resize-handler actor, which calls them from another process. Every method blocks
 
 * :class:`RolloutFleet` - the vLLM DP ranks of one pipeline, addressed by DP rank (NeMo RL: VllmGeneration's
   DP-leader Ray workers; demo: one engine actor per rank).
-* :class:`WeightSource` - the training side that owns the CPU bucket cache (NeMo RL: the Megatron rank-0
-  worker; demo: the trainer actor). ``sync`` runs ``rlix_plugins.vllm.driver.sync_engines`` in the owner's
+* :class:`WeightSource` - the training side that owns the CPU bucket cache (NeMo RL: the rank-0 Megatron
+  or DTensor policy worker; demo: the trainer actor). ``sync`` runs ``rlix_plugins.vllm.driver.sync_engines`` in the owner's
   process, where the cache lives; the fleet's ``engine_rpc`` handles travel there.
 * :class:`VersionPublisher` - whatever collects trajectories (NeMo RL: AsyncTrajectoryCollector; demo: its
   collector actor).

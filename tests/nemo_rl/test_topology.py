@@ -62,6 +62,28 @@ def test_each_rule_names_its_fix(edit: Any, fix: str) -> None:
     assert any(fix in p for p in problems), problems
 
 
+def _dtensor(**dtensor_cfg: Any) -> dict[str, Any]:
+    """The stock grpo_math_1B policy: DTensor (FSDP2) v2, Megatron off."""
+    cfg = copy.deepcopy(_valid(train_devices=[0, 1], infer_devices=[0, 1, 2, 3]))
+    cfg["policy"]["megatron_cfg"]["enabled"] = False
+    cfg["policy"]["dtensor_cfg"] = {"enabled": True, "_v2": True, "tensor_parallel_size": 1,
+                                    "context_parallel_size": 1, **dtensor_cfg}
+    return cfg
+
+
+def test_dtensor_policy_is_accepted_and_its_tp_cp_divide_the_training_gpus() -> None:
+    assert _problems(_dtensor()) == []
+    assert _problems(_dtensor(tensor_parallel_size=2)) == []  # 2 training GPUs = one TP·CP = 2 replica
+    problems = _problems(_dtensor(tensor_parallel_size=2, context_parallel_size=2))
+    assert any("DTensor TP·CP = 2·2" in p for p in problems), problems
+
+
+def test_two_training_backends_are_refused() -> None:
+    cfg = _dtensor()
+    cfg["policy"]["megatron_cfg"]["enabled"] = True
+    assert any("both true" in p for p in _problems(cfg))
+
+
 def test_all_problems_in_one_error() -> None:
     cfg = _valid(train_devices=[0, 1])
     cfg["grpo"]["async_grpo"]["enabled"] = False

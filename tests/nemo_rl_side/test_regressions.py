@@ -32,18 +32,18 @@ class _MegatronWorker:
 def test_debug34_cache_built_after_offload_is_refused() -> None:
     """#24/#34/#35: a cache built after ``offload_after_refit`` read zero-storage params and crashed later."""
     owner = _MegatronWorker(0)
-    assert worker_ops.megatron_build_cache(owner, 1, 1 << 20, 30.0) == 1
-    worker_ops.megatron_mark_offloaded(owner, True)
+    assert worker_ops.build_cache(owner, "megatron", 1, 1 << 20, 30.0) == 1
+    worker_ops.mark_offloaded(owner, True)
     with pytest.raises(RuntimeError, match="before_weight_sync"):
-        worker_ops.megatron_build_cache(owner, 2, 1 << 20, 30.0)
-    assert worker_ops.megatron_build_cache(owner, -1, 1 << 20, 30.0) == -1  # the bootstrap runs pre-offload only
+        worker_ops.build_cache(owner, "megatron", 2, 1 << 20, 30.0)
+    assert worker_ops.build_cache(owner, "megatron", -1, 1 << 20, 30.0) == -1  # the bootstrap runs pre-offload only
 
 
 def test_all_ranks_iterate_only_the_owner_keeps() -> None:
     """F4: every training rank iterates the refit iterator (collectives inside); only rank 0 keeps buckets."""
     owner, peer = _MegatronWorker(0), _MegatronWorker(1)
-    assert worker_ops.megatron_build_cache(owner, 3, 1 << 20, 30.0) == 3
-    assert worker_ops.megatron_build_cache(peer, 3, 1 << 20, 30.0) is None
+    assert worker_ops.build_cache(owner, "megatron", 3, 1 << 20, 30.0) == 3
+    assert worker_ops.build_cache(peer, "megatron", 3, 1 << 20, 30.0) is None
     assert owner.iterated == peer.iterated == 2
 
 

@@ -3,7 +3,7 @@
 NeMo RL's mocks (``mock_grpo_components``) have no Ray workers, so our hooks would run control-only (GPU grants
 only, no rollout ranks). These stand-ins give the mock ``policy`` / ``policy_generation`` the ``worker_group``
 surfaces our runtime uses, so the FULL time-sharing path runs: ``NemoRuntime``, ``NemoVllmFleet``,
-``MegatronWeightSource``, :mod:`rlix_plugins.nemo_rl.worker_ops` (through ``__ray_call__``), the real weight
+``PolicyWeightSource`` (Megatron), :mod:`rlix_plugins.nemo_rl.worker_ops` (through ``__ray_call__``), the real weight
 transport (cpu_serialize to the same-GPU rank, a per-sync gloo broadcast group to the others) and the real
 receiver (:class:`rlix_plugins.vllm.receiver.RlixReceiverMixin` with checksum verification).
 

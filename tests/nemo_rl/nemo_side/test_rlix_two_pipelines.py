@@ -73,6 +73,7 @@ def test_driver(mock_grpo_components, tmp_path, monkeypatch):
             "request_timeout_s": 120, "init_timeout_s": 120, "sync_timeout_s": 60, "drain_timeout_s": 30,
             "release_timeout_s": 60, "watchdog_interval_s": 0.5, "bucket_size_bytes": 1 << 20}
     configure(mock_grpo_components, tmp_path, steps=steps, rlix=rlix)
+    mock_grpo_components["master_config"].policy["megatron_cfg"] = {"enabled": True}  # the trainer stand-in's backend
 
     actor = {"num_cpus": 0}
     leaders = [ray.remote(StandinVllmLeader).options(**actor).remote(2) for _ in spec["infer"]]
