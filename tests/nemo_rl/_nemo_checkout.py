@@ -118,8 +118,9 @@ def private_ray_head(num_gpus: int = 0) -> Iterator[str]:
 def nemo_env(copy: Path, **extra: str) -> dict[str, str]:
     """Environment of a NeMo RL run (pass ``RAY_ADDRESS`` of a :func:`private_ray_head` in ``extra``)."""
     env = {k: v for k, v in os.environ.items() if k not in _SCRUB}
+    outer = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     env.update(
-        PYTHONPATH=str(copy),
+        PYTHONPATH=os.pathsep.join([str(copy), *outer]),  # the copy, then the caller's (a worktree's rlix_plugins)
         HF_HUB_OFFLINE="1",
         RAY_AUTH_MODE="disabled",
         RAY_DEDUP_LOGS="0",
