@@ -15,20 +15,27 @@ Two modes, chosen at ``rlix_pipeline_start``:
 
 ::
 
-    rlix_placement (setup()) → validate → pipeline id → shared per-GPU placement groups + worker name prefixes
-    rlix_pipeline_start      → load + validate config & topology → connect → register/admit (full mode: through
-                               the runtime, PipelineRuntime.register) (→ runtime.start)
-    on_trajectory_collector_created → (runtime: GENERATION; the first expand syncs real weights; progress)
+    rlix_placement (setup()) → validate → pipeline id → shared per-GPU placement groups + worker name prefixes →
+                               register + hold INITIALIZATION of every GPU while setup() creates the workers
+    rlix_pipeline_start      → load + validate config & topology → connect → take over setup()'s registration and
+                               grant, or register/admit (full mode: through the runtime) (→ runtime.start(start_step):
+                               init phases under the setup grant, then released)
+    on_trajectory_collector_created → (runtime: GENERATION; the first expand syncs real weights; progress thread)
     before_training(N)       → request ACTOR_TRAINING (blocks until granted; donors slept first)
     before_weight_sync(N)    → (runtime: CPU cache of version N + 1 while the parameters are on GPU)
     after_training(N)        → offload (runtime: + NCCL teardown, in-flight refresh) → return N + 1
-    on_weight_version_published(N, v) → release ACTOR_TRAINING
+    on_weight_version_published(N, v) → release ACTOR_TRAINING → return the step's ``rlix/`` metrics (NeMo RL logs
+                               them with its training metrics: ``train/rlix/...``)
     before/after_checkpoint  → request / release ACTOR_TRAINING around policy.save_checkpoint
     on_pipeline_end          → release a checkpoint grant → runtime: watchdog off, shrink to zero, unregister
                                (control-only: release → unregister); also at interpreter exit
 
 Version rule (DESIGN §3): the version published after step N is N + 1 (the version of the cache step N built,
-the same number the standalone loop would publish); never -1, never bumped twice.
+the same number the standalone loop would publish); never -1, never bumped twice. A run resumed at step k starts
+from version k (the loop's ``weight_version = step``).
+
+pluggy passes an implementation only the arguments it names WITHOUT a default: every hook parameter below has
+none (a defaulted one would silently receive its default; ``tests/nemo_rl/test_hook_contract.py``).
 """
 
 from __future__ import annotations
@@ -57,13 +64,14 @@ hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
 class PipelineRuntime(Protocol):
     """Weight and generation work of a pipeline (:class:`.runtime_adapter.NemoRuntime`; None = control-only)."""
 
-    def register(self, cp: Any) -> Any: ...
-    def start(self, master_config: Any, policy: Any, policy_generation: Any) -> None: ...
-    def attach_collector(self, collector: Any, replay_buffer: Any = None) -> None: ...
+    def register(self, cp: Any, held: Any) -> Any: ...
+    def start(self, master_config: Any, policy: Any, policy_generation: Any, start_step: int) -> None: ...
+    def attach_collector(self, collector: Any, replay_buffer: Any) -> None: ...
     def before_training(self, step: int) -> None: ...
     def build_cache(self, step: int) -> None: ...
     def after_training(self, step: int) -> int: ...
     def on_published(self, step: int, version: int) -> None: ...
+    def step_metrics(self, step: int) -> dict[str, float]: ...
     def before_checkpoint(self, step: int) -> None: ...
     def after_checkpoint(self, step: int) -> None: ...
     def stop(self) -> None: ...
@@ -97,6 +105,7 @@ class NemoRLHooks:
     _collector: Any = None
     _holds_train: bool = False
     _checkpoint_grant: bool = False
+    _train_wait_s: float = 0.0
     _ended: bool = False
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -132,11 +141,13 @@ class NemoRLHooks:
 
     @hookimpl
     def rlix_pipeline_start(self, master_config: Any, policy: Any, policy_generation: Any, start_step: int) -> None:
-        """Call site: ``async_grpo_train`` after setup, before the replay buffer / collector exist.
+        """Call site: ``async_grpo_train`` after setup, before the replay buffer / collector exist. ``start_step``:
+        the loop's first step (> 0 on a resumed run; the start weights are then version ``start_step``).
 
         Blocks on: the control plane (connect, register, admit; bounded RPCs). Mutates nothing of NeMo RL.
         """
         from rlix_plugins.control import client
+        from rlix_plugins.nemo_rl.placement import take_setup_grant
 
         if self._pipe is not None:
             raise RlixError(f"pipeline {self.pipeline_id} is already started; one NemoRLHooks serves one run")
@@ -147,8 +158,12 @@ class NemoRLHooks:
 
             self.runtime = NemoRuntime(cfg)
         cp = client.connect(cfg.ray_address)
+        held = take_setup_grant(cfg.pipeline_id)  # setup()'s registration, holding INITIALIZATION (or None)
         if self.runtime is not None:
-            self._pipe = self.runtime.register(cp)  # registered (and at the end unregistered) by the runtime
+            self._pipe = self.runtime.register(cp, held)  # registered (and at the end unregistered) by the runtime
+        elif held is not None:  # control-only: no init phases to run under the setup grant
+            held.release_gpus(GENERATION_CLUSTER, step=-1, timeout_s=60.0)
+            self._pipe = held
         else:
             self._pipe = cp.register_pipeline(
                 cluster_tp_configs={TRAIN_CLUSTER: 1, GENERATION_CLUSTER: cfg.infer_tp},
@@ -161,7 +176,7 @@ class NemoRLHooks:
         self._record("registered", None, cfg.train_devices)
         if self.runtime is not None:
             try:
-                self.runtime.start(master_config, policy, policy_generation)
+                self.runtime.start(master_config, policy, policy_generation, start_step)
             except BaseException as exc:
                 try:  # release and unregister; the start error is the one to report
                     self._end("start_failed_ended")
@@ -170,10 +185,11 @@ class NemoRLHooks:
                 raise
 
     @hookimpl
-    def on_trajectory_collector_created(self, collector: Any, replay_buffer: Any = None) -> None:
+    def on_trajectory_collector_created(self, collector: Any, replay_buffer: Any) -> None:
         """Call site: right after the collector actor exists, before ``start_collection``.
 
-        The runtime requests GENERATION here and syncs the first weights. Mutates nothing of NeMo RL.
+        The runtime requests GENERATION here, syncs the first weights and starts reporting the replay buffer's
+        progress to the scheduler. Mutates nothing of NeMo RL.
         """
         self._require_pipe("on_trajectory_collector_created")
         self._collector = collector
@@ -184,13 +200,15 @@ class NemoRLHooks:
     @hookimpl
     def before_training(self, step: int) -> None:
         """Call site: before ``policy.prepare_for_lp_inference`` of ``step``. Blocks until ACTOR_TRAINING is granted."""
+        t0 = time.perf_counter()
         if self.runtime is None:
             self._acquire_train(step, Priority.ACTOR_TRAINING, "train_granted")
-            return
-        self._require_pipe("before_training")
-        self.runtime.before_training(step)  # the runtime requests (and later releases) the step's grant
-        self._holds_train = True
-        self._record("train_granted", step)
+        else:
+            self._require_pipe("before_training")
+            self.runtime.before_training(step)  # the runtime requests (and later releases) the step's grant
+            self._holds_train = True
+            self._record("train_granted", step)
+        self._train_wait_s = time.perf_counter() - t0
 
     @hookimpl
     def before_weight_sync(self, step: int) -> None:
@@ -220,15 +238,23 @@ class NemoRLHooks:
         return version
 
     @hookimpl
-    def on_weight_version_published(self, step: int, weight_version: int) -> None:
-        """Call site: after the collector received ``weight_version``. Releases ACTOR_TRAINING."""
+    def on_weight_version_published(self, step: int, weight_version: int) -> dict[str, float]:
+        """Call site: after the collector received ``weight_version``. Releases ACTOR_TRAINING; returns the step's
+        ``rlix/`` metrics, which the patched loop merges into the metrics it hands NeMo RL's logger."""
         self._record("published", step, ())
         if self.runtime is not None and self._holds_train:
             self.runtime.on_published(step, weight_version)  # releases ACTOR_TRAINING
             self._holds_train = False
             self._record("train_released", step)
-            return
-        self._release_train(step, "train_released")
+        else:
+            self._release_train(step, "train_released")
+        metrics = {"rlix/published_version": float(weight_version), "rlix/wait_train_grant_s": self._train_wait_s}
+        if self.runtime is not None:
+            try:
+                metrics.update(self.runtime.step_metrics(step))
+            except Exception as exc:  # figures for the logger must never fail the run
+                logger.warning("rlix %s: step %s metrics: %s", self.pipeline_id, step, exc)
+        return metrics
 
     @hookimpl
     def before_checkpoint(self, step: int) -> None:

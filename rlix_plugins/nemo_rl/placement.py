@@ -18,7 +18,13 @@ surface its worker groups read.
   the train adapter (one group per ``rlix.train_devices`` GPU, in order: Megatron rank i on GPU i), the inference
   adapter (one per ``rlix.infer_devices`` GPU: vLLM DP rank r on ``infer_devices[r]``) and the ``name_prefix``
   keywords of ``Policy`` / ``VllmGeneration``. It fixes the pipeline id here (``rlix.pipeline_id`` or a fresh one,
-  written back into the config) so the names and the later registration agree.
+  written back into the config) so the names and the registration agree.
+* The setup grant: before answering, :func:`nemo_rl_placement` registers the pipeline and blocks until it holds
+  INITIALIZATION of its inference cluster (every GPU it uses: training ⊂ inference), so setup() creates its
+  Megatron and vLLM workers only while no other pipeline initialises on those GPUs. The handle waits in this
+  process for ``rlix_pipeline_start`` (another hook instance: setup() and the loop each load the hooks) to
+  :func:`take_setup_grant` it; the runtime's init phases run under the grant and release it (``PipelineRuntime.start(
+  init_held=True)``). Never taken (setup() failed, or the loop never ran): released and unregistered at exit.
 
 Limits (clear errors): vLLM TP 1 only (a TP group needs one multi-bundle placement group, NeMo RL's tied-worker
 layout), one node (the pool keys groups by node-local GPU id). Not proven on GPUs yet.
@@ -26,7 +32,10 @@ layout), one node (the pool keys groups by node-local GPU id). Not proven on GPU
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import socket
+import threading
 from typing import Any, Final
 
 import ray
@@ -36,7 +45,8 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from rlix_plugins.control._rpc import ray_get
 from rlix_plugins.errors import RlixConfigError
 
-__all__ = ["GpuPlacementPool", "VirtualClusterAdapter", "nemo_rl_placement", "placement_pool", "worker_name_prefix"]
+__all__ = ["GpuPlacementPool", "VirtualClusterAdapter", "nemo_rl_placement", "placement_pool", "take_setup_grant",
+           "worker_name_prefix"]
 
 POOL_NAME: Final = "rlix:placement"
 _NAMESPACE: Final = "rlix"
@@ -162,12 +172,50 @@ class VirtualClusterAdapter:
         return True  # the pool owns the placement groups; they outlive any one pipeline
 
 
+#: Pipelines whose setup() holds INITIALIZATION and that no ``rlix_pipeline_start`` took over yet (id -> handle).
+_SETUP_GRANTS: dict[str, Any] = {}
+_SETUP_LOCK = threading.Lock()
+
+
+def _hold_setup_grant(cp: Any, cfg: Any, pipeline_id: str) -> None:
+    """Register ``pipeline_id`` and block until it holds INITIALIZATION of its inference cluster (all its GPUs)."""
+    from rlix_plugins.control.types import GENERATION_CLUSTER, TRAIN_CLUSTER, Priority
+
+    pipe = cp.register_pipeline({TRAIN_CLUSTER: 1, GENERATION_CLUSTER: cfg.infer_tp},
+                                {TRAIN_CLUSTER: list(cfg.train_devices), GENERATION_CLUSTER: list(cfg.infer_devices)},
+                                pipeline_id=pipeline_id)
+    try:
+        pipe.request_gpus(GENERATION_CLUSTER, Priority.INITIALIZATION, step=-1, timeout_s=cfg.init_timeout_s)
+    except BaseException:
+        with contextlib.suppress(Exception):
+            pipe.unregister("setup() did not get its GPUs for worker creation")
+        raise
+    with _SETUP_LOCK:
+        _SETUP_GRANTS[pipeline_id] = pipe
+    atexit.register(_end_untaken_setup_grant, pipeline_id)
+
+
+def take_setup_grant(pipeline_id: str | None) -> Any:
+    """The handle of ``pipeline_id`` that setup() registered in this process, holding INITIALIZATION of its
+    inference cluster (the taker releases it); None when setup() did not (e.g. NeMo RL's own clusters)."""
+    with _SETUP_LOCK:
+        return _SETUP_GRANTS.pop(pipeline_id, None) if pipeline_id else None
+
+
+def _end_untaken_setup_grant(pipeline_id: str) -> None:
+    pipe = take_setup_grant(pipeline_id)
+    if pipe is not None:
+        with contextlib.suppress(Exception):  # interpreter exit: the control plane may be gone already
+            pipe.unregister("setup() ended without the training loop taking over its GPUs")
+
+
 def nemo_rl_placement(master_config: Any) -> tuple[VirtualClusterAdapter, VirtualClusterAdapter, dict[str, Any],
                                                     dict[str, Any]]:
     """``(train_cluster, inference_cluster, policy_kwargs, generation_kwargs)`` for NeMo RL's ``setup()``.
 
     Validates the config and topology first (nothing is placed for a run that cannot start). Blocks on: the
-    control plane (connect, allocate an id) and the pool (group creation, bounded by ``rlix.init_timeout_s``).
+    control plane (connect, allocate an id, register, then the setup grant: INITIALIZATION of every GPU the
+    pipeline uses, see the module docstring) and the pool (group creation); both bounded by ``rlix.init_timeout_s``.
     """
     from rlix_plugins.control import client
     from rlix_plugins.nemo_rl.config import load_run_config, remember_pipeline_id
@@ -188,6 +236,7 @@ def nemo_rl_placement(master_config: Any) -> tuple[VirtualClusterAdapter, Virtua
     groups = ray_get(pool.groups.remote(gpus), f"shared placement groups of GPUs {gpus}", cfg.init_timeout_s,
                      dead=dead)
     per_gpu = int(ray_get(pool.worker_groups_per_gpu.remote(), "pool.worker_groups_per_gpu", 60.0, dead=dead))
+    _hold_setup_grant(cp, cfg, pid)  # last: NeMo RL creates the workers right after this returns
     train = VirtualClusterAdapter([groups[g] for g in cfg.train_devices], max_colocated_worker_groups=per_gpu,
                                   name=f"{pid}-train")
     infer = VirtualClusterAdapter([groups[g] for g in cfg.infer_devices], max_colocated_worker_groups=per_gpu,

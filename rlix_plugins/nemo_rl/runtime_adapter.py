@@ -9,8 +9,13 @@
   training worker; DTensor: FSDP2's stay, see :mod:`.weights`); ``before_training`` restores them after the grant,
   before NeMo RL's ``prepare_for_lp_inference``;
 * publisher: :class:`~rlix_plugins.pipeline.publisher.CollectorPublisher` (``collector.set_weight_version``);
-* registration: :meth:`NemoRuntime.register` registers + admits through ``PipelineRuntime.register`` (the demo
-  host's path); ``stop`` ends it through ``PipelineRuntime.end`` (which unregisters);
+* registration: :meth:`NemoRuntime.register` adopts the pipeline NeMo RL's ``setup()`` registered (the placement
+  hook, holding INITIALIZATION of all its GPUs since before its workers existed: :mod:`.placement`; ``start`` runs
+  the init phases under that grant and releases it), else registers + admits through ``PipelineRuntime.register``
+  (the demo host's path); ``stop`` ends it through ``PipelineRuntime.end`` (which unregisters);
+* resume: ``start(..., start_step=k)`` builds the start cache as version ``k`` (the checkpoint's weights), so every
+  expand before the first training step publishes the version NeMo RL's loop publishes (``weight_version = step``);
+* metrics: :meth:`NemoRuntime.step_metrics` - the step's ``rlix/`` figures NeMo RL logs with its training metrics;
 * progress: a daemon thread counts the replay buffer's entries intended for the current weight version (F9) once
   a second and sends the raw count with ``step_target = grpo.num_prompts_per_step`` through the runtime's
   fire-and-forget :class:`~rlix_plugins.pipeline.runtime.ProgressReporter` (never blocks on the coordinator).
@@ -22,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Any, Final
 
 import ray
@@ -33,6 +39,7 @@ from rlix_plugins.nemo_rl.config import RlixRunConfig, cfg_path
 from rlix_plugins.nemo_rl.generation import NemoVllmFleet, install_routing
 from rlix_plugins.nemo_rl.weights import PolicyWeightSource
 from rlix_plugins.pipeline.publisher import CollectorPublisher
+from rlix_plugins.pipeline.versions import published_version
 
 __all__ = ["CollectorPublisher", "NemoRuntime"]
 
@@ -54,18 +61,26 @@ class NemoRuntime:
         self._progress: threading.Thread | None = None
         self.progress_reports: list[tuple[int, int]] = []  # (version, collected) sent
         self._collector: Any = None
+        self._init_held = False
+        self._history_seen = 0  # resize-history events already counted into step metrics
+        self._trace_since = time.time()
 
-    def register(self, cp: Any) -> Any:
-        """Register + admit the pipeline through the shared runtime (the demo host's path); returns its handle. The
+    def register(self, cp: Any, held: Any = None) -> Any:
+        """Adopt ``held`` (the handle setup() registered, holding INITIALIZATION of the inference cluster) or
+        register + admit the pipeline through the shared runtime (the demo host's path); returns its handle. The
         runtime also unregisters it (:meth:`stop`)."""
         from rlix_plugins.pipeline import PipelineRuntime
 
         cfg = self.config
-        self.rt = PipelineRuntime.register(cp, list(cfg.train_devices), list(cfg.infer_devices), infer_tp=cfg.infer_tp,
-                                           config=cfg.runtime_config(), pipeline_id=cfg.pipeline_id)
+        if held is not None:
+            self.rt, self._init_held = PipelineRuntime(held, cfg.runtime_config()), True
+        else:
+            self.rt = PipelineRuntime.register(cp, list(cfg.train_devices), list(cfg.infer_devices),
+                                               infer_tp=cfg.infer_tp, config=cfg.runtime_config(),
+                                               pipeline_id=cfg.pipeline_id)
         return self.rt.pipe
 
-    def start(self, master_config: Any, policy: Any, policy_generation: Any) -> None:
+    def start(self, master_config: Any, policy: Any, policy_generation: Any, start_step: int = 0) -> None:
         """Init phases of the registered pipeline (:meth:`register` first), then routing on ``policy_generation``."""
         if self.rt is None:
             raise RlixError("NemoRuntime.start before register(): the pipeline is not registered")
@@ -76,7 +91,8 @@ class NemoRuntime:
         self.weights = PolicyWeightSource.from_policy(policy, master_config, list(cfg.train_devices),
                                                       cfg.bucket_size_bytes, per_node)
         fleet = NemoVllmFleet.from_generation(policy_generation, list(cfg.infer_devices), cfg.infer_tp, per_node)
-        self.rt.start(self.weights, fleet, offload=self._offload)
+        held, self._init_held = self._init_held, False  # start releases the setup() grant, even when it fails
+        self.rt.start(self.weights, fleet, offload=self._offload, start_step=start_step, init_held=held)
         install_routing(policy_generation, self.rt.router_client())
 
     def _offload(self) -> None:
@@ -85,14 +101,14 @@ class NemoRuntime:
         self.weights.mark_offloaded(True)
         self.weights.release_comm_groups(self.config.sync_timeout_s)
 
-    def attach_collector(self, collector: Any, replay_buffer: Any = None) -> None:
+    def attach_collector(self, collector: Any, replay_buffer: Any) -> None:
         self._collector = collector
+        self._version = published_version(self.rt.cache_version)  # progress counts toward the start version first
         self.rt.attach_collector(CollectorPublisher(collector))
-        if replay_buffer is not None:
-            self._progress = threading.Thread(target=self._report_progress,
-                                              args=(replay_buffer, self.rt.progress_reporter()), daemon=True,
-                                              name=f"rlix-progress-{self.rt.pipeline_id}")
-            self._progress.start()
+        self._progress = threading.Thread(target=self._report_progress,
+                                          args=(replay_buffer, self.rt.progress_reporter()), daemon=True,
+                                          name=f"rlix-progress-{self.rt.pipeline_id}")
+        self._progress.start()
 
     def _report_progress(self, replay_buffer: Any, reporter: Any) -> None:
         last: tuple[int, int] | None = None
@@ -136,6 +152,26 @@ class NemoRuntime:
     def on_published(self, step: int, version: int) -> None:
         self._version = version
         self.rt.on_published(step, version)
+
+    def step_metrics(self, step: int) -> dict[str, float]:
+        """The ``rlix/`` figures of ``step`` (since the previous call): expands (ranks woken + synced, their
+        seconds), shrinks, and how many of the shrinks were preemptions by a training grant (the scheduler's
+        trace). Reads the resize actor's history and the scheduler's trace (bounded RPCs)."""
+        history = self.rt.resize_history(self._history_seen)
+        self._history_seen += len(history)
+        expands = [e for e in history if e.get("op") == "expand"]
+        shrinks = [e for e in history if e.get("op") == "shrink"]
+        now = time.time()
+        trace = self.rt.pipe.control_plane.trace(self._trace_since)
+        self._trace_since = now
+        preempted = [e for e in trace if e.pipeline_id == self.rt.pipeline_id and e.op == "shrink"
+                     and "preempt" in e.detail]
+        return {
+            "rlix/expand_s": float(sum(e.get("seconds", 0.0) for e in expands)),
+            "rlix/ranks_expanded": float(sum(len(e.get("ranks", ())) for e in expands)),
+            "rlix/ranks_shrunk": float(sum(len(e.get("ranks", ())) for e in shrinks)),
+            "rlix/preemptions": float(len(preempted)),
+        }
 
     def stop(self) -> None:
         self._stop.set()

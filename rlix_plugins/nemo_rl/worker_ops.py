@@ -205,7 +205,7 @@ def megatron_rebuild_nccl(worker: Any) -> bool:
     if snap is None:
         return False
     worker._rlix_nccl = None
-    return rebuild_groups(snap)
+    return rebuild_groups(snap, worker)
 
 
 # ---------------------------------------------------------------------------------------------- replay buffer

@@ -27,7 +27,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Final
 
 import ray
@@ -42,9 +42,9 @@ from rlix_plugins.pipeline.protocols import RolloutFleet, VersionPublisher, Weig
 from rlix_plugins.pipeline.resizer import FleetResizer, resizer_name
 from rlix_plugins.pipeline.router import ROUTER_MAX_CONCURRENCY, RolloutRouter, RouterClient, router_name
 from rlix_plugins.pipeline.versions import (
-    BOOTSTRAP_VERSION,
     cache_version_after_step,
     check_no_double_bump,
+    initial_cache_version,
     published_version,
 )
 
@@ -119,29 +119,50 @@ class PipelineRuntime:
 
     # ------------------------------------------------------------------ start-up
     def start(self, weights: WeightSource, fleet: RolloutFleet | Callable[[], RolloutFleet], *,
-              offload: Callable[[], None] | None = None) -> None:
-        """Init phases (reference §3): INITIALIZATION(train) → cache version -1 (base weights) → offload →
-        release; INITIALIZATION(infer) → fleet created (if a factory) → prewarm once + sleep → release."""
-        cfg, ns = self.config, pipeline_namespace(self.pipeline_id)
-        self.weights = weights
-        self.router = ray.remote(RolloutRouter).options(
-            name=router_name(self.pipeline_id), namespace=ns, num_cpus=0, max_concurrency=ROUTER_MAX_CONCURRENCY,
-            max_restarts=0).remote(self.num_dp_ranks)
-        _get(self.router.ping.remote(), "starting the router", _RPC_S)
+              offload: Callable[[], None] | None = None, start_step: int = 0, init_held: bool = False) -> None:
+        """Init phases (reference §3): INITIALIZATION(train) → cache of the start weights (version -1, or ``k`` on a
+        run resumed at step ``k``: :func:`.versions.initial_cache_version`) → offload → release;
+        INITIALIZATION(infer) → fleet created (if a factory) → prewarm once + sleep → release.
 
-        t0 = time.perf_counter()
-        self.pipe.request_gpus(TRAIN_CLUSTER, Priority.INITIALIZATION, step=-1, timeout_s=cfg.init_timeout_s)
+        ``init_held``: the pipeline already holds INITIALIZATION of its inference cluster (all its GPUs: training ⊂
+        inference), taken before its workers were created (NeMo RL's ``setup()``); both phases run under it and it
+        is released at the end, so no other pipeline initialises on these GPUs from worker creation to the sleep.
+        """
+        ns = pipeline_namespace(self.pipeline_id)
+        self.weights = weights
         try:
-            self._cache_version = weights.build_cache(BOOTSTRAP_VERSION, cfg.init_timeout_s)
+            self.router = ray.remote(RolloutRouter).options(
+                name=router_name(self.pipeline_id), namespace=ns, num_cpus=0,
+                max_concurrency=ROUTER_MAX_CONCURRENCY, max_restarts=0).remote(self.num_dp_ranks)
+            _get(self.router.ping.remote(), "starting the router", _RPC_S)
+            self._init_phases(weights, fleet, offload, start_step, held=init_held)
+        finally:
+            if init_held:
+                self.pipe.release_gpus(GENERATION_CLUSTER, step=-1, timeout_s=_RPC_S)
+        self.pipe.set_resize_handler(self.resizer)
+
+    @contextlib.contextmanager
+    def _init_grant(self, cluster: str, held: bool) -> Iterator[None]:
+        if not held:
+            self.pipe.request_gpus(cluster, Priority.INITIALIZATION, step=-1, timeout_s=self.config.init_timeout_s)
+        try:
+            yield
+        finally:
+            if not held:
+                self.pipe.release_gpus(cluster, step=-1, timeout_s=_RPC_S)
+
+    def _init_phases(self, weights: WeightSource, fleet: RolloutFleet | Callable[[], RolloutFleet],
+                     offload: Callable[[], None] | None, start_step: int, *, held: bool) -> None:
+        cfg, ns = self.config, pipeline_namespace(self.pipeline_id)
+        t0 = time.perf_counter()
+        with self._init_grant(TRAIN_CLUSTER, held):
+            self._cache_version = weights.build_cache(initial_cache_version(start_step), cfg.init_timeout_s)
             if offload is not None:
                 offload()
-        finally:
-            self.pipe.release_gpus(TRAIN_CLUSTER, step=-1, timeout_s=_RPC_S)
         self._timed("init_train", None, t0)
 
         t0 = time.perf_counter()
-        self.pipe.request_gpus(GENERATION_CLUSTER, Priority.INITIALIZATION, step=-1, timeout_s=cfg.init_timeout_s)
-        try:
+        with self._init_grant(GENERATION_CLUSTER, held):
             self.fleet = fleet if isinstance(fleet, RolloutFleet) else fleet()
             ranks = self.fleet.dp_ranks()
             if sorted(ranks) != list(range(self.num_dp_ranks)):
@@ -152,9 +173,6 @@ class PipelineRuntime:
             ).remote(self.pipeline_id, self.fleet, weights, self.router, cfg)
             _get(self.resizer.prewarm_and_sleep.remote(ranks), "prewarm + sleep of the inference ranks",
                  cfg.init_timeout_s)
-        finally:
-            self.pipe.release_gpus(GENERATION_CLUSTER, step=-1, timeout_s=_RPC_S)
-        self.pipe.set_resize_handler(self.resizer)
         self._timed("init_infer", None, t0)
 
     def router_client(self) -> RouterClient:

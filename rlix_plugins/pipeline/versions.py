@@ -27,6 +27,15 @@ def cache_version_after_step(step: int) -> int:
     return step + 1
 
 
+def initial_cache_version(start_step: int) -> int:
+    """Version of the cache built at start-up: the base weights (-1) on a fresh run; on a run resumed at step
+    ``k`` > 0 the checkpoint holds the weights step ``k - 1`` trained, version ``k`` - what NeMo RL's loop
+    publishes before its first step (``weight_version = step``)."""
+    if start_step < 0:
+        raise RlixError(f"start step must be >= 0, got {start_step}")
+    return BOOTSTRAP_VERSION if start_step == 0 else cache_version_after_step(start_step - 1)
+
+
 def published_version(cache_version: int | None) -> int:
     """What the collector receives for a cache of ``cache_version``: never -1 (debug #31)."""
     if cache_version is None:

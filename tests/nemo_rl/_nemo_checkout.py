@@ -30,6 +30,20 @@ PINNED_COMMIT = "7ea279abfbeb698b092856d0dab61e7cf39bc909"
 _SCRUB = ("RLIX_CONTROL_PLANE", "RAY_ADDRESS", "PYTEST_ADDOPTS", "PYTEST_CURRENT_TEST")
 
 
+SEAM_PATCH = SERIES_ROOT / "7ea279a" / "0001-rlix-hooks-seam.patch"
+
+
+def seam_from_patch(tmp_path: Path) -> Path:
+    """The new file of patch 0001 (``nemo_rl/algorithms/rlix_hooks.py``), materialised: exactly the code NeMo RL
+    gets. No NeMo RL checkout needed."""
+    lines = SEAM_PATCH.read_text().splitlines()
+    start = lines.index("+++ b/nemo_rl/algorithms/rlix_hooks.py")
+    body = [ln[1:] for ln in lines[start + 2 :] if ln.startswith("+")]
+    path = tmp_path / "rlix_hooks.py"
+    path.write_text("\n".join(body) + "\n")
+    return path
+
+
 def nemo_src() -> Path:
     src = Path(os.environ["NEMO_RL_SRC"]).expanduser().resolve()
     if not (src / "nemo_rl" / "algorithms" / "grpo.py").is_file():
@@ -104,8 +118,9 @@ def private_ray_head(num_gpus: int = 0) -> Iterator[str]:
 def nemo_env(copy: Path, **extra: str) -> dict[str, str]:
     """Environment of a NeMo RL run (pass ``RAY_ADDRESS`` of a :func:`private_ray_head` in ``extra``)."""
     env = {k: v for k, v in os.environ.items() if k not in _SCRUB}
+    outer = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     env.update(
-        PYTHONPATH=str(copy),
+        PYTHONPATH=os.pathsep.join([str(copy), *outer]),  # the copy, then the caller's (a worktree's rlix_plugins)
         HF_HUB_OFFLINE="1",
         RAY_AUTH_MODE="disabled",
         RAY_DEDUP_LOGS="0",

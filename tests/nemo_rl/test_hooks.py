@@ -10,12 +10,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _nemo_checkout import seam_from_patch
 
 from rlix_plugins.errors import RlixConfigError, RlixError
 from rlix_plugins.nemo_rl.config import load_run_config
 from rlix_plugins.nemo_rl.hooks import NemoRLHooks
-
-SEAM_PATCH = Path(__file__).resolve().parents[2] / "patches/nemo-rl/7ea279a/0001-rlix-hooks-seam.patch"
 
 
 class FakePolicy:
@@ -53,7 +52,7 @@ def test_step_cycle_on_real_control_plane(ray_cluster: dict[str, float]) -> None
     hooks.rlix_pipeline_start(master_config=_config(), policy=policy, policy_generation=object(), start_step=0)
     pid = hooks.pipeline_id
     assert pid is not None and cp.status()["pipelines"][pid]["admitted"]
-    hooks.on_trajectory_collector_created(collector=object())
+    hooks.on_trajectory_collector_created(collector=object(), replay_buffer=None)
     try:
         for step in range(2):
             assert not _train_allocated(cp, pid)
@@ -129,16 +128,6 @@ def test_config_reads_pydantic_extra_and_vllm_tp() -> None:
     assert (cfg.train_devices, cfg.infer_devices, cfg.infer_tp) == ((0, 1), (0, 1, 2, 3), 2)
 
 
-def _seam_from_patch(tmp_path: Path) -> Path:
-    """The new file of patch 0001, materialised: exactly the code NeMo RL gets."""
-    lines = SEAM_PATCH.read_text().splitlines()
-    start = lines.index("+++ b/nemo_rl/algorithms/rlix_hooks.py")
-    body = [ln[1:] for ln in lines[start + 2 :] if ln.startswith("+")]
-    path = tmp_path / "rlix_hooks.py"
-    path.write_text("\n".join(body) + "\n")
-    return path
-
-
 _LOAD = """
 import importlib.util, sys
 spec = importlib.util.spec_from_file_location("rlix_hooks", sys.argv[1])
@@ -172,7 +161,7 @@ def test_real_seam_loads_our_hooks_through_the_entry_point(tmp_path: Path, value
     if value is not None:
         env["RLIX_CONTROL_PLANE"] = value
     # cwd=tmp_path: a stale rlix_plugins.egg-info in the repo root would shadow the installed entry points.
-    out = subprocess.run([sys.executable, "-c", _LOAD, str(_seam_from_patch(tmp_path))], env=env, cwd=tmp_path,
+    out = subprocess.run([sys.executable, "-c", _LOAD, str(seam_from_patch(tmp_path))], env=env, cwd=tmp_path,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     if value is None:

@@ -22,6 +22,7 @@ pytestmark = pytest.mark.nemo_rl
 EXPECTED = {
     "test_standalone_loads_nothing_of_rlix",
     "test_time_sharing_hook_order_with_real_control_plane",
+    "test_full_mode_resumed_run_progress_versions_and_logged_metrics",
 }
 
 

@@ -64,8 +64,13 @@ def _run_config(train: list[int], **rlix: object) -> dict[str, object]:
 def test_setup_placement_answers_two_pipelines_the_same_groups(ray_cluster: dict[str, float]) -> None:
     """What the ``rlix_placement`` hook answers NeMo RL's setup(): the same per-GPU groups for both pipelines
     (train GPU ⊂ infer GPUs), fractional workers, per-pipeline name prefixes, the pipeline id fixed in the config
-    (the later registration uses it). Bad topologies fail before anything is placed."""
-    from rlix_plugins.nemo_rl.placement import POOL_NAME, nemo_rl_placement
+    (the later registration uses it). Bad topologies fail before anything is placed. The second pipeline's answer
+    (after which setup() creates its workers) waits until the first one's setup grant is released."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from rlix_plugins.control import client
+    from rlix_plugins.control.types import GENERATION_CLUSTER
+    from rlix_plugins.nemo_rl.placement import POOL_NAME, nemo_rl_placement, take_setup_grant
 
     bad = _run_config([0, 1])  # no inference rank left outside training
     with pytest.raises(RlixConfigError, match="at least one full DP rank"):
@@ -81,8 +86,19 @@ def test_setup_placement_answers_two_pipelines_the_same_groups(ray_cluster: dict
     try:
         a_cfg, b_cfg = _run_config([0]), _run_config([1], pipeline_id="ft_0123456789ab")
         a_train, a_infer, a_policy, a_gen = nemo_rl_placement(a_cfg)
-        b_train, b_infer, b_policy, b_gen = nemo_rl_placement(b_cfg)
         a_pid = a_cfg["rlix"]["pipeline_id"]  # type: ignore[index]
+        with ThreadPoolExecutor(1) as ex:  # B's setup() starts while A's still holds GPUs 0-1
+            b_answer = ex.submit(nemo_rl_placement, b_cfg)
+            with pytest.raises(TimeoutError):
+                b_answer.result(timeout=3)
+            a_pipe = take_setup_grant(a_pid)  # what A's runtime does after its init phases
+            a_pipe.release_gpus(GENERATION_CLUSTER, step=-1, timeout_s=60)
+            b_train, b_infer, b_policy, b_gen = b_answer.result(timeout=60)
+        b_pipe = take_setup_grant("ft_0123456789ab")
+        assert b_pipe is not None and take_setup_grant(a_pid) is None
+        held = {c: (a["priority"], a["gpus"]) for c, a in client.connect().status()["allocations"].items()
+                if c.startswith("ft_0123456789ab")}
+        assert held == {"ft_0123456789ab_actor_infer": ("INITIALIZATION", [0, 1])}, held  # B's setup grant: every GPU it uses
         assert isinstance(a_pid, str) and a_pid.startswith("ft_") and b_cfg["rlix"]["pipeline_id"] == "ft_0123456789ab"  # type: ignore[index]
         ids = [[pg.id for pg in c.get_placement_groups()] for c in (a_train, a_infer, b_train, b_infer)]
         assert ids[1] == ids[3] and len(set(ids[1])) == 2  # one group per GPU, the same for both pipelines
@@ -97,6 +113,8 @@ def test_setup_placement_answers_two_pipelines_the_same_groups(ray_cluster: dict
         assert ray.get([w.gpu.remote() for w in workers], timeout=120) == [[0], [0], [0]]
         for w in workers:
             ray.kill(w)
+        a_pipe.unregister("test over")
+        b_pipe.unregister("test over")
     finally:
         ray.get(pool.release_all.remote(), timeout=60)
         ray.kill(pool)

@@ -7,7 +7,8 @@
 * :func:`record_policy` - the mock policy's phases recorded with a probe of the control plane;
 * :class:`HookCapture` - keeps the hook implementation the seam loaded through the entry point;
 * :func:`run_async_grpo` - ``async_grpo_train`` for real on NeMo RL's mocks (``mock_async_grpo_infrastructure``),
-  with a given collector object (NeMo RL's stub or a real Ray actor) and the real ``ray.get`` for ObjectRefs.
+  with a given collector object (NeMo RL's stub or a real Ray actor), optionally a replay buffer actor and a start
+  step (a resumed run), and the real ``ray.get`` for ObjectRefs.
 
 Driven by rlix-plugins' ``tests/nemo_rl/test_nemo_rl_time_sharing.py`` and ``test_nemo_rl_two_pipelines.py``.
 """
@@ -153,21 +154,32 @@ def _slow_sample(delay_s):
     return patch.object(StubReplayBuffer, "sample", property(sample))
 
 
-def run_async_grpo(components, policy_generation, collector, refits, *, sample_delay_s: float = 0.0):
+def _actor_class(handle):
+    cls = MagicMock()
+    cls.options.return_value.remote.return_value = handle
+    return cls
+
+
+def run_async_grpo(components, policy_generation, collector, refits, *, sample_delay_s: float = 0.0,
+                   start_step: int = 0, replay_buffer=None):
     """``async_grpo_train`` on NeMo RL's mocks; the loop's ``AsyncTrajectoryCollector(...)`` returns ``collector``;
-    ``sample_delay_s``: each step's batch is ready that long after the loop asks (outside the training grant)."""
+    ``sample_delay_s``: each step's batch is ready that long after the loop asks (outside the training grant);
+    ``start_step``: the saved state's ``current_step`` (a resumed run); ``replay_buffer``: what the loop's
+    ``ReplayBuffer(...)`` returns instead of NeMo RL's in-process stub (e.g. a :class:`ReplayBufferActor`)."""
     policy = components["policy"]
-    collector_cls = MagicMock()
-    collector_cls.options.return_value.remote.return_value = collector
     batch = next(iter(components["train_dataloader"]))
     stack = mock_async_grpo_infrastructure(
         batch, {"mean_gen_tokens_per_sample": 2.0}, refit_side_effect=lambda *a, **k: refits.append(a)
     )
+    save_state = _initial_grpo_save_state()
+    save_state.current_step = start_step
     with stack, _patched_logprob_phase(policy):
         stub_get = ray.get  # NeMo RL's patched ray.get
         with (
             patch("ray.get", side_effect=real_or_stub_get(stub_get)),
-            patch("nemo_rl.algorithms.async_utils.AsyncTrajectoryCollector", collector_cls),
+            patch("nemo_rl.algorithms.async_utils.AsyncTrajectoryCollector", _actor_class(collector)),
+            patch("nemo_rl.algorithms.async_utils.ReplayBuffer", _actor_class(replay_buffer))
+            if replay_buffer is not None else contextlib.nullcontext(),
             patch("nemo_rl.algorithms.grpo.validate", return_value=({"accuracy": 0.5}, {})),
             patch("nemo_rl.algorithms.grpo.torch.save"),
             _slow_sample(sample_delay_s) if sample_delay_s > 0 else contextlib.nullcontext(),
@@ -183,6 +195,6 @@ def run_async_grpo(components, policy_generation, collector, refits, *, sample_d
                 components["val_task_to_env"],
                 components["logger"],
                 components["checkpointer"],
-                _initial_grpo_save_state(),
+                save_state,
                 components["master_config"],
             )

@@ -253,3 +253,48 @@ class CollectorHandle:
         method = getattr(self.actor, name)
         keep = name == "set_weight_version"
         return types.SimpleNamespace(remote=lambda *a, **k: method.remote(*a, **k) if keep else method.remote())
+
+
+class ReplayBufferActor:
+    """NeMo RL's test ``StubReplayBuffer`` (always a complete batch ready) as a REAL Ray actor, so our progress
+    thread reaches it as it reaches NeMo RL's ``ReplayBuffer`` actor: ``__ray_call__`` running
+    ``worker_ops.count_intended_for`` over ``target_weight_versions`` under ``_lock`` (``ReplayBufferImpl``'s
+    members). It always holds a complete batch (``size`` groups) intended for the version the loop last sampled
+    and one for the next (the collector runs one step ahead): ``start_version`` at first, ``v`` and ``v + 1`` once
+    the loop sampled for version ``v``. Checkpoints save nothing."""
+
+    def __init__(self, batch: Any, size: int, start_version: int) -> None:
+        import threading
+
+        self._batch, self._size = batch, size
+        self._lock = threading.Lock()
+        self.target_weight_versions = [start_version] * size
+        self.sampled: list[int] = []
+
+    def size(self) -> int:
+        return self._size
+
+    def has_complete_batch(self, *args: Any, **kwargs: Any) -> bool:
+        return True
+
+    def get_trajectories_needed(self, *args: Any, **kwargs: Any) -> int:
+        return 0
+
+    def sample(self, num_prompt_groups: int, current_weight_version: int, max_age_steps: int) -> dict[str, Any]:
+        with self._lock:
+            self.sampled.append(current_weight_version)
+            self.target_weight_versions = [current_weight_version, current_weight_version + 1] * self._size
+        trajectories = [{"batch": self._batch, "rollout_metrics": {"mean_gen_tokens_per_sample": 2.0}}
+                        for _ in range(num_prompt_groups)]
+        return {"trajectories": trajectories, "avg_trajectory_age": 0.5}
+
+    def get_debug_info(self) -> dict[str, Any]:
+        with self._lock:
+            return {"total_trajectories": self._size, "trajectory_versions": [0],
+                    "target_weight_versions": list(self.target_weight_versions), "max_size": 100}
+
+    def save_to_path(self, path: str) -> int:
+        return 0
+
+    def get_sampled(self) -> list[int]:
+        return list(self.sampled)

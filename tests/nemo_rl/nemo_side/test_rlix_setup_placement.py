@@ -14,6 +14,8 @@ Driven by ``tests/nemo_rl/test_nemo_rl_time_sharing.py`` of rlix-plugins (it cop
 """
 
 import sys
+import threading
+import time
 from pathlib import Path
 
 import ray
@@ -24,6 +26,8 @@ from tests.unit.algorithms.rlix_ray_fixtures import (  # noqa: F401  (fixture im
 
 WORKER_FQN = f"{__name__}.PlacedWorker"
 REPO = Path(__file__).resolve().parents[3]
+#: (worker name prefix, stand-in class, time) of every Policy / VllmGeneration setup() built, in order
+CREATED = []
 
 
 @ray.remote
@@ -41,6 +45,7 @@ class _Recording:
         from nemo_rl.distributed.worker_groups import RayWorkerBuilder, RayWorkerGroup
 
         self.cluster, self.calls = cluster, calls
+        CREATED.append((name_prefix, type(self).__name__, time.time()))
         self.worker_group = RayWorkerGroup(cluster, RayWorkerBuilder(WORKER_FQN), name_prefix=name_prefix)
 
     def init_collective(self, ip, port, world_size, *, train_world_size):
@@ -169,19 +174,45 @@ def test_standalone_setup_builds_its_own_clusters_and_static_world(monkeypatch):
 def test_two_pipelines_share_per_gpu_groups_under_unique_names(monkeypatch):
     """RLIX_CONTROL_PLANE=rlix, our recipes A (trains on GPU 0) and B (GPU 1), both rolling out on GPUs 0-1: two
     setup() calls in ONE process (one Ray namespace: equal actor names would collide) place every worker in the
-    pool's group of its GPU, fractionally, under per-pipeline names; no static refit world is built."""
-    from rlix_plugins.nemo_rl.placement import placement_pool
+    pool's group of its GPU, fractionally, under per-pipeline names; no static refit world is built. Each setup()
+    holds INITIALIZATION of GPUs 0-1 from before its workers exist: B's setup(), started while A's holds it,
+    creates no worker until A's grant is released (what A's runtime does after its init phases)."""
+    from rlix_plugins.control import client
+    from rlix_plugins.control.types import GENERATION_CLUSTER
+    from rlix_plugins.nemo_rl.placement import placement_pool, take_setup_grant
 
     monkeypatch.setenv("RLIX_CONTROL_PLANE", "rlix")
     pool = placement_pool(worker_groups_per_gpu=3)  # 3 workers per GPU here (CPU budget of the private head)
-    made = []
+    cp = client.connect()
+    made, grants, created_before = [], {}, len(CREATED)
     try:
         pipelines = {}
-        for name in ("a", "b"):
-            cfg, tokenizer = _master_config(REPO / f"examples/configs/rlix/two_pipelines_2gpu_{name}.yaml")
+        configs = {n: _master_config(REPO / f"examples/configs/rlix/two_pipelines_2gpu_{n}.yaml") for n in "ab"}
+
+        def run_setup(name):
+            cfg, tokenizer = configs[name]
             calls = []
             made.append(_setup(monkeypatch, cfg, tokenizer, calls))
             pipelines[name] = (cfg.model_extra["rlix"]["pipeline_id"], *made[-1], calls)
+
+        run_setup("a")
+        a_pid = pipelines["a"][0]
+        held = {c: (a["priority"], a["gpus"]) for c, a in cp.status()["allocations"].items()
+                if a["pipeline_id"] == a_pid}
+        assert held == {f"{a_pid}_actor_infer": ("INITIALIZATION", [0, 1])}, held  # A's setup grant, still held
+        b_thread = threading.Thread(target=run_setup, args=("b",), daemon=True)
+        b_thread.start()
+        b_thread.join(timeout=5)
+        assert b_thread.is_alive() and "b" not in pipelines  # B's setup() waits for the GPUs ...
+        assert [c for c in CREATED[created_before:] if not c[0].startswith(a_pid)] == [], CREATED  # ... no worker
+        grants["a"] = take_setup_grant(a_pid)
+        t_released = time.time()
+        grants["a"].release_gpus(GENERATION_CLUSTER, step=-1, timeout_s=60)
+        b_thread.join(timeout=120)
+        assert "b" in pipelines, "B's setup() did not finish after A's grant was released"
+        grants["b"] = take_setup_grant(pipelines["b"][0])
+        b_created = [t for prefix, _, t in CREATED if prefix.startswith(pipelines["b"][0])]
+        assert len(b_created) == 2 and min(b_created) > t_released, (CREATED, t_released)
         groups = ray.get(pool.groups.remote([0, 1]), timeout=60)
         shared = {gpu: pg.id.hex() for gpu, pg in groups.items()}
         names = []
@@ -202,5 +233,7 @@ def test_two_pipelines_share_per_gpu_groups_under_unique_names(monkeypatch):
         for policy, generation, *_ in made:
             policy.kill()
             generation.kill()
+        for pipe in grants.values():
+            pipe.unregister("test over")
         ray.get(pool.release_all.remote(), timeout=60)
         ray.kill(pool)
