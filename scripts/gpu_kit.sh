@@ -14,9 +14,10 @@ case "${1:-}" in
 groups)
   echo "call 1: .gpukit/p1 .gpukit/stash.sh .gpukit/raykit/deps .gpukit/raykit/ray_setup.sh   (bash scripts/gpu_kit.sh stash)"
   echo "call 2: .gpukit/raykit/ray.tar.xz .gpukit/nemokit/w1                                   (bash scripts/gpu_kit.sh stash)"
-  echo "call 3: .gpukit/p2 .gpukit/deps .gpukit/setup.sh .gpukit/nemokit/w2                    (bash scripts/gpu_kit.sh run ...)"
+  echo "call 3: .gpukit/p2 .gpukit/deps .gpukit/setup.sh .gpukit/nemokit/w2                    (bash scripts/gpu_kit.sh stash)"
+  echo "call 4: .gpukit/nemokit/w3                                                             (bash scripts/gpu_kit.sh run ...)"
   du -shc .gpukit/p1 .gpukit/raykit/deps | tail -1; du -shc .gpukit/raykit/ray.tar.xz .gpukit/nemokit/w1 | tail -1
-  du -shc .gpukit/p2 .gpukit/deps .gpukit/nemokit/w2 | tail -1 ;;
+  du -shc .gpukit/p2 .gpukit/deps .gpukit/nemokit/w2 | tail -1; du -shc .gpukit/nemokit/w3 | tail -1 ;;
 stash)
   mkdir -p "$STASH" && cp -a .gpukit/. "$STASH/" && du -sh "$STASH" ;;
 run)

@@ -13,6 +13,11 @@ STEPS=${STEPS:-5}
 mkdir -p "$OUT" "$WORK"
 ray() { python3 -c 'import sys; from ray.scripts.scripts import main; sys.argv[0] = "ray"; sys.exit(main())' "$@"; }  # kit: no entry-point script
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 RAY_DEDUP_LOGS=0 TORCH_NCCL_ENABLE_MONITORING=0
+# The README's PYTHONPATH route: the package (with its entry points) in a directory every NeMo RL actor sees.
+if [ ! -d "$WORK/rlix-site/rlix_plugins" ]; then
+  python3 -m pip install -q --no-deps --no-build-isolation --no-compile --target "$WORK/rlix-site" "$REPO" || exit 3
+fi
+export PYTHONPATH="$WORK/rlix-site:$PYTHONPATH" VLLM_RAY_EXTRA_ENV_VARS_TO_COPY=PYTHONPATH
 [ -d "$WORK/data/model" ] || python3 scripts/gpu/nemo_rl_data.py "$WORK/data" || exit 3
 if [ ! -d "$WORK/patched/nemo_rl" ]; then  # the pinned series on a copy (the kit's source is no git checkout)
   mkdir -p "$WORK/patched" && cp -a "$NEMO_RL_SRC/." "$WORK/patched/"
