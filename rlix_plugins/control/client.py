@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import socket
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -64,15 +65,73 @@ from rlix_plugins.errors import RlixError, SchedulerError
 RPC_TIMEOUT_S: Final = 60.0
 #: Default wait of request_gpus / await_release.
 DEFAULT_WAIT_S: Final = 1800.0
+#: A TCP connect to an explicit Ray address must succeed within this (``ray.init`` itself retries for ~20 s+).
+CONNECT_TIMEOUT_S: Final = 5.0
+
+
+def check_reachable(address: str, timeout_s: float = CONNECT_TIMEOUT_S) -> None:
+    """Fail fast, in one line, when nothing accepts connections at a ``host:port`` address (others pass)."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or "://" in address or not host:
+        return  # "auto", "local", "ray://...": Ray's own resolution
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+            pass
+    except OSError as exc:
+        reason = "timed out" if isinstance(exc, TimeoutError) else (exc.strerror or type(exc).__name__)
+        raise SchedulerError(
+            f"no Ray cluster reachable at {address!r} ({reason} within {timeout_s:.0f} s); "
+            "start one with `rlix up` or fix --address / RAY_ADDRESS"
+        ) from None
+
+
+@contextlib.contextmanager
+def _bounded_gcs_wait(seconds: float) -> Iterator[None]:
+    """Bound ``ray.init``'s wait for a GCS that accepts connections but does not answer (1 s per attempt; Ray's
+    default is 20 attempts) unless the user set ``RAY_gcs_server_port_wait_time_s`` themselves."""
+    key = "RAY_gcs_server_port_wait_time_s"
+    if key in os.environ:
+        yield
+        return
+    os.environ[key] = str(max(1, round(seconds)))
+    try:
+        yield
+    finally:
+        os.environ.pop(key, None)
+
+
+@contextlib.contextmanager
+def _stderr_kept_on_success() -> Iterator[None]:
+    """Hold back what native code writes to fd 2 (one glog line per failed GCS attempt); replay it unless the block
+    raised, in which case the caller's one-line error replaces it."""
+    import sys
+    import tempfile
+
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+        held.seek(0)
+        sys.stderr.write(held.read().decode(errors="replace"))
 
 
 def ensure_ray(address: str | None = None) -> None:
-    """Connect this process to Ray if it is not yet (``address`` or ``RAY_ADDRESS`` or ``"auto"``)."""
+    """Connect this process to Ray if it is not yet (``address`` or ``RAY_ADDRESS`` or ``"auto"``).
+
+    An explicit ``host:port`` is probed first and the connection attempt is bounded, so an unreachable cluster
+    fails within ~2 x ``CONNECT_TIMEOUT_S`` with a one-line error."""
     if ray.is_initialized():
         return
     target = address or os.environ.get("RAY_ADDRESS") or "auto"
+    check_reachable(target)
     try:
-        ray.init(address=target, log_to_driver=False, logging_level=logging.WARNING)
+        with _bounded_gcs_wait(CONNECT_TIMEOUT_S), _stderr_kept_on_success():
+            ray.init(address=target, log_to_driver=False, logging_level=logging.WARNING)
     except (ConnectionError, RuntimeError, ValueError) as exc:
         raise SchedulerError(
             f"no Ray cluster reachable at {target!r} ({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); "
