@@ -65,73 +65,75 @@ from rlix_plugins.errors import RlixError, SchedulerError
 RPC_TIMEOUT_S: Final = 60.0
 #: Default wait of request_gpus / await_release.
 DEFAULT_WAIT_S: Final = 1800.0
-#: A TCP connect to an explicit Ray address must succeed within this (``ray.init`` itself retries for ~20 s+).
+#: A Ray GCS at an explicit address must answer within this (``ray.init`` alone retries ~20 s or waits forever).
 CONNECT_TIMEOUT_S: Final = 5.0
+
+#: HTTP/2 client connection preface and an empty SETTINGS frame (RFC 9113 section 3.4).
+_H2_PREFACE: Final = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"
+#: A cheap GCS call every Ray version answers (``ray start``, ``ray.init`` make it first).
+_GCS_PROBE: Final = "/ray.rpc.NodeInfoGcsService/GetClusterId"
+
+
+def _h2_problem(host: str, port: int, timeout_s: float) -> str | None:
+    """Why no gRPC server answers at ``host:port`` (None: one does): its HTTP/2 preface starts with SETTINGS."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s) as conn:
+            conn.settimeout(timeout_s)
+            conn.sendall(_H2_PREFACE)
+            head = conn.recv(9)
+    except TimeoutError:
+        return f"nothing answered within {timeout_s:.0f} s"
+    except OSError as exc:
+        return exc.strerror or type(exc).__name__
+    return None if len(head) >= 4 and head[3] == 0x04 else "not a gRPC server"
+
+
+def _gcs_problem(host: str, port: int, timeout_s: float) -> str | None:
+    """Why no Ray GCS answers at ``host:port`` (None: one does): a GetClusterId call with a deadline, or the
+    HTTP/2 handshake alone where grpcio (an optional Ray dependency) is missing."""
+    try:
+        import grpc
+    except ImportError:
+        return _h2_problem(host, port, timeout_s)
+    down = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNIMPLEMENTED}
+    with grpc.insecure_channel(f"{host}:{port}", options=[("grpc.enable_http_proxy", 0)]) as channel:
+        try:
+            channel.unary_unary(_GCS_PROBE)(b"", timeout=timeout_s)
+        except grpc.RpcError as exc:
+            code = exc.code()
+            if code in down:  # anything else (e.g. UNAUTHENTICATED) is a GCS answering
+                detail = (exc.details() or "").splitlines()[0][:120]
+                return f"{code.name.lower()} within {timeout_s:.0f} s: {detail}"
+    return None
 
 
 def check_reachable(address: str, timeout_s: float = CONNECT_TIMEOUT_S) -> None:
-    """Fail fast, in one line, when nothing accepts connections at a ``host:port`` address (others pass)."""
+    """Fail fast, in one line, unless a Ray GCS answers at a ``host:port`` address.
+
+    ``ray.init`` retries a refused port for ~20 s and waits without bound on a port that accepts but never
+    answers; here both take at most ``timeout_s``. Other addresses ("auto", "ray://...") and TLS clusters pass."""
     host, sep, port = address.rpartition(":")
-    if not sep or not port.isdigit() or "://" in address or not host:
-        return  # "auto", "local", "ray://...": Ray's own resolution
-    try:
-        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
-            pass
-    except OSError as exc:
-        reason = "timed out" if isinstance(exc, TimeoutError) else (exc.strerror or type(exc).__name__)
-        raise SchedulerError(
-            f"no Ray cluster reachable at {address!r} ({reason} within {timeout_s:.0f} s); "
-            "start one with `rlix up` or fix --address / RAY_ADDRESS"
-        ) from None
-
-
-@contextlib.contextmanager
-def _bounded_gcs_wait(seconds: float) -> Iterator[None]:
-    """Bound ``ray.init``'s wait for a GCS that accepts connections but does not answer (1 s per attempt; Ray's
-    default is 20 attempts) unless the user set ``RAY_gcs_server_port_wait_time_s`` themselves."""
-    key = "RAY_gcs_server_port_wait_time_s"
-    if key in os.environ:
-        yield
+    if not sep or not port.isdigit() or "://" in address or not host or os.environ.get("RAY_USE_TLS") == "1":
         return
-    os.environ[key] = str(max(1, round(seconds)))
-    try:
-        yield
-    finally:
-        os.environ.pop(key, None)
-
-
-@contextlib.contextmanager
-def _stderr_kept_on_success() -> Iterator[None]:
-    """Hold back what native code writes to fd 2 (one glog line per failed GCS attempt); replay it unless the block
-    raised, in which case the caller's one-line error replaces it."""
-    import sys
-    import tempfile
-
-    sys.stderr.flush()
-    saved = os.dup(2)
-    with tempfile.TemporaryFile() as held:
-        os.dup2(held.fileno(), 2)
-        try:
-            yield
-        finally:
-            os.dup2(saved, 2)
-            os.close(saved)
-        held.seek(0)
-        sys.stderr.write(held.read().decode(errors="replace"))
+    problem = _gcs_problem(host.strip("[]"), int(port), timeout_s)
+    if problem is not None:
+        raise SchedulerError(
+            f"no Ray cluster reachable at {address!r} ({problem}); start one with `rlix up` or fix --address / "
+            "RAY_ADDRESS"
+        )
 
 
 def ensure_ray(address: str | None = None) -> None:
     """Connect this process to Ray if it is not yet (``address`` or ``RAY_ADDRESS`` or ``"auto"``).
 
-    An explicit ``host:port`` is probed first and the connection attempt is bounded, so an unreachable cluster
-    fails within ~2 x ``CONNECT_TIMEOUT_S`` with a one-line error."""
+    An explicit ``host:port`` is probed first (``check_reachable``), so an unreachable cluster fails within
+    ``CONNECT_TIMEOUT_S`` with a one-line error."""
     if ray.is_initialized():
         return
     target = address or os.environ.get("RAY_ADDRESS") or "auto"
     check_reachable(target)
     try:
-        with _bounded_gcs_wait(CONNECT_TIMEOUT_S), _stderr_kept_on_success():
-            ray.init(address=target, log_to_driver=False, logging_level=logging.WARNING)
+        ray.init(address=target, log_to_driver=False, logging_level=logging.WARNING)
     except (ConnectionError, RuntimeError, ValueError) as exc:
         raise SchedulerError(
             f"no Ray cluster reachable at {target!r} ({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); "

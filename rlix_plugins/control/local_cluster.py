@@ -136,13 +136,14 @@ def start_head(num_gpus: int | None, num_cpus: int | None) -> ClusterRecord:
 
 
 def _session_pids(session_id: int) -> list[int]:
+    """Live processes (zombies excluded) of a Unix session, this one excepted."""
     own = os.getpid()
     pids = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit() or int(entry) == own:
             continue
         with contextlib.suppress(OSError):
-            if os.getsid(int(entry)) == session_id:
+            if os.getsid(int(entry)) == session_id and _alive(int(entry)):
                 pids.append(int(entry))
     return pids
 
@@ -187,6 +188,7 @@ def _wait_gone(pids: list[int], timeout_s: float) -> None:
 
 
 def _alive(pid: int) -> bool:
+    """Running (a zombie has exited; its parent has yet to reap it)."""
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except (OSError, IndexError):

@@ -262,6 +262,11 @@ def run_demo(pipelines: int = 2, gpus: int = 2, steps: int = 3, out: str | os.Pa
     runtime = RuntimeConfig(sleep_level=sleep_level, route_timeout_s=_ROUTE_TIMEOUT_S)
     check_fits(pipelines, gpus, init_timeout_s=runtime.init_timeout_s,
                gpu_memory_gib=_gpu_memory_gib(gpus) if on_gpu else None)
+    target = address or os.environ.get("RAY_ADDRESS")
+    if target:
+        from rlix_plugins.control.client import check_reachable
+
+        check_reachable(target)
     out_dir = make_out_dir(out, keep=OUTPUTS, force=force)
 
     import ray
