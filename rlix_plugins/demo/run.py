@@ -355,7 +355,9 @@ def run_demo(pipelines: int = 2, gpus: int = 2, steps: int = 3, out: str | os.Pa
         for ev in trace:
             f.write(json.dumps(dataclasses.asdict(ev)) + "\n")
     try:
-        timeline: Path | str = render_timeline(trace, out_dir / "timeline.png", gpus=gpus,
+        names = {ev["pipeline_id"]: specs[i].name for i, evs in enumerate(all_events) for ev in evs
+                 if ev.get("pipeline_id")}
+        timeline: Path | str = render_timeline(trace, out_dir / "timeline.png", gpus=gpus, names=names,
                                                title=f"rlix demo: {pipelines} pipelines on {gpus} GPUs")
     except ImportError as exc:  # matplotlib is a dependency, but a bare GPU image may lack it
         timeline = f"not drawn ({exc}); `rlix timeline --out t.png` draws it from the trace"
