@@ -39,14 +39,16 @@ def _cmd_timeline(args: argparse.Namespace) -> int:
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
     from rlix_plugins.control.simulator import run_cli
+    from rlix_plugins.out_dir import make_out_dir
 
+    make_out_dir(args.out)
     return run_cli(args)
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
     from rlix_plugins.demo.run import run_cli
 
-    return run_cli(args.pipelines, args.gpus, args.steps, args.out, args.address, args.sleep_level)
+    return run_cli(args.pipelines, args.gpus, args.steps, args.out, args.address, args.sleep_level, args.force)
 
 
 def _cmd_recipe(args: argparse.Namespace) -> int:
@@ -90,12 +92,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rlix", description="GPU time-sharing for NeMo RL async GRPO.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
-    handlers: dict[str, Callable[[argparse.Namespace], int]] = {}
 
     def add(name: str, fn: Callable[[argparse.Namespace], int], help_: str) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_, description=help_)
-        handlers[name] = fn
-        p.set_defaults(_handler=fn)
+        p.set_defaults(_handler=fn, _parser=p)
         return p
 
     p = add("up", _cmd_up, "Start (or join) a Ray cluster and the rlix control plane on it.")
@@ -126,7 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pipelines", type=_positive_int, default=2, help="pipelines to run (default 2)")
     p.add_argument("--gpus", type=_positive_int, default=2, help="GPUs they share (declared to Ray on CPU; default 2)")
     p.add_argument("--steps", type=_positive_int, default=3, help="training steps per pipeline (default 3)")
-    p.add_argument("--out", default="out/demo", help="directory for timeline.png and summary.json")
+    p.add_argument("--out", default="out/demo", help="directory for timeline.png and summary.json (default out/demo)")
+    p.add_argument("--force", action="store_true", help="overwrite the results of an earlier run in --out")
     p.add_argument("--sleep-level", type=int, choices=[1, 2], default=2, help="vLLM sleep level of shrunk ranks")
 
     p = add("recipe", _cmd_recipe, "Write the time-sharing overlays (one per pipeline) of a stock NeMo RL GRPO recipe.")
@@ -144,7 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # the subcommand's usage, not the top level's
+        args._parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         return int(args._handler(args))
     except RlixError as exc:

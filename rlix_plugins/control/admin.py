@@ -1,98 +1,125 @@
 """Library functions behind ``rlix up/down/status/timeline`` (``rlix_plugins/cli.py`` only parses arguments).
 
 Each returns a process exit code and raises an ``RlixError`` subclass for bad input or an unreachable cluster
-(the CLI prints it on one line and exits 2). Address resolution: ``--address``, else ``RAY_ADDRESS``, else the
-local cluster (``"auto"``).
+(the CLI prints it on one line and exits 2). The cluster acted on: ``--address``, else ``RAY_ADDRESS``, else the
+one ``rlix up`` started or joined (recorded by ``control/local_cluster.py``); never whatever Ray's ``"auto"`` finds.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
-import subprocess
-import sys
 import time
 from pathlib import Path
-from typing import Any, Final
+from typing import Any
 
+from rlix_plugins.control import local_cluster
+from rlix_plugins.control.local_cluster import ClusterRecord
 from rlix_plugins.errors import RlixConfigError, SchedulerError
 
-#: ``ray start`` / ``ray stop`` must finish within this.
-RAY_CLI_TIMEOUT_S: Final = 120.0
 
-
-def _ray_env() -> dict[str, str]:
-    env = dict(os.environ)
-    env.setdefault("RAY_AUTH_MODE", "disabled")
-    env.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    return env
-
-
-def _ray_cli(args: list[str]) -> subprocess.CompletedProcess[str]:
-    exe = shutil.which("ray", path=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
-    if exe is None:
-        raise SchedulerError("the `ray` command is not installed next to this Python; `pip install 'ray[default]'`")
-    try:
-        return subprocess.run([exe, *args], capture_output=True, text=True, timeout=RAY_CLI_TIMEOUT_S, env=_ray_env())
-    except subprocess.TimeoutExpired:
-        raise SchedulerError(f"`ray {' '.join(args)}` did not finish within {RAY_CLI_TIMEOUT_S:.0f} s") from None
-
-
-def _connect_ray(address: str | None) -> None:
+def _connect_ray(address: str) -> None:
     from rlix_plugins.control.client import ensure_ray
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     ensure_ray(address)
 
 
+def _target(address: str | None) -> tuple[str, ClusterRecord | None]:
+    """The cluster a command acts on, and the record when it is the head ``rlix up`` started."""
+    explicit = address or os.environ.get("RAY_ADDRESS")
+    if explicit:
+        return explicit, None
+    record = local_cluster.load()
+    if record is None:
+        raise SchedulerError(
+            f"no Ray cluster to act on: `rlix up` has not started one ({local_cluster.state_path()} does not exist); "
+            "run `rlix up` or pass --address HOST:PORT"
+        )
+    if not local_cluster.head_pids(record):
+        local_cluster.clear()
+        raise SchedulerError(
+            f"the Ray head `rlix up` started at {record.address} no longer runs (its record is removed); "
+            "run `rlix up` again or pass --address HOST:PORT"
+        )
+    return record.address, record
+
+
+def _check_declared(flag: str, asked: int | None, have: float, address: str) -> None:
+    if asked is not None and int(have) != asked:
+        raise RlixConfigError(
+            f"{flag} {asked}, but the Ray cluster `rlix up` started at {address} declares {have:g}; "
+            f"stop it with `rlix down --stop-ray` and run `rlix up {flag} {asked}` again, or drop {flag}"
+        )
+
+
 def up(address: str | None, num_gpus: int | None, num_cpus: int | None) -> int:
-    """Join ``address`` (or the local cluster); start a local Ray head first when none is reachable."""
+    """Join ``address`` (or the head ``rlix up`` started before); otherwise start a local Ray head and record it.
+
+    Refuses before starting anything when the head would have no GPUs (a CPU machine needs ``--num-gpus``),
+    and refuses ``--num-gpus/--num-cpus`` that differ from what the running recorded head declares."""
     import ray
 
     from rlix_plugins.control.client import connect
 
-    target = address or os.environ.get("RAY_ADDRESS")
-    if target is not None and (num_gpus is not None or num_cpus is not None):
+    explicit = address or os.environ.get("RAY_ADDRESS")
+    if explicit is not None and (num_gpus is not None or num_cpus is not None):
         raise RlixConfigError(
             "--num-gpus/--num-cpus only apply when `rlix up` starts a local Ray cluster; drop them with --address"
         )
-    started = False
-    if target is None:
-        try:
-            _connect_ray("auto")
-        except SchedulerError:
-            cmd = ["start", "--head", "--disable-usage-stats", "--include-dashboard=false"]
-            if num_gpus is not None:
-                cmd.append(f"--num-gpus={num_gpus}")
-            if num_cpus is not None:
-                cmd.append(f"--num-cpus={num_cpus}")
-            res = _ray_cli(cmd)
-            if res.returncode != 0:
-                tail = (res.stderr or res.stdout).strip().splitlines()[-1:] or ["(no output)"]
-                raise SchedulerError(f"`ray start --head` failed (exit {res.returncode}): {tail[0]}") from None
-            started = True
-            _connect_ray("auto")
+    started: ClusterRecord | None = None
+    recorded = None if explicit is not None else local_cluster.load()
+    if explicit is not None:
+        _connect_ray(explicit)
+    elif recorded is not None and local_cluster.head_pids(recorded):
+        _connect_ray(recorded.address)
+        resources = ray.cluster_resources()
+        _check_declared("--num-gpus", num_gpus, resources.get("GPU", 0.0), recorded.address)
+        _check_declared("--num-cpus", num_cpus, resources.get("CPU", 0.0), recorded.address)
     else:
-        _connect_ray(target)
+        if num_gpus is None and local_cluster.detect_gpus() == 0:
+            raise RlixConfigError(
+                "this machine has no GPUs for Ray to detect; pass --num-gpus N to declare N GPUs "
+                "(e.g. `rlix up --num-gpus 2`; work placed on them runs on the CPU)"
+            )
+        if recorded is not None:  # its head is gone: drop the stale record
+            local_cluster.clear()
+        started = recorded = local_cluster.start_head(num_gpus, num_cpus)
     t0 = time.monotonic()
-    cp = connect(create_if_missing=True)
-    pool = cp.pool()
+    try:
+        if started is not None:
+            local_cluster.save(started)
+            _connect_ray(started.address)
+        pool = connect(create_if_missing=True).pool()
+    except BaseException:
+        if started is not None:  # leave nothing running that this call started
+            local_cluster.stop_head(started)
+            local_cluster.clear()
+        raise
     where = ray.get_runtime_context().gcs_address
     print(
         f"rlix control plane {'started' if started else 'running'} on Ray cluster {where} "
         f"({pool['num_gpus']} GPUs, {pool['gpus_per_node']} per node; ready in {time.monotonic() - t0:.1f} s)\n"
-        f"  pipelines join with RAY_ADDRESS={where}; stop with `rlix down{' --stop-ray' if started else ''}`"
+        f"  pipelines join with RAY_ADDRESS={where}; "
+        f"stop with `rlix down{' --stop-ray' if recorded is not None else ''}`"
     )
     return 0
 
 
 def down(address: str | None, stop_ray: bool) -> int:
-    """Stop the control plane (its waiters get an error); with ``stop_ray`` also ``ray stop`` the local node."""
+    """Stop the control plane (its waiters get an error); with ``stop_ray`` also the Ray head ``rlix up`` started.
+
+    ``--stop-ray`` ends only that head's own processes; a cluster named with ``--address`` is never stopped."""
     from rlix_plugins.control.client import connect
 
+    target, record = _target(address)
+    if stop_ray and record is None:
+        raise RlixConfigError(
+            f"--stop-ray stops only the Ray head `rlix up` started, not the cluster at {target}; "
+            "drop --stop-ray (or --address / RAY_ADDRESS to stop the recorded head)"
+        )
     try:
-        _connect_ray(address)
+        _connect_ray(target)
         cp = connect(create_if_missing=False)
     except SchedulerError as exc:
         if not stop_ray:
@@ -102,22 +129,22 @@ def down(address: str | None, stop_ray: bool) -> int:
         pipelines = sorted(cp.status()["pipelines"])
         cp.shutdown()
         print("rlix control plane stopped" + (f"; pipelines unregistered: {', '.join(pipelines)}" if pipelines else ""))
-    if stop_ray:
+    if stop_ray and record is not None:
         import ray
 
         if ray.is_initialized():
             ray.shutdown()
-        res = _ray_cli(["stop"])
-        if res.returncode != 0:
-            raise SchedulerError(f"`ray stop` failed (exit {res.returncode}): {res.stderr.strip()[:200]}")
-        print("local Ray cluster stopped")
+        stopped = local_cluster.stop_head(record)
+        local_cluster.clear()
+        print(f"Ray head at {target} that `rlix up` started: " +
+              (f"stopped ({stopped} processes)" if stopped else "already gone"))
     return 0
 
 
 def status(address: str | None, as_json: bool) -> int:
     from rlix_plugins.control.client import connect
 
-    _connect_ray(address)
+    _connect_ray(_target(address)[0])
     st = connect(create_if_missing=False).status()
     print(json.dumps(st, indent=2, sort_keys=True) if as_json else format_status(st))
     return 0
@@ -178,9 +205,14 @@ def timeline(address: str | None, out: str) -> int:
         raise RlixConfigError(f"--out {out!r}: use a .png, .svg or .pdf file name")
     if not path.parent.exists():
         raise RlixConfigError(f"--out {out!r}: directory {str(path.parent)!r} does not exist")
-    _connect_ray(address)
+    _connect_ray(_target(address)[0])
     cp = connect(create_if_missing=False)
     events = cp.trace()
+    if not events:
+        raise SchedulerError(
+            "nothing to draw: the control plane has recorded no scheduling decision yet (0 trace events); "
+            "run pipelines on it first (e.g. `rlix demo --address ...`)"
+        )
     pool = cp.pool()
     written = render_timeline(events, path, gpus=pool["num_gpus"], title="rlix scheduler timeline")
     print(f"wrote {written} ({len(events)} trace events)")

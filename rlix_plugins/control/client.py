@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import socket
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -64,13 +65,73 @@ from rlix_plugins.errors import RlixError, SchedulerError
 RPC_TIMEOUT_S: Final = 60.0
 #: Default wait of request_gpus / await_release.
 DEFAULT_WAIT_S: Final = 1800.0
+#: A Ray GCS at an explicit address must answer within this (``ray.init`` alone retries ~20 s or waits forever).
+CONNECT_TIMEOUT_S: Final = 5.0
+
+#: HTTP/2 client connection preface and an empty SETTINGS frame (RFC 9113 section 3.4).
+_H2_PREFACE: Final = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"
+#: A cheap GCS call every Ray version answers (``ray start``, ``ray.init`` make it first).
+_GCS_PROBE: Final = "/ray.rpc.NodeInfoGcsService/GetClusterId"
+
+
+def _h2_problem(host: str, port: int, timeout_s: float) -> str | None:
+    """Why no gRPC server answers at ``host:port`` (None: one does): its HTTP/2 preface starts with SETTINGS."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s) as conn:
+            conn.settimeout(timeout_s)
+            conn.sendall(_H2_PREFACE)
+            head = conn.recv(9)
+    except TimeoutError:
+        return f"nothing answered within {timeout_s:.0f} s"
+    except OSError as exc:
+        return exc.strerror or type(exc).__name__
+    return None if len(head) >= 4 and head[3] == 0x04 else "not a gRPC server"
+
+
+def _gcs_problem(host: str, port: int, timeout_s: float) -> str | None:
+    """Why no Ray GCS answers at ``host:port`` (None: one does): a GetClusterId call with a deadline, or the
+    HTTP/2 handshake alone where grpcio (an optional Ray dependency) is missing."""
+    try:
+        import grpc
+    except ImportError:
+        return _h2_problem(host, port, timeout_s)
+    down = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNIMPLEMENTED}
+    with grpc.insecure_channel(f"{host}:{port}", options=[("grpc.enable_http_proxy", 0)]) as channel:
+        try:
+            channel.unary_unary(_GCS_PROBE)(b"", timeout=timeout_s)
+        except grpc.RpcError as exc:
+            code = exc.code()
+            if code in down:  # anything else (e.g. UNAUTHENTICATED) is a GCS answering
+                detail = (exc.details() or "").splitlines()[0][:120]
+                return f"{code.name.lower()} within {timeout_s:.0f} s: {detail}"
+    return None
+
+
+def check_reachable(address: str, timeout_s: float = CONNECT_TIMEOUT_S) -> None:
+    """Fail fast, in one line, unless a Ray GCS answers at a ``host:port`` address.
+
+    ``ray.init`` retries a refused port for ~20 s and waits without bound on a port that accepts but never
+    answers; here both take at most ``timeout_s``. Other addresses ("auto", "ray://...") and TLS clusters pass."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or "://" in address or not host or os.environ.get("RAY_USE_TLS") == "1":
+        return
+    problem = _gcs_problem(host.strip("[]"), int(port), timeout_s)
+    if problem is not None:
+        raise SchedulerError(
+            f"no Ray cluster reachable at {address!r} ({problem}); start one with `rlix up` or fix --address / "
+            "RAY_ADDRESS"
+        )
 
 
 def ensure_ray(address: str | None = None) -> None:
-    """Connect this process to Ray if it is not yet (``address`` or ``RAY_ADDRESS`` or ``"auto"``)."""
+    """Connect this process to Ray if it is not yet (``address`` or ``RAY_ADDRESS`` or ``"auto"``).
+
+    An explicit ``host:port`` is probed first (``check_reachable``), so an unreachable cluster fails within
+    ``CONNECT_TIMEOUT_S`` with a one-line error."""
     if ray.is_initialized():
         return
     target = address or os.environ.get("RAY_ADDRESS") or "auto"
+    check_reachable(target)
     try:
         ray.init(address=target, log_to_driver=False, logging_level=logging.WARNING)
     except (ConnectionError, RuntimeError, ValueError) as exc:

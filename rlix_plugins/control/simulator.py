@@ -202,10 +202,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """
     d = JobSpec(name="default")
     parser.add_argument("--pipelines", type=int, default=2, help="number of pipelines N (default 2)")
-    parser.add_argument("--gpus", type=int, default=8, help="GPUs in the pool G (default 8)")
+    parser.add_argument("--gpus", type=int, default=2, help="GPUs in the pool G (default 2, as `rlix demo`)")
     parser.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
     parser.add_argument("--steps", type=_csv(int), default=[d.steps], help=f"training steps per pipeline (default {d.steps})")
-    parser.add_argument("--train-gpus", type=_csv(int), default=[d.train_gpus], help=f"training GPUs per pipeline (default {d.train_gpus})")
+    parser.add_argument("--train-gpus", type=_csv(int), default=[1], help="training GPUs per pipeline (default 1)")
     parser.add_argument("--tp", type=_csv(int), default=[d.tp], help=f"vLLM tensor-parallel size (default {d.tp})")
     parser.add_argument("--step-target", type=_csv(int), default=[1024, 512], help="trajectories per step (default 1024,512)")
     parser.add_argument("--traj-time", type=_csv(float), default=[60.0, 30.0], help="seconds to decode one trajectory (default 60,30)")

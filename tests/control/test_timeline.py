@@ -61,3 +61,45 @@ def test_render_writes_a_real_picture(tmp_path) -> None:
     # gpus=None draws the GPUs seen in the trace; an empty trace still gives a picture
     assert render_timeline(EVENTS, tmp_path / "seen.png").exists()
     assert render_timeline([], tmp_path / "empty.png", gpus=[0, 1]).exists()
+
+
+def _svg_text(events, tmp_path, **kwargs) -> str:
+    """The rendered SVG with its text kept as text (so labels can be read back)."""
+    import matplotlib
+
+    with matplotlib.rc_context({"svg.fonttype": "none"}):
+        return render_timeline(events, tmp_path / "t.svg", **kwargs).read_text()
+
+
+DEMO_LIKE = [  # start-up fills 80 of 92 s; then rollout and three training steps per pipeline
+    E(0, "ft_aa", "actor_train", "allocate", (0,), Priority.INITIALIZATION),
+    E(0, "ft_bb", "actor_train", "allocate", (1,), Priority.INITIALIZATION),
+    E(40, "ft_aa", "actor_train", "release", (0,), Priority.INITIALIZATION, "step=-1"),
+    E(80, "ft_bb", "actor_train", "release", (1,), Priority.INITIALIZATION, "step=-1"),
+    E(84, "ft_aa", "actor_infer", "expand", (0, 1), Priority.GENERATION),
+    *[ev for k in range(3) for ev in (
+        E(86 + 2 * k, "ft_aa", "actor_infer", "shrink", (0,), Priority.GENERATION, "preempt"),
+        E(86 + 2 * k, "ft_aa", "actor_train", "allocate", (0,), Priority.ACTOR_TRAINING, "seq=1"),
+        E(87 + 2 * k, "ft_aa", "actor_train", "release", (0,), Priority.ACTOR_TRAINING, f"step={k}"),
+    )],
+    E(92, "ft_aa", "", "unregister"),
+    E(92, "ft_bb", "", "unregister"),
+]
+
+
+def test_training_spans_carry_their_step() -> None:
+    steps = sorted(s.step for s in occupancy_spans(DEMO_LIKE) if s.phase == "training")
+    assert steps == [0, 1, 2]
+    assert all(s.step is None for s in occupancy_spans(DEMO_LIKE) if s.phase != "training")
+
+
+def test_start_up_gets_its_own_panel_steps_and_names_are_shown(tmp_path) -> None:
+    svg = _svg_text(DEMO_LIKE, tmp_path, gpus=2, names={"ft_aa": "p0", "ft_bb": "p1"})
+    assert "start-up (80 s)" in svg and ">steps<" in svg
+    assert ">p0<" in svg and ">p1<" in svg and "ft_aa" not in svg  # the names the console prints, not ids
+    assert all(f">s{k}<" in svg for k in range(3))  # every training step labelled
+
+
+def test_short_start_up_keeps_one_panel(tmp_path) -> None:
+    svg = _svg_text(EVENTS, tmp_path, gpus=8)
+    assert "start-up" not in svg and ">a<" in svg  # no names given: ids as they are

@@ -25,12 +25,13 @@ print("MODULES", sorted(m for m in sys.modules if m.split(".")[0] in ("pluggy", 
 
 
 def _bare_python(seam: Path, value: str | None, extra_path: list[Path]) -> subprocess.CompletedProcess[str]:
-    """System-less interpreter (-S: no site-packages, so rlix-plugins is NOT installed for it)."""
+    """System-less interpreter (-S: no site-packages, so rlix-plugins is NOT installed for it). -P and a neutral
+    working directory: an ``rlix_plugins.egg-info`` in the repository root (editable install) stays invisible."""
     env = {"PATH": os.environ.get("PATH", ""), "PYTHONPATH": os.pathsep.join(map(str, extra_path))}
     if value is not None:
         env["RLIX_CONTROL_PLANE"] = value
-    return subprocess.run([sys.executable, "-S", "-c", _LOAD, str(seam)], env=env, capture_output=True,
-                          text=True, timeout=60)
+    return subprocess.run([sys.executable, "-S", "-P", "-c", _LOAD, str(seam)], env=env, capture_output=True,
+                          text=True, timeout=60, cwd=seam.parent)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,106 @@
+"""`rlix up/status/down` act only on the Ray head `rlix up` started (recorded in RLIX_STATE_DIR) or on --address.
+
+The lifecycle test starts a real head with `rlix up --num-gpus 2` while this session's own Ray cluster (4 declared
+GPUs, with a control plane) runs on the same machine: `status` must show the 2-GPU head, `down --stop-ray` must
+end exactly that head's processes and leave the session's cluster and control plane running.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from rlix_plugins.control import client, local_cluster
+from rlix_plugins.control.local_cluster import ClusterRecord
+from tests.control._ray_helpers import control_plane
+from tests.test_cli import one_line_error, rlix
+
+__all__ = ["control_plane"]
+
+
+def _record(state_dir: Path) -> ClusterRecord:
+    return ClusterRecord(**json.loads((state_dir / "cluster.json").read_text()))
+
+
+@pytest.mark.skipif(local_cluster.detect_gpus() > 0, reason="needs a machine without GPUs")
+def test_up_on_a_cpu_machine_without_num_gpus_refuses_before_starting_anything(tmp_path: Path) -> None:
+    (tmp_path / "tmp").mkdir()
+    res = rlix("up", state_dir=tmp_path / "state", env={"TMPDIR": str(tmp_path / "tmp")})
+    err = one_line_error(res, "up")
+    assert "pass --num-gpus N" in err
+    assert not (tmp_path / "state" / "cluster.json").exists()
+    assert list((tmp_path / "tmp").iterdir()) == []  # no `ray start` temp directory: nothing was started
+
+
+@pytest.mark.slow
+def test_up_status_down_act_only_on_the_head_up_started(control_plane: client.ControlPlane, tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    res = rlix("up", "--num-gpus", "2", "--num-cpus", "2", state_dir=state, timeout=240)
+    assert res.returncode == 0, res.stderr
+    record = _record(state)
+    try:
+        assert "control plane started" in res.stdout and "(2 GPUs" in res.stdout
+        assert local_cluster.head_pids(record)
+
+        err = one_line_error(rlix("up", "--num-gpus", "3", state_dir=state), "up")
+        assert "--num-gpus 3, but the Ray cluster `rlix up` started" in err and "declares 2" in err
+        res = rlix("up", "--num-gpus", "2", state_dir=state)  # the same again: joins, starts nothing
+        assert res.returncode == 0 and "control plane running" in res.stdout, res.stderr
+        assert _record(state) == record
+
+        res = rlix("status", "--json", state_dir=state)
+        assert res.returncode == 0, res.stderr
+        assert json.loads(res.stdout)["gpus"] == [0, 1]  # the recorded head, not this session's 4-GPU cluster
+
+        res = rlix("down", "--stop-ray", state_dir=state, timeout=120)
+        assert res.returncode == 0, res.stderr
+        assert "control plane stopped" in res.stdout and "stopped (" in res.stdout
+        assert local_cluster._session_pids(record.session_id) == []  # every process of that head is gone
+        assert not (state / "cluster.json").exists() and not Path(record.temp_dir).exists()
+    finally:
+        local_cluster.stop_head(record)
+    assert control_plane.status()["gpus"] == [0, 1, 2, 3]  # this session's cluster and control plane still run
+    err = one_line_error(rlix("status", state_dir=state), "status")
+    assert "no Ray cluster to act on" in err
+
+
+def test_a_record_whose_head_is_gone_is_dropped(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    state.mkdir()
+    gone = subprocess.Popen([sys.executable, "-c", "pass"], start_new_session=True)
+    gone.wait(timeout=30)
+    record = ClusterRecord(address="127.0.0.1:1", session_id=gone.pid, temp_dir=str(tmp_path / "rlix-ray-x"))
+    (state / "cluster.json").write_text(json.dumps(record.__dict__))
+    err = one_line_error(rlix("status", state_dir=state), "status")
+    assert "no longer runs" in err and "rlix up" in err
+    assert not (state / "cluster.json").exists()
+
+
+def test_stop_head_ends_only_the_recorded_heads_session(tmp_path: Path) -> None:
+    """A session whose processes do not run from the recorded temp dir (a reused session id) is left alone;
+    the recorded one is ended, children included."""
+    marker = tmp_path / "rlix-ray-abc"
+    sleeper = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']); time.sleep(120)"
+    other = subprocess.Popen([sys.executable, "-c", sleeper, str(tmp_path / "elsewhere" / "session_1")],
+                             start_new_session=True)
+    ours = subprocess.Popen([sys.executable, "-c", sleeper, f"{marker}/session_2026_1"], start_new_session=True)
+    try:
+        deadline = time.monotonic() + 30
+        while len(local_cluster._session_pids(ours.pid)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert local_cluster.stop_head(ClusterRecord("127.0.0.1:1", other.pid, str(marker))) == 0
+        assert other.poll() is None and len(local_cluster._session_pids(other.pid)) == 2
+        assert local_cluster.stop_head(ClusterRecord("127.0.0.1:1", ours.pid, str(marker))) == 2
+        assert ours.wait(timeout=10) is not None and local_cluster._session_pids(ours.pid) == []
+        assert other.poll() is None
+    finally:
+        for proc in (other, ours):
+            for pid in local_cluster._session_pids(proc.pid):
+                os.kill(pid, 9)
+            proc.wait(timeout=10)
