@@ -66,7 +66,7 @@ shared_runs() {  # shared_runs NAME MODE: MODE "together" (both drivers at once)
   local t0=$SECONDS pids=() p rc=0
   for p in a b; do
     (cd "$WORK/patched" && PYTHONPATH="$WORK/patched:$PYTHONPATH" RLIX_CONTROL_PLANE=rlix \
-       VLLM_RAY_EXTRA_ENV_VARS_TO_COPY=PYTHONPATH timeout -k 10 520 python3 "$REPO/scripts/gpu/nemo_rl_system_python.py" \
+       VLLM_RAY_EXTRA_ENV_VARS_TO_COPY=PYTHONPATH timeout -k 10 "${DRIVER_TIMEOUT_S:-420}" python3 "$REPO/scripts/gpu/nemo_rl_system_python.py" \
        examples/run_grpo.py --config "examples/configs/rlix/grpo_math_1B_rlix_$p.yaml" "${TINY[@]}" \
        logger.log_dir="$dir/logs_$p" 2>&1 | stamp >"$dir/console_$p.log") &
     pids+=($!)
@@ -75,11 +75,24 @@ shared_runs() {  # shared_runs NAME MODE: MODE "together" (both drivers at once)
   if [ "$mode" = together ]; then for p in "${pids[@]}"; do wait "$p" || rc=$((rc + 1)); done; fi
   echo "=== $name ($mode): $rc failed drivers, $((SECONDS - t0)) s wall"
   python3 -m rlix_plugins.cli status --json >"$dir/status.json" 2>&1
-  python3 -m rlix_plugins.cli timeline --out "$dir/timeline.png" >"$dir/timeline.log" 2>&1
+  python3 -m rlix_plugins.cli timeline --out "$OUT/${name}_timeline.png" >"$dir/timeline.log" 2>&1
+  python3 - "$dir/trace.jsonl" <<'PY' >>"$dir/timeline.log" 2>&1
+import dataclasses, json, sys
+import ray
+from rlix_plugins.control.client import connect
+ray.init(address="auto", log_to_driver=False)
+with open(sys.argv[1], "w") as f:
+    for e in connect(create_if_missing=False).trace():
+        f.write(json.dumps(dataclasses.asdict(e) if dataclasses.is_dataclass(e) else e, default=str) + "\n")
+PY
   sleep 5  # let the workers' processes exit, then read what is left on the GPU
   nvidia-smi --query-compute-apps=pid,used_memory --format=csv >"$dir/gpu_after.csv"
   nvidia-smi --query-gpu=memory.used --format=csv,noheader >>"$dir/gpu_after.csv"
-  python3 "$REPO/scripts/gpu/nemo_rl_shared_report.py" "$dir" | tee "$dir/report.txt"
+  python3 "$REPO/scripts/gpu/nemo_rl_shared_report.py" "$dir" | tee "$OUT/${name}_report.txt"
+  cp "$dir/summary.json" "$OUT/${name}_summary.json" 2>/dev/null
+  # Everything else in one archive (the device returns at most 8 files); Ray's actor logs when a driver failed.
+  [ $rc -ne 0 ] && cp -r /tmp/ray/session_latest/logs "$dir/ray_logs" 2>/dev/null
+  tar -czf "$OUT/$name.tgz" -C "$OUT" "$name" && rm -rf "${dir:?}"
   python3 -m rlix_plugins.cli down --address "$RAY_ADDRESS" >/dev/null 2>&1
   ray stop --force >/dev/null 2>&1
   unset RAY_ADDRESS

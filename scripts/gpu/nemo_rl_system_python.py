@@ -10,6 +10,8 @@ the registry reads them, then runs the script as ``__main__``. A GPU-kit tool, n
 
 from __future__ import annotations
 
+import logging
+import os
 import runpy
 import sys
 
@@ -18,6 +20,12 @@ from nemo_rl.distributed import virtual_cluster
 for name in dir(virtual_cluster.PY_EXECUTABLES):
     if name.isupper():
         setattr(virtual_cluster.PY_EXECUTABLES, name, sys.executable)
+
+if os.environ.get("RLIX_CONTROL_PLANE") == "rlix":  # rlix's own INFO lines (grants, expands) in the driver's log
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+    logging.getLogger("rlix_plugins").addHandler(handler)
+    logging.getLogger("rlix_plugins").setLevel(logging.INFO)
 
 script, sys.argv = sys.argv[1], sys.argv[1:]
 runpy.run_path(script, run_name="__main__")
