@@ -102,7 +102,12 @@ class RouterShardSelector:
     """NeMo RL ``HealthyShardSelector`` surface (``next_shard``/``acquire``/``release``/``inflight``) over the
     runtime's router actor. Picklable: the pickled copy in the collector talks to the same router.
 
-    ``next_shard`` takes a router ticket (blocking while no rank is active); ``release(shard)`` returns the
+    ``next_shard`` takes a router ticket when a rank is active and NEVER blocks: NeMo RL calls it synchronously
+    inside its async ``_async_generate_base``, so a wait there froze the collector's event loop; requests already
+    on a rank could then never return their tickets, and the next shrink's drain timed out and failed the
+    pipeline (seen on one H100 with two real NeMo RL pipelines). With no active rank it returns shard 0 and
+    marks this thread's call deferred; :meth:`rlix_dispatch`, which patch 0004 runs next on the same thread
+    with no ``await`` in between, then waits for a rank off the event loop. ``release(shard)`` returns the
     oldest ticket this process holds on that shard. Threads of one process share the ticket table.
     """
 
@@ -113,6 +118,7 @@ class RouterShardSelector:
     def _init_local(self) -> None:
         self._lock = threading.Lock()
         self._tickets: dict[int, deque[int]] = defaultdict(deque)
+        self._deferred = threading.local()  # .pending: next_shard found no active rank for this thread's call
         self.preempted_releases = 0
 
     def __getstate__(self) -> dict[str, Any]:
@@ -123,7 +129,14 @@ class RouterShardSelector:
         self._init_local()
 
     def next_shard(self) -> int:
-        return self._take()
+        got = self.client.try_acquire()
+        self._deferred.pending = got is None
+        if got is None:
+            return 0  # a placeholder: rlix_dispatch takes the real ticket once a rank is active
+        rank, ticket = got
+        with self._lock:
+            self._tickets[rank].append(ticket)
+        return rank
 
     def _take(self, exclude: list[int] | None = None) -> int:
         """A router ticket on an active rank (skipping ``exclude`` when another is active), kept for ``release``."""
@@ -154,6 +167,9 @@ class RouterShardSelector:
         ``client.max_attempts`` times. A failure on a shard that was NOT shrunk is re-raised unchanged. Results
         are yielded only from the attempt that completed (one sample per call, so buffering costs nothing)."""
         shard = dp_shard_idx
+        if getattr(self._deferred, "pending", False):  # no rank was active in next_shard: wait off the loop
+            self._deferred.pending = False
+            shard = await asyncio.to_thread(self._take)
         tried: list[int] = []
         for _attempt in range(self.client.max_attempts):
             leader = generation.worker_group.get_dp_leader_worker_idx(shard)

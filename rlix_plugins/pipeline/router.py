@@ -83,13 +83,9 @@ class RolloutRouter:
         skip = set(exclude or ())
         with self._cond:
             while True:
-                pool = (self._active - skip) or set(self._active)
-                if pool:
-                    rank = min(pool, key=lambda r: (self._inflight[r], r))
-                    ticket = next(self._seq)
-                    self._tickets[ticket] = _Ticket(rank)
-                    self._inflight[rank] += 1
-                    return rank, ticket
+                taken = self._take_locked(skip)
+                if taken is not None:
+                    return taken
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise RlixTimeoutError(
@@ -137,6 +133,21 @@ class RolloutRouter:
         with self._cond:
             return sum(self._inflight[r] for r in (ranks if ranks is not None else range(self._n)))
 
+    def try_acquire(self, exclude: list[int] | None = None) -> tuple[int, int] | None:
+        """:meth:`acquire` without waiting: None when no rank is active."""
+        with self._cond:
+            return self._take_locked(set(exclude or ()))
+
+    def _take_locked(self, skip: set[int]) -> tuple[int, int] | None:
+        pool = (self._active - skip) or set(self._active)
+        if not pool:
+            return None
+        rank = min(pool, key=lambda r: (self._inflight[r], r))
+        ticket = next(self._seq)
+        self._tickets[ticket] = _Ticket(rank)
+        self._inflight[rank] += 1
+        return rank, ticket
+
     def wait_drained(self, ranks: list[int], timeout_s: float) -> None:
         """Block until no ticket is out on ``ranks``; raise ``RlixTimeoutError`` naming what is still running."""
         ranks = self._check(ranks)
@@ -175,6 +186,11 @@ class RouterClient:
     def acquire(self, exclude: list[int] | None = None) -> tuple[int, int]:
         rank, ticket = self._get(self.router.acquire.remote(self.timeout_s, exclude), "acquire", self.timeout_s + _RPC_S)
         return int(rank), int(ticket)
+
+    def try_acquire(self) -> tuple[int, int] | None:
+        """A ticket on an active rank, or None at once when every rank is asleep."""
+        got = self._get(self.router.try_acquire.remote(), "try_acquire", _RPC_S)
+        return None if got is None else (int(got[0]), int(got[1]))
 
     def release(self, ticket: int, ok: bool = True) -> bool:
         return bool(self._get(self.router.release.remote(ticket, ok), "release", _RPC_S))

@@ -40,6 +40,7 @@ ROUTING_EXPECTED = {
     "test_routes_over_active_ranks_only",
     "test_pickled_copy_sees_resizes",
     "test_blocks_while_no_rank_is_active",
+    "test_waiting_for_a_rank_never_blocks_the_event_loop",
     "test_request_aborted_by_a_shrink_is_retried_on_another_active_rank",
     "test_without_the_variable_the_seam_is_inert",
     "test_fleet_sleep_passes_the_configured_level_to_the_real_worker",

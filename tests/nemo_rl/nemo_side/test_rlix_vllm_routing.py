@@ -136,6 +136,44 @@ def test_blocks_while_no_rank_is_active(rlix_env):
     assert done["out"]["served_by"] == 1
 
 
+def test_waiting_for_a_rank_never_blocks_the_event_loop(rlix_env):
+    """Seen on one H100 with two real pipelines: the collector runs every request of a batch on ONE event loop
+    and NeMo RL picks the shard synchronously; a selector that blocked there froze the loop, so a request already
+    on a rank could never return its ticket, and the scheduler's next shrink failed its drain (the pipeline was
+    failed). Here: no rank is active, three requests wait, the loop keeps ticking, and after activation every
+    request is served and every ticket returned."""
+    gen, router, _ = _routed(2, [])
+
+    async def run():
+        ticks = 0
+        stop = asyncio.Event()
+
+        async def ticker():
+            nonlocal ticks
+            while not stop.is_set():
+                ticks += 1
+                await asyncio.sleep(0.05)
+
+        async def one():
+            return [item async for item in gen._async_generate_base(_sample(), "generate_async", lambda _d: True)]
+
+        tick_task = asyncio.create_task(ticker())
+        requests = [asyncio.create_task(one()) for _ in range(3)]
+        await asyncio.sleep(1.5)
+        waiting_ticks = ticks
+        assert not any(r.done() for r in requests)  # waiting for a rank, not failed
+        await asyncio.to_thread(ray.get, router.activate.remote([1]))
+        outs = await asyncio.wait_for(asyncio.gather(*requests), timeout=30)
+        stop.set()
+        await tick_task
+        return waiting_ticks, outs
+
+    waiting_ticks, outs = asyncio.run(run())
+    assert waiting_ticks >= 10  # ~30 expected in 1.5 s; a blocked loop ticks once
+    assert [out["served_by"] for [(_, out)] in outs] == [1, 1, 1]
+    assert ray.get(router.in_flight.remote()) == 0
+
+
 def test_request_aborted_by_a_shrink_is_retried_on_another_active_rank(rlix_env):
     gen, router, selector = _routed(2, [0, 1], shrink_on={0})
     out = _generate(gen)
