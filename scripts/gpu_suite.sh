@@ -6,6 +6,7 @@
 #   1. transport GPU tests + benchmarks/transport.py           -> $OUT/transport.json
 #   2. vLLM receiver GPU tests (cuda_ipc, NCCL, sleep/wake)     -> $OUT/vllm_gpu_results.json
 #   3. rlix demo on 1 GPU and, when there are 2, on 2 GPUs      -> $OUT/g1/, $OUT/g2/ (summary.json, timeline.png)
+#   4. real NeMo RL (parts nemo-standalone, nemo-shared, nemo-sequential; scripts/gpu_nemo_rl.sh)
 # Every part runs even when an earlier one fails; the exit code is the number of failed parts.
 # NCCL settings: monitoring threads off (reference debug #56), debug output to find hangs.
 set -u
@@ -39,6 +40,15 @@ if [[ " $want " == *" demo "* ]]; then
     part demo-2gpu 270 python3 -m rlix_plugins.cli demo --gpus 2 --out "$OUT/g2"
   fi
 fi
+# Real NeMo RL (needs the NeMo RL kit: run under `bash scripts/gpu_kit.sh run`, see docs/gpu.md), one part per call:
+#   nemo-standalone: stock grpo_math_1B (DTensor v1) 5 steps, unpatched then patched, variable unset
+#   nemo-shared / nemo-sequential: two `rlix recipe` pipelines time-sharing one GPU / the same two one after another
+for nemo in standalone shared sequential; do
+  if [[ " $want " == *" nemo-$nemo "* ]]; then
+    part "nemo-$nemo" 590 env OUT="$OUT" DRIVER_TIMEOUT_S="$([ $nemo = sequential ] && echo 285 || echo 420)" \
+      bash scripts/gpu_nemo_rl.sh "$nemo"
+  fi
+done
 if [ "$failed" -gt 0 ] && [ -d /tmp/ray/session_latest/logs ]; then  # Ray's worker logs say where a run hung
   tar -czf "$OUT/ray_logs.tgz" -C /tmp/ray/session_latest logs 2>/dev/null && ls -la "$OUT/ray_logs.tgz"
 fi
