@@ -120,7 +120,7 @@ class NemoRLHooks:
 
     def _record(self, name: str, step: int | None, gpus: list[int] | tuple[int, ...] = ()) -> None:
         self.history.append(HookEvent(name, step, time.time(), tuple(gpus)))
-        logger.info("rlix %s: %s step=%s gpus=%s", self.pipeline_id, name, step, list(gpus))
+        logger.info("rlix %s: %s step=%s%s", self.pipeline_id, name, step, f" gpus={list(gpus)}" if gpus else "")
 
     def _require_pipe(self, hook: str) -> Any:
         if self._pipe is None:
