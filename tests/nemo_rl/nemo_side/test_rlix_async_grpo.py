@@ -154,6 +154,7 @@ def test_full_mode_resumed_run_progress_versions_and_logged_metrics(mock_grpo_co
 
     cp = client.connect()
     cfg = configure(mock_grpo_components, tmp_path, steps=START + RESUMED_STEPS, rlix=FULL)
+    mock_grpo_components["master_config"].policy["megatron_cfg"] = {"enabled": True}  # the trainer stand-in's backend
     prompts = cfg.grpo.num_prompts_per_step
     actor = {"num_cpus": 0}
     leaders = [ray.remote(StandinVllmLeader).options(**actor).remote(2) for _ in FULL["infer_devices"]]
