@@ -307,13 +307,14 @@ def _activate_one(
     best: tuple[int, int, int] | None = None
     best_victims: list[tuple[str, int]] = []
     seen: set[int] = set()
+    capped = False  # MAX_CANDIDATES scored with a best: no later candidate is scored, so the scan ends
     # Any active donor may give to a starving acceptor (down to one rank, or none when idle), only donors above
     # their floor to the others. Keep those holding a GPU of the acceptor's mapping: by scanning the mapping when
     # it is small, else by a (cached) mapping-overlap test per donor.
     pool = gen_active if starving else donors_info.surplus
     holders = {owner[g] for g in spec.device_mapping if g in owner} if len(spec.device_mapping) <= 4 * len(pool) else None
     for neg_demand, donor in donors_info.order:
-        if best is not None and best[0] == 1 and best[1] < neg_demand:
+        if capped or (best is not None and best[0] == 1 and best[1] < neg_demand):
             break
         if donor not in pool or donor == cid or (holders is not None and donor not in holders):
             continue
@@ -338,7 +339,7 @@ def _activate_one(
                 if r in active or r in shrunk:
                     continue
                 if len(seen) > MAX_CANDIDATES and best is not None:
-                    done = True
+                    capped = done = True
                     break
                 victims: dict[tuple[str, int], None] = {}
                 for g in my_bundles[r]:
