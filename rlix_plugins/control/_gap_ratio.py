@@ -207,6 +207,7 @@ class _Donors:
         self._state = state
         self.order = sorted((-demands[c], c) for c in eligible)
         self.floors = {c: max(1, targets[c] // clusters[c].tp_size) for c in eligible}
+        self.rank_of = {c: rank_index(clusters[c]) for c in eligible}
         self.surplus: set[str] = set()
         for c in eligible:
             self.update(c)
@@ -217,6 +218,31 @@ class _Donors:
             self.surplus.add(cid)
         else:
             self.surplus.discard(cid)
+
+
+class _Budgets(dict[str, int]):
+    """Ranks each donor may still give up in one activation, computed on first use (the scan usually stops at the
+    first donors): down to its floor = max(1, target bundles), or (for a starving acceptor) down to one rank, or
+    to none when the donor has no demand and the starving acceptor has work. 0 for a cluster that is no donor."""
+
+    def __init__(
+        self, state: PlanState, floors: dict[str, int], demands: dict[str, int], starving: bool, takes_idle: bool
+    ) -> None:
+        super().__init__()
+        self._state, self._floors, self._demands = state, floors, demands
+        self._starving, self._takes_idle = starving, takes_idle
+
+    def __missing__(self, d: str) -> int:
+        n_active = len(self._state.gen_active.get(d, ()))
+        if not n_active or d not in self._floors:
+            b = 0
+        else:
+            b = n_active - self._floors[d]
+            if self._starving:
+                idle = self._takes_idle and self._demands.get(d, 0) == 0 and _reported_idle(self._state, d)
+                b = max(b, n_active if idle else n_active - 1)
+        self[d] = b
+        return b
 
 
 def _free_candidate(state: PlanState, cid: str) -> int | None:
@@ -278,32 +304,15 @@ def _activate_one(
     takes_idle = starving and _has_rollout_work(state, cid)
     active = gen_active.get(cid, set())
     shrunk = state.shrunk.get(cid, set())
-    # Ranks a donor may still give up in this cycle: down to ``floors[d]`` = max(1, target bundles), or (for a
-    # starving acceptor) down to one rank, or to none when the donor has no demand and the starving acceptor has
-    # work. Computed on demand (the scan usually stops at the first donors) and memoised for this activation.
-    floors = donors_info.floors
-    budget: dict[str, int] = {}
-
-    def budget_of(d: str) -> int:
-        n_active = len(gen_active.get(d, ()))
-        if not n_active or d not in floors:
-            b = 0
-        else:
-            b = n_active - floors[d]
-            if starving:
-                idle = takes_idle and demands.get(d, 0) == 0 and _reported_idle(state, d)
-                b = max(b, n_active if idle else n_active - 1)
-        budget[d] = b
-        return b
-
+    budget = _Budgets(state, donors_info.floors, demands, starving, takes_idle)
     # Candidates are bundles touching a rank of a donor with budget left (no free bundle exists). Donors are
     # visited by decreasing demand (``donor_order``) and their ranks by increasing GPU id (= increasing acceptor
     # rank, mappings being sorted and bundles contiguous), so the scan stops at the first single-victim candidate.
     idx = rank_index(spec)
     my_bundles = bundles(spec)
-    protected, free, reserved, nongen = state.protected, state.free, state.reserved, state.nongen
+    protected, free, reserved = state.protected, state.free, state.reserved
     owner = state.owner
-    owner_rank: dict[str, dict[int, int]] = {}
+    rank_of = donors_info.rank_of
     best: tuple[int, int, int] | None = None
     best_victims: list[tuple[str, int]] = []
     seen: set[int] = set()
@@ -318,8 +327,7 @@ def _activate_one(
             break
         if donor not in pool or donor == cid or (holders is not None and donor not in holders):
             continue
-        b = budget.get(donor)
-        if (b if b is not None else budget_of(donor)) <= 0:
+        if budget[donor] <= 0:
             continue
         dspec = clusters[donor]
         if holders is None and not mappings_overlap(spec, dspec):
@@ -341,34 +349,30 @@ def _activate_one(
                 if len(seen) > MAX_CANDIDATES and best is not None:
                     capped = done = True
                     break
+                # The donor ranks this candidate would shrink; invalid (break) on a reserved idle GPU, a GPU of a
+                # cluster that may not give (no budget: non-generation holders included), a rank woken this
+                # cycle, or more ranks of one donor than its budget.
                 victims: dict[tuple[str, int], None] = {}
+                taken: dict[str, int] = {}
                 for g in my_bundles[r]:
                     if g in free:
                         if g in reserved:
                             break
                         continue
                     d = owner[g]
-                    b = budget.get(d)
-                    if d in nongen or (b if b is not None else budget_of(d)) <= 0:
+                    b = budget[d]
+                    if b <= 0:
                         break
-                    ridx = owner_rank.get(d)
-                    if ridx is None:
-                        ridx = owner_rank[d] = rank_index(clusters[d])
-                    victim = (d, ridx[g])
-                    if victim in protected:
+                    victim = (d, rank_of[d][g])
+                    if victim in victims:
+                        continue
+                    n = taken.get(d, 0) + 1
+                    if n > b or victim in protected:
                         break
+                    taken[d] = n
                     victims[victim] = None
                 else:
-                    if len(victims) == 1:
-                        (d, _dr), = victims
-                        min_donor_demand = demands.get(d, 0)
-                    else:
-                        per_donor: dict[str, int] = {}
-                        for d, _dr in victims:
-                            per_donor[d] = per_donor.get(d, 0) + 1
-                        if any(n > budget[d] for d, n in per_donor.items()):
-                            continue
-                        min_donor_demand = min(demands.get(d, 0) for d in per_donor)
+                    min_donor_demand = min(demands[d] for d in taken)
                     key = (len(victims), -min_donor_demand, r)
                     if best is None or key < best:
                         best, best_victims = key, list(victims)
