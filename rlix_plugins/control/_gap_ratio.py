@@ -198,8 +198,12 @@ class _Donors:
 
     ``order``: eligible clusters as ``(-demand, cluster id)``, sorted (donors are visited by decreasing demand);
     ``floors``: max(1, target bundles), the rank count a donor keeps for a non-starving acceptor; ``surplus``:
-    clusters holding more ranks than their floor (the only donors of a non-starving acceptor), kept current by
-    ``update`` after every activation.
+    clusters holding more ranks than their floor (the only donors of a non-starving acceptor). The budgets (ranks
+    a donor may give up now, none when <= 0) by kind of acceptor: ``spare`` down to its floor (an acceptor with
+    ranks), ``spare_starving`` down to one rank (an acceptor without any), ``spare_idle`` as that but down to none
+    for a donor whose pipeline reported its rollout complete and asks for nothing (an acceptor without any rank
+    and with rollout work). All kept current by ``update`` after every activation; ``.get(d, 0)``: a cluster
+    that is no donor has no budget.
     """
 
     def __init__(self, state: PlanState, eligible: list[str], targets: dict[str, int], demands: dict[str, int]) -> None:
@@ -208,41 +212,24 @@ class _Donors:
         self.order = sorted((-demands[c], c) for c in eligible)
         self.floors = {c: max(1, targets[c] // clusters[c].tp_size) for c in eligible}
         self.rank_of = {c: rank_index(clusters[c]) for c in eligible}
+        self.bundles = {c: bundles(clusters[c]) for c in eligible}
+        self._idle = {c for c in eligible if demands[c] == 0 and _reported_idle(state, c)}
         self.surplus: set[str] = set()
+        self.spare: dict[str, int] = {}
+        self.spare_starving: dict[str, int] = {}
+        self.spare_idle: dict[str, int] = {}
         for c in eligible:
             self.update(c)
 
     def update(self, cid: str) -> None:
-        ranks = self._state.gen_active.get(cid)
-        if ranks is not None and len(ranks) > self.floors[cid]:
+        n = len(self._state.gen_active.get(cid, ()))
+        spare = self.spare[cid] = n - self.floors[cid]
+        self.spare_starving[cid] = n - 1
+        self.spare_idle[cid] = n if cid in self._idle else n - 1
+        if spare > 0:
             self.surplus.add(cid)
         else:
             self.surplus.discard(cid)
-
-
-class _Budgets(dict[str, int]):
-    """Ranks each donor may still give up in one activation, computed on first use (the scan usually stops at the
-    first donors): down to its floor = max(1, target bundles), or (for a starving acceptor) down to one rank, or
-    to none when the donor has no demand and the starving acceptor has work. 0 for a cluster that is no donor."""
-
-    def __init__(
-        self, state: PlanState, floors: dict[str, int], demands: dict[str, int], starving: bool, takes_idle: bool
-    ) -> None:
-        super().__init__()
-        self._state, self._floors, self._demands = state, floors, demands
-        self._starving, self._takes_idle = starving, takes_idle
-
-    def __missing__(self, d: str) -> int:
-        n_active = len(self._state.gen_active.get(d, ()))
-        if not n_active or d not in self._floors:
-            b = 0
-        else:
-            b = n_active - self._floors[d]
-            if self._starving:
-                idle = self._takes_idle and self._demands.get(d, 0) == 0 and _reported_idle(self._state, d)
-                b = max(b, n_active if idle else n_active - 1)
-        self[d] = b
-        return b
 
 
 def _free_candidate(state: PlanState, cid: str) -> int | None:
@@ -301,15 +288,17 @@ def _activate_one(
     spec = clusters[cid]
     gen_active = state.gen_active
     starving = cid not in gen_active
-    takes_idle = starving and _has_rollout_work(state, cid)
     active = gen_active.get(cid, set())
     shrunk = state.shrunk.get(cid, set())
-    budget = _Budgets(state, donors_info.floors, demands, starving, takes_idle)
+    if not starving:
+        budget = donors_info.spare
+    else:
+        budget = donors_info.spare_idle if _has_rollout_work(state, cid) else donors_info.spare_starving
     # Candidates are bundles touching a rank of a donor with budget left (no free bundle exists). Donors are
     # visited by decreasing demand (``donor_order``) and their ranks by increasing GPU id (= increasing acceptor
     # rank, mappings being sorted and bundles contiguous), so the scan stops at the first single-victim candidate.
-    idx = rank_index(spec)
-    my_bundles = bundles(spec)
+    idx = donors_info.rank_of[cid]
+    my_bundles = donors_info.bundles[cid]
     protected, free, reserved = state.protected, state.free, state.reserved
     owner = state.owner
     rank_of = donors_info.rank_of
@@ -322,17 +311,18 @@ def _activate_one(
     # it is small, else by a (cached) mapping-overlap test per donor.
     pool = gen_active if starving else donors_info.surplus
     holders = {owner[g] for g in spec.device_mapping if g in owner} if len(spec.device_mapping) <= 4 * len(pool) else None
-    for neg_demand, donor in donors_info.order:
+    # A non-starving acceptor's pool (clusters above their floor) is small: visit it alone, in the same order.
+    order = donors_info.order if starving else sorted((-demands[d], d) for d in pool)
+    for neg_demand, donor in order:
         if capped or (best is not None and best[0] == 1 and best[1] < neg_demand):
             break
         if donor not in pool or donor == cid or (holders is not None and donor not in holders):
             continue
-        if budget[donor] <= 0:
+        if budget.get(donor, 0) <= 0:
             continue
-        dspec = clusters[donor]
-        if holders is None and not mappings_overlap(spec, dspec):
+        if holders is None and not mappings_overlap(spec, clusters[donor]):
             continue
-        dbundles = bundles(dspec)
+        dbundles = donors_info.bundles[donor]
         done = False
         for dr0 in sorted(gen_active[donor]):
             if done:
@@ -360,7 +350,7 @@ def _activate_one(
                             break
                         continue
                     d = owner[g]
-                    b = budget[d]
+                    b = budget.get(d, 0)
                     if b <= 0:
                         break
                     victim = (d, rank_of[d][g])
@@ -372,7 +362,7 @@ def _activate_one(
                     taken[d] = n
                     victims[victim] = None
                 else:
-                    min_donor_demand = min(demands[d] for d in taken)
+                    min_donor_demand = min(map(demands.__getitem__, taken))
                     key = (len(victims), -min_donor_demand, r)
                     if best is None or key < best:
                         best, best_victims = key, list(victims)
