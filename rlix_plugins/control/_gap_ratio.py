@@ -237,14 +237,14 @@ def _free_candidate(state: PlanState, cid: str) -> int | None:
     spec = state.snap.clusters[cid]
     idx = rank_index(spec)
     free, reserved = state.free, state.reserved
-    hits = [g for g in free if g in idx] if len(free) < len(idx) else [g for g in idx if g in free]
+    hits = idx.keys() & free  # set operations: a cycle that fills an idle pool calls this once per bundle
     if reserved:
-        hits = [g for g in hits if g not in reserved]
-    if not hits:
-        return None
+        hits -= reserved
     shrunk = state.shrunk.get(cid, ())
     tp = spec.tp_size
-    for r in sorted({idx[g] for g in hits}):
+    # Mappings are sorted and bundles contiguous, so increasing GPU ids visit the ranks in increasing order.
+    for g in sorted(hits):
+        r = idx[g]
         if r in shrunk:
             continue
         if tp == 1 or all(g in free and g not in reserved for g in spec.bundle(r)):
