@@ -339,11 +339,12 @@ def _activate_one(
                 if len(seen) > MAX_CANDIDATES and best is not None:
                     capped = done = True
                     break
-                # The donor ranks this candidate would shrink; invalid (break) on a reserved idle GPU, a GPU of a
-                # cluster that may not give (no budget: non-generation holders included), a rank woken this
-                # cycle, or more ranks of one donor than its budget.
-                victims: dict[tuple[str, int], None] = {}
-                taken: dict[str, int] = {}
+                # The donor ranks this candidate would shrink (a bundle holds few GPUs: a list), and the lowest
+                # demand among their donors; invalid (break) on a reserved idle GPU, a GPU of a cluster that may
+                # not give (no budget: non-generation holders included), a rank woken this cycle, or more ranks
+                # of one donor than its budget.
+                victims: list[tuple[str, int]] = []
+                min_donor_demand = -1
                 for g in my_bundles[r]:
                     if g in free:
                         if g in reserved:
@@ -356,16 +357,16 @@ def _activate_one(
                     victim = (d, rank_of[d][g])
                     if victim in victims:
                         continue
-                    n = taken.get(d, 0) + 1
-                    if n > b or victim in protected:
+                    if victim in protected or (b <= len(victims) and sum(v[0] == d for v in victims) >= b):
                         break
-                    taken[d] = n
-                    victims[victim] = None
+                    victims.append(victim)
+                    dd = demands[d]
+                    if min_donor_demand < 0 or dd < min_donor_demand:
+                        min_donor_demand = dd
                 else:
-                    min_donor_demand = min(map(demands.__getitem__, taken))
                     key = (len(victims), -min_donor_demand, r)
                     if best is None or key < best:
-                        best, best_victims = key, list(victims)
+                        best, best_victims = key, victims
                     if best[0] == 1 and best[1] <= neg_demand:
                         done = True  # later ranks of this donor map to higher acceptor ranks: they cannot beat it
                         break
