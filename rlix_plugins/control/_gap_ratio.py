@@ -198,8 +198,12 @@ class _Donors:
 
     ``order``: eligible clusters as ``(-demand, cluster id)``, sorted (donors are visited by decreasing demand);
     ``floors``: max(1, target bundles), the rank count a donor keeps for a non-starving acceptor; ``surplus``:
-    clusters holding more ranks than their floor (the only donors of a non-starving acceptor), kept current by
-    ``update`` after every activation.
+    clusters holding more ranks than their floor (the only donors of a non-starving acceptor). The budgets (ranks
+    a donor may give up now, none when <= 0) by kind of acceptor: ``spare`` down to its floor (an acceptor with
+    ranks), ``spare_starving`` down to one rank (an acceptor without any), ``spare_idle`` as that but down to none
+    for a donor whose pipeline reported its rollout complete and asks for nothing (an acceptor without any rank
+    and with rollout work). All kept current by ``update`` after every activation; ``.get(d, 0)``: a cluster
+    that is no donor has no budget.
     """
 
     def __init__(self, state: PlanState, eligible: list[str], targets: dict[str, int], demands: dict[str, int]) -> None:
@@ -207,13 +211,22 @@ class _Donors:
         self._state = state
         self.order = sorted((-demands[c], c) for c in eligible)
         self.floors = {c: max(1, targets[c] // clusters[c].tp_size) for c in eligible}
+        self.rank_of = {c: rank_index(clusters[c]) for c in eligible}
+        self.bundles = {c: bundles(clusters[c]) for c in eligible}
+        self._idle = {c for c in eligible if demands[c] == 0 and _reported_idle(state, c)}
         self.surplus: set[str] = set()
+        self.spare: dict[str, int] = {}
+        self.spare_starving: dict[str, int] = {}
+        self.spare_idle: dict[str, int] = {}
         for c in eligible:
             self.update(c)
 
     def update(self, cid: str) -> None:
-        ranks = self._state.gen_active.get(cid)
-        if ranks is not None and len(ranks) > self.floors[cid]:
+        n = len(self._state.gen_active.get(cid, ()))
+        spare = self.spare[cid] = n - self.floors[cid]
+        self.spare_starving[cid] = n - 1
+        self.spare_idle[cid] = n if cid in self._idle else n - 1
+        if spare > 0:
             self.surplus.add(cid)
         else:
             self.surplus.discard(cid)
@@ -224,14 +237,14 @@ def _free_candidate(state: PlanState, cid: str) -> int | None:
     spec = state.snap.clusters[cid]
     idx = rank_index(spec)
     free, reserved = state.free, state.reserved
-    hits = [g for g in free if g in idx] if len(free) < len(idx) else [g for g in idx if g in free]
+    hits = idx.keys() & free  # set operations: a cycle that fills an idle pool calls this once per bundle
     if reserved:
-        hits = [g for g in hits if g not in reserved]
-    if not hits:
-        return None
+        hits -= reserved
     shrunk = state.shrunk.get(cid, ())
     tp = spec.tp_size
-    for r in sorted({idx[g] for g in hits}):
+    # Mappings are sorted and bundles contiguous, so increasing GPU ids visit the ranks in increasing order.
+    for g in sorted(hits):
+        r = idx[g]
         if r in shrunk:
             continue
         if tp == 1 or all(g in free and g not in reserved for g in spec.bundle(r)):
@@ -275,55 +288,41 @@ def _activate_one(
     spec = clusters[cid]
     gen_active = state.gen_active
     starving = cid not in gen_active
-    takes_idle = starving and _has_rollout_work(state, cid)
     active = gen_active.get(cid, set())
     shrunk = state.shrunk.get(cid, set())
-    # Ranks a donor may still give up in this cycle: down to ``floors[d]`` = max(1, target bundles), or (for a
-    # starving acceptor) down to one rank, or to none when the donor has no demand and the starving acceptor has
-    # work. Computed on demand (the scan usually stops at the first donors) and memoised for this activation.
-    floors = donors_info.floors
-    budget: dict[str, int] = {}
-
-    def budget_of(d: str) -> int:
-        n_active = len(gen_active.get(d, ()))
-        if not n_active or d not in floors:
-            b = 0
-        else:
-            b = n_active - floors[d]
-            if starving:
-                idle = takes_idle and demands.get(d, 0) == 0 and _reported_idle(state, d)
-                b = max(b, n_active if idle else n_active - 1)
-        budget[d] = b
-        return b
-
+    if not starving:
+        budget = donors_info.spare
+    else:
+        budget = donors_info.spare_idle if _has_rollout_work(state, cid) else donors_info.spare_starving
     # Candidates are bundles touching a rank of a donor with budget left (no free bundle exists). Donors are
     # visited by decreasing demand (``donor_order``) and their ranks by increasing GPU id (= increasing acceptor
     # rank, mappings being sorted and bundles contiguous), so the scan stops at the first single-victim candidate.
-    idx = rank_index(spec)
-    my_bundles = bundles(spec)
-    protected, free, reserved, nongen = state.protected, state.free, state.reserved, state.nongen
+    idx = donors_info.rank_of[cid]
+    my_bundles = donors_info.bundles[cid]
+    protected, free, reserved = state.protected, state.free, state.reserved
     owner = state.owner
-    owner_rank: dict[str, dict[int, int]] = {}
+    rank_of = donors_info.rank_of
     best: tuple[int, int, int] | None = None
     best_victims: list[tuple[str, int]] = []
     seen: set[int] = set()
+    capped = False  # MAX_CANDIDATES scored with a best: no later candidate is scored, so the scan ends
     # Any active donor may give to a starving acceptor (down to one rank, or none when idle), only donors above
     # their floor to the others. Keep those holding a GPU of the acceptor's mapping: by scanning the mapping when
     # it is small, else by a (cached) mapping-overlap test per donor.
     pool = gen_active if starving else donors_info.surplus
     holders = {owner[g] for g in spec.device_mapping if g in owner} if len(spec.device_mapping) <= 4 * len(pool) else None
-    for neg_demand, donor in donors_info.order:
-        if best is not None and best[0] == 1 and best[1] < neg_demand:
+    # A non-starving acceptor's pool (clusters above their floor) is small: visit it alone, in the same order.
+    order = donors_info.order if starving else sorted((-demands[d], d) for d in pool)
+    for neg_demand, donor in order:
+        if capped or (best is not None and best[0] == 1 and best[1] < neg_demand):
             break
         if donor not in pool or donor == cid or (holders is not None and donor not in holders):
             continue
-        b = budget.get(donor)
-        if (b if b is not None else budget_of(donor)) <= 0:
+        if budget.get(donor, 0) <= 0:
             continue
-        dspec = clusters[donor]
-        if holders is None and not mappings_overlap(spec, dspec):
+        if holders is None and not mappings_overlap(spec, clusters[donor]):
             continue
-        dbundles = bundles(dspec)
+        dbundles = donors_info.bundles[donor]
         done = False
         for dr0 in sorted(gen_active[donor]):
             if done:
@@ -338,39 +337,36 @@ def _activate_one(
                 if r in active or r in shrunk:
                     continue
                 if len(seen) > MAX_CANDIDATES and best is not None:
-                    done = True
+                    capped = done = True
                     break
-                victims: dict[tuple[str, int], None] = {}
+                # The donor ranks this candidate would shrink (a bundle holds few GPUs: a list), and the lowest
+                # demand among their donors; invalid (break) on a reserved idle GPU, a GPU of a cluster that may
+                # not give (no budget: non-generation holders included), a rank woken this cycle, or more ranks
+                # of one donor than its budget.
+                victims: list[tuple[str, int]] = []
+                min_donor_demand = -1
                 for g in my_bundles[r]:
                     if g in free:
                         if g in reserved:
                             break
                         continue
                     d = owner[g]
-                    b = budget.get(d)
-                    if d in nongen or (b if b is not None else budget_of(d)) <= 0:
+                    b = budget.get(d, 0)
+                    if b <= 0:
                         break
-                    ridx = owner_rank.get(d)
-                    if ridx is None:
-                        ridx = owner_rank[d] = rank_index(clusters[d])
-                    victim = (d, ridx[g])
-                    if victim in protected:
+                    victim = (d, rank_of[d][g])
+                    if victim in victims:
+                        continue
+                    if victim in protected or (b <= len(victims) and sum(v[0] == d for v in victims) >= b):
                         break
-                    victims[victim] = None
+                    victims.append(victim)
+                    dd = demands[d]
+                    if min_donor_demand < 0 or dd < min_donor_demand:
+                        min_donor_demand = dd
                 else:
-                    if len(victims) == 1:
-                        (d, _dr), = victims
-                        min_donor_demand = demands.get(d, 0)
-                    else:
-                        per_donor: dict[str, int] = {}
-                        for d, _dr in victims:
-                            per_donor[d] = per_donor.get(d, 0) + 1
-                        if any(n > budget[d] for d, n in per_donor.items()):
-                            continue
-                        min_donor_demand = min(demands.get(d, 0) for d in per_donor)
                     key = (len(victims), -min_donor_demand, r)
                     if best is None or key < best:
-                        best, best_victims = key, list(victims)
+                        best, best_victims = key, victims
                     if best[0] == 1 and best[1] <= neg_demand:
                         done = True  # later ranks of this donor map to higher acceptor ranks: they cannot beat it
                         break
