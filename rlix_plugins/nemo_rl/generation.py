@@ -131,16 +131,14 @@ class RouterShardSelector:
     def next_shard(self) -> int:
         got = self.client.try_acquire()
         self._deferred.pending = got is None
-        if got is None:
-            return 0  # a placeholder: rlix_dispatch takes the real ticket once a rank is active
-        rank, ticket = got
-        with self._lock:
-            self._tickets[rank].append(ticket)
-        return rank
+        # shard 0 is a placeholder when no rank is active: rlix_dispatch takes the real ticket once one is
+        return 0 if got is None else self._keep(*got)
 
     def _take(self, exclude: list[int] | None = None) -> int:
         """A router ticket on an active rank (skipping ``exclude`` when another is active), kept for ``release``."""
-        rank, ticket = self.client.acquire(exclude=exclude)
+        return self._keep(*self.client.acquire(exclude=exclude))
+
+    def _keep(self, rank: int, ticket: int) -> int:
         with self._lock:
             self._tickets[rank].append(ticket)
         return rank
