@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any
 
 from rlix_plugins import transport
 from rlix_plugins.errors import RlixConfigError, TransportError, WeightVerificationError
-from rlix_plugins.transport import tensor_checksum, verify_checksums
+from rlix_plugins.transport import finish_checksums, start_checksums, verify_checksums
 from rlix_plugins.vllm.loading import WeightLoader, refresh_cpu_packed_copies, select_loader
 
 if TYPE_CHECKING:
@@ -77,9 +77,17 @@ class _Sync:
     sync_id: str
     mode: str
     staged: list[tuple[str, torch.Tensor]] = field(default_factory=list)
-    checksums: dict[str, list[int]] = field(default_factory=dict)
+    #: launched, not yet read: (names, nbytes, (n, 3) int32 partial sums) - read once, at finalize
+    pending_sums: list[tuple[list[str], list[int], torch.Tensor]] = field(default_factory=list)
     buckets: int = 0
     loaded_eagerly: bool = False
+
+    def checksums(self) -> dict[str, list[int]]:
+        """Read every launched checksum (one host sync for the whole sync)."""
+        out: dict[str, list[int]] = {}
+        for names, nbytes, partial in self.pending_sums:
+            out.update(zip(names, finish_checksums(nbytes, partial), strict=True))
+        return out
 
 
 @dataclass
@@ -92,6 +100,8 @@ class _State:
     #: an eager sync failed half-way: the model holds a mix of weights until the next finalize
     dirty: bool = False
     buckets_total: int = 0
+    #: side stream for host_pull's host->device copies (created on the first pull)
+    copy_stream: Any = None
 
 
 class RlixReceiverMixin:
@@ -153,8 +163,9 @@ class RlixReceiverMixin:
     def _rlix_accept(self, sync: _Sync, named: list[tuple[str, torch.Tensor]], *, borrowed: bool) -> int:
         """Checksum, then load (eager) or keep (staged). ``borrowed``: the views alias a buffer we do not
         own (cuda_ipc: the sender's staging buffer), so staged mode must clone them."""
-        for name, tensor in named:
-            sync.checksums[name] = tensor_checksum(tensor)
+        sync.pending_sums.append(
+            ([n for n, _ in named], [t.numel() * t.element_size() for _, t in named], start_checksums([t for _, t in named]))
+        )
         if sync.mode == "eager":
             self._rlix().loader.load(self, named)
             sync.loaded_eagerly = True
@@ -199,6 +210,8 @@ class RlixReceiverMixin:
         if self._rlix_local_rank() not in {int(r) for r in ipc_local_ranks}:
             return 0
         sync = self._rlix_begin(sync_id, apply_mode)
+        if payload.get("transport") == "host_pull":
+            return self._rlix_pull(sync, payload["buckets"])
         borrowed = payload.get("transport") == "cuda_ipc"
         named = transport.receive_bucket(payload, self._rlix_device())
         count = self._rlix_accept(sync, named, borrowed=borrowed)
@@ -261,7 +274,11 @@ class RlixReceiverMixin:
             state.dirty = True
             state.sync = None
             raise
-        state.model_checksums.update(sync.checksums)
+        state.model_checksums.update(sync.checksums())
+        if self._rlix_device().type == "cuda":
+            import torch
+
+            torch.cuda.empty_cache()  # host_pull receive buffers: give the memory back to the shared GPU
         state.finalized.append(sync_id)
         del state.finalized[:-8]
         state.sync = None
@@ -282,20 +299,104 @@ class RlixReceiverMixin:
             raise TransportError("verify_model: this worker is dirty (a sync failed after loading some buckets); sync again")
         received = {n: state.model_checksums[n] for n in expected if n in state.model_checksums}
         _verify(expected, received, f"received bytes, local rank {self._rlix_local_rank()}")
-        live: dict[str, list[int]] = {}
         want: dict[str, list[int]] = {}
+        tensors = []
         params = dict(self.model_runner.model.named_parameters())  # type: ignore[attr-defined]
         for name, checksum in expected.items():
             param = params.get(name)
             if param is None or param.numel() == 0:
                 continue
-            nbytes = param.numel() * param.element_size()
-            if nbytes != int(checksum[0]):
+            if param.numel() * param.element_size() != int(checksum[0]):
                 continue  # sharded or repacked: different layout than the HF tensor
-            live[name] = tensor_checksum(param)
             want[name] = list(checksum)
+            tensors.append(param)
+        sums = finish_checksums([int(want[n][0]) for n in want], start_checksums(tensors))  # one host sync
+        live = dict(zip(want, sums, strict=True))
         _verify(want, live, f"live model parameters, local rank {self._rlix_local_rank()}")
         return {"received": len(received), "live_checked": len(live)}
+
+    # ---------------------------------------------------------------- host_pull
+    def _rlix_pull(self, sync: _Sync, buckets: list[dict[str, Any]]) -> int:
+        """Every bucket of a ``host_pull`` sync, in one call: map the sender's pinned pages (once per
+        process), copy host -> GPU on a side stream into two alternating receive buffers, and load group by
+        group as soon as a group's bytes landed (the next copies overlap the current loads); checksums
+        run on the received bytes, batched per bucket. Returns after the last host read (the sender may
+        rebuild its cache once every receiver returned)."""
+        import torch
+
+        device = self._rlix_device()
+        opened = [transport.open_host_pull(b, pin=device.type == "cuda") for b in buckets]
+        if device.type != "cuda":  # vLLM-CPU: the mapped pages are the tensors (staged mode clones them)
+            return sum(self._rlix_accept(sync, transport.unpack_bucket(m, h), borrowed=True) for m, h in opened)
+        state = self._rlix()
+        if state.copy_stream is None:
+            state.copy_stream = torch.cuda.Stream(device)
+        copy_stream, main = state.copy_stream, torch.cuda.current_stream(device)
+        capacity = max((transport.align_up(m.used_bytes) for m, _ in opened), default=0)
+        count = min(2, len(opened))
+        transport.check_device_capacity(count * capacity, device, what=f"host_pull receive buffers ({count})")
+        receive = [torch.empty(capacity, dtype=torch.uint8, device=device) for _ in range(count)]
+        loaded: list[Any] = [None] * len(opened)
+        landed: list[list[tuple[list[int], Any]]] = [[] for _ in opened]
+
+        def copy_in(i: int) -> None:
+            meta, host = opened[i]
+            buf = receive[i % count]
+            with torch.cuda.stream(copy_stream):
+                if i >= count:
+                    copy_stream.wait_event(loaded[i - count])  # the buffer's previous bucket was loaded
+                for group in _groups(meta):
+                    lo, hi = meta.offsets[group[0]], meta.offsets[group[-1]] + meta.nbytes(group[-1])
+                    buf[lo:hi].copy_(host[lo:hi], non_blocking=True)
+                    done = torch.cuda.Event()
+                    done.record(copy_stream)
+                    landed[i].append((group, done))
+                buf[meta.used_bytes : transport.align_up(meta.used_bytes)].zero_()  # checksums read whole rows
+
+        tensors = 0
+        for i in range(count):
+            copy_in(i)
+        for i, (meta, _) in enumerate(opened):
+            views = transport.unpack_bucket(meta, receive[i % count])
+            for group, done in landed[i]:
+                main.wait_event(done)
+                named = [views[k] for k in group]
+                if sync.mode == "eager":
+                    state.loader.load(self, named)
+                    sync.loaded_eagerly = True
+                else:
+                    sync.staged.extend((name, t.clone()) for name, t in named)
+            nbytes = [meta.nbytes(k) for k in range(len(meta.names))]
+            padded = receive[i % count][: transport.align_up(meta.used_bytes)]
+            sync.pending_sums.append(
+                (list(meta.names), nbytes, transport.bucket_checksums(padded, list(meta.offsets), nbytes))
+            )
+            loaded[i] = torch.cuda.Event()
+            loaded[i].record(main)
+            if i + count < len(opened):
+                copy_in(i + count)
+            sync.buckets += 1
+            state.buckets_total += 1
+            tensors += len(views)
+        copy_stream.synchronize()  # every host read is done before we return
+        return tensors
+
+    def rlix_discard_weight_backup(self) -> int:
+        """Level 1: drop the CPU copy of the sleeping weights so that the next wake only allocates (a sync
+        overwrites them right after; restoring them would cost a full host->device copy for nothing). The
+        worker is ``dirty`` until a sync finalizes. Returns the bytes dropped (0 without vLLM's allocator)."""
+        try:
+            from vllm.device_allocator.cumem import CuMemAllocator
+        except ImportError:
+            return 0
+        dropped = 0
+        for data in CuMemAllocator.get_instance().pointer_to_data.values():
+            if data.tag == "weights" and data.is_asleep and data.cpu_backup_tensor is not None:
+                dropped += int(data.cpu_backup_tensor.numel())
+                data.cpu_backup_tensor = None
+        if dropped:
+            self._rlix().dirty = True
+        return dropped
 
     # ---------------------------------------------------------------- helpers (prefixed: vLLM's namespace)
     def rlix_abort_weight_update(self, sync_id: str) -> bool:
@@ -335,3 +436,22 @@ def _verify(expected: dict[str, list[int]], actual: dict[str, list[int]], contex
         verify_checksums(expected, actual, context=context)
     except WeightVerificationError as exc:
         raise WeightVerificationError(f"WeightVerificationError: {exc}") from None
+
+
+#: bytes per load group of a host_pull bucket: the loader starts on a group as soon as it landed
+GROUP_BYTES = 64 << 20
+
+
+def _groups(meta: Any) -> list[list[int]]:
+    """Tensor indices of ``meta`` in consecutive groups of about ``GROUP_BYTES`` (a large tensor alone)."""
+    groups: list[list[int]] = []
+    size = 0
+    for k in range(len(meta.names)):
+        nbytes = meta.nbytes(k)
+        if groups and size + nbytes <= GROUP_BYTES:
+            groups[-1].append(k)
+            size += nbytes
+        else:
+            groups.append([k])
+            size = nbytes
+    return groups
