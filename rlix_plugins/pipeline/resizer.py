@@ -31,6 +31,7 @@ from rlix_plugins.errors import RlixError, RlixTimeoutError, SchedulerError, Wei
 from rlix_plugins.pipeline.config import RuntimeConfig
 from rlix_plugins.pipeline.protocols import RolloutFleet, SyncResult, VersionPublisher, WeightSource
 from rlix_plugins.pipeline.versions import published_version
+from rlix_plugins.transport import wait_all
 
 __all__ = ["FleetResizer", "resizer_name"]
 
@@ -160,6 +161,9 @@ class FleetResizer:
         # Never route to a rank before its weights are verified: it may serve dummy, stale or half-loaded weights.
         self._router_call("deactivate", ranks)
         try:
+            if cfg.sleep_level == 1:  # the sync overwrites the weights right after the wake: never restore the old ones
+                wait_all({r: self._fleet.engine_rpc(r).call("rlix_discard_weight_backup", ()) for r in ranks},
+                         cfg.drain_timeout_s, f"discarding the level-1 weight copy of dp ranks {ranks}")
             self._fleet.wake_up(ranks, None, cfg.drain_timeout_s)
             t_wake = time.perf_counter()
             result = self._sync(ranks)
@@ -211,12 +215,16 @@ class FleetResizer:
                                 verified_params=result.verified_params, payload_bytes=result.payload_bytes)
 
     def prewarm_and_sleep(self, ranks: list[int]) -> dict[str, Any]:
-        """Start-up: wake and sleep every rank once while the pipeline holds its inference GPUs (debug #68)."""
+        """Start-up: wake, sync the start-up cache and sleep every rank once while the pipeline holds its inference
+        GPUs (debug #68). The sync pays what a first sync pays once per engine (mapping and pinning the cache's
+        pages, first kernels, the loader's first call) here instead of in the pipeline's first expand."""
         with self._exclusive("prewarm"):
             cfg = self._cfg
             t0 = time.perf_counter()
             self._fleet.wake_up(ranks, None, cfg.drain_timeout_s)
+            warm = self._sync(ranks)
             self._fleet.sleep(ranks, cfg.sleep_level, cfg.drain_timeout_s)
             after = self._fleet.memory_in_use(ranks, cfg.drain_timeout_s)
-            return self._record(op="prewarm", ranks=ranks, seconds=time.perf_counter() - t0, memory_after=after)
+            return self._record(op="prewarm", ranks=ranks, seconds=time.perf_counter() - t0, memory_after=after,
+                                sync_s=warm.seconds, version=warm.version)
 

@@ -107,7 +107,7 @@ def _device(value: DeviceRef | Sequence[int], what: str) -> DeviceRef:
 def build_comm_plan(
     sender: DeviceRef | Sequence[int],
     targets: Mapping[int, Sequence[DeviceRef | Sequence[int]]],
-    same_gpu_transport: SameGpuTransport = "cuda_ipc",
+    same_gpu_transport: SameGpuTransport = "host_pull",
 ) -> CommPlan:
     """Classify every target device of every dp rank; deterministic for equal inputs.
 

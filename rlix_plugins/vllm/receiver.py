@@ -385,9 +385,9 @@ class RlixReceiverMixin:
         """Level 1: drop the CPU copy of the sleeping weights so that the next wake only allocates (a sync
         overwrites them right after; restoring them would cost a full host->device copy for nothing). The
         worker is ``dirty`` until a sync finalizes. Returns the bytes dropped (0 without vLLM's allocator)."""
-        try:
-            from vllm.device_allocator.cumem import CuMemAllocator
-        except ImportError:
+        from vllm.device_allocator.cumem import CuMemAllocator, cumem_available
+
+        if not cumem_available:  # vLLM-CPU: no sleep mode, nothing backed up
             return 0
         dropped = 0
         for data in CuMemAllocator.get_instance().pointer_to_data.values():

@@ -40,11 +40,12 @@ def _active(rt: PipelineRuntime) -> list[int]:
 
 def test_runtime_step_in_hook_order(control_plane: ControlPlane) -> None:
     rt, rec = _runtime(control_plane, [0], [0, 1])
-    assert ops(rec)[:3] == [("build", -1), ("wake", [0, 1]), ("sleep", ([0, 1], 2))], "init: cache v-1, prewarm, sleep"
+    assert ops(rec)[:4] == [("build", -1), ("wake", [0, 1]), ("sync", [0, 1]), ("sleep", ([0, 1], 2))], \
+        "init: cache v-1, prewarm (wake, warm-up sync), sleep"
     assert _active(rt) == []
     rt.attach_collector(RecordingPublisher(rec))
     assert _active(rt), "attach_collector returned before a rank was routed"
-    first = ops(rec)[3:]
+    first = ops(rec)[4:]
     assert ("publish", 0) in first and first.index(("sync", _active(rt))) < first.index(("publish", 0))
 
     n = len(ops(rec))
