@@ -345,13 +345,15 @@ class RlixReceiverMixin:
             with torch.cuda.stream(copy_stream):
                 if i >= count:
                     copy_stream.wait_event(loaded[i - count])  # the buffer's previous bucket was loaded
+                # zero the rest of the last row first: the checksums read whole rows, and they wait only on the
+                # group events below (a zero queued after them raced the checksum: caught by verification)
+                buf[meta.used_bytes : transport.align_up(meta.used_bytes)].zero_()
                 for group in _groups(meta):
                     lo, hi = meta.offsets[group[0]], meta.offsets[group[-1]] + meta.nbytes(group[-1])
                     buf[lo:hi].copy_(host[lo:hi], non_blocking=True)
                     done = torch.cuda.Event()
                     done.record(copy_stream)
                     landed[i].append((group, done))
-                buf[meta.used_bytes : transport.align_up(meta.used_bytes)].zero_()  # checksums read whole rows
 
         tensors = 0
         for i in range(count):
