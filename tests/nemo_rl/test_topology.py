@@ -33,7 +33,7 @@ def test_valid_config_and_runtime_knobs() -> None:
     cfg = _valid(sleep_level=1, bucket_size_bytes=1 << 20, sync_timeout_s=30, watchdog_interval_s=0.5)
     assert _problems(cfg) == []
     run = load_run_config(cfg)
-    rc = run.runtime_config()
+    rc = run.runtime
     assert (rc.sleep_level, rc.sync_timeout_s, rc.watchdog_interval_s) == (1, 30.0, 0.5)
     assert run.bucket_size_bytes == 1 << 20
     assert rc.step_target_estimate == 8  # default: grpo.num_prompts_per_step (debug #27)

@@ -18,6 +18,7 @@ from rlix_plugins.pipeline.config import RuntimeConfig
 from rlix_plugins.pipeline.resizer import FleetResizer
 from rlix_plugins.pipeline.router import RolloutRouter
 from rlix_plugins.pipeline.runtime import PipelineRuntime
+from rlix_plugins.pipeline.versions import VersionLedger
 from tests.control._ray_helpers import FAST_COORDINATOR, control_plane, make_pipeline, wait_for
 from tests.pipeline.standins import Recorder, RecordingFleet, RecordingPublisher, RecordingWeights, ops
 
@@ -94,7 +95,7 @@ def resizer(ray_cluster: Any) -> Any:
         "test_pipe", RecordingFleet(rec, 2), RecordingWeights(rec), router, CFG)
     ray.get(rec.set.remote("cache_version", 4))
     ray.get(actor.set_publisher.remote(RecordingPublisher(rec)))
-    ray.get(actor.set_version.remote(3))
+    ray.get(actor.set_versions.remote(VersionLedger(cache=4, published=3)))
     yield actor, router, rec
     for a in (actor, router, rec):
         ray.kill(a)
