@@ -19,8 +19,9 @@ Public API
 * Resizing (:mod:`.resizer`): :class:`FleetResizer` actor ``rlix:resizer:<pid>``, the coordinator's resize
   handler: shrink = unroute → abort → drain → sleep → memory check; expand = wake → sync → finalize → verify →
   publish (no bump) → route, atomic; ``refresh_active`` = in-flight sync of the active ranks.
-* Versions (:mod:`.versions`): ``BOOTSTRAP_VERSION`` -1, ``cache_version_after_step(N) = N + 1``,
-  ``published_version(v) = max(v, 0)``, ``check_no_double_bump``.
+* Versions (:mod:`.versions`): :class:`VersionLedger` (the runtime's ``versions``: cache and published version,
+  one writer), ``BOOTSTRAP_VERSION`` -1, ``version_after_step(N) = N + 1`` (the rule, once; NeMo RL's seam holds a
+  generated copy), ``published_version(v) = max(v, 0)``, ``check_no_double_bump``.
 * :class:`RuntimeConfig` (:mod:`.config`): sleep level (2, or 1), post-sleep memory limit, every timeout.
 
 How a host plugs in (NeMo RL, issue 6; the demo host in :mod:`rlix_plugins.demo` is the worked example)
@@ -61,9 +62,11 @@ from rlix_plugins.pipeline.router import RolloutRouter, RouterClient, router_nam
 from rlix_plugins.pipeline.runtime import PipelineRuntime, ProgressReporter
 from rlix_plugins.pipeline.versions import (
     BOOTSTRAP_VERSION,
+    VersionLedger,
     cache_version_after_step,
     check_no_double_bump,
     published_version,
+    version_after_step,
 )
 
 __all__ = [
@@ -78,6 +81,7 @@ __all__ = [
     "RuntimeConfig",
     "ShardPreemptedError",
     "SyncResult",
+    "VersionLedger",
     "VersionPublisher",
     "WeightSource",
     "cache_version_after_step",
@@ -85,4 +89,5 @@ __all__ = [
     "published_version",
     "resizer_name",
     "router_name",
+    "version_after_step",
 ]

@@ -151,3 +151,21 @@ def test_megatron_tp2_on_one_gpu_is_refused() -> None:
     cfg = _valid(train_devices=[0], infer_devices=[0])
     cfg["policy"]["megatron_cfg"]["tensor_model_parallel_size"] = 2
     assert any("Megatron TP·PP·CP·EP" in p for p in _problems(cfg))
+
+
+def test_the_rlix_keys_are_the_records_fields_parsed_once() -> None:
+    """One declaration per knob: the section's keys are RlixRunConfig's and RuntimeConfig's fields (every runtime
+    knob settable, each default declared once), values validated by the records, errors naming ``rlix.<key>``."""
+    from dataclasses import fields
+
+    from rlix_plugins.pipeline.config import RuntimeConfig
+
+    run = load_run_config(_valid(resize_lock_timeout_s=7, max_route_attempts=3, post_sleep_max_bytes=None))
+    assert (run.runtime.resize_lock_timeout_s, run.runtime.max_route_attempts) == (7, 3)
+    assert run.runtime.post_sleep_max_bytes is None
+    assert load_run_config(_valid()).runtime == RuntimeConfig(step_target_estimate=8)  # the declared defaults
+    with pytest.raises(RlixConfigError, match=r"^rlix\.drain_timeout_s=True must be a positive number of seconds"):
+        load_run_config(_valid(drain_timeout_s=True))
+    with pytest.raises(RlixConfigError) as err:
+        load_run_config(_valid(nope=1))
+    assert all(f.name in str(err.value) for f in fields(RuntimeConfig))

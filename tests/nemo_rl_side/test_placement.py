@@ -120,3 +120,24 @@ def test_setup_placement_answers_two_pipelines_the_same_groups(ray_cluster: dict
     finally:
         ray.get(pool.release_all.remote(), timeout=60)
         ray.kill(pool)
+
+
+def test_setup_grant_is_handed_over_by_the_config_object_never_written_into_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """setup() and the loop share NeMo RL's master config object: the grant (parsed config with the pipeline id,
+    registration) is found by it, or by a fixed ``rlix.pipeline_id``; another object while one is pending is an
+    error that names the fix (registering a second pipeline would wait for GPUs the first holds)."""
+    from rlix_plugins.errors import RlixError
+    from rlix_plugins.nemo_rl import placement
+    from rlix_plugins.nemo_rl.config import load_run_config
+
+    monkeypatch.setattr(placement, "_SETUP_GRANTS", {})
+    master = _run_config([0])
+    cfg = load_run_config(master)
+    placement._SETUP_GRANTS["ft_000000000001"] = placement.SetupGrant(master, cfg, pipe="handle")
+    with pytest.raises(RlixError, match=r"\['ft_000000000001'\] for another master config object.*pipeline_id"):
+        placement.take_setup(_run_config([0]))
+    fixed = _run_config([0], pipeline_id="ft_000000000001")  # a copy naming the id
+    grant = placement.take_setup(fixed)
+    assert grant is not None and grant.pipe == "handle" and placement.take_setup(master) is None
+    assert "pipeline_id" not in master["rlix"]  # type: ignore[operator]

@@ -216,3 +216,17 @@ def test_one_gpu_two_pipelines_take_turns_on_gpu_0(control_plane: ControlPlane) 
     for rt, _ in pipes:
         assert rt.end() == []
         assert _status_allocs(control_plane, rt.pipeline_id) == {}
+
+
+def test_end_logs_and_returns_what_failed_with_the_pipeline_id(control_plane: ControlPlane,
+                                                               caplog: pytest.LogCaptureFixture) -> None:
+    """end() never raises, and never swallows: a dead resize actor (its history unreadable) is logged with the
+    pipeline id and returned; the pipeline is still unregistered."""
+    rt = PipelineRuntime.register(control_plane, [0], [0, 1], config=CFG, coordinator_config=FAST_COORDINATOR)
+    rt.resizer = Recorder.remote()  # any actor, then dead: reading the history fails
+    ray.kill(rt.resizer)
+    with caplog.at_level("WARNING", logger="rlix_plugins.pipeline.runtime"):
+        errors = rt.end()
+    assert len(errors) == 1 and errors[0].startswith("read the resize history: "), errors
+    assert any(rt.pipeline_id in r.getMessage() and "read the resize history" in r.getMessage() for r in caplog.records)
+    assert rt.pipeline_id not in control_plane.status()["pipelines"]
