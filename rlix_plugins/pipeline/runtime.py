@@ -74,7 +74,6 @@ class PipelineRuntime:
     def __init__(self, pipe: PipelineHandle, config: RuntimeConfig | None = None) -> None:
         self.pipe = pipe
         self.config = config or RuntimeConfig()
-        self.pipeline_id = pipe.pipeline_id
         self.num_dp_ranks = pipe.clusters[GENERATION_CLUSTER].num_dp_ranks
         self.router: Any = None
         self.resizer: Any = None
@@ -322,6 +321,10 @@ class PipelineRuntime:
             logger.warning("rlix %s end: %s failed: %s", self.pipeline_id, what, exc)
 
     # ------------------------------------------------------------------ introspection
+    @property
+    def pipeline_id(self) -> str:
+        return str(self.pipe.pipeline_id)
+
     def resize_history(self, since: int = 0) -> list[dict[str, Any]]:
         if self._ended or self.resizer is None:
             return self._final_history[since:]
