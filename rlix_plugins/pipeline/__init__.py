@@ -48,6 +48,9 @@ process; with the coordinator they die with it, and the scheduler then frees the
 
 from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from rlix_plugins.pipeline.config import RuntimeConfig
 from rlix_plugins.pipeline.protocols import (
     RolloutFleet,
@@ -56,10 +59,6 @@ from rlix_plugins.pipeline.protocols import (
     VersionPublisher,
     WeightSource,
 )
-from rlix_plugins.pipeline.publisher import CollectorPublisher
-from rlix_plugins.pipeline.resizer import FleetResizer, resizer_name
-from rlix_plugins.pipeline.router import RolloutRouter, RouterClient, router_name
-from rlix_plugins.pipeline.runtime import PipelineRuntime, ProgressReporter
 from rlix_plugins.pipeline.versions import (
     BOOTSTRAP_VERSION,
     VersionLedger,
@@ -68,6 +67,27 @@ from rlix_plugins.pipeline.versions import (
     published_version,
     version_after_step,
 )
+
+if TYPE_CHECKING:
+    from rlix_plugins.pipeline.publisher import CollectorPublisher
+    from rlix_plugins.pipeline.resizer import FleetResizer, resizer_name
+    from rlix_plugins.pipeline.router import RolloutRouter, RouterClient, router_name
+    from rlix_plugins.pipeline.runtime import PipelineRuntime, ProgressReporter
+
+# Imported on first use: they import Ray, and the config, the seams and the version rules must not (the hook
+# implementation imports them in interpreters without Ray, e.g. NeMo RL's loader resolving the entry point).
+_RAY_MODULES = {
+    "CollectorPublisher": "publisher", "FleetResizer": "resizer", "resizer_name": "resizer",
+    "RolloutRouter": "router", "RouterClient": "router", "router_name": "router",
+    "PipelineRuntime": "runtime", "ProgressReporter": "runtime",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _RAY_MODULES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_RAY_MODULES[name]}"), name)
+
 
 __all__ = [
     "BOOTSTRAP_VERSION",
