@@ -30,7 +30,7 @@ from rlix_plugins.control._rpc import ray_get
 from rlix_plugins.errors import RlixError, RlixTimeoutError, SchedulerError, WeightVerificationError
 from rlix_plugins.pipeline.config import RuntimeConfig
 from rlix_plugins.pipeline.protocols import RolloutFleet, SyncResult, VersionPublisher, WeightSource
-from rlix_plugins.pipeline.versions import published_version
+from rlix_plugins.pipeline.versions import VersionLedger, published_version
 from rlix_plugins.transport import wait_all
 
 __all__ = ["FleetResizer", "resizer_name"]
@@ -53,7 +53,7 @@ class FleetResizer:
         self._router = router
         self._cfg = config
         self._publisher: VersionPublisher | None = None
-        self._version: int | None = None  # the published version (None until the runtime sets it)
+        self._versions = VersionLedger()  # read-only here: the ledger the runtime sent last (set_versions)
         self._op_lock = threading.Lock()
         self._state = threading.Lock()
         self._dirty: set[int] = set()
@@ -66,10 +66,11 @@ class FleetResizer:
     def set_publisher(self, publisher: VersionPublisher) -> None:
         self._publisher = publisher
 
-    def set_version(self, version: int) -> None:
-        """The version generation serves from now on (set by the runtime after it published it)."""
+    def set_versions(self, versions: VersionLedger) -> None:
+        """The runtime's ledger after it changed (collector attached; after a step, inside the resize lock): every
+        later expand publishes its ``published`` version."""
         with self._state:
-            self._version = version
+            self._versions = versions
 
     def history(self, since: int = 0) -> list[dict[str, Any]]:
         with self._state:
@@ -169,7 +170,7 @@ class FleetResizer:
             result = self._sync(ranks)
             t_sync = time.perf_counter()
             with self._state:
-                version = self._version
+                version = self._versions.published
             if version is None:
                 version = published_version(result.version)
             if self._publisher is not None:
