@@ -197,8 +197,8 @@ class _Worker:
         self.faults: dict[str, int] = {}
         self.calls: dict[str, int] = {}
 
-    def _load(self, named: list[tuple[str, Any]]) -> int:
-        """Copy into persistent parameters (asynchronous from pinned host pages), checksum them, one sync."""
+    def _load(self, named: list[tuple[str, Any]], wait: bool = True) -> int:
+        """Copy into persistent parameters (asynchronous from pinned host pages), checksum them; ``wait``: sync."""
         from rlix_plugins.transport import finish_checksums, start_checksums
 
         on_gpu = self.device.type == "cuda"
@@ -212,7 +212,7 @@ class _Worker:
         if self.use_checksums:
             sums = finish_checksums([p.numel() * p.element_size() for p in params], start_checksums(params))
             self.checksums.update(zip((n for n, _ in named), sums, strict=True))
-        if on_gpu:
+        if on_gpu and wait:
             self.torch.cuda.current_stream(self.device).synchronize()
         return len(named)
 
@@ -233,11 +233,13 @@ class _Worker:
         if payload.get("transport") == "host_pull":
             from rlix_plugins.transport import open_host_pull, unpack_bucket
 
-            named = []
+            count = 0
             for bucket in payload["buckets"]:  # every bucket in one call: the copies queue back to back
                 meta, host = open_host_pull(bucket, pin=self.device.type == "cuda")
-                named.extend(unpack_bucket(meta, host))
-            return self._load(named)
+                count += self._load(unpack_bucket(meta, host), wait=False)
+            if self.device.type == "cuda":
+                self.torch.cuda.current_stream(self.device).synchronize()  # every host read done before returning
+            return count
         named = receive_bucket(payload, self.device)
         n = self._load(named)
         del named  # cuda_ipc views must be dropped before the RPC returns
