@@ -194,7 +194,7 @@ def _fill(index: int, items: list[tuple[str, torch.Tensor]], buffer: torch.Tenso
     if buffer.numel() < used:
         raise TransportError(f"bucket {index}: buffer of {buffer.numel()} bytes cannot hold {used} bytes")
     needs_sync = False
-    ends = [*offsets[1:], min(align_up(used), buffer.numel())]
+    ends = [*offsets[1:], min(align_up(used), buffer.numel())][: len(items)]
     for (_, tensor), start, next_start in zip(items, offsets, ends, strict=True):
         src = _as_bytes(tensor)
         if src.numel():
