@@ -27,6 +27,7 @@ import mmap
 import os
 import threading
 import uuid
+import weakref
 from typing import Any, Final
 
 import torch
@@ -60,8 +61,12 @@ def _register(tensor: torch.Tensor, what: str) -> bool:
     return True
 
 
+def _unregister_ptr(ptr: int) -> None:
+    torch.cuda.cudart().cudaHostUnregister(ptr)
+
+
 def _unregister(tensor: torch.Tensor) -> None:
-    torch.cuda.cudart().cudaHostUnregister(tensor.data_ptr())
+    _unregister_ptr(tensor.data_ptr())
 
 
 class SharedHostBuffer:
@@ -77,14 +82,17 @@ class SharedHostBuffer:
             raise
         self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)
         self.pinned = _register(self.tensor, "bucket cache buffer") if pin else False
+        # A registration must end before its pages are unmapped (even when the cache is dropped without close()):
+        # the next mapping at the same address would fail to register ("already mapped", CUDA error 712).
+        self._unpin = weakref.finalize(self, _unregister_ptr, self.tensor.data_ptr()) if self.pinned else None
         self.handle: dict[str, Any] = {
             "boot_id": BOOT_ID, "pid": os.getpid(), "fd": self.fd, "inode": os.fstat(self.fd).st_ino, "nbytes": nbytes,
         }
 
     def close(self) -> None:
         """Unpin and unmap; pages live on while a receiver still maps them (it drops stale maps)."""
-        if self.pinned:
-            _unregister(self.tensor)
+        if self._unpin is not None:
+            self._unpin()
             self.pinned = False
         del self.tensor
         try:
@@ -179,11 +187,28 @@ def forget_host_buffers() -> int:
         return count
 
 
-def open_host_pull(bucket: dict[str, Any], *, pin: bool = False) -> tuple[BucketMeta, torch.Tensor]:
-    """One ``payload["buckets"]`` entry -> its metadata and the ``used_bytes`` it names, as a CPU view of the
-    sender's pages (zero-copy; valid while the sender holds the cache lock, i.e. until the RPC returns)."""
-    meta = BucketMeta.from_wire(bucket["meta"])
-    host = map_host_buffer(bucket["host"], pin=pin)
-    if host.numel() < meta.used_bytes:
-        raise TransportError(f"host_pull bucket {meta.index}: buffer of {host.numel()} bytes < used_bytes {meta.used_bytes}")
-    return meta, host[: meta.used_bytes]
+def open_host_pull(payload: dict[str, Any], *, pin: bool = False) -> list[tuple[BucketMeta, torch.Tensor]]:
+    """A ``host_pull`` payload -> per bucket its metadata and its ``used_bytes`` as a CPU view of the sender's
+    pages (zero-copy; valid while the sender holds the cache lock, i.e. until the RPC returns). Buffers of
+    the same sender that the payload no longer names (a closed cache) are unmapped."""
+    if payload.get("transport") != TRANSPORT:
+        raise TransportError(f"expected a {TRANSPORT!r} payload, got transport={payload.get('transport')!r}")
+    buckets = payload["buckets"]
+    _forget_stale({_key(b["host"]) for b in buckets})
+    out = []
+    for bucket in buckets:
+        meta = BucketMeta.from_wire(bucket["meta"])
+        host = map_host_buffer(bucket["host"], pin=pin)
+        if host.numel() < meta.used_bytes:
+            raise TransportError(
+                f"host_pull bucket {meta.index}: buffer of {host.numel()} bytes < used_bytes {meta.used_bytes}"
+            )
+        out.append((meta, host[: meta.used_bytes]))
+    return out
+
+
+def _forget_stale(current: set[tuple[str, int, int, int]]) -> None:
+    pids = {k[1] for k in current}
+    with _maps_lock:
+        for key in [k for k in _maps if k[1] in pids and k not in current]:
+            _unmap(_maps.pop(key))

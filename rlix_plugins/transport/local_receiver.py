@@ -234,8 +234,7 @@ class _Worker:
             from rlix_plugins.transport import open_host_pull, unpack_bucket
 
             count = 0
-            for bucket in payload["buckets"]:  # every bucket in one call: the copies queue back to back
-                meta, host = open_host_pull(bucket, pin=self.device.type == "cuda")
+            for meta, host in open_host_pull(payload, pin=self.device.type == "cuda"):  # every bucket in one call
                 count += self._load(unpack_bucket(meta, host), wait=False)
             if self.device.type == "cuda":
                 self.torch.cuda.current_stream(self.device).synchronize()  # every host read done before returning

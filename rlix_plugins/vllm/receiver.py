@@ -211,7 +211,7 @@ class RlixReceiverMixin:
             return 0
         sync = self._rlix_begin(sync_id, apply_mode)
         if payload.get("transport") == "host_pull":
-            return self._rlix_pull(sync, payload["buckets"])
+            return self._rlix_pull(sync, payload)
         borrowed = payload.get("transport") == "cuda_ipc"
         named = transport.receive_bucket(payload, self._rlix_device())
         count = self._rlix_accept(sync, named, borrowed=borrowed)
@@ -316,7 +316,7 @@ class RlixReceiverMixin:
         return {"received": len(received), "live_checked": len(live)}
 
     # ---------------------------------------------------------------- host_pull
-    def _rlix_pull(self, sync: _Sync, buckets: list[dict[str, Any]]) -> int:
+    def _rlix_pull(self, sync: _Sync, payload: dict[str, Any]) -> int:
         """Every bucket of a ``host_pull`` sync, in one call: map the sender's pinned pages (once per
         process), copy host -> GPU on a side stream into two alternating receive buffers, and load group by
         group as soon as a group's bytes landed (the next copies overlap the current loads); checksums
@@ -325,7 +325,7 @@ class RlixReceiverMixin:
         import torch
 
         device = self._rlix_device()
-        opened = [transport.open_host_pull(b, pin=device.type == "cuda") for b in buckets]
+        opened = transport.open_host_pull(payload, pin=device.type == "cuda")
         if device.type != "cuda":  # vLLM-CPU: the mapped pages are the tensors (staged mode clones them)
             return sum(self._rlix_accept(sync, transport.unpack_bucket(m, h), borrowed=True) for m, h in opened)
         state = self._rlix()
@@ -348,8 +348,7 @@ class RlixReceiverMixin:
                 # zero the rest of the last row first: the checksums read whole rows, and they wait only on the
                 # group events below (a zero queued after them raced the checksum: caught by verification)
                 buf[meta.used_bytes : transport.align_up(meta.used_bytes)].zero_()
-                for group in _groups(meta):
-                    lo, hi = meta.offsets[group[0]], meta.offsets[group[-1]] + meta.nbytes(group[-1])
+                for group, lo, hi in group_ranges(meta):
                     buf[lo:hi].copy_(host[lo:hi], non_blocking=True)
                     done = torch.cuda.Event()
                     done.record(copy_stream)
@@ -444,8 +443,10 @@ def _verify(expected: dict[str, list[int]], actual: dict[str, list[int]], contex
 GROUP_BYTES = 64 << 20
 
 
-def _groups(meta: Any) -> list[list[int]]:
-    """Tensor indices of ``meta`` in consecutive groups of about ``GROUP_BYTES`` (a large tensor alone)."""
+def group_ranges(meta: Any) -> list[tuple[list[int], int, int]]:
+    """Tensor indices of ``meta`` in consecutive groups of about ``GROUP_BYTES`` (a large tensor alone), each with
+    its byte range ``[lo, hi)``. The ranges tile ``[0, used_bytes)`` - padding between groups included: the
+    checksums read it (zero on the sender's side) - so a group ends where the next one starts."""
     groups: list[list[int]] = []
     size = 0
     for k in range(len(meta.names)):
@@ -456,4 +457,6 @@ def _groups(meta: Any) -> list[list[int]]:
         else:
             groups.append([k])
             size = nbytes
-    return groups
+    starts = [meta.offsets[g[0]] if i else 0 for i, g in enumerate(groups)]
+    ends = [*starts[1:], meta.used_bytes]
+    return [(g, lo, hi) for g, lo, hi in zip(groups, starts, ends, strict=True)]
