@@ -16,25 +16,23 @@ Why this layout: a row is 512 bytes, the bucket alignment (``ALIGN_BYTES``), so 
 starts on a row; :func:`bucket_checksums` checksums all tensors of a received bucket with a handful of
 kernels and no host sync per tensor (``weighted = 129 * sum_k (k + 1) * rowsum_k + sum_k rowdot_k``,
 segment sums by prefix sums over rows; a GPU reads the bytes about three times). On a CPU the per-tensor
-column-sum form reads each cache-sized chunk twice while it is hot, chunks spread over a thread pool.
+form reads the bytes twice (row sums, then column sums over 4096-word rows: 1.9 + 2.3 ms for 256 MiB on the
+H100 host, where a memcpy takes 6.1 ms).
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Final
 
-import numpy as np
 import torch
 
 from rlix_plugins.errors import WeightVerificationError
 
 #: int32 words per row: 512 bytes, the bucket alignment.
 ROW_WORDS: Final = 128
-#: rows per CPU task (4 MiB: both reductions of a chunk read it from cache; measured fastest on x86).
-CPU_CHUNK_ROWS: Final = 8192
+#: words per row of the CPU column pass (32 rows of the definition side by side).
+WIDE_WORDS: Final = 32 * ROW_WORDS
 #: rows per GPU step of the batched form (bounds the int32 product scratch to 64 MiB).
 GPU_CHUNK_ROWS: Final = 1 << 17
 _MASK32: Final = (1 << 32) - 1
@@ -72,42 +70,30 @@ def _combine(word_sum: int, row_weighted: int, col_weighted: int, nbytes: int) -
     return [nbytes, word_sum & _MASK32, weighted & _MASK32]
 
 
-_cpu_pool: ThreadPoolExecutor | None = None
-
-
-def _cpu_part(words: np.ndarray, lo: int, hi: int) -> tuple[int, int, np.ndarray]:
-    """Rows ``[lo, hi)``: (sum of row sums, sum of (k + 1) * row sum, column sums). numpy releases the GIL."""
-    block = words[lo * ROW_WORDS : hi * ROW_WORDS].reshape(hi - lo, ROW_WORDS)
-    rows = block.sum(axis=1, dtype=np.int32).astype(np.int64)
-    weighted = int((rows * np.arange(lo + 1, hi + 1, dtype=np.int64)).sum())  # int64 may wrap: fine mod 2**32
-    return int(rows.sum()), weighted, block.sum(axis=0, dtype=np.int32)
-
-
 def _cpu_partial_sums(words: torch.Tensor) -> torch.Tensor:
-    """The CPU form: cache-sized row chunks on a thread pool (as many cores as memcpy uses, at most 8)."""
-    global _cpu_pool
-    a = words.numpy()
-    full = a.size // ROW_WORDS
-    spans = [(lo, min(lo + CPU_CHUNK_ROWS, full)) for lo in range(0, full, CPU_CHUNK_ROWS)]
-    if len(spans) > 1:
-        if _cpu_pool is None:
-            _cpu_pool = ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="rlix-ck")
-        parts = list(_cpu_pool.map(lambda span: _cpu_part(a, *span), spans))
-    else:
-        parts = [_cpu_part(a, *span) for span in spans]
-    word_sum = sum(p[0] for p in parts)
-    row_weighted = sum(p[1] for p in parts)
-    cols = np.zeros(ROW_WORDS, dtype=np.int64)
-    for p in parts:
-        cols += p[2]
-    tail = a[full * ROW_WORDS :].astype(np.int64)
-    if tail.size:
-        word_sum += int(tail.sum())
-        row_weighted += int(tail.sum()) * (full + 1)
-        cols[: tail.size] += tail
-    col_weighted = int((cols * np.arange(1, ROW_WORDS + 1, dtype=np.int64)).sum())
-    wrapped = [((v + 2**31) & _MASK32) - 2**31 for v in (word_sum, row_weighted, col_weighted)]  # as int32
-    return torch.tensor(wrapped, dtype=_I32)
+    """The CPU form, two reductions at memory speed: row sums of 128-word rows and column sums of 4096-word rows
+    (a reduction over a wide row is what a CPU does fast); the 128 column sums of the definition are the
+    4096 column sums folded 32 times (``4096 = 32 * 128``, so word ``i`` keeps ``i % 128``)."""
+    n = words.numel()
+    full = n // ROW_WORDS
+    rows = words[: full * ROW_WORDS].view(full, ROW_WORDS).sum(dim=1, dtype=_I32)
+    wide = n // WIDE_WORDS
+    cols = words[: wide * WIDE_WORDS].view(wide, WIDE_WORDS).sum(dim=0, dtype=_I32).view(-1, ROW_WORDS)
+    cols = cols.sum(dim=0, dtype=_I32) if wide else torch.zeros(ROW_WORDS, dtype=_I32)
+    rest = words[wide * WIDE_WORDS :]  # fewer than 4096 words: fold them into the 128 columns directly
+    if rest.numel():
+        padded = torch.zeros(-(-rest.numel() // ROW_WORDS) * ROW_WORDS, dtype=_I32)
+        padded[: rest.numel()] = rest
+        cols += padded.view(-1, ROW_WORDS).sum(dim=0, dtype=_I32)
+    word_sum = rows.sum(dtype=_I32)
+    row_weighted = (rows * _arange(words.device, 1, full)).sum(dtype=_I32)
+    tail = words[full * ROW_WORDS :]
+    if tail.numel():
+        total = tail.sum(dtype=_I32)
+        word_sum = word_sum + total
+        row_weighted = row_weighted + total * (full + 1)
+    col_weighted = (cols * _arange(words.device, 1, ROW_WORDS)).sum(dtype=_I32)
+    return torch.stack([word_sum, row_weighted, col_weighted])
 
 
 def _partial_sums(words: torch.Tensor) -> torch.Tensor:

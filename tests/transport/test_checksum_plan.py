@@ -15,9 +15,9 @@ from rlix_plugins.transport import (
     tensor_checksum,
     verify_checksums,
 )
-from rlix_plugins.transport._checksum import CPU_CHUNK_ROWS, ROW_WORDS, finish_checksums, segment_checksums
+from rlix_plugins.transport._checksum import ROW_WORDS, WIDE_WORDS, finish_checksums, segment_checksums
 
-CHUNK_WORDS = CPU_CHUNK_ROWS * ROW_WORDS
+CHUNK_WORDS = WIDE_WORDS * 64
 
 
 def test_single_bit_flip_changes_the_checksum() -> None:
