@@ -169,6 +169,7 @@ def bench_shape(shape: str, root: Path, repeats: int) -> dict[str, Any]:
                                   "transfer_s": report.transport.transfer_seconds,
                                   "finalize_s": report.finalize_seconds, "verify_s": report.verify_seconds,
                                   "wake_kv_s": time.perf_counter() - t2})
+                    parts[-1]["receiver"] = llm.collective_rpc("rlix_receiver_info")[0]["timing"]
                     assert all(v for per in report.verified.values() for v in per), "an expand was not verified"
                     llm.reset_prefix_cache()
                     assert greedy(llm) == ref, f"{shape} level {level} {transport}: output differs after expand"
@@ -178,7 +179,7 @@ def bench_shape(shape: str, root: Path, repeats: int) -> dict[str, Any]:
                     "wake_only_s": round(w, 4), "expand_s": round(e, 4), "expand_over_wake": round(e / w, 2),
                     "sync_s": round(s, 4), "load_GBps": round(nbytes / s / 1e9, 1),
                     "load_vs_raw_h2d": round(raw / s, 2),
-                    "best_expand_parts_s": {k: round(v, 4) for k, v in parts[best].items()},
+                    "best_expand_parts_s": {k: v if isinstance(v, dict) else round(v, 4) for k, v in parts[best].items()},
                 }
                 progress(f"{shape} {transport} level {level}: {row[f'{transport}_level{level}']}")
     finally:

@@ -102,6 +102,8 @@ class _State:
     buckets_total: int = 0
     #: side stream for host_pull's host->device copies (created on the first pull)
     copy_stream: Any = None
+    #: where the last sync's time went on this worker (seconds per phase; ``rlix_receiver_info``)
+    timing: dict[str, float] = field(default_factory=dict)
 
 
 class RlixReceiverMixin:
@@ -274,11 +276,15 @@ class RlixReceiverMixin:
             state.dirty = True
             state.sync = None
             raise
+        t_post = time.perf_counter()
         state.model_checksums.update(sync.checksums())
+        t_sums = time.perf_counter()
         if self._rlix_device().type == "cuda":
             import torch
 
             torch.cuda.empty_cache()  # host_pull receive buffers: give the memory back to the shared GPU
+        state.timing.update(finalize_post_process_s=t_post - started, finalize_read_checksums_s=t_sums - t_post,
+                            finalize_empty_cache_s=time.perf_counter() - t_sums)
         state.finalized.append(sync_id)
         del state.finalized[:-8]
         state.sync = None
@@ -310,7 +316,9 @@ class RlixReceiverMixin:
                 continue  # sharded or repacked: different layout than the HF tensor
             want[name] = list(checksum)
             tensors.append(param)
+        t0 = time.perf_counter()
         sums = finish_checksums([int(want[n][0]) for n in want], start_checksums(tensors))  # one host sync
+        state.timing["verify_live_checksums_s"] = time.perf_counter() - t0
         live = dict(zip(want, sums, strict=True))
         _verify(want, live, f"live model parameters, local rank {self._rlix_local_rank()}")
         return {"received": len(received), "live_checked": len(live)}
@@ -355,6 +363,8 @@ class RlixReceiverMixin:
                     landed[i].append((group, done))
 
         tensors = 0
+        t0 = time.perf_counter()
+        load_s = 0.0
         for i in range(count):
             copy_in(i)
         for i, (meta, _) in enumerate(opened):
@@ -363,7 +373,9 @@ class RlixReceiverMixin:
                 main.wait_event(done)
                 named = [views[k] for k in group]
                 if sync.mode == "eager":
+                    t_load = time.perf_counter()
                     state.loader.load(self, named)
+                    load_s += time.perf_counter() - t_load
                     sync.loaded_eagerly = True
                 else:
                     sync.staged.extend((name, t.clone()) for name, t in named)
@@ -379,7 +391,10 @@ class RlixReceiverMixin:
             sync.buckets += 1
             state.buckets_total += 1
             tensors += len(views)
+        t_issued = time.perf_counter()
         copy_stream.synchronize()  # every host read is done before we return
+        state.timing = {"pull_issue_s": t_issued - t0, "pull_loader_python_s": load_s,
+                        "pull_wait_copies_s": time.perf_counter() - t_issued}
         return tensors
 
     def rlix_discard_weight_backup(self) -> int:
@@ -434,6 +449,7 @@ class RlixReceiverMixin:
             "finalized": list(state.finalized),
             "dirty": state.dirty,
             "buckets_total": state.buckets_total,
+            "timing": dict(state.timing),
         }
 
 
