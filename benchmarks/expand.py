@@ -198,7 +198,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shapes", nargs="+", default=["0.5b", "1.5b"], choices=sorted(SHAPES))
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--profile-pull", type=int, default=5,
+                        help="torch-profile the engine worker's N-th host_pull (0: off); table next to --json")
     args = parser.parse_args(argv)
+    if args.profile_pull:
+        os.environ["RLIX_PROFILE_PULL"] = str(args.profile_pull)  # the engine processes inherit it
+        os.environ["RLIX_PROFILE_DIR"] = str(Path(args.json).parent if args.json else Path.cwd())
     if not torch.cuda.is_available():
         print("expand benchmark: needs a GPU and vLLM (see docs/gpu.md)", file=sys.stderr)
         return 2

@@ -122,3 +122,23 @@ def test_host_pull_load_groups_tile_the_bucket_padding_included() -> None:
     assert [k for g, _, _ in ranges for k in g] == list(range(len(sizes)))
     assert ranges[0][1] == 0 and ranges[-1][2] == meta.used_bytes
     assert all(hi == lo for (_, _, hi), (_, lo, _) in itertools.pairwise(ranges))
+
+
+def test_batched_live_check_matches_one_checksum_per_parameter() -> None:
+    """The live check's batched form (parameters side by side in a scratch buffer) equals the per-tensor one."""
+    import torch
+
+    from rlix_plugins.transport import finish_checksums, start_checksums
+    from rlix_plugins.vllm import receiver
+
+    g = torch.Generator().manual_seed(3)
+    params = [torch.randn(*shape, generator=g).to(dtype) for shape, dtype in
+              [((7,), torch.float32), ((33, 5), torch.bfloat16), ((1,), torch.float16), ((300, 17), torch.float32)]]
+    nbytes = [p.numel() * p.element_size() for p in params]
+    want = finish_checksums(nbytes, start_checksums(params))
+    old = receiver.LIVE_CHUNK_BYTES
+    receiver.LIVE_CHUNK_BYTES = 1024  # several chunks
+    try:
+        assert finish_checksums(nbytes, receiver.live_checksums(params, batched=True)) == want
+    finally:
+        receiver.LIVE_CHUNK_BYTES = old
