@@ -54,6 +54,7 @@ from rlix_plugins.errors import RlixConfigError, TransportError, WeightVerificat
 from rlix_plugins.transport import finish_checksums, start_checksums, verify_checksums
 from rlix_plugins.transport._checksum import segment_checksums
 from rlix_plugins.vllm.loading import WeightLoader, refresh_cpu_packed_copies, select_loader
+from rlix_plugins.vllm.replay import BucketReplay, CopyRecorder, parameter_storages
 
 if TYPE_CHECKING:
     import torch
@@ -109,6 +110,9 @@ class _State:
     #: where the last sync's time went on this worker (seconds per phase; ``rlix_receiver_info``)
     timing: dict[str, float] = field(default_factory=dict)
     pulls: int = 0
+    #: host_pull: per bucket layout, the loader's copies recorded at its first load (:mod:`.replay`)
+    replays: dict[tuple[Any, ...], BucketReplay] = field(default_factory=dict)
+    no_replay: set[tuple[Any, ...]] = field(default_factory=set)
 
 
 class RlixReceiverMixin:
@@ -369,23 +373,49 @@ class RlixReceiverMixin:
                     done.record(copy_stream)
                     landed[i].append((group, done))
 
-        tensors = 0
+        tensors = replayed = 0
         t0 = time.perf_counter()
         load_s = 0.0
+        params = parameter_storages(self.model_runner.model)  # type: ignore[attr-defined]
         for i in range(count):
             copy_in(i)
         for i, (meta, _) in enumerate(opened):
-            views = transport.unpack_bucket(meta, receive[i % count])
-            for group, done in landed[i]:
+            buf = receive[i % count]
+            views = transport.unpack_bucket(meta, buf)
+            key = (meta.names, meta.offsets, meta.dtypes)
+            replay = state.replays.get(key) if sync.mode == "eager" else None
+            if replay is not None and not replay.valid(params):
+                logger.warning("rlix: parameters moved since bucket %d's load was recorded: loading it again", meta.index)
+                state.replays.pop(key, None)
+                replay = None
+            record = sync.mode == "eager" and replay is None and key not in state.no_replay
+            recorders: list[CopyRecorder] = []
+            for g, (group, done) in enumerate(landed[i]):
                 main.wait_event(done)
                 named = [views[k] for k in group]
                 if sync.mode == "eager":
                     t_load = time.perf_counter()
-                    state.loader.load(self, named)
+                    if replay is not None:
+                        replay.apply(g, buf)
+                    elif record:
+                        recorders.append(CopyRecorder(buf))
+                        with recorders[-1]:
+                            state.loader.load(self, named)
+                    else:
+                        state.loader.load(self, named)
                     load_s += time.perf_counter() - t_load
                     sync.loaded_eagerly = True
                 else:
                     sync.staged.extend((name, t.clone()) for name, t in named)
+            replayed += replay is not None
+            if record:
+                built = BucketReplay.from_recording(recorders, params)
+                if built is None:
+                    state.no_replay.add(key)
+                    logger.info("rlix: bucket %d is loaded by the model's loader every sync (%s)", meta.index,
+                                next((r.foreign for r in recorders if r.foreign), "copies into non-parameters"))
+                else:
+                    state.replays[key] = built
             nbytes = [meta.nbytes(k) for k in range(len(meta.names))]
             padded = receive[i % count][: transport.align_up(meta.used_bytes)]
             sync.pending_sums.append(
@@ -400,7 +430,7 @@ class RlixReceiverMixin:
             tensors += len(views)
         t_issued = time.perf_counter()
         copy_stream.synchronize()  # every host read is done before we return
-        state.timing = {"pull_issue_s": t_issued - t0, "pull_loader_python_s": load_s,
+        state.timing = {"pull_issue_s": t_issued - t0, "pull_load_s": load_s, "pull_replayed_buckets": replayed,
                         "pull_wait_copies_s": time.perf_counter() - t_issued}
         return tensors
 

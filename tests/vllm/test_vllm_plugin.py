@@ -142,3 +142,50 @@ def test_batched_live_check_matches_one_checksum_per_parameter() -> None:
         assert finish_checksums(nbytes, receiver.live_checksums(params, batched=True)) == want
     finally:
         receiver.LIVE_CHUNK_BYTES = old
+
+
+def test_recorded_copies_replay_the_loader_and_anything_else_is_refused() -> None:
+    """host_pull's replay (:mod:`rlix_plugins.vllm.replay`): a loader that narrows a fused parameter and copies
+    is recorded once and repeated from a new buffer with the same result; a loader that transforms bytes or
+    writes in place otherwise is refused; a parameter that moved invalidates the record."""
+    import torch
+
+    from rlix_plugins.transport import pack_bucket, unpack_bucket
+    from rlix_plugins.vllm.replay import BucketReplay, CopyRecorder, parameter_storages
+
+    model = torch.nn.Module()
+    model.qkv = torch.nn.Parameter(torch.zeros(6, 4), requires_grad=False)
+    model.norm = torch.nn.Parameter(torch.zeros(4), requires_grad=False)
+
+    def loader(named: list) -> None:  # what vLLM's stacked-parameter loading does
+        for name, t in named:
+            if name == "norm":
+                model.norm.data.copy_(t)
+            else:
+                model.qkv.data.narrow(0, "qkv".index(name) * 2, 2).copy_(t)
+
+    def bucket(seed: int) -> tuple:
+        g = torch.Generator().manual_seed(seed)
+        record = pack_bucket([(n, torch.randn(2, 4, generator=g)) for n in "qkv"] + [("norm", torch.randn(4, generator=g))])
+        return record, unpack_bucket(record.meta, record.buffer)
+
+    first, named = bucket(0)
+    recorder = CopyRecorder(first.buffer)
+    with recorder:
+        loader(named)
+    replay = BucketReplay.from_recording([recorder], parameter_storages(model))
+    assert replay is not None and len(replay.groups[0]) == 4
+    second, named2 = bucket(1)
+    assert replay.apply(0, second.buffer) == 4
+    replayed = (model.qkv.clone(), model.norm.clone())
+    loader(named2)
+    assert torch.equal(replayed[0], model.qkv) and torch.equal(replayed[1], model.norm)
+    assert not torch.equal(model.norm, named[3][1])
+
+    for bad in (lambda: model.norm.data.copy_(named[3][1] * 2), lambda: model.qkv.data.fill_(0)):
+        refused = CopyRecorder(first.buffer)
+        with refused:
+            bad()
+        assert BucketReplay.from_recording([refused], parameter_storages(model)) is None, refused.foreign
+    model.norm = torch.nn.Parameter(torch.zeros(4), requires_grad=False)  # re-allocated by someone
+    assert not replay.valid(parameter_storages(model))
