@@ -189,12 +189,11 @@ def _quiet_stdout() -> Iterator[None]:
 
 def _start_ray(gpus: int, address: str | None, on_gpu: bool) -> bool:
     """Join ``address``/RAY_ADDRESS (probed first: an unreachable one fails in seconds), else start a local
-    cluster of our own (declaring ``gpus`` GPUs on a CPU machine)."""
+    cluster of our own (declaring ``gpus`` GPUs on a CPU machine) with Ray's default token authentication."""
     import ray
 
     from rlix_plugins.control.client import ensure_ray
 
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if ray.is_initialized():
         return False
