@@ -24,6 +24,7 @@ topology against the rest of the config by :mod:`rlix_plugins.nemo_rl.topology`.
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, Literal
@@ -137,7 +138,7 @@ def _devices(section: Mapping[str, Any], key: str) -> tuple[int, ...]:
     if not values or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
         raise RlixConfigError(f"{SECTION}.{key}={list(values)!r} must be a non-empty list of GPU ids >= 0")
     if len(set(values)) != len(values):
-        raise RlixConfigError(f"{SECTION}.{key}={list(values)!r} lists a GPU twice")
+        raise RlixConfigError(f"{SECTION}.{key}={list(values)!r} lists a GPU twice; list each GPU id once")
     return values
 
 
@@ -166,7 +167,11 @@ def load_run_config(master_config: Any) -> RlixRunConfig:
     section = dict(raw) if isinstance(raw, Mapping) else dict(vars(raw))
     unknown = sorted(set(section) - _KNOWN_KEYS)
     if unknown:
-        raise RlixConfigError(f"unknown {SECTION} keys {unknown}; valid: {sorted(_KNOWN_KEYS)}")
+        hints = [f"{SECTION}.{k} -> {SECTION}.{m[0]}" for k in unknown
+                 if (m := difflib.get_close_matches(k, _KNOWN_KEYS, n=1, cutoff=0.6))]
+        raise RlixConfigError(f"unknown {SECTION} keys {unknown}"
+                              + (f" (did you mean {', '.join(hints)}?)" if hints else "")
+                              + f"; valid: {sorted(_KNOWN_KEYS)}")
     tp = section.get("infer_tp")
     if tp is None:
         tp = cfg_path(master_config, "policy.generation.vllm_cfg.tensor_parallel_size") or 1

@@ -27,7 +27,7 @@ SERIES_ROOT = REPO_ROOT / "patches" / "nemo-rl"
 PINNED_COMMIT = "7ea279abfbeb698b092856d0dab61e7cf39bc909"
 
 #: Environment variables that must not leak from the outer test process into NeMo RL's runs.
-_SCRUB = ("RLIX_CONTROL_PLANE", "RAY_ADDRESS", "PYTEST_ADDOPTS", "PYTEST_CURRENT_TEST")
+_SCRUB = ("RLIX_CONTROL_PLANE", "RAY_ADDRESS", "RAY_AUTH_MODE", "PYTEST_ADDOPTS", "PYTEST_CURRENT_TEST")
 
 
 SEAM_PATCH = SERIES_ROOT / "7ea279a" / "0001-rlix-hooks-seam.patch"
@@ -95,8 +95,9 @@ def private_ray_head(num_gpus: int = 0) -> Iterator[str]:
     port = _free_port()
     cmd = [str(nemo_python().parent / "ray"), "start", "--head", f"--port={port}", "--num-cpus=8",
            f"--num-gpus={num_gpus}", "--include-dashboard=false", f"--temp-dir={tmp}", "--disable-usage-stats"]
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
-    env.pop("RAY_ADDRESS", None)
+    # Ray's token authentication stays on: `ray start` finds the session's token (RAY_AUTH_TOKEN_PATH, conftest)
+    # and demands it; NeMo RL's `init_ray` (address="auto") turns token mode on when it finds the same token.
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_MODE")}
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
     found = re.search(r"--address='([^']+)'", out.stdout + out.stderr)
     try:
@@ -122,7 +123,6 @@ def nemo_env(copy: Path, **extra: str) -> dict[str, str]:
     env.update(
         PYTHONPATH=os.pathsep.join([str(copy), *outer]),  # the copy, then the caller's (a worktree's rlix_plugins)
         HF_HUB_OFFLINE="1",
-        RAY_AUTH_MODE="disabled",
         RAY_DEDUP_LOGS="0",
         TOKENIZERS_PARALLELISM="false",
     )
