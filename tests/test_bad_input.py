@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from rlix_plugins.control.registration import build_cluster_specs
+from rlix_plugins.control.scheduler_state import SchedulerConfig, check_timeout, to_priority
 from rlix_plugins.errors import RlixConfigError
 from rlix_plugins.nemo_rl.config import load_run_config
 from rlix_plugins.nemo_rl.recipe import layout, load_stock
@@ -104,6 +105,11 @@ CASES: list[tuple[str, Callable[..., object], tuple[str, ...]]] = [
     ("no-generation-cluster", _register({"actor_train": 1}, {"actor_train": [0]}), ("no 'actor_infer' cluster", "rlix.infer_devices=[0,1]")),
     ("unknown-cluster-name", _register({"actor_infer": 1, "actor_trian": 1}, {"actor_infer": [0, 1], "actor_trian": [0]}),
      ("unknown cluster name(s) ['actor_trian']", "valid names are")),
+    ("priority-out-of-range", lambda: to_priority(99), ("unknown priority 99", "valid: INITIALIZATION=0")),
+    ("priority-wrong-type", lambda: to_priority("high"), ("unknown priority 'high'", "GENERATION=6")),
+    ("request-timeout-not-positive", lambda: check_timeout(0, 1800.0, "request_gpus(p1:actor_infer)"),
+     ("request_gpus(p1:actor_infer): timeout_s=0", "a positive finite number of seconds")),
+    ("scheduler-drift-threshold", lambda: SchedulerConfig(drift_threshold=1.5), ("SchedulerConfig.drift_threshold=1.5", "must be in (0, 1)")),
     ("recipe-malformed-yaml", _yaml("grpo: [unclosed\n"), ("is not valid YAML at line 2, column 1", "fix the recipe file")),
     ("recipe-not-a-mapping", _yaml("- a\n- b\n"), ("must be a YAML mapping", "a NeMo RL recipe")),
     ("recipe-too-many-pipelines", lambda: layout(27, [0, 1], 1), ("--pipelines 27", "at most 26")),

@@ -47,7 +47,7 @@ from rlix_plugins.control import ray_auth
 from rlix_plugins.control._rpc import ray_get
 from rlix_plugins.control.coordinator import Coordinator, CoordinatorConfig
 from rlix_plugins.control.orchestrator import Orchestrator
-from rlix_plugins.control.scheduler_state import SchedulerConfig
+from rlix_plugins.control.scheduler_state import SchedulerConfig, to_priority
 from rlix_plugins.control.types import (
     GENERATION_CLUSTER,
     ORCHESTRATOR_NAME,
@@ -330,7 +330,7 @@ class PipelineHandle:
     def request_gpus(self, cluster: str, priority: Priority | int, *, step: int | None = None,
                      step_target_estimate: int | None = None, timeout_s: float = DEFAULT_WAIT_S) -> list[int]:
         cid = self.cluster_id(cluster)
-        ref = self.control_plane.scheduler.request_gpus.remote(cid, int(priority), step, step_target_estimate, timeout_s)
+        ref = self.control_plane.scheduler.request_gpus.remote(cid, int(to_priority(priority)), step, step_target_estimate, timeout_s)
         return list(call(ref, f"request_gpus({cid})", timeout_s + self.control_plane.rpc_margin_s))
 
     def release_gpus(self, cluster: str, *, step: int | None = None, timeout_s: float = DEFAULT_WAIT_S) -> list[int]:
@@ -343,7 +343,7 @@ class PipelineHandle:
                              timeout_s: float = DEFAULT_WAIT_S) -> list[int]:
         rel, req = self.cluster_id(release), self.cluster_id(request)
         ref = self.control_plane.scheduler.release_then_request.remote(
-            rel, req, int(priority), step, step_target_estimate, timeout_s)
+            rel, req, int(to_priority(priority)), step, step_target_estimate, timeout_s)
         return list(call(ref, f"release_then_request({rel} -> {req})", timeout_s + self.control_plane.rpc_margin_s))
 
     def await_release(self, cluster: str = GENERATION_CLUSTER, *, timeout_s: float = 300.0) -> list[int]:
