@@ -137,7 +137,7 @@ def up(address: str | None, num_gpus: int | None, num_cpus: int | None, insecure
 
 
 def _auth_note() -> str:
-    """How clients authenticate to the cluster this process joined (it is in token mode iff the GCS demanded one)."""
+    """How clients authenticate to the cluster this process joined (token mode: its GCS demanded the token)."""
     if os.environ.get(ray_auth.MODE_ENV, "").lower() != "token":
         return " (no token authentication)"
     return f" and this cluster's auth token ({ray_auth.token_source()} here)"
