@@ -290,6 +290,16 @@ def test_a_client_without_the_clusters_token_is_refused_in_one_line(control_plan
     assert "requires its auth token, but RAY_AUTH_MODE=disabled is set here; unset RAY_AUTH_MODE" in err
 
 
+def test_without_grpcio_a_client_joins_a_token_cluster_with_the_token_it_has(ray_cluster: object) -> None:
+    """Without grpcio the GCS cannot be asked whether it demands a token: token mode is on whenever a token exists
+    (a token-mode client joins clusters with and without authentication alike)."""
+    code = ("import sys\nsys.modules['grpc'] = None\nimport ray\nfrom rlix_plugins.control.client import ensure_ray\n"
+            f"ensure_ray({ray.get_runtime_context().gcs_address!r})\nprint('GPUS', ray.cluster_resources()['GPU'])\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_MODE")}
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert "GPUS 4.0" in res.stdout, res.stderr[-2000:]
+
+
 def test_status_without_control_plane_is_one_line_error(ray_cluster: object) -> None:
     from tests.control._ray_helpers import kill_control_plane
 

@@ -95,9 +95,9 @@ def private_ray_head(num_gpus: int = 0) -> Iterator[str]:
     port = _free_port()
     cmd = [str(nemo_python().parent / "ray"), "start", "--head", f"--port={port}", "--num-cpus=8",
            f"--num-gpus={num_gpus}", "--include-dashboard=false", f"--temp-dir={tmp}", "--disable-usage-stats"]
-    # Ray's token authentication stays on: `ray start` finds the session's token (RAY_AUTH_TOKEN_PATH, conftest)
-    # and demands it; NeMo RL's `init_ray` (address="auto") turns token mode on when it finds the same token.
-    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_MODE")}
+    # Ray's token authentication stays on: the head demands the session's token (RAY_AUTH_TOKEN_PATH, conftest).
+    env = {**os.environ, "RAY_AUTH_MODE": "token"}
+    env.pop("RAY_ADDRESS", None)
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
     found = re.search(r"--address='([^']+)'", out.stdout + out.stderr)
     try:
@@ -150,7 +150,10 @@ def run_nemo_pytest(
 ) -> PytestRun:
     """NeMo RL's pytest on ``targets`` inside ``copy``, on a private Ray head (``num_gpus`` declared)."""
     with private_ray_head(num_gpus) as address:
-        return _run_nemo_pytest(copy, targets, junit, timeout_s, {**(extra_env or {}), "RAY_ADDRESS": address})
+        # Its processes join the head by address (the scenarios' ray.init(address=RAY_ADDRESS), which Ray never
+        # switches to token mode by itself), so they are told the head demands the token.
+        return _run_nemo_pytest(copy, targets, junit, timeout_s,
+                                {**(extra_env or {}), "RAY_ADDRESS": address, "RAY_AUTH_MODE": "token"})
 
 
 #: Our files that run inside a patched copy (``nemo_side/``), and the helper modules every scenario imports.
