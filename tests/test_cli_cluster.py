@@ -80,8 +80,6 @@ def test_a_head_rlix_up_starts_refuses_clients_without_its_token(tmp_path: Path)
         (tmp_path / "home").mkdir()
         no_token = _env(HOME=str(tmp_path / "home"))
         assert raw_ray_client(record.address, no_token) == "REFUSED ConnectionError"
-        assert raw_ray_client(record.address, _env(HOME=str(tmp_path / "home"), RAY_AUTH_MODE="disabled")) \
-            == "REFUSED ConnectionError"
         (tmp_path / "other").write_text("0" * 64)
         assert raw_ray_client(record.address, _env(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(tmp_path / "other"))) \
             == "REFUSED ConnectionError"
