@@ -81,7 +81,7 @@ CASES: list[tuple[str, Callable[..., object], tuple[str, ...]]] = [
     ("negative-gpu-id", _run(rlix__train_devices=[-1]), ("rlix.train_devices=[-1]", "GPU ids >= 0")),
     ("gpu-listed-twice", _run(rlix__infer_devices=[0, 1, 1]), ("rlix.infer_devices=[0, 1, 1]", "list each GPU id once")),
     ("unknown-key-did-you-mean", _run(rlix__sleep_lvl=1), ("unknown rlix keys ['sleep_lvl']", "did you mean rlix.sleep_lvl -> rlix.sleep_level")),
-    ("sleep-level-not-1-or-2", _run(rlix__sleep_level=3), ("rlix.sleep_level=3", "must be 1 or 2")),
+    ("sleep-level-not-1-or-2", _run(rlix__sleep_level=3), ("rlix.sleep_level=3", "must be one of (1, 2)")),
     ("zero-timeout", _run(rlix__request_timeout_s=0), ("rlix.request_timeout_s=0", "must be a positive number of seconds")),
     ("negative-timeout", _run(rlix__sync_timeout_s=-5), ("rlix.sync_timeout_s=-5", "must be a positive number of seconds")),
     ("timeout-wrong-type", _run(rlix__drain_timeout_s="60s"), ("rlix.drain_timeout_s='60s'", "must be a positive number of seconds")),
