@@ -16,7 +16,8 @@ from rlix_plugins.errors import RlixError
 def _cmd_up(args: argparse.Namespace) -> int:
     from rlix_plugins.control.admin import up
 
-    return up(address=args.address, num_gpus=args.num_gpus, num_cpus=args.num_cpus)
+    return up(address=args.address, num_gpus=args.num_gpus, num_cpus=args.num_cpus,
+              insecure_no_auth=args.insecure_no_auth)
 
 
 def _cmd_down(args: argparse.Namespace) -> int:
@@ -102,6 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_address(p)
     p.add_argument("--num-gpus", type=_positive_int, default=None, help="GPUs to declare when starting a local Ray cluster")
     p.add_argument("--num-cpus", type=_positive_int, default=None, help="CPUs to declare when starting a local Ray cluster")
+    p.add_argument("--insecure-no-auth", action="store_true",
+                   help="start the local Ray cluster WITHOUT token authentication: anyone who can reach its ports "
+                        "can run code on it (default: Ray's token authentication, see README Security)")
 
     p = add("down", _cmd_down, "Stop the rlix control plane (and, with --stop-ray, the local Ray cluster).")
     _add_address(p)

@@ -13,7 +13,7 @@
 set -u
 OUT=${OUT:-/tmp/rlix_gpu_out}
 mkdir -p "$OUT"
-export TORCH_NCCL_ENABLE_MONITORING=0 NCCL_DEBUG=${NCCL_DEBUG:-WARN} RAY_AUTH_MODE=disabled PYTHONUNBUFFERED=1
+export TORCH_NCCL_ENABLE_MONITORING=0 NCCL_DEBUG=${NCCL_DEBUG:-WARN} PYTHONUNBUFFERED=1
 bash .gpukit/raykit/ray_setup.sh || echo "ray kit missing: the demo part will fail"
 ngpu=$(python3 -c "import torch; print(torch.cuda.device_count())")
 echo "GPUs: $ngpu"

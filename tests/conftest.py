@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import secrets
+import shutil
+import tempfile
 from collections.abc import Iterator
 
 import pytest
@@ -10,8 +14,24 @@ import pytest
 # Quiet, offline, bounded: the same settings the CLI and demo use.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+
+
+def _private_ray_token() -> None:
+    """Ray's token authentication stays on (its default), as for users; the token of this session's clusters is
+    a private file (``RAY_AUTH_TOKEN_PATH``, inherited by every subprocess) instead of the user's
+    ``~/.ray/auth_token``, and a ``RAY_AUTH_MODE`` of the caller's shell cannot switch it off."""
+    os.environ.pop("RAY_AUTH_MODE", None)
+    os.environ.pop("RAY_AUTH_TOKEN", None)
+    tmp = tempfile.mkdtemp(prefix="rlix-test-token-")
+    atexit.register(shutil.rmtree, tmp, ignore_errors=True)
+    path = os.path.join(tmp, "auth_token")
+    with open(os.open(path, os.O_WRONLY | os.O_CREAT, 0o600), "w") as f:
+        f.write(secrets.token_hex(32))
+    os.environ["RAY_AUTH_TOKEN_PATH"] = path
+
+
+_private_ray_token()
 
 #: GPUs declared to the session's Ray cluster when no real GPU is present.
 DECLARED_GPUS = 4

@@ -17,6 +17,7 @@ import tempfile
 import threading
 import tomllib
 from pathlib import Path
+from typing import Any
 
 import pytest
 import ray
@@ -43,15 +44,31 @@ def test_control_plane_subcommands_exist() -> None:
 
 
 def rlix(*args: str, timeout: float = 120, state_dir: Path | None = None,
-         env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    """The real CLI in a subprocess (``python -m rlix_plugins.cli`` runs the ``rlix`` console script's ``main``)."""
-    full = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    full.update(RAY_AUTH_MODE="disabled", PYTHONWARNINGS="ignore", **(env or {}))
+         env: dict[str, str] | None = None, drop: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
+    """The real CLI in a subprocess (``python -m rlix_plugins.cli`` runs the ``rlix`` console script's ``main``).
+
+    Like a user's shell: no ``RAY_AUTH_MODE`` (a joined cluster's auth token comes from ``RAY_AUTH_TOKEN_PATH``,
+    the session's, see conftest) and no ``RAY_ADDRESS``."""
+    full = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_MODE", *drop)}
+    full.update(PYTHONWARNINGS="ignore", **(env or {}))
     if state_dir is not None:
         full["RLIX_STATE_DIR"] = str(state_dir)
     full.setdefault("RLIX_STATE_DIR", tempfile.mkdtemp(prefix="rlix-state-"))
     return subprocess.run([sys.executable, "-m", "rlix_plugins.cli", *args], capture_output=True, text=True,
                           timeout=timeout, env=full)
+
+
+def without_token(tmp_path: Path) -> dict[str, Any]:
+    """``rlix`` keyword arguments for a client of this machine that has no Ray auth token anywhere."""
+    (tmp_path / "home").mkdir(exist_ok=True)
+    return {"env": {"HOME": str(tmp_path / "home")}, "drop": ("RAY_AUTH_TOKEN_PATH", "RAY_AUTH_TOKEN")}
+
+
+def with_wrong_token(tmp_path: Path) -> dict[str, Any]:
+    """``rlix`` keyword arguments for a client whose token belongs to another cluster."""
+    path = tmp_path / "other_token"
+    path.write_text("0" * 64)
+    return {"env": {"RAY_AUTH_TOKEN_PATH": str(path)}}
 
 
 def one_line_error(res: subprocess.CompletedProcess[str], command: str) -> str:
@@ -91,6 +108,7 @@ def test_every_subcommand_has_help(name: str, capsys: pytest.CaptureFixture[str]
         (["timeline", "--out", "/nonexistent-dir/t.png"], "does not exist"),
         (["timeline", "--out", "timeline.txt"], ".png, .svg or .pdf"),
         (["up", "--address", "127.0.0.1:1", "--num-gpus", "2"], "only apply when"),
+        (["up", "--address", "127.0.0.1:1", "--insecure-no-auth"], "only apply when"),
     ],
 )
 def test_bad_input_exits_2_with_one_line(argv: list[str], fragment: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -206,10 +224,9 @@ def test_connect_to_something_that_is_no_ray_cluster_fails_within_seconds(kind: 
             "from rlix_plugins.errors import SchedulerError\nt = time.monotonic()\ntry:\n"
             f"    ensure_ray({server.address!r})\nexcept SchedulerError as e:\n"
             "    print(round(time.monotonic() - t, 1), e)\n")
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_MODE")}
     try:
-        res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                             env={**env, "RAY_AUTH_MODE": "disabled"})
+        res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     finally:
         server.sock.close()
     seconds, message = res.stdout.strip().split(" ", 1)
@@ -256,6 +273,31 @@ def test_status_and_timeline_on_a_live_control_plane(control_plane: client.Contr
     with Image.open(out) as img:
         assert img.format == "PNG" and img.width >= 400 and img.height >= 200
         assert len(img.convert("RGB").getcolors(maxcolors=1 << 20) or []) > 10  # a real picture, not blank
+
+
+def test_a_client_without_the_clusters_token_is_refused_in_one_line(control_plane: client.ControlPlane,
+                                                                     tmp_path: Path) -> None:
+    """This session's cluster runs Ray's default token authentication (conftest): `rlix` joins it with the token
+    and no flag, and says in one line what is wrong when the token is missing or another cluster's."""
+    address = ray.get_runtime_context().gcs_address
+    assert rlix("status", "--address", address).returncode == 0
+    err = one_line_error(rlix("status", "--address", address, **without_token(tmp_path)), "status")
+    assert f"the Ray cluster at {address} requires its auth token and this machine has none" in err
+    assert "~/.ray/auth_token" in err and "ray get-auth-token" in err
+    err = one_line_error(rlix("status", "--address", address, **with_wrong_token(tmp_path)), "status")
+    assert "refused this process's auth token (from RAY_AUTH_TOKEN_PATH=" in err
+    err = one_line_error(rlix("status", "--address", address, env={"RAY_AUTH_MODE": "disabled"}), "status")
+    assert "requires its auth token, but RAY_AUTH_MODE=disabled is set here; unset RAY_AUTH_MODE" in err
+
+
+def test_without_grpcio_a_client_joins_a_token_cluster_with_the_token_it_has(ray_cluster: object) -> None:
+    """Without grpcio the GCS cannot be asked whether it demands a token: token mode is on whenever a token exists
+    (a token-mode client joins clusters with and without authentication alike)."""
+    code = ("import sys\nsys.modules['grpc'] = None\nimport ray\nfrom rlix_plugins.control.client import ensure_ray\n"
+            f"ensure_ray({ray.get_runtime_context().gcs_address!r})\nprint('GPUS', ray.cluster_resources()['GPU'])\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_MODE")}
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert "GPUS 4.0" in res.stdout, res.stderr[-2000:]
 
 
 def test_status_without_control_plane_is_one_line_error(ray_cluster: object) -> None:

@@ -17,9 +17,10 @@ from pathlib import Path
 import pytest
 
 from rlix_plugins.control import client, local_cluster
+from rlix_plugins.control.admin import NO_AUTH_WARNING
 from rlix_plugins.control.local_cluster import ClusterRecord
 from tests.control._ray_helpers import control_plane
-from tests.test_cli import one_line_error, rlix
+from tests.test_cli import one_line_error, rlix, without_token
 
 __all__ = ["control_plane"]
 
@@ -36,6 +37,92 @@ def test_up_on_a_cpu_machine_without_num_gpus_refuses_before_starting_anything(t
     assert "pass --num-gpus N" in err
     assert not (tmp_path / "state" / "cluster.json").exists()
     assert list((tmp_path / "tmp").iterdir()) == []  # no `ray start` temp directory: nothing was started
+
+
+_RAW_CLIENT = """
+import logging, sys, ray
+try:
+    ray.init(address=sys.argv[1], log_to_driver=False, logging_level=logging.ERROR)
+except Exception as exc:
+    print("REFUSED", type(exc).__name__)
+else:
+    print("JOINED", ray.cluster_resources().get("GPU"))
+"""
+
+
+def raw_ray_client(address: str, env: dict[str, str]) -> str:
+    """What a plain `ray.init(address=...)` of another process gets: JOINED or REFUSED."""
+    res = subprocess.run([sys.executable, "-c", _RAW_CLIENT, address], capture_output=True, text=True,
+                         timeout=180, env=env)
+    return next((line for line in res.stdout.splitlines() if line.startswith(("JOINED", "REFUSED"))),
+                res.stdout[-500:] + res.stderr[-1500:])
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_AUTH", "RAY_ADDRESS"))}
+    return {**env, **extra}
+
+
+@pytest.mark.slow
+def test_a_head_rlix_up_starts_refuses_clients_without_its_token(tmp_path: Path) -> None:
+    """`rlix up` leaves Ray's token authentication on: a client without the cluster's token cannot join (before,
+    `rlix up` set RAY_AUTH_MODE=disabled and anyone reaching the port could); `rlix` of the same user joins it with
+    the token Ray wrote, no flag needed."""
+    state = tmp_path / "state"
+    res = rlix("up", "--num-gpus", "1", "--num-cpus", "1", state_dir=state, timeout=240)
+    assert res.returncode == 0, res.stderr
+    record = _record(state)
+    try:
+        assert "and this cluster's auth token (RAY_AUTH_TOKEN_PATH=" in res.stdout and "WARNING" not in res.stderr
+        res = rlix("status", "--json", state_dir=state)
+        assert res.returncode == 0 and json.loads(res.stdout)["gpus"] == [0], res.stderr
+
+        (tmp_path / "home").mkdir()
+        no_token = _env(HOME=str(tmp_path / "home"))
+        assert raw_ray_client(record.address, no_token) == "REFUSED ConnectionError"
+        (tmp_path / "other").write_text("0" * 64)
+        assert raw_ray_client(record.address, _env(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(tmp_path / "other"))) \
+            == "REFUSED ConnectionError"
+        assert raw_ray_client(record.address, _env(RAY_AUTH_MODE="token",
+                                                   RAY_AUTH_TOKEN_PATH=os.environ["RAY_AUTH_TOKEN_PATH"])) == "JOINED 1.0"
+
+        err = one_line_error(rlix("status", state_dir=state, **without_token(tmp_path)), "status")
+        assert "requires its auth token and this machine has none" in err
+    finally:
+        local_cluster.stop_head(record)
+
+
+@pytest.mark.slow
+def test_insecure_no_auth_is_explicit_and_warns(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    res = rlix("up", "--num-gpus", "1", "--num-cpus", "1", "--insecure-no-auth", state_dir=state, timeout=240)
+    assert res.returncode == 0, res.stderr
+    record = _record(state)
+    try:
+        warning = [line for line in res.stderr.splitlines() if "WARNING" in line]
+        assert warning == [f"rlix up: {NO_AUTH_WARNING}"], res.stderr
+        assert "(no token authentication)" in res.stdout
+        (tmp_path / "home").mkdir()
+        assert raw_ray_client(record.address, _env(HOME=str(tmp_path / "home"))) == "JOINED 1.0"
+        err = one_line_error(rlix("up", "--insecure-no-auth", state_dir=state), "up")
+        assert "--insecure-no-auth only applies when `rlix up` starts a Ray cluster" in err
+    finally:
+        local_cluster.stop_head(record)
+
+
+@pytest.mark.parametrize(("mode", "flags", "fragment"), [
+    ("disabled", (), "RAY_AUTH_MODE=disabled is set, but `rlix up` starts Ray clusters with token authentication; "
+                     "unset RAY_AUTH_MODE (or opt out explicitly with --insecure-no-auth)"),
+    ("token", ("--insecure-no-auth",), "RAY_AUTH_MODE=token contradicts --insecure-no-auth; unset one of them"),
+])
+def test_up_refuses_an_auth_mode_that_contradicts_the_flag_before_starting(
+        mode: str, flags: tuple[str, ...], fragment: str, tmp_path: Path) -> None:
+    """RAY_AUTH_MODE=disabled left in a shell never turns authentication off silently."""
+    (tmp_path / "tmp").mkdir()
+    res = rlix("up", "--num-gpus", "1", *flags, state_dir=tmp_path / "state",
+               env={"RAY_AUTH_MODE": mode, "TMPDIR": str(tmp_path / "tmp")})
+    assert fragment in one_line_error(res, "up")
+    assert list((tmp_path / "tmp").iterdir()) == [] and not (tmp_path / "state" / "cluster.json").exists()
 
 
 @pytest.mark.slow
@@ -92,7 +179,7 @@ def test_stop_head_ends_only_the_recorded_heads_session(tmp_path: Path) -> None:
     ours = subprocess.Popen([sys.executable, "-c", sleeper, f"{marker}/session_2026_1"], start_new_session=True)
     try:
         deadline = time.monotonic() + 30
-        while len(local_cluster._session_pids(ours.pid)) < 2 and time.monotonic() < deadline:
+        while min(len(local_cluster._session_pids(p.pid)) for p in (other, ours)) < 2 and time.monotonic() < deadline:
             time.sleep(0.1)
         assert local_cluster.stop_head(ClusterRecord("127.0.0.1:1", other.pid, str(marker))) == 0
         assert other.poll() is None and len(local_cluster._session_pids(other.pid)) == 2

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
-from rlix_plugins.control import local_cluster
+from rlix_plugins.control import local_cluster, ray_auth
 from rlix_plugins.control.local_cluster import ClusterRecord
 from rlix_plugins.errors import RlixConfigError, SchedulerError
 
@@ -21,8 +22,27 @@ from rlix_plugins.errors import RlixConfigError, SchedulerError
 def _connect_ray(address: str) -> None:
     from rlix_plugins.control.client import ensure_ray
 
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     ensure_ray(address)
+
+
+#: Printed (stderr) whenever `rlix up --insecure-no-auth` starts a head.
+NO_AUTH_WARNING: Final = (
+    "WARNING: --insecure-no-auth: this Ray cluster has no token authentication; anyone who can reach its ports "
+    "can run code on it as this user"
+)
+
+
+def _check_auth_choice(insecure_no_auth: bool) -> None:
+    """Before starting a head: a ``RAY_AUTH_MODE`` the user set must agree with the flag (one way to opt out)."""
+    mode = os.environ.get(ray_auth.MODE_ENV)
+    if mode is None or (mode.lower() == "disabled") == insecure_no_auth:
+        return
+    if insecure_no_auth:
+        raise RlixConfigError(f"{ray_auth.MODE_ENV}={mode} contradicts --insecure-no-auth; unset one of them")
+    raise RlixConfigError(
+        f"{ray_auth.MODE_ENV}={mode} is set, but `rlix up` starts Ray clusters with token authentication; "
+        f"unset {ray_auth.MODE_ENV} (or opt out explicitly with --insecure-no-auth)"
+    )
 
 
 def _target(address: str | None) -> tuple[str, ClusterRecord | None]:
@@ -53,9 +73,10 @@ def _check_declared(flag: str, asked: int | None, have: float, address: str) -> 
         )
 
 
-def up(address: str | None, num_gpus: int | None, num_cpus: int | None) -> int:
+def up(address: str | None, num_gpus: int | None, num_cpus: int | None, insecure_no_auth: bool = False) -> int:
     """Join ``address`` (or the head ``rlix up`` started before); otherwise start a local Ray head and record it.
 
+    A head it starts demands Ray's auth token unless ``insecure_no_auth`` (which prints ``NO_AUTH_WARNING``).
     Refuses before starting anything when the head would have no GPUs (a CPU machine needs ``--num-gpus``),
     and refuses ``--num-gpus/--num-cpus`` that differ from what the running recorded head declares."""
     import ray
@@ -63,15 +84,21 @@ def up(address: str | None, num_gpus: int | None, num_cpus: int | None) -> int:
     from rlix_plugins.control.client import connect
 
     explicit = address or os.environ.get("RAY_ADDRESS")
-    if explicit is not None and (num_gpus is not None or num_cpus is not None):
+    if explicit is not None and (num_gpus is not None or num_cpus is not None or insecure_no_auth):
         raise RlixConfigError(
-            "--num-gpus/--num-cpus only apply when `rlix up` starts a local Ray cluster; drop them with --address"
+            "--num-gpus/--num-cpus/--insecure-no-auth only apply when `rlix up` starts a local Ray cluster; "
+            "drop them with --address"
         )
     started: ClusterRecord | None = None
     recorded = None if explicit is not None else local_cluster.load()
     if explicit is not None:
         _connect_ray(explicit)
     elif recorded is not None and local_cluster.head_pids(recorded):
+        if insecure_no_auth:
+            raise RlixConfigError(
+                f"--insecure-no-auth only applies when `rlix up` starts a Ray cluster, and the one it started at "
+                f"{recorded.address} runs; drop the flag, or `rlix down --stop-ray` first"
+            )
         _connect_ray(recorded.address)
         resources = ray.cluster_resources()
         _check_declared("--num-gpus", num_gpus, resources.get("GPU", 0.0), recorded.address)
@@ -82,9 +109,12 @@ def up(address: str | None, num_gpus: int | None, num_cpus: int | None) -> int:
                 "this machine has no GPUs for Ray to detect; pass --num-gpus N to declare N GPUs "
                 "(e.g. `rlix up --num-gpus 2`; work placed on them runs on the CPU)"
             )
+        _check_auth_choice(insecure_no_auth)
         if recorded is not None:  # its head is gone: drop the stale record
             local_cluster.clear()
-        started = recorded = local_cluster.start_head(num_gpus, num_cpus)
+        if insecure_no_auth:
+            print(f"rlix up: {NO_AUTH_WARNING}", file=sys.stderr)
+        started = recorded = local_cluster.start_head(num_gpus, num_cpus, token_auth=not insecure_no_auth)
     t0 = time.monotonic()
     try:
         if started is not None:
@@ -100,10 +130,17 @@ def up(address: str | None, num_gpus: int | None, num_cpus: int | None) -> int:
     print(
         f"rlix control plane {'started' if started else 'running'} on Ray cluster {where} "
         f"({pool['num_gpus']} GPUs, {pool['gpus_per_node']} per node; ready in {time.monotonic() - t0:.1f} s)\n"
-        f"  pipelines join with RAY_ADDRESS={where}; "
+        f"  pipelines join with RAY_ADDRESS={where}{_auth_note()}; "
         f"stop with `rlix down{' --stop-ray' if recorded is not None else ''}`"
     )
     return 0
+
+
+def _auth_note() -> str:
+    """How clients authenticate to the cluster this process joined (token mode: its GCS demanded the token)."""
+    if os.environ.get(ray_auth.MODE_ENV, "").lower() != "token":
+        return " (no token authentication)"
+    return f" and this cluster's auth token ({ray_auth.token_source()} here)"
 
 
 def down(address: str | None, stop_ray: bool) -> int:

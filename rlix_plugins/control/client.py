@@ -43,10 +43,11 @@ from typing import Any, Final
 
 import ray
 
+from rlix_plugins.control import ray_auth
 from rlix_plugins.control._rpc import ray_get
 from rlix_plugins.control.coordinator import Coordinator, CoordinatorConfig
 from rlix_plugins.control.orchestrator import Orchestrator
-from rlix_plugins.control.scheduler_state import SchedulerConfig
+from rlix_plugins.control.scheduler_state import SchedulerConfig, to_priority
 from rlix_plugins.control.types import (
     GENERATION_CLUSTER,
     ORCHESTRATOR_NAME,
@@ -88,34 +89,55 @@ def _h2_problem(host: str, port: int, timeout_s: float) -> str | None:
     return None if len(head) >= 4 and head[3] == 0x04 else "not a gRPC server"
 
 
-def _gcs_problem(host: str, port: int, timeout_s: float) -> str | None:
-    """Why no Ray GCS answers at ``host:port`` (None: one does): a GetClusterId call with a deadline, or the
-    HTTP/2 handshake alone where grpcio (an optional Ray dependency) is missing."""
-    try:
-        import grpc
-    except ImportError:
-        return _h2_problem(host, port, timeout_s)
+#: What ``_gcs_problem`` returns for a GCS that answered but wants a (different) auth token.
+_UNAUTHENTICATED: Final = "unauthenticated"
+
+
+def _gcs_problem(host: str, port: int, timeout_s: float, token: str | None = None) -> str | None:
+    """Why no Ray GCS answers at ``host:port`` (None: one does and accepted ``token``; ``_UNAUTHENTICATED``: one
+    does but demands a token, or another one): a GetClusterId call with a deadline."""
+    import grpc
+
     down = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNIMPLEMENTED}
+    metadata = None if token is None else [("authorization", f"Bearer {token}")]
     with grpc.insecure_channel(f"{host}:{port}", options=[("grpc.enable_http_proxy", 0)]) as channel:
         try:
-            channel.unary_unary(_GCS_PROBE)(b"", timeout=timeout_s)
+            channel.unary_unary(_GCS_PROBE)(b"", timeout=timeout_s, metadata=metadata)
         except grpc.RpcError as exc:
             code = exc.code()
-            if code in down:  # anything else (e.g. UNAUTHENTICATED) is a GCS answering
+            if code == grpc.StatusCode.UNAUTHENTICATED:
+                return _UNAUTHENTICATED
+            if code in down:  # anything else is a GCS answering
                 detail = (exc.details() or "").splitlines()[0][:120]
                 return f"{code.name.lower()} within {timeout_s:.0f} s: {detail}"
     return None
 
 
 def check_reachable(address: str, timeout_s: float = CONNECT_TIMEOUT_S) -> None:
-    """Fail fast, in one line, unless a Ray GCS answers at a ``host:port`` address.
+    """Fail fast, in one line, unless a Ray GCS answers at a ``host:port`` address; prepare this process's auth.
 
     ``ray.init`` retries a refused port for ~20 s and waits without bound on a port that accepts but never
-    answers; here both take at most ``timeout_s``. Other addresses ("auto", "ray://...") and TLS clusters pass."""
+    answers; here both take at most ``timeout_s``. A GCS that demands Ray's auth token gets this process's
+    (``ray_auth``): token mode is turned on, or a one-line error says the token is missing or not this cluster's.
+    Without grpcio only the HTTP/2 handshake is checked and token mode is on whenever a token exists.
+    Other addresses ("auto", "ray://...") and TLS clusters pass."""
     host, sep, port = address.rpartition(":")
     if not sep or not port.isdigit() or "://" in address or not host or os.environ.get("RAY_USE_TLS") == "1":
         return
-    problem = _gcs_problem(host.strip("[]"), int(port), timeout_s)
+    host = host.strip("[]")
+    try:
+        import grpc  # noqa: F401  (an optional Ray dependency)
+    except ImportError:
+        problem = _h2_problem(host, int(port), timeout_s)
+        if problem is None:
+            ray_auth.enable_if_token_exists()
+    else:
+        problem = _gcs_problem(host, int(port), timeout_s)
+        if problem == _UNAUTHENTICATED:
+            if _gcs_problem(host, int(port), timeout_s, ray_auth.token_for(address)) == _UNAUTHENTICATED:
+                raise ray_auth.refused(address)
+            ray_auth.enable_token_mode()
+            return
     if problem is not None:
         raise SchedulerError(
             f"no Ray cluster reachable at {address!r} ({problem}); start one with `rlix up` or fix --address / "
@@ -134,7 +156,7 @@ def ensure_ray(address: str | None = None) -> None:
     check_reachable(target)
     try:
         ray.init(address=target, log_to_driver=False, logging_level=logging.WARNING)
-    except (ConnectionError, RuntimeError, ValueError) as exc:
+    except (ConnectionError, RuntimeError, ValueError, ray.exceptions.AuthenticationError) as exc:
         raise SchedulerError(
             f"no Ray cluster reachable at {target!r} ({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); "
             "start one with `rlix up` or pass --address / RAY_ADDRESS"
@@ -308,7 +330,7 @@ class PipelineHandle:
     def request_gpus(self, cluster: str, priority: Priority | int, *, step: int | None = None,
                      step_target_estimate: int | None = None, timeout_s: float = DEFAULT_WAIT_S) -> list[int]:
         cid = self.cluster_id(cluster)
-        ref = self.control_plane.scheduler.request_gpus.remote(cid, int(priority), step, step_target_estimate, timeout_s)
+        ref = self.control_plane.scheduler.request_gpus.remote(cid, int(to_priority(priority)), step, step_target_estimate, timeout_s)
         return list(call(ref, f"request_gpus({cid})", timeout_s + self.control_plane.rpc_margin_s))
 
     def release_gpus(self, cluster: str, *, step: int | None = None, timeout_s: float = DEFAULT_WAIT_S) -> list[int]:
@@ -321,7 +343,7 @@ class PipelineHandle:
                              timeout_s: float = DEFAULT_WAIT_S) -> list[int]:
         rel, req = self.cluster_id(release), self.cluster_id(request)
         ref = self.control_plane.scheduler.release_then_request.remote(
-            rel, req, int(priority), step, step_target_estimate, timeout_s)
+            rel, req, int(to_priority(priority)), step, step_target_estimate, timeout_s)
         return list(call(ref, f"release_then_request({rel} -> {req})", timeout_s + self.control_plane.rpc_margin_s))
 
     def await_release(self, cluster: str = GENERATION_CLUSTER, *, timeout_s: float = 300.0) -> list[int]:

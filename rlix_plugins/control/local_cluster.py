@@ -8,7 +8,7 @@ A head that ``rlix up`` starts runs in a Unix session of its own (``ray start`` 
 that head, workers included, inherits the session id) and in a private Ray temp directory, so no plain
 ``ray.init()`` on the machine joins it by accident. ``rlix down --stop-ray`` ends exactly the processes of that
 session, after checking they still belong to the recorded head; a bare ``ray stop`` would end every Ray process of
-the user.
+the user. Unless started with ``--insecure-no-auth`` the head demands Ray's auth token (``control/ray_auth.py``).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Final
 
+from rlix_plugins.control import ray_auth
 from rlix_plugins.errors import RlixConfigError, SchedulerError
 
 STATE_DIR_ENV: Final = "RLIX_STATE_DIR"
@@ -99,19 +100,36 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _ray_env() -> dict[str, str]:
+def _ray_env(token_auth: bool) -> dict[str, str]:
     env = dict(os.environ)
     env.pop("RAY_ADDRESS", None)
-    env.setdefault("RAY_AUTH_MODE", "disabled")
+    env[ray_auth.MODE_ENV] = "token" if token_auth else "disabled"  # the caller checked it against the user's
     env.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     return env
 
 
-def start_head(num_gpus: int | None, num_cpus: int | None) -> ClusterRecord:
-    """``ray start --head`` on free ports, in a new Unix session and a private temp directory; returns its record."""
+def _ensure_token(exe: str) -> None:
+    """Have Ray write this user's token (``~/.ray/auth_token``) if it finds none: ``ray start --head`` only uses
+    one. The token it prints is dropped: it is never shown or logged."""
+    try:
+        proc = subprocess.run([exe, "get-auth-token", "--generate"], capture_output=True, text=True,
+                              timeout=RAY_START_TIMEOUT_S, env=_ray_env(True))
+    except subprocess.TimeoutExpired:
+        raise SchedulerError(f"`ray get-auth-token --generate` did not finish within {RAY_START_TIMEOUT_S:.0f} s") from None
+    if proc.returncode != 0:
+        tail = proc.stderr.strip().splitlines()[-1:] or ["(no output)"]
+        raise SchedulerError(f"`ray get-auth-token --generate` failed (exit {proc.returncode}): {tail[0]}")
+
+
+def start_head(num_gpus: int | None, num_cpus: int | None, token_auth: bool = True) -> ClusterRecord:
+    """``ray start --head`` on free ports, in a new Unix session and a private temp directory; returns its record.
+
+    With ``token_auth`` (the default) the head demands Ray's auth token (written first if this user has none)."""
     exe = shutil.which("ray", path=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
     if exe is None:
         raise SchedulerError("the `ray` command is not installed next to this Python; `pip install 'ray[default]'`")
+    if token_auth:
+        _ensure_token(exe)
     port = _free_port()
     temp_dir = tempfile.mkdtemp(prefix="rlix-ray-")  # short: Ray's socket paths live under it
     cmd = [exe, "start", "--head", f"--port={port}", f"--ray-client-server-port={_free_port()}",
@@ -120,7 +138,7 @@ def start_head(num_gpus: int | None, num_cpus: int | None) -> ClusterRecord:
         cmd.append(f"--num-gpus={num_gpus}")
     if num_cpus is not None:
         cmd.append(f"--num-cpus={num_cpus}")
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_ray_env(),
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_ray_env(token_auth),
                             start_new_session=True)
     record = ClusterRecord(address=f"127.0.0.1:{port}", session_id=proc.pid, temp_dir=temp_dir)
     try:

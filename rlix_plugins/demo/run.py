@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from rlix_plugins.demo.capacity import check_fits
-from rlix_plugins.errors import RlixConfigError
+from rlix_plugins.errors import RlixConfigError, RlixTimeoutError
 from rlix_plugins.out_dir import make_out_dir
 from rlix_plugins.pipeline.config import RuntimeConfig
 
@@ -189,12 +189,11 @@ def _quiet_stdout() -> Iterator[None]:
 
 def _start_ray(gpus: int, address: str | None, on_gpu: bool) -> bool:
     """Join ``address``/RAY_ADDRESS (probed first: an unreachable one fails in seconds), else start a local
-    cluster of our own (declaring ``gpus`` GPUs on a CPU machine)."""
+    cluster of our own (declaring ``gpus`` GPUs on a CPU machine) with Ray's default token authentication."""
     import ray
 
     from rlix_plugins.control.client import ensure_ray
 
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if ray.is_initialized():
         return False
@@ -244,15 +243,35 @@ def _gpu_memory_gib(gpus: int) -> float:
                for i in range(min(gpus, torch.cuda.device_count()))) / 2**30
 
 
+#: Bound of one read of a driver's new events.
+_EVENTS_TIMEOUT_S = 30.0
+
+
+def _read_events(driver: Any, since: int, name: str, say: TextIO) -> list[dict[str, Any]]:
+    """A driver's events from index ``since``; none, said on ``say``, when it died or did not answer in time (its
+    run's result says why it died)."""
+    import ray
+    from ray.exceptions import GetTimeoutError, RayActorError
+
+    try:
+        return list(ray.get(driver.events.remote(since), timeout=_EVENTS_TIMEOUT_S))
+    except (RayActorError, GetTimeoutError) as exc:
+        print(f"[{name}] events not read: {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}",
+              file=say, flush=True)
+        return []
+
+
 def run_demo(pipelines: int = 2, gpus: int = 2, steps: int = 3, out: str | os.PathLike[str] = "out/demo", *,
              address: str | None = None, prompts_per_step: int = 4, group_size: int = 4, max_tokens: int = 12,
              sleep_level: int = 2, kill_after_step: tuple[int, int] | None = None,
-             stream: TextIO | None = None, force: bool = False) -> dict[str, Any]:
+             stream: TextIO | None = None, force: bool = False, deadline_s: float | None = None) -> dict[str, Any]:
     """Run the demo; print progress to ``stream`` (stdout); write ``summary.json`` and ``timeline.png`` in ``out``.
 
     Before anything starts it checks the arguments, vLLM, ``out`` (writable; an earlier run's results there are
     overwritten only with ``force``) and that the pipelines fit this machine (``demo/capacity.py``).
     ``kill_after_step=(i, s)`` kills pipeline ``i``'s driver once it finished step ``s`` (failure-isolation demo).
+    The pipelines must finish within ``deadline_s`` (default: the start-up bound plus one GPU-request bound per
+    step); otherwise their drivers are killed and ``RlixTimeoutError`` names them.
     Returns the summary dict (also in ``summary.json``).
     """
     if pipelines < 1 or gpus < 1 or steps < 1:
@@ -311,7 +330,17 @@ def run_demo(pipelines: int = 2, gpus: int = 2, steps: int = 3, out: str | os.Pa
     results: dict[int, dict[str, Any]] = {}
     killed: set[int] = set()
     pending = list(runs)
+    limit_s = deadline_s if deadline_s is not None else runtime.init_timeout_s + steps * runtime.request_timeout_s
+    deadline = time.monotonic() + limit_s
     while pending:
+        if time.monotonic() > deadline:
+            late = sorted(specs[runs[ref]].name for ref in pending)
+            for ref in pending:  # their GPUs return to the pool when the control plane sees the drivers die
+                ray.kill(drivers[runs[ref]], no_restart=True)
+            raise RlixTimeoutError(
+                f"rlix demo: pipelines {', '.join(late)} did not finish within {limit_s:.0f} s (their drivers are "
+                f"killed); `rlix status` shows what they waited for"
+            )
         done, pending = ray.wait(pending, num_returns=1, timeout=0.5)  # one at a time: a crash never hides others
         for ref in done:
             i = runs[ref]
@@ -323,10 +352,7 @@ def run_demo(pipelines: int = 2, gpus: int = 2, steps: int = 3, out: str | os.Pa
         for i, d in enumerate(drivers):
             if i in results or i in killed:
                 continue
-            try:
-                evs = ray.get(d.events.remote(seen[i]), timeout=30)
-            except Exception:
-                continue
+            evs = _read_events(d, seen[i], specs[i].name, say)
             seen[i] += len(evs)
             all_events[i] += evs
             for ev in evs:
@@ -340,10 +366,7 @@ def run_demo(pipelines: int = 2, gpus: int = 2, steps: int = 3, out: str | os.Pa
     for i, d in enumerate(drivers):  # the final events of finished drivers
         if i in killed:
             continue
-        try:
-            evs = ray.get(d.events.remote(seen[i]), timeout=30)
-        except Exception:
-            continue
+        evs = _read_events(d, seen[i], specs[i].name, say)
         all_events[i] += evs
         for ev in evs:
             for line in format_event(ev):
@@ -352,8 +375,8 @@ def run_demo(pipelines: int = 2, gpus: int = 2, steps: int = 3, out: str | os.Pa
     trace = cp.trace(since=t_trace)
     analysis = analyse_trace(trace, list(range(gpus)), t_trace, t_end)
     with (out_dir / "trace.jsonl").open("w") as f:  # every scheduling decision, for offline analysis
-        for ev in trace:
-            f.write(json.dumps(dataclasses.asdict(ev)) + "\n")
+        for decision in trace:
+            f.write(json.dumps(dataclasses.asdict(decision)) + "\n")
     try:
         names = {ev["pipeline_id"]: specs[i].name for i, evs in enumerate(all_events) for ev in evs
                  if ev.get("pipeline_id")}

@@ -11,6 +11,7 @@ topology against the rest of the config by :mod:`rlix_plugins.nemo_rl.topology`.
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any, Final, Literal
@@ -81,7 +82,7 @@ def _devices(key: str, raw: Any) -> tuple[int, ...]:
     if not values or not all(_is_int(v) and v >= 0 for v in values):
         raise RlixConfigError(f"{SECTION}.{key}={list(values)!r} must be a non-empty list of GPU ids >= 0")
     if len(set(values)) != len(values):
-        raise RlixConfigError(f"{SECTION}.{key}={list(values)!r} lists a GPU twice")
+        raise RlixConfigError(f"{SECTION}.{key}={list(values)!r} lists a GPU twice; list each GPU id once")
     return values
 
 
@@ -131,7 +132,11 @@ def load_run_config(master_config: Any) -> RlixRunConfig:
     section = dict(raw) if isinstance(raw, Mapping) else dict(vars(raw))
     unknown = sorted(set(section) - _KNOWN_KEYS)
     if unknown:
-        raise RlixConfigError(f"unknown {SECTION} keys {unknown}; valid: {sorted(_KNOWN_KEYS)}")
+        hints = [f"{SECTION}.{k} -> {SECTION}.{m[0]}" for k in unknown
+                 if (m := difflib.get_close_matches(k, _KNOWN_KEYS, n=1, cutoff=0.6))]
+        raise RlixConfigError(f"unknown {SECTION} keys {unknown}"
+                              + (f" (did you mean {', '.join(hints)}?)" if hints else "")
+                              + f"; valid: {sorted(_KNOWN_KEYS)}")
     runtime = {k: v for k, v in section.items() if k in _RUNTIME_KEYS}
     runtime.setdefault("step_target_estimate", cfg_path(master_config, "grpo.num_prompts_per_step") or 1)
     run = {k: v for k, v in section.items() if k in _RUN_KEYS}

@@ -88,7 +88,10 @@ def load_stock(path: str | os.PathLike[str]) -> dict[str, Any]:
     except OSError as exc:
         raise RlixConfigError(f"cannot read the recipe {path}: {exc.strerror}") from None
     except yaml.YAMLError as exc:
-        raise RlixConfigError(f"{path} is not valid YAML: {exc}") from None
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or type(exc).__name__
+        raise RlixConfigError(f"{path} is not valid YAML{where} ({problem}); fix the recipe file") from None
     if not isinstance(config, dict):
         raise RlixConfigError(f"{path} must be a YAML mapping (a NeMo RL recipe), not {type(config).__name__}")
     defaults = config.pop("defaults", None)

@@ -22,6 +22,7 @@ import pytest
 
 from rlix_plugins.control.client import connect
 from rlix_plugins.demo.run import run_demo
+from rlix_plugins.errors import RlixTimeoutError
 from tests.control._ray_helpers import kill_control_plane, wait_for
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -113,5 +114,16 @@ def test_killed_driver_frees_its_gpus_and_the_other_pipeline_finishes(fresh_cont
     assert killed["pipeline_id"] and killed["pipeline_id"] != survivor["pipeline_id"]
     wait_for(lambda: killed["pipeline_id"] not in cp.status()["pipelines"], timeout_s=30,
              what="the killed pipeline failed by the scheduler's health probe")
+    wait_for(lambda: not any(a["gpus"] for a in cp.status()["allocations"].values()), timeout_s=30,
+             what="every GPU back in the pool")
+
+
+def test_pipelines_past_the_deadline_are_named_and_their_gpus_freed(fresh_control_plane: Any, tmp_path: Path) -> None:
+    """The demo's wait for its drivers is bounded: past ``deadline_s`` it kills them and names them."""
+    log = io.StringIO()
+    with pytest.raises(RlixTimeoutError, match=r"pipelines p0, p1 did not finish within 2 s \(their drivers are killed\)"):
+        run_demo(pipelines=2, gpus=2, steps=1, out=tmp_path, stream=log, deadline_s=2)
+    cp = connect(create_if_missing=False)
+    wait_for(lambda: not cp.status()["pipelines"], timeout_s=60, what="the killed pipelines failed by the scheduler")
     wait_for(lambda: not any(a["gpus"] for a in cp.status()["allocations"].values()), timeout_s=30,
              what="every GPU back in the pool")

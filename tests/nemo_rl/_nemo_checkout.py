@@ -27,7 +27,7 @@ SERIES_ROOT = REPO_ROOT / "patches" / "nemo-rl"
 PINNED_COMMIT = "7ea279abfbeb698b092856d0dab61e7cf39bc909"
 
 #: Environment variables that must not leak from the outer test process into NeMo RL's runs.
-_SCRUB = ("RLIX_CONTROL_PLANE", "RAY_ADDRESS", "PYTEST_ADDOPTS", "PYTEST_CURRENT_TEST")
+_SCRUB = ("RLIX_CONTROL_PLANE", "RAY_ADDRESS", "RAY_AUTH_MODE", "PYTEST_ADDOPTS", "PYTEST_CURRENT_TEST")
 
 
 SEAM_PATCH = SERIES_ROOT / "7ea279a" / "0001-rlix-hooks-seam.patch"
@@ -95,7 +95,8 @@ def private_ray_head(num_gpus: int = 0) -> Iterator[str]:
     port = _free_port()
     cmd = [str(nemo_python().parent / "ray"), "start", "--head", f"--port={port}", "--num-cpus=8",
            f"--num-gpus={num_gpus}", "--include-dashboard=false", f"--temp-dir={tmp}", "--disable-usage-stats"]
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    # Ray's token authentication stays on: the head demands the session's token (RAY_AUTH_TOKEN_PATH, conftest).
+    env = {**os.environ, "RAY_AUTH_MODE": "token"}
     env.pop("RAY_ADDRESS", None)
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
     found = re.search(r"--address='([^']+)'", out.stdout + out.stderr)
@@ -122,7 +123,6 @@ def nemo_env(copy: Path, **extra: str) -> dict[str, str]:
     env.update(
         PYTHONPATH=os.pathsep.join([str(copy), *outer]),  # the copy, then the caller's (a worktree's rlix_plugins)
         HF_HUB_OFFLINE="1",
-        RAY_AUTH_MODE="disabled",
         RAY_DEDUP_LOGS="0",
         TOKENIZERS_PARALLELISM="false",
     )
@@ -150,7 +150,10 @@ def run_nemo_pytest(
 ) -> PytestRun:
     """NeMo RL's pytest on ``targets`` inside ``copy``, on a private Ray head (``num_gpus`` declared)."""
     with private_ray_head(num_gpus) as address:
-        return _run_nemo_pytest(copy, targets, junit, timeout_s, {**(extra_env or {}), "RAY_ADDRESS": address})
+        # Its processes join the head by address (the scenarios' ray.init(address=RAY_ADDRESS), which Ray never
+        # switches to token mode by itself), so they are told the head demands the token.
+        return _run_nemo_pytest(copy, targets, junit, timeout_s,
+                                {**(extra_env or {}), "RAY_ADDRESS": address, "RAY_AUTH_MODE": "token"})
 
 
 #: Our files that run inside a patched copy (``nemo_side/``), and the helper modules every scenario imports.
