@@ -528,13 +528,14 @@ _PROFILE_PULL = int(os.environ.get("RLIX_PROFILE_PULL", "0") or 0)
 @contextlib.contextmanager
 def profiled(name: str, active: bool) -> Iterator[None]:
     """When ``active``: torch profiler (CPU + CUDA) around the block; the op table goes to the log and, with
-    ``RLIX_PROFILE_DIR`` set, to ``<dir>/<name>_<pid>.txt``."""
+    ``RLIX_PROFILE_DIR`` set, to ``<dir>/<name>_<pid>.txt`` next to a Chrome trace (the timeline)."""
     if not active:
         yield
         return
     import torch
 
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]) as prof:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA],
+                                with_stack=True) as prof:
         yield
     table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
     logger.warning("rlix: profile of %s\n%s", name, table)
@@ -542,6 +543,7 @@ def profiled(name: str, active: bool) -> Iterator[None]:
     if out:
         with open(os.path.join(out, f"{name}_{os.getpid()}.txt"), "w", encoding="utf-8") as fh:
             fh.write(table)
+        prof.export_chrome_trace(os.path.join(out, f"{name}_{os.getpid()}.trace.json"))
 
 
 #: bytes per scratch chunk of the live check (params copied side by side, then checksummed as one bucket)
