@@ -8,7 +8,7 @@ pipeline (the scheduler kill hits them all; ``rlix up`` then restarts the contro
 or finished is started again, so the soak keeps going. Checked all along:
 
 * hangs (must be 0): a broken pipeline not unregistered, or its driver's ``run()`` not returned, within
-  ``RESOLVE_S``; or a running pipeline without a new step for ``--stall-s``;
+  ``RESOLVE_S``; a pipeline not started within ``START_S``; a started one without a new step for 180 s;
 * invariant violations (must be 0): the scheduler checks the state it committed after every cycle
   (``status()["invariant_checks"]`` / ``["invariant_violations"]``); this script also checks every status it
   reads (no GPU held twice, allocations inside the pool, nothing allocated to an unregistered pipeline);
@@ -39,6 +39,8 @@ if __package__ in (None, ""):
 
 from rlix_plugins.demo.chaos import FAULTS, RESOLVE_S, Bench, Run, inject
 
+#: A pipeline must start (engines up, first expand) within this: the runtime's init bound plus slack.
+START_S = BENCH_RUNTIME.init_timeout_s + 120.0
 #: Faults drawn per injection (the control-plane kill restarts everything, so it is drawn less often).
 WEIGHTS = {kind: (0.3 if f.control_plane else 1.0) for kind, f in FAULTS.items()}
 
@@ -70,6 +72,7 @@ class Soak:
         self.slots: list[Run | None] = [None] * pipelines
         self.stall_s = stall_s
         self.last_step: dict[int, tuple[int, float]] = {}
+        self.running: set[int] = set()
         self.faults: Counter[str] = Counter()
         self.hangs: list[str] = []
         self.violations: list[str] = []
@@ -90,6 +93,7 @@ class Soak:
         self.slots[i] = run
         self.launched += 1
         self.last_step[i] = (0, time.monotonic())
+        self.running.discard(i)
 
     def _account(self, run: Run) -> None:
         """Count the steps and syncs a run reported (once, when it is retired)."""
@@ -108,7 +112,8 @@ class Soak:
         self.slots[i] = None
 
     def _tend(self) -> None:
-        """Restart finished pipelines; a running one without a new step for ``stall_s`` is a hang."""
+        """Restart finished pipelines. A hang: a pipeline not started (registered, engines up, first expand) within
+        ``START_S``, or a started one without a new step for ``stall_s``."""
         for i, run in enumerate(self.slots):
             if run is None or run.finished():
                 self._retire(i)
@@ -116,10 +121,16 @@ class Soak:
                 continue
             steps = run.steps()
             last, since = self.last_step[i]
-            if steps != last:
+            started = run.started()
+            if steps != last or (started and i not in self.running):
                 self.last_step[i] = (steps, time.monotonic())
-            elif time.monotonic() - since > self.stall_s:
-                self.hangs.append(f"{run.name}: no step for {self.stall_s:.0f} s (at step {steps})")
+                if started:
+                    self.running.add(i)
+                continue
+            bound = self.stall_s if started else START_S
+            if time.monotonic() - since > bound:
+                what = f"no step for {bound:.0f} s (at step {steps})" if started else f"not started within {bound:.0f} s"
+                self.hangs.append(f"{run.name}: {what}")
                 self._say(f"HANG {self.hangs[-1]}")
                 self._retire(i)
                 self._launch(i)
@@ -252,7 +263,7 @@ class Soak:
 
 
 def run_soak(minutes: float, pipelines: int = 2, gpus: int = 2, *, seed: int = 0, mean_gap_s: float = 40.0,
-             stall_s: float = 300.0, workdir: Path | None = None) -> dict[str, Any]:
+             stall_s: float = 180.0, workdir: Path | None = None) -> dict[str, Any]:
     """Run the soak on the current Ray cluster (``ray.init`` first; it needs ``gpus`` declared GPUs)."""
     work = workdir or Path(tempfile.mkdtemp(prefix="rlix-soak-"))
     return Soak(pipelines, gpus, work, seed, stall_s).run(minutes * 60.0, mean_gap_s)
