@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -74,7 +75,7 @@ class PipelineRuntime(Protocol):
     def step_metrics(self, step: int) -> dict[str, float]: ...
     def before_checkpoint(self, step: int) -> None: ...
     def after_checkpoint(self, step: int) -> None: ...
-    def stop(self) -> None: ...
+    def stop(self, error: str | None = None) -> None: ...
 
 
 def has_worker_surface(policy: Any, policy_generation: Any) -> bool:
@@ -274,8 +275,12 @@ class NemoRLHooks:
 
     @hookimpl
     def on_pipeline_end(self) -> None:
-        """Call site: the ``finally`` of ``async_grpo_train``, before its actors are killed. Idempotent."""
-        self._end("ended")
+        """Call site: the ``finally`` of ``async_grpo_train``, before its actors are killed. Idempotent.
+
+        When that ``finally`` runs because the loop raised, the exception is still propagating (``sys.exc_info``):
+        the pipeline is then unregistered as failed with it as the reason, which ``rlix status`` shows."""
+        failure = sys.exc_info()[1]
+        self._end("ended", error=None if failure is None else f"{type(failure).__name__}: {failure}"[:500])
 
     # ------------------------------------------------------------------ internals
     def _acquire_train(self, step: int, priority: Priority, event: str) -> None:
@@ -295,7 +300,7 @@ class NemoRLHooks:
         self._holds_train = False
         self._record(event, step, gpus)
 
-    def _end(self, event: str) -> None:
+    def _end(self, event: str, error: str | None = None) -> None:
         with self._lock:
             if self._ended or self._pipe is None:
                 return
@@ -305,10 +310,13 @@ class NemoRLHooks:
         steps: list[tuple[str, Any]] = []
         if self._checkpoint_grant or self.runtime is None:
             steps.append((f"release {TRAIN_CLUSTER}", lambda: self._release_train(None, "train_released")))
-        if self.runtime is not None:
-            steps.append(("runtime.stop", self.runtime.stop))
+        runtime, pipe = self.runtime, self._pipe
+        if runtime is not None:
+            steps.append(("runtime.stop", lambda: runtime.stop(error=error)))
+        elif error:
+            steps.append(("unregister", lambda: pipe.fail(f"the NeMo RL run failed: {error}")))
         else:
-            steps.append(("unregister", lambda: self._pipe.unregister("the NeMo RL run ended")))
+            steps.append(("unregister", lambda: pipe.unregister("the NeMo RL run ended")))
         errors: list[str] = []
         for what, fn in steps:
             try:
