@@ -37,7 +37,7 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rlix_plugins.demo.chaos import FAULTS, RESOLVE_S, Bench, Run, inject
+from rlix_plugins.demo.chaos import BENCH_RUNTIME, FAULTS, RESOLVE_S, Bench, Run, inject
 
 #: A pipeline must start (engines up, first expand) within this: the runtime's init bound plus slack.
 START_S = BENCH_RUNTIME.init_timeout_s + 120.0
