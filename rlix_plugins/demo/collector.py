@@ -122,7 +122,7 @@ class DemoCollector:
                     self._fatal = f"a rollout engine actor died: {str(exc).splitlines()[0][:200]}"
                 result = None
                 time.sleep(0.5)
-            except PipelineUnregisteredError as exc:  # the scheduler failed the pipeline: no rank comes back
+            except PipelineUnregisteredError as exc:  # the scheduler failed the pipeline (or died): no rank comes back
                 with self._cond:
                     self._fatal = str(exc)
                 result = None

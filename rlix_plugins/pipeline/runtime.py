@@ -36,7 +36,13 @@ from rlix_plugins.control._rpc import ray_get
 from rlix_plugins.control.client import ControlPlane, PipelineHandle
 from rlix_plugins.control.coordinator import CoordinatorConfig
 from rlix_plugins.control.types import GENERATION_CLUSTER, TRAIN_CLUSTER, Priority, pipeline_namespace
-from rlix_plugins.errors import PipelineUnregisteredError, RlixError, RlixTimeoutError, SchedulerError
+from rlix_plugins.errors import (
+    ActorDeadError,
+    PipelineUnregisteredError,
+    RlixError,
+    RlixTimeoutError,
+    SchedulerError,
+)
 from rlix_plugins.pipeline.config import RuntimeConfig
 from rlix_plugins.pipeline.protocols import RolloutFleet, VersionPublisher, WeightSource
 from rlix_plugins.pipeline.resizer import FleetResizer, resizer_name
@@ -239,9 +245,9 @@ class PipelineRuntime:
             self.pipe.request_gpus(GENERATION_CLUSTER, Priority.GENERATION,
                                    step_target_estimate=self.config.step_target_estimate,
                                    timeout_s=max(self.config.watchdog_interval_s * 10, 20.0))
-        except PipelineUnregisteredError as exc:
-            # The scheduler failed this pipeline (its ranks never come back): make routing fail at once, so the
-            # rollout loop and the host's wait for a batch end now instead of at their timeouts.
+        except (PipelineUnregisteredError, ActorDeadError) as exc:
+            # The scheduler failed this pipeline, or died (its ranks never come back): make routing fail at once,
+            # so the rollout loop and the host's wait for a batch end now instead of at their timeouts.
             if not self._stop.is_set():
                 with contextlib.suppress(Exception):
                     _get(self.router.close.remote(str(exc)), "router.close", _RPC_S)
