@@ -1,8 +1,9 @@
 """Weight-transport benchmark: every number is a ratio against the raw primitive, measured in the same run.
 
 * CPU: cache build (pack into reused buffers) vs a raw memcpy of the same bytes.
-* GPU (>= 1 GPU): cache -> GPU push through cuda_ipc to a receiver process on the same GPU (it copies
-  every tensor into its own parameters, as vLLM's load does) vs a raw pinned host->device copy.
+* GPU (>= 1 GPU): cache -> GPU push to a receiver process on the same GPU (it copies every tensor into its
+  own parameters, as vLLM's load does) vs a raw pinned host->device copy: by ``host_pull`` (the receiver
+  copies from the sender's pinned pages; the default) and by ``cuda_ipc`` (sender GPU staging + IPC handle).
 * GPU (>= 2 GPUs): NCCL per-sync broadcast (group created + destroyed per sync) from the pinned cache
   to a receiver process on GPU 1 vs a raw NCCL broadcast of one flat GPU buffer; and group
   setup+teardown time.
@@ -173,6 +174,11 @@ def bench_gpu(sizes_gib: list[float], bucket: int, repeats: int) -> dict[str, An
                        push_copy_gpu_vs_raw_h2d=h2d / max(best.staging_copy_seconds, 1e-9),
                        push_transfer_vs_raw_h2d=h2d / best.transfer_seconds,
                        push_wire_s=best.wire_seconds, push_transfer_s=best.transfer_seconds, raw_h2d_s=h2d)
+            progress(f"{size:g} GiB: host_pull push")
+            pull_plan = build_comm_plan((0, 0), {0: [(0, 0)]}, "host_pull")
+            pull, pull_reports = _sync_timed(cache, pull_plan, {0: same}, repeats)
+            row.update(host_pull_GBps=nbytes / pull / 1e9, host_pull_vs_raw_h2d=h2d / pull,
+                       host_pull_transfer_vs_raw_h2d=h2d / min(r.transfer_seconds for r in pull_reports))
             if other is not None:
                 progress(f"{size:g} GiB: raw NCCL broadcast")
                 bcast = raw_nccl_broadcast(other, nbytes, repeats)

@@ -180,7 +180,7 @@ def test_partial_state_apply_refuses_revert_restores(fake_nemo: tuple[Path, Path
 
 
 def test_real_series_shape() -> None:
-    """The shipped series: pinned name, numbered patches, the seam file, small (README: ~300 changed lines, 336 with
+    """The shipped series: pinned name, numbered patches, the seam file, small (README: ~300 changed lines, 337 with
     the setup() placement seam and the per-call sleep level, justified there)."""
     [series] = discover_series(DEFAULT_SERIES_ROOT)
     assert "7ea279abfbeb698b092856d0dab61e7cf39bc909".startswith(series.name)

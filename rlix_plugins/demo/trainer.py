@@ -84,7 +84,7 @@ class DemoTrainer:
 
         t0 = time.perf_counter()
         plan = build_comm_plan(self.sender, {dp: devs for dp, (_, devs) in targets.items()},
-                               same_gpu_transport="cpu_serialize")
+                               same_gpu_transport="host_pull")
         report = sync_engines(self.cache, plan, {dp: rpc for dp, (rpc, _) in targets.items()},
                               staging_device="cpu", backend="gloo", timeout_s=timeout_s, verify=verify)
         verified = {dp: min(int(w.get("received", 0)) for w in per) if per else 0

@@ -3,23 +3,25 @@
 NeMo RL's patched ``async_grpo_train`` (series ``patches/nemo-rl/7ea279a``) loads this class through the entry
 point when ``RLIX_CONTROL_PLANE=rlix`` and calls the hooks below with keywords, from the driver's main thread.
 One instance = one pipeline = one training run. NeMo RL never imports this module; this module imports nothing
-of NeMo RL.
+of NeMo RL. The contract is :class:`.hookspec.RLixHookSpec` (patch 0001 is generated from it; the seam checks this
+class against it when it registers it).
 
-Two modes, chosen at ``rlix_pipeline_start``:
+The hooks keep the bookkeeping (grants held, history, end at exit) and hand the work to a :class:`HookRuntime`,
+chosen at ``rlix_pipeline_start``:
 
-* **full** (a real ``VllmGeneration`` and ``Policy``: both hold a ``worker_group``): the shared pipeline runtime
-  (:mod:`rlix_plugins.pipeline`) through :class:`.runtime_adapter.NemoRuntime` - weights cached in the Megatron
-  or DTensor workers, partial sleep/wake of vLLM DP ranks, routing installed on ``policy_generation`` before it is pickled
-  into the collector, progress from the replay buffer, watchdog, planned shrink at the end.
-* **control-only** (anything else, e.g. NeMo RL's unit-test mocks): the GPU grants alone.
+* :class:`.runtime_adapter.NemoRuntime` (a real ``VllmGeneration`` and ``Policy``: both hold a ``worker_group``):
+  the shared pipeline runtime (:mod:`rlix_plugins.pipeline`) - weights cached in the Megatron or DTensor workers,
+  partial sleep/wake of vLLM DP ranks, routing installed on ``policy_generation`` before it is pickled into the
+  collector, progress from the replay buffer, watchdog, planned shrink at the end;
+* :class:`ControlOnlyRuntime` (anything else, e.g. NeMo RL's unit-test mocks): the GPU grants alone.
 
 ::
 
-    rlix_placement (setup()) → validate → pipeline id → shared per-GPU placement groups + worker name prefixes →
-                               register + hold INITIALIZATION of every GPU while setup() creates the workers
-    rlix_pipeline_start      → load + validate config & topology → connect → take over setup()'s registration and
-                               grant, or register/admit (full mode: through the runtime) (→ runtime.start(start_step):
-                               init phases under the setup grant, then released)
+    rlix_placement (setup()) → parse + validate config & topology → pipeline id → shared per-GPU placement groups +
+                               worker name prefixes → register + hold INITIALIZATION of every GPU while setup()
+                               creates the workers (:func:`.placement.take_setup` hands all of it to the loop)
+    rlix_pipeline_start      → take setup()'s grant (else parse + validate, and register) → runtime.register →
+                               runtime.start(start_step) (init phases under the setup grant, then released)
     on_trajectory_collector_created → (runtime: GENERATION; the first expand syncs real weights; progress thread)
     before_training(N)       → request ACTOR_TRAINING (blocks until granted; donors slept first)
     before_weight_sync(N)    → (runtime: CPU cache of version N + 1 while the parameters are on GPU)
@@ -27,15 +29,14 @@ Two modes, chosen at ``rlix_pipeline_start``:
     on_weight_version_published(N, v) → release ACTOR_TRAINING → return the step's ``rlix/`` metrics (NeMo RL logs
                                them with its training metrics: ``train/rlix/...``)
     before/after_checkpoint  → request / release ACTOR_TRAINING around policy.save_checkpoint
-    on_pipeline_end          → release a checkpoint grant → runtime: watchdog off, shrink to zero, unregister
-                               (control-only: release → unregister); also at interpreter exit
+    on_pipeline_end          → release a checkpoint grant → runtime.stop (full: watchdog off, shrink to zero;
+                               both: unregister); also at interpreter exit
 
-Version rule (DESIGN §3): the version published after step N is N + 1 (the version of the cache step N built,
-the same number the standalone loop would publish); never -1, never bumped twice. A run resumed at step k starts
-from version k (the loop's ``weight_version = step``).
+Version rule: :func:`rlix_plugins.pipeline.versions.version_after_step` (N + 1, the number the standalone loop
+would publish); never -1, never bumped twice. A run resumed at step k starts from version k.
 
 pluggy passes an implementation only the arguments it names WITHOUT a default: every hook parameter below has
-none (a defaulted one would silently receive its default; ``tests/nemo_rl/test_hook_contract.py``).
+none (the seam's ``register`` refuses a defaulted one; ``tests/nemo_rl/test_hook_contract.py``).
 """
 
 from __future__ import annotations
@@ -53,34 +54,121 @@ import pluggy
 from rlix_plugins.control.types import GENERATION_CLUSTER, TRAIN_CLUSTER, Priority
 from rlix_plugins.errors import RlixError
 from rlix_plugins.nemo_rl.config import RlixRunConfig, load_run_config
+from rlix_plugins.nemo_rl.hookspec import PROJECT_NAME
 from rlix_plugins.nemo_rl.topology import validate_topology
+from rlix_plugins.pipeline.versions import version_after_step
 
 logger = logging.getLogger(__name__)
 
-#: Must equal ``nemo_rl.algorithms.rlix_hooks.PROJECT_NAME`` of the patch series.
-PROJECT_NAME: Final = "nemo_rl_rlix"
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
+_RPC_S: Final = 60.0
 
 
-class PipelineRuntime(Protocol):
-    """Weight and generation work of a pipeline (:class:`.runtime_adapter.NemoRuntime`; None = control-only)."""
+class HookRuntime(Protocol):
+    """The work behind the hooks (:class:`.runtime_adapter.NemoRuntime`, :class:`ControlOnlyRuntime`). Methods named
+    after a hook take its arguments, under the same names."""
 
-    def register(self, cp: Any, held: Any) -> Any: ...
+    def register(self, cp: Any, held: Any) -> Any:
+        """Register the pipeline (or adopt ``held``, setup()'s registration holding INITIALIZATION); its handle."""
+        ...
+
     def start(self, master_config: Any, policy: Any, policy_generation: Any, start_step: int) -> None: ...
     def attach_collector(self, collector: Any, replay_buffer: Any) -> None: ...
-    def before_training(self, step: int) -> None: ...
-    def build_cache(self, step: int) -> None: ...
+
+    def before_training(self, step: int) -> list[int]:
+        """Block until ACTOR_TRAINING of ``step`` is granted; the GPUs granted."""
+        ...
+
+    def before_weight_sync(self, step: int) -> None: ...
     def after_training(self, step: int) -> int: ...
-    def on_published(self, step: int, version: int) -> None: ...
+
+    def on_weight_version_published(self, step: int, weight_version: int) -> None:
+        """Release the ACTOR_TRAINING grant of ``step``."""
+        ...
+
     def step_metrics(self, step: int) -> dict[str, float]: ...
     def before_checkpoint(self, step: int) -> None: ...
     def after_checkpoint(self, step: int) -> None: ...
-    def stop(self, error: str | None = None) -> None: ...
+
+    def stop(self, error: str | None = None) -> None:
+        """Release what the runtime holds and unregister the pipeline (as failed, with ``error`` as the reason,
+        when the run raised); raise what failed."""
+        ...
 
 
 def has_worker_surface(policy: Any, policy_generation: Any) -> bool:
     """A real ``Policy`` + ``VllmGeneration`` (their instance dicts hold a ``worker_group``); mocks do not."""
     return all("worker_group" in getattr(o, "__dict__", {}) for o in (policy, policy_generation))
+
+
+@final
+class ControlOnlyRuntime:
+    """The null runtime: GPU grants only (no weight cache, no fleet), for hosts without worker groups such as NeMo
+    RL's unit-test mocks. ``after_training`` offloads the policy and answers :func:`version_after_step`."""
+
+    def __init__(self, config: RlixRunConfig, policy: Any) -> None:
+        self.config = config
+        self.policy = policy
+        self.pipe: Any = None
+        self._holds_train = False
+
+    def register(self, cp: Any, held: Any) -> Any:
+        if held is not None:  # no init phases to run under setup()'s grant
+            held.release_gpus(GENERATION_CLUSTER, step=-1, timeout_s=_RPC_S)
+            self.pipe = held
+        else:
+            cfg = self.config
+            self.pipe = cp.register_pipeline(
+                cluster_tp_configs={TRAIN_CLUSTER: 1, GENERATION_CLUSTER: cfg.infer_tp},
+                cluster_device_mappings={TRAIN_CLUSTER: list(cfg.train_devices),
+                                         GENERATION_CLUSTER: list(cfg.infer_devices)},
+                pipeline_id=cfg.pipeline_id,
+            )
+        return self.pipe
+
+    def start(self, master_config: Any, policy: Any, policy_generation: Any, start_step: int) -> None:
+        """Nothing to start: no workers to prepare."""
+
+    def attach_collector(self, collector: Any, replay_buffer: Any) -> None:
+        """Nothing to attach: generation is NeMo RL's own."""
+
+    def before_training(self, step: int) -> list[int]:
+        gpus = self.pipe.request_gpus(TRAIN_CLUSTER, Priority.ACTOR_TRAINING, step=step,
+                                      timeout_s=self.config.runtime.request_timeout_s)
+        self._holds_train = True
+        return list(gpus)
+
+    def before_weight_sync(self, step: int) -> None:
+        """No weight cache to build."""
+
+    def after_training(self, step: int) -> int:
+        if self.policy is not None:
+            self.policy.offload_after_refit()
+        return version_after_step(step)
+
+    def on_weight_version_published(self, step: int, weight_version: int) -> None:
+        self._release(step)
+
+    def step_metrics(self, step: int) -> dict[str, float]:
+        return {}
+
+    def before_checkpoint(self, step: int) -> None:
+        """Nothing to restore: the hooks hold the checkpoint's grant."""
+
+    def after_checkpoint(self, step: int) -> None:
+        """Nothing to release but the hooks' grant."""
+
+    def stop(self, error: str | None = None) -> None:
+        self._release(None)
+        if error:
+            self.pipe.fail(f"the NeMo RL run failed: {error}")
+        else:
+            self.pipe.unregister("the NeMo RL run ended")
+
+    def _release(self, step: int | None) -> None:
+        if self._holds_train:
+            self.pipe.release_gpus(TRAIN_CLUSTER, step=step, timeout_s=_RPC_S)
+            self._holds_train = False
 
 
 @dataclass(frozen=True)
@@ -98,14 +186,13 @@ class HookEvent:
 class NemoRLHooks:
     """Hook implementation (see the module docstring). Called from the driver's main thread only."""
 
-    runtime: PipelineRuntime | None = None
+    #: The work behind the hooks; chosen by ``rlix_pipeline_start`` unless set before it (tests).
+    runtime: HookRuntime | None = None
     history: list[HookEvent] = field(default_factory=list)
     _config: RlixRunConfig | None = None
     _pipe: Any = None  # client.PipelineHandle
-    _policy: Any = None
-    _collector: Any = None
-    _holds_train: bool = False
-    _checkpoint_grant: bool = False
+    _holds_train: bool = False  # the step's ACTOR_TRAINING grant (the runtime requested it)
+    _checkpoint_grant: bool = False  # the hooks' own ACTOR_TRAINING grant around a checkpoint
     _train_wait_s: float = 0.0
     _ended: bool = False
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -117,16 +204,16 @@ class NemoRLHooks:
 
     @property
     def holds_training_gpus(self) -> bool:
-        return self._holds_train
+        return self._holds_train or self._checkpoint_grant
 
     def _record(self, name: str, step: int | None, gpus: list[int] | tuple[int, ...] = ()) -> None:
         self.history.append(HookEvent(name, step, time.time(), tuple(gpus)))
         logger.info("rlix %s: %s step=%s%s", self.pipeline_id, name, step, f" gpus={list(gpus)}" if gpus else "")
 
-    def _require_pipe(self, hook: str) -> Any:
-        if self._pipe is None:
+    def _started(self, hook: str) -> HookRuntime:
+        if self._pipe is None or self.runtime is None:
             raise RlixError(f"{hook} called before rlix_pipeline_start registered the pipeline (or after it ended)")
-        return self._pipe
+        return self.runtime
 
     # ------------------------------------------------------------------ hooks
     @hookimpl
@@ -134,7 +221,7 @@ class NemoRLHooks:
         """Call site: NeMo RL's ``setup()``, before any cluster or worker exists (patch 0002; the loader there
         builds its own instance, so this hook keeps no state). Answers the train / inference clusters over the
         shared per-GPU placement groups and the per-pipeline ``name_prefix`` keywords
-        (:func:`.placement.nemo_rl_placement`). Mutates: writes ``rlix.pipeline_id`` into ``master_config``.
+        (:func:`.placement.nemo_rl_placement`). Mutates nothing of NeMo RL.
         """
         from rlix_plugins.nemo_rl.placement import nemo_rl_placement
 
@@ -148,42 +235,35 @@ class NemoRLHooks:
         Blocks on: the control plane (connect, register, admit; bounded RPCs). Mutates nothing of NeMo RL.
         """
         from rlix_plugins.control import client
-        from rlix_plugins.nemo_rl.placement import take_setup_grant
+        from rlix_plugins.nemo_rl.placement import take_setup
 
         if self._pipe is not None:
             raise RlixError(f"pipeline {self.pipeline_id} is already started; one NemoRLHooks serves one run")
-        cfg = load_run_config(master_config)
-        validate_topology(master_config, cfg)  # before anything is registered (reference F10 gap)
-        if self.runtime is None and has_worker_surface(policy, policy_generation):
-            from rlix_plugins.nemo_rl.runtime_adapter import NemoRuntime
-
-            self.runtime = NemoRuntime(cfg)
-        cp = client.connect(cfg.ray_address)
-        held = take_setup_grant(cfg.pipeline_id)  # setup()'s registration, holding INITIALIZATION (or None)
-        if self.runtime is not None:
-            self._pipe = self.runtime.register(cp, held)  # registered (and at the end unregistered) by the runtime
-        elif held is not None:  # control-only: no init phases to run under the setup grant
-            held.release_gpus(GENERATION_CLUSTER, step=-1, timeout_s=60.0)
-            self._pipe = held
+        setup = take_setup(master_config)  # setup()'s parsed config + registration holding INITIALIZATION
+        if setup is None:
+            cfg, held = load_run_config(master_config), None
+            validate_topology(master_config, cfg)  # before anything is registered (reference F10 gap)
         else:
-            self._pipe = cp.register_pipeline(
-                cluster_tp_configs={TRAIN_CLUSTER: 1, GENERATION_CLUSTER: cfg.infer_tp},
-                cluster_device_mappings={TRAIN_CLUSTER: list(cfg.train_devices),
-                                         GENERATION_CLUSTER: list(cfg.infer_devices)},
-                pipeline_id=cfg.pipeline_id,
-            )
-        self._config, self._policy = cfg, policy
+            cfg, held = setup.config, setup.pipe
+        if self.runtime is None:
+            if has_worker_surface(policy, policy_generation):
+                from rlix_plugins.nemo_rl.runtime_adapter import NemoRuntime
+
+                self.runtime = NemoRuntime(cfg)
+            else:
+                self.runtime = ControlOnlyRuntime(cfg, policy)
+        self._pipe = self.runtime.register(client.connect(cfg.ray_address), held)  # unregistered by runtime.stop
+        self._config = cfg
         atexit.register(self._end_at_exit)
         self._record("registered", None, cfg.train_devices)
-        if self.runtime is not None:
-            try:
-                self.runtime.start(master_config, policy, policy_generation, start_step)
-            except BaseException as exc:
-                try:  # release and unregister; the start error is the one to report
-                    self._end("start_failed_ended")
-                except Exception as end_exc:
-                    exc.add_note(f"ending the pipeline after the failed start also failed: {end_exc}")
-                raise
+        try:
+            self.runtime.start(master_config, policy, policy_generation, start_step)
+        except BaseException as exc:
+            try:  # release and unregister; the start error is the one to report
+                self._end("start_failed_ended")
+            except Exception as end_exc:
+                exc.add_note(f"ending the pipeline after the failed start also failed: {end_exc}")
+            raise
 
     @hookimpl
     def on_trajectory_collector_created(self, collector: Any, replay_buffer: Any) -> None:
@@ -192,49 +272,38 @@ class NemoRLHooks:
         The runtime requests GENERATION here, syncs the first weights and starts reporting the replay buffer's
         progress to the scheduler. Mutates nothing of NeMo RL.
         """
-        self._require_pipe("on_trajectory_collector_created")
-        self._collector = collector
+        runtime = self._started("on_trajectory_collector_created")
         self._record("collector_created", None)
-        if self.runtime is not None:
-            self.runtime.attach_collector(collector, replay_buffer)
+        runtime.attach_collector(collector, replay_buffer)
 
     @hookimpl
     def before_training(self, step: int) -> None:
         """Call site: before ``policy.prepare_for_lp_inference`` of ``step``. Blocks until ACTOR_TRAINING is granted."""
+        runtime = self._started("before_training")
         t0 = time.perf_counter()
-        if self.runtime is None:
-            self._acquire_train(step, Priority.ACTOR_TRAINING, "train_granted")
-        else:
-            self._require_pipe("before_training")
-            self.runtime.before_training(step)  # the runtime requests (and later releases) the step's grant
-            self._holds_train = True
-            self._record("train_granted", step)
+        gpus = runtime.before_training(step)  # the runtime requests (and later releases) the step's grant
+        self._holds_train = True
         self._train_wait_s = time.perf_counter() - t0
+        self._record("train_granted", step, gpus)
 
     @hookimpl
     def before_weight_sync(self, step: int) -> None:
         """Call site: after ``policy.train`` of ``step``, parameters still on GPU, before any offload."""
-        self._require_pipe("before_weight_sync")
+        runtime = self._started("before_weight_sync")
         if not self._holds_train:
             raise RlixError(f"before_weight_sync(step={step}) without the training GPUs: before_training did not run")
         self._record("weights_on_gpu", step)
-        if self.runtime is not None:
-            self.runtime.build_cache(step)
+        runtime.before_weight_sync(step)
 
     @hookimpl
     def after_training(self, step: int) -> int:
-        """Call site: replaces the refit block of ``step``. Offloads training state; returns ``step + 1``.
+        """Call site: replaces the refit block of ``step``. Offloads training state; returns the version to publish
+        (:func:`version_after_step`).
 
         Blocks on: the offload (and the runtime's in-flight refresh of the active ranks). The training GPUs stay
         granted until :meth:`on_weight_version_published`.
         """
-        self._require_pipe("after_training")
-        if self.runtime is not None:
-            version = self.runtime.after_training(step)  # offload → NCCL teardown → in-flight refresh
-        else:
-            version = step + 1
-            if self._policy is not None:
-                self._policy.offload_after_refit()
+        version = self._started("after_training").after_training(step)
         self._record("offloaded", step)
         return version
 
@@ -242,36 +311,38 @@ class NemoRLHooks:
     def on_weight_version_published(self, step: int, weight_version: int) -> dict[str, float]:
         """Call site: after the collector received ``weight_version``. Releases ACTOR_TRAINING; returns the step's
         ``rlix/`` metrics, which the patched loop merges into the metrics it hands NeMo RL's logger."""
-        self._record("published", step, ())
-        if self.runtime is not None and self._holds_train:
-            self.runtime.on_published(step, weight_version)  # releases ACTOR_TRAINING
+        runtime = self._started("on_weight_version_published")
+        self._record("published", step)
+        if self._holds_train:
+            runtime.on_weight_version_published(step, weight_version)  # releases ACTOR_TRAINING
             self._holds_train = False
             self._record("train_released", step)
-        else:
-            self._release_train(step, "train_released")
         metrics = {"rlix/published_version": float(weight_version), "rlix/wait_train_grant_s": self._train_wait_s}
-        if self.runtime is not None:
-            try:
-                metrics.update(self.runtime.step_metrics(step))
-            except Exception as exc:  # figures for the logger must never fail the run
-                logger.warning("rlix %s: step %s metrics: %s", self.pipeline_id, step, exc)
+        try:
+            metrics.update(runtime.step_metrics(step))
+        except Exception as exc:  # figures for the logger must never fail the run
+            logger.warning("rlix %s: step %s metrics: %s", self.pipeline_id, step, exc)
         return metrics
 
     @hookimpl
     def before_checkpoint(self, step: int) -> None:
         """Call site: before ``policy.save_checkpoint`` (it runs on the training workers). Blocks for the GPUs."""
-        self._acquire_train(step, Priority.ACTOR_TRAINING, "checkpoint_granted")
-        self._checkpoint_grant = True
-        if self.runtime is not None:
-            self.runtime.before_checkpoint(step)  # the offloaded workers' communication groups come back first
+        runtime = self._started("before_checkpoint")
+        if not self.holds_training_gpus:
+            assert self._config is not None  # set with the pipe
+            gpus = self._pipe.request_gpus(TRAIN_CLUSTER, Priority.ACTOR_TRAINING, step=step,
+                                           timeout_s=self._config.runtime.request_timeout_s)
+            self._checkpoint_grant = True
+            self._record("checkpoint_granted", step, gpus)
+        runtime.before_checkpoint(step)  # the offloaded workers' communication groups come back first
 
     @hookimpl
     def after_checkpoint(self, step: int) -> None:
         """Call site: after ``policy.save_checkpoint`` returned."""
-        if self.runtime is not None and self._checkpoint_grant:
-            self.runtime.after_checkpoint(step)
-        self._release_train(step, "checkpoint_released")
-        self._checkpoint_grant = False
+        runtime = self._started("after_checkpoint")
+        if self._checkpoint_grant:
+            runtime.after_checkpoint(step)
+            self._release_checkpoint_grant(step)
 
     @hookimpl
     def on_pipeline_end(self) -> None:
@@ -283,40 +354,23 @@ class NemoRLHooks:
         self._end("ended", error=None if failure is None else f"{type(failure).__name__}: {failure}"[:500])
 
     # ------------------------------------------------------------------ internals
-    def _acquire_train(self, step: int, priority: Priority, event: str) -> None:
-        pipe = self._require_pipe(event)
-        if self._holds_train:
-            return
-        assert self._config is not None
-        gpus = pipe.request_gpus(TRAIN_CLUSTER, priority, step=step, timeout_s=self._config.request_timeout_s)
-        self._holds_train = True
-        self._record(event, step, gpus)
-
-    def _release_train(self, step: int | None, event: str) -> None:
-        pipe = self._require_pipe(event)
-        if not self._holds_train:
-            return
-        gpus = pipe.release_gpus(TRAIN_CLUSTER, step=step, timeout_s=60.0)
-        self._holds_train = False
-        self._record(event, step, gpus)
+    def _release_checkpoint_grant(self, step: int | None) -> None:
+        gpus = self._pipe.release_gpus(TRAIN_CLUSTER, step=step, timeout_s=_RPC_S)
+        self._checkpoint_grant = False
+        self._record("checkpoint_released", step, gpus)
 
     def _end(self, event: str, error: str | None = None) -> None:
         with self._lock:
-            if self._ended or self._pipe is None:
+            if self._ended or self._pipe is None or self.runtime is None:
                 return
             self._ended = True
-        # A grant the hooks took themselves (checkpoint, or control-only) goes first, while still registered; the
-        # runtime then releases its own step grant, shrinks to zero and unregisters; control-only unregisters here.
+        # The hooks' own grant goes first, while still registered; the runtime then releases its step grant,
+        # (full) shrinks to zero, and unregisters.
         steps: list[tuple[str, Any]] = []
-        if self._checkpoint_grant or self.runtime is None:
-            steps.append((f"release {TRAIN_CLUSTER}", lambda: self._release_train(None, "train_released")))
-        runtime, pipe = self.runtime, self._pipe
-        if runtime is not None:
-            steps.append(("runtime.stop", lambda: runtime.stop(error=error)))
-        elif error:
-            steps.append(("unregister", lambda: pipe.fail(f"the NeMo RL run failed: {error}")))
-        else:
-            steps.append(("unregister", lambda: pipe.unregister("the NeMo RL run ended")))
+        if self._checkpoint_grant:
+            steps.append((f"release {TRAIN_CLUSTER}", lambda: self._release_checkpoint_grant(None)))
+        runtime = self.runtime
+        steps.append(("runtime.stop", lambda: runtime.stop(error=error)))
         errors: list[str] = []
         for what, fn in steps:
             try:
@@ -335,5 +389,4 @@ class NemoRLHooks:
         try:
             self._end("ended_at_exit")
         except Exception as exc:
-            logger.warning("rlix: could not unregister the pipeline at exit: %s", exc)
-
+            logger.warning("rlix %s: could not unregister the pipeline at exit: %s", self.pipeline_id, exc)

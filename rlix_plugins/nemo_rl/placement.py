@@ -17,13 +17,15 @@ surface its worker groups read.
 * :func:`nemo_rl_placement` - what the ``rlix_placement`` hook answers NeMo RL's patched ``setup()`` (patch 0002):
   the train adapter (one group per ``rlix.train_devices`` GPU, in order: Megatron rank i on GPU i), the inference
   adapter (one per ``rlix.infer_devices`` GPU: vLLM DP rank r on ``infer_devices[r]``) and the ``name_prefix``
-  keywords of ``Policy`` / ``VllmGeneration``. It fixes the pipeline id here (``rlix.pipeline_id`` or a fresh one,
-  written back into the config) so the names and the registration agree.
+  keywords of ``Policy`` / ``VllmGeneration``. It fixes the pipeline id here (``rlix.pipeline_id`` or a fresh one)
+  so the names and the registration agree.
 * The setup grant: before answering, :func:`nemo_rl_placement` registers the pipeline and blocks until it holds
   INITIALIZATION of its inference cluster (every GPU it uses: training ⊂ inference), so setup() creates its
-  Megatron and vLLM workers only while no other pipeline initialises on those GPUs. The handle waits in this
-  process for ``rlix_pipeline_start`` (another hook instance: setup() and the loop each load the hooks) to
-  :func:`take_setup_grant` it; the runtime's init phases run under the grant and release it (``PipelineRuntime.start(
+  Megatron and vLLM workers only while no other pipeline initialises on those GPUs. A :class:`SetupGrant` (the
+  parsed config with the pipeline id, and the registration) waits in this process for ``rlix_pipeline_start``
+  (another hook instance: setup() and the loop each load the hooks) to :func:`take_setup` it with the master
+  config setup() was given (NeMo RL's setup() returns that object, and the loop gets it); NeMo RL's config is
+  never written. The runtime's init phases run under the grant and release it (``PipelineRuntime.start(
   init_held=True)``). Never taken (setup() failed, or the loop never ran): released and unregistered at exit.
 
 Limits (clear errors): vLLM TP 1 only (a TP group needs one multi-bundle placement group, NeMo RL's tied-worker
@@ -33,20 +35,26 @@ layout), one node (the pool keys groups by node-local GPU id). Not proven on GPU
 from __future__ import annotations
 
 import atexit
-import contextlib
+import dataclasses
+import logging
 import socket
 import threading
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rlix_plugins.control._rpc import ray_get
-from rlix_plugins.errors import RlixConfigError
+from rlix_plugins.errors import RlixConfigError, RlixError
 
-__all__ = ["GpuPlacementPool", "VirtualClusterAdapter", "nemo_rl_placement", "placement_pool", "take_setup_grant",
-           "worker_name_prefix"]
+if TYPE_CHECKING:
+    from rlix_plugins.nemo_rl.config import RlixRunConfig
+
+__all__ = ["GpuPlacementPool", "SetupGrant", "VirtualClusterAdapter", "nemo_rl_placement", "placement_pool",
+           "take_setup", "worker_name_prefix"]
+
+logger = logging.getLogger(__name__)
 
 POOL_NAME: Final = "rlix:placement"
 _NAMESPACE: Final = "rlix"
@@ -172,41 +180,72 @@ class VirtualClusterAdapter:
         return True  # the pool owns the placement groups; they outlive any one pipeline
 
 
-#: Pipelines whose setup() holds INITIALIZATION and that no ``rlix_pipeline_start`` took over yet (id -> handle).
-_SETUP_GRANTS: dict[str, Any] = {}
+@dataclasses.dataclass(frozen=True)
+class SetupGrant:
+    """What setup()'s placement hands the loop's hooks (see the module docstring)."""
+
+    #: The object setup() was given; the loop's ``rlix_pipeline_start`` finds its grant by it (identity).
+    master_config: Any
+    #: The ``rlix`` section, parsed and validated once, with the pipeline id fixed.
+    config: RlixRunConfig
+    #: The registration (``client.PipelineHandle``), holding INITIALIZATION of every GPU of the pipeline.
+    pipe: Any
+
+
+#: Setup grants no ``rlix_pipeline_start`` took over yet (pipeline id -> grant).
+_SETUP_GRANTS: dict[str, SetupGrant] = {}
 _SETUP_LOCK = threading.Lock()
 
 
-def _hold_setup_grant(cp: Any, cfg: Any, pipeline_id: str) -> None:
-    """Register ``pipeline_id`` and block until it holds INITIALIZATION of its inference cluster (all its GPUs)."""
+def _hold_setup_grant(cp: Any, master_config: Any, cfg: RlixRunConfig) -> None:
+    """Register the pipeline and block until it holds INITIALIZATION of its inference cluster (all its GPUs)."""
     from rlix_plugins.control.types import GENERATION_CLUSTER, TRAIN_CLUSTER, Priority
 
+    assert cfg.pipeline_id is not None  # fixed by nemo_rl_placement
     pipe = cp.register_pipeline({TRAIN_CLUSTER: 1, GENERATION_CLUSTER: cfg.infer_tp},
                                 {TRAIN_CLUSTER: list(cfg.train_devices), GENERATION_CLUSTER: list(cfg.infer_devices)},
-                                pipeline_id=pipeline_id)
+                                pipeline_id=cfg.pipeline_id)
     try:
-        pipe.request_gpus(GENERATION_CLUSTER, Priority.INITIALIZATION, step=-1, timeout_s=cfg.init_timeout_s)
-    except BaseException:
-        with contextlib.suppress(Exception):
+        pipe.request_gpus(GENERATION_CLUSTER, Priority.INITIALIZATION, step=-1, timeout_s=cfg.runtime.init_timeout_s)
+    except BaseException as exc:
+        try:
             pipe.unregister("setup() did not get its GPUs for worker creation")
+        except Exception as unregister_exc:
+            exc.add_note(f"unregistering pipeline {cfg.pipeline_id} also failed: {unregister_exc}")
         raise
     with _SETUP_LOCK:
-        _SETUP_GRANTS[pipeline_id] = pipe
-    atexit.register(_end_untaken_setup_grant, pipeline_id)
+        _SETUP_GRANTS[cfg.pipeline_id] = SetupGrant(master_config, cfg, pipe)
+    atexit.register(_end_untaken_setup_grant, cfg.pipeline_id)
 
 
-def take_setup_grant(pipeline_id: str | None) -> Any:
-    """The handle of ``pipeline_id`` that setup() registered in this process, holding INITIALIZATION of its
-    inference cluster (the taker releases it); None when setup() did not (e.g. NeMo RL's own clusters)."""
+def take_setup(master_config: Any) -> SetupGrant | None:
+    """The grant setup() left in this process for ``master_config`` (the same object, or a copy naming the same
+    ``rlix.pipeline_id``); the taker releases its INITIALIZATION. None when setup() placed nothing (NeMo RL's own
+    clusters, or a test calling the loop's hooks alone)."""
+    from rlix_plugins.nemo_rl.config import cfg_path
+
+    fixed = cfg_path(master_config, "rlix.pipeline_id")
     with _SETUP_LOCK:
-        return _SETUP_GRANTS.pop(pipeline_id, None) if pipeline_id else None
+        for pid, grant in _SETUP_GRANTS.items():
+            if grant.master_config is master_config or pid == fixed:
+                return _SETUP_GRANTS.pop(pid)
+        pending = sorted(_SETUP_GRANTS)
+    if pending:
+        raise RlixError(
+            f"setup() registered pipeline(s) {pending} for another master config object; pass async_grpo_train the "
+            "master_config setup() returned, or fix the id with ++rlix.pipeline_id=<id>"
+        )
+    return None
 
 
 def _end_untaken_setup_grant(pipeline_id: str) -> None:
-    pipe = take_setup_grant(pipeline_id)
-    if pipe is not None:
-        with contextlib.suppress(Exception):  # interpreter exit: the control plane may be gone already
-            pipe.unregister("setup() ended without the training loop taking over its GPUs")
+    with _SETUP_LOCK:
+        grant = _SETUP_GRANTS.pop(pipeline_id, None)
+    if grant is not None:
+        try:
+            grant.pipe.unregister("setup() ended without the training loop taking over its GPUs")
+        except Exception as exc:  # interpreter exit: the control plane may be gone already
+            logger.warning("rlix %s: could not unregister the untaken setup grant at exit: %s", pipeline_id, exc)
 
 
 def nemo_rl_placement(master_config: Any) -> tuple[VirtualClusterAdapter, VirtualClusterAdapter, dict[str, Any],
@@ -218,7 +257,7 @@ def nemo_rl_placement(master_config: Any) -> tuple[VirtualClusterAdapter, Virtua
     pipeline uses, see the module docstring) and the pool (group creation); both bounded by ``rlix.init_timeout_s``.
     """
     from rlix_plugins.control import client
-    from rlix_plugins.nemo_rl.config import load_run_config, remember_pipeline_id
+    from rlix_plugins.nemo_rl.config import load_run_config
     from rlix_plugins.nemo_rl.topology import validate_topology
 
     cfg = load_run_config(master_config)
@@ -230,13 +269,13 @@ def nemo_rl_placement(master_config: Any) -> tuple[VirtualClusterAdapter, Virtua
         )
     cp = client.connect(cfg.ray_address)
     pid = cfg.pipeline_id or cp.allocate_pipeline_id()
-    remember_pipeline_id(master_config, pid)  # rlix_pipeline_start registers under the same id
+    cfg = dataclasses.replace(cfg, pipeline_id=pid)
     gpus = sorted(set(cfg.train_devices) | set(cfg.infer_devices))
     pool, dead = placement_pool(), "the placement pool actor died; `rlix down` and start again"
-    groups = ray_get(pool.groups.remote(gpus), f"shared placement groups of GPUs {gpus}", cfg.init_timeout_s,
+    groups = ray_get(pool.groups.remote(gpus), f"shared placement groups of GPUs {gpus}", cfg.runtime.init_timeout_s,
                      dead=dead)
     per_gpu = int(ray_get(pool.worker_groups_per_gpu.remote(), "pool.worker_groups_per_gpu", 60.0, dead=dead))
-    _hold_setup_grant(cp, cfg, pid)  # last: NeMo RL creates the workers right after this returns
+    _hold_setup_grant(cp, master_config, cfg)  # last: NeMo RL creates the workers right after this returns
     train = VirtualClusterAdapter([groups[g] for g in cfg.train_devices], max_colocated_worker_groups=per_gpu,
                                   name=f"{pid}-train")
     infer = VirtualClusterAdapter([groups[g] for g in cfg.infer_devices], max_colocated_worker_groups=per_gpu,

@@ -27,12 +27,13 @@ from typing import Any, Final
 from rlix_plugins.errors import RlixConfigError
 from rlix_plugins.nemo_rl.config import DEFAULT_BUCKET_SIZE_BYTES, cfg_path, load_run_config
 from rlix_plugins.nemo_rl.topology import topology_problems, training_parallel_size
+from rlix_plugins.pipeline.config import RuntimeConfig
 
 __all__ = ["Overlay", "PipelineLayout", "layout", "load_stock", "make_overlays", "run_cli", "write_overlays"]
 
 #: The vLLM worker class that carries the weight receiver (``rlix_plugins.vllm.nemo_rl_vllm_kwargs()``).
 _WORKER_CLS: Final = "rlix_plugins.vllm.gpu_worker.RlixGPUWorker"
-_SLEEP_LEVEL: Final = 2
+_SLEEP_LEVEL: Final = RuntimeConfig.sleep_level  # the runtime's default, declared there
 
 
 # ---------------------------------------------------------------- NeMo RL's config inheritance, reimplemented

@@ -39,7 +39,6 @@ from rlix_plugins.nemo_rl.config import RlixRunConfig, cfg_path
 from rlix_plugins.nemo_rl.generation import NemoVllmFleet, install_routing
 from rlix_plugins.nemo_rl.weights import PolicyWeightSource
 from rlix_plugins.pipeline.publisher import CollectorPublisher
-from rlix_plugins.pipeline.versions import published_version
 
 __all__ = ["CollectorPublisher", "NemoRuntime"]
 
@@ -48,7 +47,8 @@ _PROGRESS_PERIOD_S: Final = 1.0
 
 
 class NemoRuntime:
-    """See the module docstring. One per pipeline (driver process)."""
+    """See the module docstring. One per pipeline (driver process); a :class:`.hooks.HookRuntime`. The weight
+    versions are the shared runtime's (``rt.versions``): this class reads them, never keeps its own."""
 
     def __init__(self, config: RlixRunConfig) -> None:
         self.config = config
@@ -56,7 +56,6 @@ class NemoRuntime:
         self.weights: PolicyWeightSource | None = None
         self.policy: Any = None
         self.step_target = 1
-        self._version = 0
         self._stop = threading.Event()
         self._progress: threading.Thread | None = None
         self.progress_reports: list[tuple[int, int]] = []  # (version, collected) sent
@@ -73,10 +72,10 @@ class NemoRuntime:
 
         cfg = self.config
         if held is not None:
-            self.rt, self._init_held = PipelineRuntime(held, cfg.runtime_config()), True
+            self.rt, self._init_held = PipelineRuntime(held, cfg.runtime), True
         else:
             self.rt = PipelineRuntime.register(cp, list(cfg.train_devices), list(cfg.infer_devices),
-                                               infer_tp=cfg.infer_tp, config=cfg.runtime_config(),
+                                               infer_tp=cfg.infer_tp, config=cfg.runtime,
                                                pipeline_id=cfg.pipeline_id)
         return self.rt.pipe
 
@@ -99,12 +98,11 @@ class NemoRuntime:
         assert self.weights is not None
         self.policy.offload_after_refit()
         self.weights.mark_offloaded(True)
-        self.weights.release_comm_groups(self.config.sync_timeout_s)
+        self.weights.release_comm_groups(self.config.runtime.sync_timeout_s)
 
     def attach_collector(self, collector: Any, replay_buffer: Any) -> None:
         self._collector = collector
-        self._version = published_version(self.rt.cache_version)  # progress counts toward the start version first
-        self.rt.attach_collector(CollectorPublisher(collector))
+        self.rt.attach_collector(CollectorPublisher(collector))  # publishes the start version first
         self._progress = threading.Thread(target=self._report_progress,
                                           args=(replay_buffer, self.rt.progress_reporter()), daemon=True,
                                           name=f"rlix-progress-{self.rt.pipeline_id}")
@@ -114,7 +112,7 @@ class NemoRuntime:
         last: tuple[int, int] | None = None
         while not self._stop.wait(_PROGRESS_PERIOD_S):
             try:
-                version = self._version
+                version = self.rt.versions.published
                 n = int(ray_get(replay_buffer.__ray_call__.remote(worker_ops.count_intended_for, version),
                                 "replay_buffer.count_intended_for", 10.0, dead="the replay buffer died"))
                 if last is None or (version, n) != last:
@@ -124,11 +122,12 @@ class NemoRuntime:
             except Exception as exc:  # progress must never kill the run
                 logger.warning("rlix progress: %s", exc)
 
-    def before_training(self, step: int) -> None:
+    def before_training(self, step: int) -> list[int]:
         assert self.weights is not None
-        self.rt.before_training(step)
-        self.weights.restore_comm_groups(self.config.sync_timeout_s)
+        gpus = self.rt.before_training(step)
+        self.weights.restore_comm_groups(self.config.runtime.sync_timeout_s)
         self.weights.mark_offloaded(False)
+        return list(gpus)
 
     def _kill_collector(self) -> None:
         if self._collector is not None:
@@ -137,21 +136,20 @@ class NemoRuntime:
     def before_checkpoint(self, step: int) -> None:
         """The save runs on the training workers (grant held by the hooks): rebuild their communication groups."""
         assert self.weights is not None
-        self.weights.restore_comm_groups(self.config.sync_timeout_s)
+        self.weights.restore_comm_groups(self.config.runtime.sync_timeout_s)
 
     def after_checkpoint(self, step: int) -> None:
         assert self.weights is not None
-        self.weights.release_comm_groups(self.config.sync_timeout_s)
+        self.weights.release_comm_groups(self.config.runtime.sync_timeout_s)
 
-    def build_cache(self, step: int) -> None:
+    def before_weight_sync(self, step: int) -> None:
         self.rt.before_weight_sync(step)
 
     def after_training(self, step: int) -> int:
-        return int(self.rt.after_training(step, offload=self._offload))
+        return self.rt.after_training(step, offload=self._offload)
 
-    def on_published(self, step: int, version: int) -> None:
-        self._version = version
-        self.rt.on_published(step, version)
+    def on_weight_version_published(self, step: int, weight_version: int) -> None:
+        self.rt.on_published(step, weight_version)
 
     def step_metrics(self, step: int) -> dict[str, float]:
         """The ``rlix/`` figures of ``step`` (since the previous call): expands (ranks woken + synced, their

@@ -134,9 +134,9 @@ def topology_problems(master_config: Any, run: RlixRunConfig) -> list[str]:
         problems.append("set loss_fn.use_importance_sampling_correction=true (trajectories generated with older "
                         "weights must be corrected)")
     level = cfg_path(master_config, "policy.generation.vllm_cfg.sleep_level")
-    if level is not None and int(level) != run.sleep_level:
+    if level is not None and int(level) != run.runtime.sleep_level:
         problems.append(f"policy.generation.vllm_cfg.sleep_level={level} differs from rlix.sleep_level="
-                        f"{run.sleep_level}: set both to the same value, or drop vllm_cfg.sleep_level (shrinks use "
+                        f"{run.runtime.sleep_level}: set both to the same value, or drop vllm_cfg.sleep_level (shrinks use "
                         "rlix.sleep_level)")
     return problems
 

@@ -160,7 +160,7 @@ def mark_offloaded(worker: Any, offloaded: bool) -> None:
 def sync_from_cache(worker: Any, targets: dict[int, tuple[Any, list[tuple[int, int]]]],
                     sender: tuple[int, int], timeout_s: float, verify: bool, backend: str | None = None) -> Any:
     """On the owner: push the cache to ``targets`` (dp rank -> (EngineRpc, devices)) - same-GPU targets by
-    cuda_ipc (cpu_serialize without CUDA), others by a per-sync broadcast group. Returns a ``SyncResult``.
+    host_pull (they copy from the cache's shared pinned pages), others by a per-sync broadcast group. Returns a ``SyncResult``.
     The same for every trainer: the cache holds HF-named tensors whichever workers built it."""
     import torch
 
@@ -173,8 +173,7 @@ def sync_from_cache(worker: Any, targets: dict[int, tuple[Any, list[tuple[int, i
         raise RuntimeError("sync_from_cache must run on the cache owner after build_cache")
     on_gpu = torch.cuda.is_available()
     t0 = time.perf_counter()
-    plan = build_comm_plan(sender, {dp: devs for dp, (_, devs) in targets.items()},
-                           same_gpu_transport="cuda_ipc" if on_gpu else "cpu_serialize")
+    plan = build_comm_plan(sender, {dp: devs for dp, (_, devs) in targets.items()}, same_gpu_transport="host_pull")
     report = sync_engines(cache, plan, {dp: rpc for dp, (rpc, _) in targets.items()},
                           staging_device="cuda" if on_gpu else "cpu", backend=backend or ("nccl" if on_gpu else "gloo"),
                           timeout_s=timeout_s, verify=verify)

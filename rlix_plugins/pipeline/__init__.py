@@ -19,8 +19,9 @@ Public API
 * Resizing (:mod:`.resizer`): :class:`FleetResizer` actor ``rlix:resizer:<pid>``, the coordinator's resize
   handler: shrink = unroute → abort → drain → sleep → memory check; expand = wake → sync → finalize → verify →
   publish (no bump) → route, atomic; ``refresh_active`` = in-flight sync of the active ranks.
-* Versions (:mod:`.versions`): ``BOOTSTRAP_VERSION`` -1, ``cache_version_after_step(N) = N + 1``,
-  ``published_version(v) = max(v, 0)``, ``check_no_double_bump``.
+* Versions (:mod:`.versions`): :class:`VersionLedger` (the runtime's ``versions``: cache and published version,
+  one writer), ``BOOTSTRAP_VERSION`` -1, ``version_after_step(N) = N + 1`` (the rule, once; NeMo RL's seam holds a
+  generated copy), ``published_version(v) = max(v, 0)``, ``check_no_double_bump``.
 * :class:`RuntimeConfig` (:mod:`.config`): sleep level (2, or 1), post-sleep memory limit, every timeout.
 
 How a host plugs in (NeMo RL, issue 6; the demo host in :mod:`rlix_plugins.demo` is the worked example)
@@ -47,6 +48,9 @@ process; with the coordinator they die with it, and the scheduler then frees the
 
 from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from rlix_plugins.pipeline.config import RuntimeConfig
 from rlix_plugins.pipeline.protocols import (
     RolloutFleet,
@@ -55,16 +59,35 @@ from rlix_plugins.pipeline.protocols import (
     VersionPublisher,
     WeightSource,
 )
-from rlix_plugins.pipeline.publisher import CollectorPublisher
-from rlix_plugins.pipeline.resizer import FleetResizer, resizer_name
-from rlix_plugins.pipeline.router import RolloutRouter, RouterClient, router_name
-from rlix_plugins.pipeline.runtime import PipelineRuntime, ProgressReporter
 from rlix_plugins.pipeline.versions import (
     BOOTSTRAP_VERSION,
+    VersionLedger,
     cache_version_after_step,
     check_no_double_bump,
     published_version,
+    version_after_step,
 )
+
+if TYPE_CHECKING:
+    from rlix_plugins.pipeline.publisher import CollectorPublisher
+    from rlix_plugins.pipeline.resizer import FleetResizer, resizer_name
+    from rlix_plugins.pipeline.router import RolloutRouter, RouterClient, router_name
+    from rlix_plugins.pipeline.runtime import PipelineRuntime, ProgressReporter
+
+# Imported on first use: they import Ray, and the config, the seams and the version rules must not (the hook
+# implementation imports them in interpreters without Ray, e.g. NeMo RL's loader resolving the entry point).
+_RAY_MODULES = {
+    "CollectorPublisher": "publisher", "FleetResizer": "resizer", "resizer_name": "resizer",
+    "RolloutRouter": "router", "RouterClient": "router", "router_name": "router",
+    "PipelineRuntime": "runtime", "ProgressReporter": "runtime",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _RAY_MODULES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_RAY_MODULES[name]}"), name)
+
 
 __all__ = [
     "BOOTSTRAP_VERSION",
@@ -78,6 +101,7 @@ __all__ = [
     "RuntimeConfig",
     "ShardPreemptedError",
     "SyncResult",
+    "VersionLedger",
     "VersionPublisher",
     "WeightSource",
     "cache_version_after_step",
@@ -85,4 +109,5 @@ __all__ = [
     "published_version",
     "resizer_name",
     "router_name",
+    "version_after_step",
 ]

@@ -43,16 +43,27 @@ class RuntimeConfig:
     verify: bool = True
 
     def __post_init__(self) -> None:
-        if self.sleep_level not in SLEEP_LEVELS:
-            raise RlixConfigError(f"sleep_level={self.sleep_level!r} must be one of {SLEEP_LEVELS} (rlix.sleep_level)")
-        if self.post_sleep_max_bytes is not None and self.post_sleep_max_bytes <= 0:
-            raise RlixConfigError(f"post_sleep_max_bytes={self.post_sleep_max_bytes!r} must be > 0 or None")
+        # Every message starts with the field's name (``load_run_config`` prefixes NeMo RL's section, ``rlix.``).
+        if self.sleep_level not in SLEEP_LEVELS or isinstance(self.sleep_level, bool):
+            raise RlixConfigError(f"sleep_level={self.sleep_level!r} must be one of {SLEEP_LEVELS} (2 frees weights "
+                                  "and KV cache)")
+        if self.post_sleep_max_bytes is not None and (not _is_int(self.post_sleep_max_bytes)
+                                                      or self.post_sleep_max_bytes <= 0):
+            raise RlixConfigError(f"post_sleep_max_bytes={self.post_sleep_max_bytes!r} must be an int > 0 or None")
         for f in fields(self):
             if f.name.endswith("_s"):
                 value = getattr(self, f.name)
-                if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-                    raise RlixConfigError(f"RuntimeConfig.{f.name}={value!r} must be a positive number of seconds")
-        if not isinstance(self.step_target_estimate, int) or self.step_target_estimate < 1:
+                if isinstance(value, bool) or not (isinstance(value, int | float) and math.isfinite(value)
+                                                   and value > 0):
+                    raise RlixConfigError(f"{f.name}={value!r} must be a positive number of seconds")
+        if not _is_int(self.step_target_estimate) or self.step_target_estimate < 1:
             raise RlixConfigError(f"step_target_estimate={self.step_target_estimate!r} must be an int >= 1 (debug #27)")
-        if self.max_route_attempts is not None and self.max_route_attempts < 1:
-            raise RlixConfigError(f"max_route_attempts={self.max_route_attempts!r} must be >= 1 or None")
+        if self.max_route_attempts is not None and (not _is_int(self.max_route_attempts)
+                                                    or self.max_route_attempts < 1):
+            raise RlixConfigError(f"max_route_attempts={self.max_route_attempts!r} must be an int >= 1 or None")
+        if not isinstance(self.verify, bool):
+            raise RlixConfigError(f"verify={self.verify!r} must be true or false")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -30,7 +30,8 @@ from rlix_plugins.control._rpc import ray_get
 from rlix_plugins.errors import RlixError, RlixTimeoutError, SchedulerError, WeightVerificationError
 from rlix_plugins.pipeline.config import RuntimeConfig
 from rlix_plugins.pipeline.protocols import RolloutFleet, SyncResult, VersionPublisher, WeightSource
-from rlix_plugins.pipeline.versions import published_version
+from rlix_plugins.pipeline.versions import VersionLedger, published_version
+from rlix_plugins.transport import wait_all
 
 __all__ = ["FleetResizer", "resizer_name"]
 
@@ -52,7 +53,7 @@ class FleetResizer:
         self._router = router
         self._cfg = config
         self._publisher: VersionPublisher | None = None
-        self._version: int | None = None  # the published version (None until the runtime sets it)
+        self._versions = VersionLedger()  # read-only here: the ledger the runtime sent last (set_versions)
         self._op_lock = threading.Lock()
         self._state = threading.Lock()
         self._dirty: set[int] = set()
@@ -65,10 +66,11 @@ class FleetResizer:
     def set_publisher(self, publisher: VersionPublisher) -> None:
         self._publisher = publisher
 
-    def set_version(self, version: int) -> None:
-        """The version generation serves from now on (set by the runtime after it published it)."""
+    def set_versions(self, versions: VersionLedger) -> None:
+        """The runtime's ledger after it changed (collector attached; after a step, inside the resize lock): every
+        later expand publishes its ``published`` version."""
         with self._state:
-            self._version = version
+            self._versions = versions
 
     def history(self, since: int = 0) -> list[dict[str, Any]]:
         with self._state:
@@ -160,12 +162,15 @@ class FleetResizer:
         # Never route to a rank before its weights are verified: it may serve dummy, stale or half-loaded weights.
         self._router_call("deactivate", ranks)
         try:
+            if cfg.sleep_level == 1:  # the sync overwrites the weights right after the wake: never restore the old ones
+                wait_all({r: self._fleet.engine_rpc(r).call("rlix_discard_weight_backup", ()) for r in ranks},
+                         cfg.drain_timeout_s, f"discarding the level-1 weight copy of dp ranks {ranks}")
             self._fleet.wake_up(ranks, None, cfg.drain_timeout_s)
             t_wake = time.perf_counter()
             result = self._sync(ranks)
             t_sync = time.perf_counter()
             with self._state:
-                version = self._version
+                version = self._versions.published
             if version is None:
                 version = published_version(result.version)
             if self._publisher is not None:
@@ -211,12 +216,16 @@ class FleetResizer:
                                 verified_params=result.verified_params, payload_bytes=result.payload_bytes)
 
     def prewarm_and_sleep(self, ranks: list[int]) -> dict[str, Any]:
-        """Start-up: wake and sleep every rank once while the pipeline holds its inference GPUs (debug #68)."""
+        """Start-up: wake, sync the start-up cache and sleep every rank once while the pipeline holds its inference
+        GPUs (debug #68). The sync pays what a first sync pays once per engine (mapping and pinning the cache's
+        pages, first kernels, the loader's first call) here instead of in the pipeline's first expand."""
         with self._exclusive("prewarm"):
             cfg = self._cfg
             t0 = time.perf_counter()
             self._fleet.wake_up(ranks, None, cfg.drain_timeout_s)
+            warm = self._sync(ranks)
             self._fleet.sleep(ranks, cfg.sleep_level, cfg.drain_timeout_s)
             after = self._fleet.memory_in_use(ranks, cfg.drain_timeout_s)
-            return self._record(op="prewarm", ranks=ranks, seconds=time.perf_counter() - t0, memory_after=after)
+            return self._record(op="prewarm", ranks=ranks, seconds=time.perf_counter() - t0, memory_after=after,
+                                sync_s=warm.seconds, version=warm.version)
 

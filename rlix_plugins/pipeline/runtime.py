@@ -47,12 +47,7 @@ from rlix_plugins.pipeline.config import RuntimeConfig
 from rlix_plugins.pipeline.protocols import RolloutFleet, VersionPublisher, WeightSource
 from rlix_plugins.pipeline.resizer import FleetResizer, resizer_name
 from rlix_plugins.pipeline.router import ROUTER_MAX_CONCURRENCY, RolloutRouter, RouterClient, router_name
-from rlix_plugins.pipeline.versions import (
-    cache_version_after_step,
-    check_no_double_bump,
-    initial_cache_version,
-    published_version,
-)
+from rlix_plugins.pipeline.versions import VersionLedger, cache_version_after_step, initial_cache_version
 
 __all__ = ["PipelineRuntime", "ProgressReporter"]
 
@@ -85,15 +80,14 @@ class PipelineRuntime:
     def __init__(self, pipe: PipelineHandle, config: RuntimeConfig | None = None) -> None:
         self.pipe = pipe
         self.config = config or RuntimeConfig()
-        self.pipeline_id = pipe.pipeline_id
         self.num_dp_ranks = pipe.clusters[GENERATION_CLUSTER].num_dp_ranks
         self.router: Any = None
         self.resizer: Any = None
         self.fleet: RolloutFleet | None = None
         self.weights: WeightSource | None = None
         self.publisher: VersionPublisher | None = None
-        self._cache_version: int | None = None
-        self._published: int | None = None
+        #: The pipeline's weight versions; this runtime is their only writer (:mod:`.versions`).
+        self.versions = VersionLedger()
         self._holds_train = False
         self._ended = False
         self._stop = threading.Event()
@@ -179,7 +173,8 @@ class PipelineRuntime:
         cfg, ns = self.config, pipeline_namespace(self.pipeline_id)
         t0 = time.perf_counter()
         with self._init_grant(TRAIN_CLUSTER, held):
-            self._cache_version = weights.build_cache(initial_cache_version(start_step), cfg.init_timeout_s)
+            self.versions = self.versions.cache_built(
+                weights.build_cache(initial_cache_version(start_step), cfg.init_timeout_s))
             if offload is not None:
                 offload()
         self._timed("init_train", None, t0)
@@ -212,7 +207,8 @@ class PipelineRuntime:
             raise RlixError("attach_collector before start(): the fleet and resize handler do not exist yet")
         self.publisher = publisher
         _get(self.resizer.set_publisher.remote(publisher), "resizer.set_publisher", _RPC_S)
-        _get(self.resizer.set_version.remote(published_version(self._cache_version)), "resizer.set_version", _RPC_S)
+        self.versions = self.versions.collector_attached()
+        _get(self.resizer.set_versions.remote(self.versions), "resizer.set_versions", _RPC_S)
         t0 = time.perf_counter()
         # Returns after the first expand synced real weights into >= 1 rank. A higher-priority request may take that
         # rank again right away (grants are one-shot): then the scheduler's standing request and the watchdog bring
@@ -271,38 +267,35 @@ class PipelineRuntime:
         if self.weights is None:
             raise RlixError("before_weight_sync before start()")
         t0 = time.perf_counter()
-        self._cache_version = None
-        self._cache_version = self.weights.build_cache(cache_version_after_step(step), self.config.sync_timeout_s)
+        self.versions = self.versions.cache_rebuilding()
+        built = self.weights.build_cache(cache_version_after_step(step), self.config.sync_timeout_s)
+        self.versions = self.versions.cache_built(built)
         self._timed("build_cache", step, t0)
-        return self._cache_version
+        return built
 
     def after_training(self, step: int, *, offload: Callable[[], None] | None = None) -> int:
         """Offload → in-flight refresh of the active ranks (under the resize lock) → the version to publish."""
-        expected = cache_version_after_step(step)
-        if self._cache_version != expected:
-            raise RlixError(
-                f"after_training(step={step}): the cache holds version {self._cache_version}, not {expected}; "
-                "before_weight_sync must build it while the parameters are on the device (a cache built after "
-                "the offload reads empty storage, debug #34)"
-            )
+        versions = self.versions.after_step(step)  # refused before anything moves (debug #34, #36)
         t0 = time.perf_counter()
         if offload is not None:
             offload()
         self._timed("offload", step, t0)
         t1 = time.perf_counter()
-        version = published_version(self._cache_version)
-        check_no_double_bump(self._published, version, step)
         with self.pipe.resize_lock(timeout_s=self.config.resize_lock_timeout_s):
             _get(self.resizer.refresh_active.remote(), "in-flight refresh of the active ranks",
                  self.config.sync_timeout_s + _RPC_S)
             # Inside the lock: an expand right after it already publishes the new version, never the old one.
-            _get(self.resizer.set_version.remote(version), "resizer.set_version", _RPC_S)
+            _get(self.resizer.set_versions.remote(versions), "resizer.set_versions", _RPC_S)
+        self.versions = versions
         self._timed("refresh_active", step, t1)
-        return version
+        assert versions.published is not None  # after_step sets it
+        return versions.published
 
     def on_published(self, step: int, version: int) -> None:
         """The collector has ``version``: only now may the training GPUs go (reference F5/F6 invariant)."""
-        self._published = version
+        if version != self.versions.published:
+            raise RlixError(f"on_published(step={step}, version={version}): after_training returned "
+                            f"{self.versions.published}; publish exactly the version it returned")
         if self._holds_train:
             self.pipe.release_gpus(TRAIN_CLUSTER, step=step, timeout_s=_RPC_S)
             self._holds_train = False
@@ -336,26 +329,36 @@ class PipelineRuntime:
              else (lambda: self.pipe.unregister("the pipeline finished"))),
         ]
         for what, fn in steps:
-            try:
+            with self._logged(what, errors):
                 fn()
-            except Exception as exc:
-                errors.append(f"{what}: {type(exc).__name__}: {exc}")
-                logger.warning("rlix %s end: %s failed: %s", self.pipeline_id, what, exc)
         self._beats_stop.set()
         self._holds_train = False
+        # Figures for the report, then the actors: a failure is logged and returned, never raised (see above).
         if self.resizer is not None:
-            with contextlib.suppress(Exception):
+            with self._logged("read the resize history", errors):
                 self._final_history = list(_get(self.resizer.history.remote(0), "resizer.history", _RPC_S))
         if self.router is not None:
-            with contextlib.suppress(Exception):
+            with self._logged("read the router's counters", errors):
                 self.router_stats = dict(_get(self.router.stats.remote(), "router.stats", _RPC_S))
-        for actor in (self.resizer, self.router):
+        for name, actor in (("resizer", self.resizer), ("router", self.router)):
             if actor is not None:
-                with contextlib.suppress(Exception):
+                with self._logged(f"kill the {name} actor", errors):
                     ray.kill(actor, no_restart=True)
         return errors
 
+    @contextlib.contextmanager
+    def _logged(self, what: str, errors: list[str]) -> Iterator[None]:
+        try:
+            yield
+        except Exception as exc:
+            errors.append(f"{what}: {type(exc).__name__}: {exc}")
+            logger.warning("rlix %s end: %s failed: %s", self.pipeline_id, what, exc)
+
     # ------------------------------------------------------------------ introspection
+    @property
+    def pipeline_id(self) -> str:
+        return str(self.pipe.pipeline_id)
+
     def resize_history(self, since: int = 0) -> list[dict[str, Any]]:
         if self._ended or self.resizer is None:
             return self._final_history[since:]
@@ -363,11 +366,11 @@ class PipelineRuntime:
 
     @property
     def published(self) -> int | None:
-        return self._published
+        return self.versions.published
 
     @property
     def cache_version(self) -> int | None:
-        return self._cache_version
+        return self.versions.cache
 
     @property
     def watchdog_requests(self) -> int:

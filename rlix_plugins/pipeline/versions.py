@@ -8,10 +8,15 @@
   and pause forever (debug #36), hence ``N + 1``.
 * One number per cache: the in-flight refresh of active ranks and every later expand publish the SAME version;
   an expand never bumps it (:func:`check_no_double_bump`).
+
+:class:`VersionLedger` holds a pipeline's versions: one per pipeline, replaced (never mutated) by
+:class:`~rlix_plugins.pipeline.runtime.PipelineRuntime`, its only writer. Readers: the resize handler (an actor:
+it holds the ledger the runtime last sent it, inside the resize lock) and the NeMo RL adapter (``rt.versions``).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
 from typing import Final
 
 from rlix_plugins.errors import RlixError
@@ -20,11 +25,17 @@ from rlix_plugins.errors import RlixError
 BOOTSTRAP_VERSION: Final = -1
 
 
+def version_after_step(step: int) -> int:
+    """The weight version published after training step ``step``: N + 1, that of the weights the step trained
+    (N would stall the collector). Defined in rlix_plugins.pipeline.versions; the seam holds a generated copy."""
+    return step + 1
+
+
 def cache_version_after_step(step: int) -> int:
     """Version of the cache built after training step ``step`` (``before_weight_sync(step)``)."""
     if step < 0:
         raise RlixError(f"training step must be >= 0, got {step}")
-    return step + 1
+    return version_after_step(step)
 
 
 def initial_cache_version(start_step: int) -> int:
@@ -56,3 +67,38 @@ def check_no_double_bump(previous: int | None, new: int, step: int) -> None:
         )
     if previous is not None and new > previous + 1 and previous >= 0:
         raise RlixError(f"weight version jumped from {previous} to {new} after step {step}: bumped twice (debug #31)")
+
+
+@dataclass(frozen=True)
+class VersionLedger:
+    """The weight versions of one pipeline (see the module docstring). Picklable; every change is a new ledger."""
+
+    #: Version of the CPU weight cache; None before the bootstrap build and while a build is under way.
+    cache: int | None = None
+    #: The version the collector is given, by the loop and by every expand; None until the collector is attached.
+    published: int | None = None
+
+    def cache_built(self, version: int) -> VersionLedger:
+        return replace(self, cache=version)
+
+    def cache_rebuilding(self) -> VersionLedger:
+        """A build started: until it returns, the old number would label half-overwritten buckets."""
+        return replace(self, cache=None)
+
+    def collector_attached(self) -> VersionLedger:
+        """The first publish: the start cache's version, never -1 (debug #31)."""
+        return replace(self, published=published_version(self.cache))
+
+    def after_step(self, step: int) -> VersionLedger:
+        """Publish the cache step ``step`` built: refused unless it holds :func:`cache_version_after_step`, or if
+        the version would move by more than one (:func:`check_no_double_bump`)."""
+        expected = cache_version_after_step(step)
+        if self.cache != expected:
+            raise RlixError(
+                f"after_training(step={step}): the cache holds version {self.cache}, not {expected}; "
+                "before_weight_sync must build it while the parameters are on the device (a cache built after "
+                "the offload reads empty storage, debug #34)"
+            )
+        version = published_version(self.cache)
+        check_no_double_bump(self.published, version, step)
+        return replace(self, published=version)

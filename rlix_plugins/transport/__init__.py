@@ -50,6 +50,9 @@ their local rank is listed (``ipc_local_ranks`` / ``broadcast_local_ranks`` / ``
 
 * ``setup_collective_group(group_name, master_addr, master_port, rank, world_size, backend, timeout_s, device=None)``
   - join the per-sync group (``backend`` "nccl" or "gloo"); blocks until all joined (bounded).
+* ``open_host_pull(bucket, pin=)`` -> ``(meta, host_view)`` for each entry of a ``host_pull`` payload's
+  ``"buckets"`` (all buckets of a sync in one ``update_parameter_in_bucket`` call): a CPU view of the
+  sender's pinned cache pages, mapped once per process; copy from it before the RPC returns.
 * ``receive_bucket(payload, device)`` -> ``[(name, tensor)]`` for an ``update_parameter_in_bucket``
   payload (``payload["transport"]`` is ``"cpu_serialize"`` or ``"cuda_ipc"``). cuda_ipc tensors are
   views of the sender's staging buffer: load, ``torch.cuda.current_stream().synchronize()``, drop them
@@ -57,6 +60,8 @@ their local rank is listed (``ipc_local_ranks`` / ``broadcast_local_ranks`` / ``
 * ``broadcast_parameter(group_name, bucket_meta, device=None)`` -> ``[(name, tensor)]`` - receive one
   bucket (call once per bucket, in the sender's order).
 * ``destroy_collective_group(group_name)`` -> bool - no-op (False) when this process never joined.
+* ``bucket_checksums(buffer, offsets, nbytes)`` / ``start_checksums(tensors)`` launch checksums without a
+  host sync; ``finish_checksums`` reads them (one sync for a whole sync's worth).
 * ``compute_checksums(named_tensors)`` -> ``{name: [nbytes, word_sum, weighted_sum]}`` and
   ``verify_checksums(expected, actual)`` - raises ``WeightVerificationError`` naming the first
   differing parameter. Checksums are exact integer sums of the raw bytes (bit-exact, device-agnostic).
@@ -89,9 +94,23 @@ from rlix_plugins.transport._bucket import (
     unpack_bucket,
 )
 from rlix_plugins.transport._cache import CacheSnapshot, VersionedBucketCache
-from rlix_plugins.transport._checksum import compute_checksums, tensor_checksum, verify_checksums
+from rlix_plugins.transport._checksum import (
+    bucket_checksums,
+    compute_checksums,
+    finish_checksums,
+    start_checksums,
+    tensor_checksum,
+    verify_checksums,
+)
 from rlix_plugins.transport._cpu_serialize import make_cpu_serialize_payload, receive_cpu_serialize
 from rlix_plugins.transport._cuda_ipc import make_cuda_ipc_payload, open_cuda_ipc
+from rlix_plugins.transport._host_pull import (
+    SharedHostBuffer,
+    forget_host_buffers,
+    make_host_pull_payload,
+    map_host_buffer,
+    open_host_pull,
+)
 from rlix_plugins.transport._memory import check_device_capacity, check_host_capacity, host_available_bytes
 from rlix_plugins.transport._plan import CommPlan, DeviceRef, TargetPlan, build_comm_plan
 from rlix_plugins.transport._receiver import receive_bucket
@@ -108,27 +127,35 @@ __all__ = [
     "GroupHost",
     "PendingCall",
     "ReceiverEndpoint",
+    "SharedHostBuffer",
     "SyncReport",
     "TargetPlan",
     "VersionedBucketCache",
     "align_up",
     "broadcast_parameter",
+    "bucket_checksums",
     "build_comm_plan",
     "check_device_capacity",
     "check_host_capacity",
     "compute_checksums",
     "destroy_collective_group",
     "dtype_to_str",
+    "finish_checksums",
+    "forget_host_buffers",
     "group_names",
     "host_available_bytes",
     "iter_buckets",
     "make_cpu_serialize_payload",
     "make_cuda_ipc_payload",
+    "make_host_pull_payload",
+    "map_host_buffer",
     "open_cuda_ipc",
+    "open_host_pull",
     "pack_bucket",
     "receive_bucket",
     "receive_cpu_serialize",
     "setup_collective_group",
+    "start_checksums",
     "str_to_dtype",
     "sync_weights",
     "tensor_checksum",

@@ -135,6 +135,8 @@ class BucketRecord:
     meta: BucketMeta
     #: 1-D uint8 tensor, ``numel() >= meta.used_bytes``
     buffer: torch.Tensor
+    #: how another process on this machine opens ``buffer`` (``host_pull``); None when not shared
+    host: dict[str, Any] | None = None
 
     @property
     def payload(self) -> torch.Tensor:
@@ -192,12 +194,15 @@ def _fill(index: int, items: list[tuple[str, torch.Tensor]], buffer: torch.Tenso
     if buffer.numel() < used:
         raise TransportError(f"bucket {index}: buffer of {buffer.numel()} bytes cannot hold {used} bytes")
     needs_sync = False
-    for (_, tensor), start in zip(items, offsets, strict=True):
+    ends = [*offsets[1:], min(align_up(used), buffer.numel())][: len(items)]
+    for (_, tensor), start, next_start in zip(items, offsets, ends, strict=True):
         src = _as_bytes(tensor)
         if src.numel():
             non_blocking = src.device.type == "cuda" and buffer.is_pinned()
             buffer[start : start + src.numel()].copy_(src, non_blocking=non_blocking)
             needs_sync = needs_sync or non_blocking
+        if start + src.numel() < next_start:  # zero padding: bucket checksums read whole 512-byte rows
+            buffer[start + src.numel() : next_start].zero_()
     if needs_sync:
         torch.cuda.synchronize()  # one sync per bucket: the non_blocking D2H copies must land first
     meta = BucketMeta(

@@ -16,9 +16,12 @@ build; while a build runs (and after a failed one) no version is published and `
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import threading
 import time
 from collections.abc import Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import final
@@ -27,7 +30,8 @@ import torch
 
 from rlix_plugins.errors import RlixConfigError, RlixTimeoutError, TransportError
 from rlix_plugins.transport._bucket import BucketRecord, iter_buckets
-from rlix_plugins.transport._checksum import tensor_checksum
+from rlix_plugins.transport._checksum import bucket_checksums, finish_checksums, start_checksums
+from rlix_plugins.transport._host_pull import SharedHostBuffer
 from rlix_plugins.transport._memory import HOST_FRACTION, check_host_capacity
 
 
@@ -61,6 +65,7 @@ class VersionedBucketCache:
         *,
         is_owner: bool = True,
         pin_memory: bool | None = None,
+        shared: bool | None = None,
         host_fraction: float = HOST_FRACTION,
     ) -> None:
         """
@@ -68,6 +73,8 @@ class VersionedBucketCache:
             scratch). Every buffer has exactly this capacity.
         :param is_owner: whether this rank keeps buckets.
         :param pin_memory: pin the buffers; default: when CUDA is available.
+        :param shared: allocate the buffers in shared memory that receivers on this machine can map
+            (the ``host_pull`` transport); default: where ``memfd_create`` exists (Linux).
         :param host_fraction: new buffers may take at most this fraction of ``MemAvailable``.
         """
         if not isinstance(bucket_size_bytes, int) or bucket_size_bytes <= 0:
@@ -78,6 +85,8 @@ class VersionedBucketCache:
         self.bucket_size_bytes = bucket_size_bytes
         self.is_owner = is_owner
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
+        self.shared = hasattr(os, "memfd_create") if shared is None else shared
+        self._shared: list[SharedHostBuffer] = []
         self.host_fraction = host_fraction
         self._lock = threading.Lock()
         self._buffers: list[torch.Tensor] = []
@@ -114,7 +123,12 @@ class VersionedBucketCache:
             fraction=self.host_fraction,
         )
         start = time.perf_counter()
-        buffer = torch.empty(self.bucket_size_bytes, dtype=torch.uint8, pin_memory=self.pin_memory)
+        if self.shared:
+            shared = SharedHostBuffer(self.bucket_size_bytes, pin=self.pin_memory)
+            self._shared.append(shared)
+            buffer = shared.tensor
+        else:
+            buffer = torch.empty(self.bucket_size_bytes, dtype=torch.uint8, pin_memory=self.pin_memory)
         self.alloc_seconds += time.perf_counter() - start
         self._buffers.append(buffer)
         return buffer
@@ -138,7 +152,8 @@ class VersionedBucketCache:
 
         Every rank must call this with its iterator. On the owner the lock is taken BEFORE the
         iterator is first advanced, so peers wait in their first collective, not mid-model.
-        Checksums are computed on each tensor's own device before the copy.
+        Checksums: a GPU tensor's on its GPU (launched as it is packed, read once at the end); CPU tensors'
+        from the packed bucket, on a second thread while the next bucket is packed.
         On error no version is published (the old bytes are already partly overwritten).
         """
         if not self.is_owner:
@@ -149,15 +164,17 @@ class VersionedBucketCache:
         try:
             self._version = None
             self._records = ()
-            sums: dict[str, list[int]] = {}
-
-            def on_tensor(name: str, tensor: torch.Tensor) -> None:
-                if name in sums:
-                    raise TransportError(f"parameter {name!r} appears twice in the weight iterator of version {version}")
-                sums[name] = tensor_checksum(tensor) if checksums else []
-
-            records = tuple(iter_buckets(named_tensors, self.bucket_size_bytes, self._buffer_for, on_tensor))
-            self._records, self._checksums, self._version = records, sums, version
+            sums = _BuildChecksums(version) if checksums else None
+            records = []
+            for record in iter_buckets(named_tensors, self.bucket_size_bytes, self._buffer_for,
+                                       sums.on_tensor if sums else None):
+                if self.shared:
+                    record = dataclasses.replace(record, host=self._shared[record.meta.index].handle)
+                records.append(record)
+                if sums:
+                    sums.on_bucket(record)
+            self._checksums = sums.finish() if sums else {name: [] for r in records for name in r.meta.names}
+            self._records, self._version = tuple(records), version
             return version
         finally:
             self._lock.release()
@@ -185,5 +202,53 @@ class VersionedBucketCache:
         self._acquire(timeout_s, "close")
         try:
             self._buffers, self._records, self._checksums, self._version = [], (), {}, None
+            for shared in self._shared:
+                shared.close()
+            self._shared = []
         finally:
             self._lock.release()
+
+
+class _BuildChecksums:
+    """The checksums of one build, computed off the packing path (see ``VersionedBucketCache.build``)."""
+
+    def __init__(self, version: int) -> None:
+        self.version = version
+        self.order: list[str] = []
+        self.nbytes: dict[str, int] = {}
+        self.on_gpu: dict[str, torch.Tensor] = {}
+        self.pool: ThreadPoolExecutor | None = None
+        self.pending: list[tuple[tuple[str, ...], list[int], Future[torch.Tensor]]] = []
+
+    def on_tensor(self, name: str, tensor: torch.Tensor) -> None:
+        if name in self.nbytes:
+            raise TransportError(f"parameter {name!r} appears twice in the weight iterator of version {self.version}")
+        self.order.append(name)
+        self.nbytes[name] = tensor.numel() * tensor.element_size()
+        if tensor.device.type == "cuda":
+            self.on_gpu[name] = start_checksums([tensor])[0]
+
+    def on_bucket(self, record: BucketRecord) -> None:
+        names = [n for n in record.meta.names if n not in self.on_gpu]
+        if not names:
+            return
+        if self.pool is None:
+            self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlix-checksum")
+        meta = record.meta
+        nbytes = [self.nbytes[n] for n in meta.names]
+        future = self.pool.submit(bucket_checksums, record.buffer, list(meta.offsets), nbytes)
+        self.pending.append((meta.names, nbytes, future))
+
+    def finish(self) -> dict[str, list[int]]:
+        out: dict[str, list[int]] = {}
+        try:
+            for names, nbytes, future in self.pending:
+                out.update(zip(names, finish_checksums(nbytes, future.result()), strict=True))
+        finally:
+            if self.pool is not None:
+                self.pool.shutdown(wait=True)
+        if self.on_gpu:
+            gpu_names = list(self.on_gpu)
+            sums = finish_checksums([self.nbytes[n] for n in gpu_names], torch.stack(list(self.on_gpu.values())))
+            out.update(zip(gpu_names, sums, strict=True))
+        return {name: out[name] for name in self.order}

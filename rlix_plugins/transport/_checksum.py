@@ -1,105 +1,212 @@
-"""Bit-exact tensor checksums: exact integer sums of the raw bytes, computed on the tensor's device.
+"""Bit-exact tensor checksums at memory speed: two int32 reductions over the raw bytes, on the tensor's device.
 
-``tensor_checksum(t) -> [nbytes, word_sum, weighted_sum]`` (plain ints, msgpack-safe, < 2**64):
+``tensor_checksum(t) -> [nbytes, word_sum, weighted_sum]`` (plain ints, msgpack-safe):
 
-* the tensor's bytes (zero-padded to a multiple of 4) are read as int32 words ``w[i]``, laid out as
-  rows of ``ROW_WORDS`` words: word ``i`` sits at row ``k = i // ROW_WORDS``, column ``j = i % ROW_WORDS``;
-* ``word_sum = sum(w[i])`` - any single flipped bit changes it;
-* ``weighted_sum = sum(w[i] * ((k + 1) * (ROW_WORDS + 1) + j + 1))`` mod 2**64 - every position has its
-  own weight, so swapped or shifted words change it too. It is evaluated as row sums and column
-  sums on the device and combined with Python integers.
+* the tensor's bytes, zero-padded, are read as int32 words laid out in rows of ``ROW_WORDS`` (128) words:
+  word ``i`` sits at row ``k = i // 128``, column ``j = i % 128``;
+* ``word_sum = sum(w[i]) mod 2**32`` - any single flipped bit changes it;
+* ``weighted_sum = sum(w[i] * ((k + 1) * 129 + j + 1)) mod 2**32`` - every position has its own weight, so
+  swapped or shifted words change it too.
 
-Every device-side sum is exact in int64 (rows of 2**12 words < 2**43, row-weighted chunk sums
-< 2**61, column sums < 2**53 up to 16 GiB tensors, split in 32-bit halves before weighting), so CPU and GPU give identical numbers regardless of reduction order. No float
-tolerance: the same bytes in means the same numbers out, NaNs and -0.0 included.
+Everything is integer arithmetic modulo 2**32 (int32 sums wrap; the order of a reduction cannot change
+a modular sum), so CPU, GPU, one tensor at a time and a whole bucket at once give identical numbers. No
+float tolerance: the same bytes in means the same numbers out, NaNs and -0.0 included.
 
-Scratch: about ``8 * CHUNK_WORDS`` bytes (16 MiB) on the tensor's device per call, freed on return.
+Why this layout: a row is 512 bytes, the bucket alignment (``ALIGN_BYTES``), so every tensor of a bucket
+starts on a row; :func:`bucket_checksums` checksums all tensors of a received bucket with a handful of
+kernels and no host sync per tensor (``weighted = 129 * sum_k (k + 1) * rowsum_k + sum_k rowdot_k``,
+segment sums by prefix sums over rows; a GPU reads the bytes about three times). On a CPU the per-tensor
+form reads the bytes twice (row sums, then column sums over 4096-word rows: 1.9 + 2.3 ms for 256 MiB on the
+H100 host, where a memcpy takes 6.1 ms).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Final
+from typing import Any, Final
 
 import torch
 
 from rlix_plugins.errors import WeightVerificationError
 
-#: int32 words per row (the column weight range).
-ROW_WORDS: Final = 1 << 12
-#: rows reduced per device step (bounds the int64 scratch; keeps sum((m+1) * row_m) < 2**61).
-CHUNK_ROWS: Final = 1 << 9
-#: words per device step.
-CHUNK_WORDS: Final = ROW_WORDS * CHUNK_ROWS
-_MASK64: Final = (1 << 64) - 1
+#: int32 words per row: 512 bytes, the bucket alignment.
+ROW_WORDS: Final = 128
+#: words per row of the CPU column pass (32 rows of the definition side by side).
+WIDE_WORDS: Final = 32 * ROW_WORDS
+#: rows per GPU step of the batched form (bounds the int32 product scratch to 64 MiB).
+GPU_CHUNK_ROWS: Final = 1 << 17
+_MASK32: Final = (1 << 32) - 1
+_I32 = torch.int32
 
 
 def _words(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes as int32 words (zero-padded to a multiple of 4)."""
     flat = tensor.detach().contiguous().reshape(-1)
     raw = flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
     if raw.numel() % 4:
         raw = torch.cat([raw, raw.new_zeros(4 - raw.numel() % 4)])
     try:
-        return raw.view(torch.int32)
+        return raw.view(_I32)
     except RuntimeError:  # storage offset not 4-byte aligned
-        return raw.clone().view(torch.int32)
+        return raw.clone().view(_I32)
 
 
-_weights_cache: dict[tuple[torch.device, int], torch.Tensor] = {}
+_arange_cache: dict[tuple[torch.device, int, int], torch.Tensor] = {}
 
 
-def _arange(device: torch.device, n: int) -> torch.Tensor:
-    """``[1, 2, ..., n]`` as int64 on ``device`` (tiny; cached per device)."""
-    key = (device, n)
-    w = _weights_cache.get(key)
+def _arange(device: torch.device, start: int, n: int) -> torch.Tensor:
+    """``[start, start + 1, ..., start + n - 1]`` as int32 on ``device`` (cached)."""
+    key = (device, start, n)
+    w = _arange_cache.get(key)
     if w is None:
-        w = _weights_cache[key] = torch.arange(1, n + 1, dtype=torch.int64, device=device)
+        if len(_arange_cache) > 64:
+            _arange_cache.clear()
+        w = _arange_cache[key] = torch.arange(start, start + n, dtype=_I32, device=device)
     return w
 
 
-def tensor_checksum(tensor: torch.Tensor) -> list[int]:
-    """``[nbytes, word_sum, weighted_sum]`` of the raw bytes; see the module docstring."""
-    nbytes = tensor.numel() * tensor.element_size()
-    if nbytes == 0:
-        return [0, 0, 0]
-    words = _words(tensor)
-    dev = words.device
-    n = words.numel()
-    full_rows = n // ROW_WORDS
-    col_sums = torch.zeros(ROW_WORDS, dtype=torch.int64, device=dev)
-    starts: list[int] = []
-    parts: list[torch.Tensor] = []  # per chunk: [sum of rows, sum of (m+1) * row_m]
-    for start in range(0, full_rows, CHUNK_ROWS):
-        stop = min(start + CHUNK_ROWS, full_rows)
-        block = words[start * ROW_WORDS : stop * ROW_WORDS].view(stop - start, ROW_WORDS).to(torch.int64)
-        rows = block.sum(dim=1)
-        col_sums += block.sum(dim=0)
-        del block
-        starts.append(start)
-        parts.append(torch.stack([rows.sum(), (rows * _arange(dev, stop - start)).sum()]))
-    tail = words[full_rows * ROW_WORDS :].to(torch.int64)
-    if tail.numel():
-        col_sums[: tail.numel()] += tail
-        total = tail.sum()
-        starts.append(full_rows)
-        parts.append(torch.stack([total, total]))
-    lo = col_sums & 0xFFFFFFFF  # split so that (j + 1) * part stays exact in int64
-    hi = col_sums >> 32
-    cols = torch.stack([(lo * _arange(dev, ROW_WORDS)).sum(), (hi * _arange(dev, ROW_WORDS)).sum()])
-    values = torch.cat([torch.stack(parts).reshape(-1), cols]).tolist()
-    word_sum = row_weighted = 0
-    for c, start in enumerate(starts):
-        total, weighted_in_chunk = values[2 * c], values[2 * c + 1]
-        word_sum += total
-        row_weighted += start * total + weighted_in_chunk
-    col_weighted = values[-2] + (values[-1] << 32)
+def _combine(word_sum: int, row_weighted: int, col_weighted: int, nbytes: int) -> list[int]:
     weighted = (ROW_WORDS + 1) * row_weighted + col_weighted
-    return [nbytes, word_sum & _MASK64, weighted & _MASK64]
+    return [nbytes, word_sum & _MASK32, weighted & _MASK32]
+
+
+def _cpu_partial_sums(words: torch.Tensor) -> torch.Tensor:
+    """The CPU form, two reductions at memory speed: row sums of 128-word rows and column sums of 4096-word rows
+    (a reduction over a wide row is what a CPU does fast); the 128 column sums of the definition are the
+    4096 column sums folded 32 times (``4096 = 32 * 128``, so word ``i`` keeps ``i % 128``)."""
+    n = words.numel()
+    full = n // ROW_WORDS
+    rows = words[: full * ROW_WORDS].view(full, ROW_WORDS).sum(dim=1, dtype=_I32)
+    wide = n // WIDE_WORDS
+    cols = words[: wide * WIDE_WORDS].view(wide, WIDE_WORDS).sum(dim=0, dtype=_I32).view(-1, ROW_WORDS)
+    cols = cols.sum(dim=0, dtype=_I32) if wide else torch.zeros(ROW_WORDS, dtype=_I32)
+    rest = words[wide * WIDE_WORDS :]  # fewer than 4096 words: fold them into the 128 columns directly
+    if rest.numel():
+        padded = torch.zeros(-(-rest.numel() // ROW_WORDS) * ROW_WORDS, dtype=_I32)
+        padded[: rest.numel()] = rest
+        cols += padded.view(-1, ROW_WORDS).sum(dim=0, dtype=_I32)
+    word_sum = rows.sum(dtype=_I32)
+    row_weighted = (rows * _arange(words.device, 1, full)).sum(dtype=_I32)
+    tail = words[full * ROW_WORDS :]
+    if tail.numel():
+        total = tail.sum(dtype=_I32)
+        word_sum = word_sum + total
+        row_weighted = row_weighted + total * (full + 1)
+    col_weighted = (cols * _arange(words.device, 1, ROW_WORDS)).sum(dtype=_I32)
+    return torch.stack([word_sum, row_weighted, col_weighted])
+
+
+def _partial_sums(words: torch.Tensor) -> torch.Tensor:
+    """``[word_sum, sum_k (k + 1) * rowsum_k, sum_j (j + 1) * colsum_j]`` (int32, wrapped) as a device tensor."""
+    dev = words.device
+    if dev.type == "cpu":
+        return _cpu_partial_sums(words)
+    n = words.numel()
+    full = n // ROW_WORDS
+    chunk = max(full, 1)
+    cols = torch.zeros(ROW_WORDS, dtype=_I32, device=dev)
+    acc = torch.zeros(2, dtype=_I32, device=dev)  # [sum of rows, sum of (k + 1) * row_k]
+    for start in range(0, full, chunk):
+        stop = min(start + chunk, full)
+        block = words[start * ROW_WORDS : stop * ROW_WORDS].view(stop - start, ROW_WORDS)
+        rows = block.sum(dim=1, dtype=_I32)
+        cols += block.sum(dim=0, dtype=_I32)
+        acc[0] += rows.sum(dtype=_I32)
+        acc[1] += (rows * _arange(dev, start + 1, stop - start)).sum(dtype=_I32)
+    tail = words[full * ROW_WORDS :]
+    if tail.numel():
+        total = tail.sum(dtype=_I32)
+        cols[: tail.numel()] += tail
+        acc[0] += total
+        acc[1] += total * (full + 1)
+    col_weighted = (cols * _arange(dev, 1, ROW_WORDS)).sum(dtype=_I32)
+    return torch.cat([acc, col_weighted.view(1)])
+
+
+def tensor_checksum(tensor: torch.Tensor) -> list[int]:
+    """``[nbytes, word_sum, weighted_sum]`` of the raw bytes; see the module docstring. One host sync."""
+    return finish_checksums([tensor.numel() * tensor.element_size()], start_checksums([tensor]))[0]
+
+
+def start_checksums(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Launch the checksums of ``tensors`` (one device) without waiting: an ``(n, 3)`` int32 tensor for
+    :func:`finish_checksums`. On a GPU nothing blocks until ``finish_checksums`` reads the result."""
+    if not tensors:
+        return torch.zeros((0, 3), dtype=_I32)
+    parts = [
+        _partial_sums(_words(t)) if t.numel() else torch.zeros(3, dtype=_I32, device=t.device) for t in tensors
+    ]
+    return torch.stack(parts)
+
+
+def finish_checksums(nbytes: Sequence[int], partial: torch.Tensor) -> list[list[int]]:
+    """Read :func:`start_checksums` / :func:`bucket_checksums` results (one host sync for all of them)."""
+    rows = partial.tolist()
+    return [_combine(ws, rw, cw, n) for n, (ws, rw, cw) in zip(nbytes, rows, strict=True)]
+
+
+def bucket_checksums(buffer: torch.Tensor, offsets: Sequence[int], nbytes: Sequence[int]) -> torch.Tensor:
+    """Checksums of every tensor of a bucket at once, for :func:`finish_checksums`; no host sync.
+
+    ``buffer`` is the bucket's uint8 bytes (any device) holding the tensors at ``offsets`` (multiples of
+    512, ascending) with ``nbytes`` each; the bytes between a tensor's end and the next row must be zero
+    (``pack`` writes zero padding; pass a buffer padded with zeros to a whole row after the last tensor).
+    """
+    if buffer.device.type == "cpu":  # the per-tensor column-sum form is faster on a CPU
+        return start_checksums([buffer[o : o + n] for o, n in zip(offsets, nbytes, strict=True)])
+    return segment_checksums(buffer, offsets, nbytes)
+
+
+def segment_checksums(buffer: torch.Tensor, offsets: Sequence[int], nbytes: Sequence[int]) -> torch.Tensor:
+    """The batched form of :func:`bucket_checksums` (any device; the GPU path): row sums and row dot
+    products of the whole bucket, per-tensor sums by prefix sums over rows."""
+    dev = buffer.device
+    if not offsets:
+        return torch.zeros((0, 3), dtype=_I32, device=dev)
+    row_bytes = ROW_WORDS * 4
+    end = offsets[-1] + nbytes[-1]
+    if buffer.numel() < end:
+        raise ValueError(f"bucket buffer of {buffer.numel()} bytes is shorter than its tensors ({end} bytes)")
+    nrows = -(-end // row_bytes)
+    whole = min(nrows, buffer.numel() // row_bytes)
+    words = buffer[: whole * row_bytes].view(_I32).view(whole, ROW_WORDS)
+    if whole < nrows:  # the buffer ends inside the last row: checksum a zero-padded copy of that row
+        last = torch.zeros(row_bytes, dtype=torch.uint8, device=dev)
+        last[: end - whole * row_bytes] = buffer[whole * row_bytes : end]
+        words = torch.cat([words, last.view(_I32).view(1, ROW_WORDS)])
+    row_sum = torch.empty(nrows, dtype=_I32, device=dev)
+    row_dot = torch.empty(nrows, dtype=_I32, device=dev)
+    col_weights = _arange(dev, 1, ROW_WORDS)
+    for start in range(0, nrows, GPU_CHUNK_ROWS):
+        block = words[start : start + GPU_CHUNK_ROWS]
+        row_sum[start : start + GPU_CHUNK_ROWS] = block.sum(dim=1, dtype=_I32)
+        row_dot[start : start + GPU_CHUNK_ROWS] = (block * col_weights).sum(dim=1, dtype=_I32)
+    # per tensor: rows [first, last); sums over a row range by prefix sums (modular: differences are exact)
+    first = torch.tensor([o // row_bytes for o in offsets], dtype=torch.int64, device=dev)
+    last = torch.tensor([-(-(o + n) // row_bytes) for o, n in zip(offsets, nbytes, strict=True)],
+                        dtype=torch.int64, device=dev)
+    zero = torch.zeros(1, dtype=_I32, device=dev)
+    global_row = _arange(dev, 0, nrows)
+    prefix = [torch.cat([zero, torch.cumsum(v, 0, dtype=_I32)]) for v in (row_sum, row_sum * global_row, row_dot)]
+    seg = [p[last] - p[first] for p in prefix]
+    # sum over the tensor's rows of (local_row + 1) * row_sum = sum(global_row * row_sum) - (first - 1) * sum(row_sum)
+    row_weighted = seg[1] - (first.to(_I32) - 1) * seg[0]
+    return torch.stack([seg[0], row_weighted, seg[2]], dim=1)
 
 
 def compute_checksums(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, list[int]]:
     """``{name: tensor_checksum(t)}`` in iteration order (the order ``verify_checksums`` reports in)."""
-    return {name: tensor_checksum(t) for name, t in named_tensors}
+    named = list(named_tensors)
+    by_device: dict[Any, list[int]] = {}
+    for i, (_, t) in enumerate(named):
+        by_device.setdefault(t.device, []).append(i)
+    out: list[list[int]] = [[] for _ in named]
+    for indices in by_device.values():
+        tensors = [named[i][1] for i in indices]
+        sums = finish_checksums([t.numel() * t.element_size() for t in tensors], start_checksums(tensors))
+        for i, s in zip(indices, sums, strict=True):
+            out[i] = s
+    return {name: s for (name, _), s in zip(named, out, strict=True)}
 
 
 def verify_checksums(

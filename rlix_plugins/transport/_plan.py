@@ -1,7 +1,8 @@
 """Comm plan: which target device gets a bucket by same-GPU handoff and which by broadcast. Pure Python.
 
 Rule: a target device whose ``(node, gpu)`` equals the sender's goes by the same-GPU transport
-(``cuda_ipc``, or ``cpu_serialize`` in containers without CUDA IPC); every other device joins the
+(``host_pull``: the receiver copies from the sender's pinned cache pages; ``cuda_ipc``: a handle to the
+sender's GPU staging copy; ``cpu_serialize``: the bytes in the RPC); every other device joins the
 per-sync broadcast group. NCCL cannot put two ranks on one GPU, so same-GPU targets must never be
 broadcast targets.
 
@@ -18,8 +19,8 @@ from typing import Any, Literal, final
 
 from rlix_plugins.errors import RlixConfigError
 
-SameGpuTransport = Literal["cuda_ipc", "cpu_serialize"]
-SAME_GPU_TRANSPORTS: tuple[str, ...] = ("cuda_ipc", "cpu_serialize")
+SameGpuTransport = Literal["host_pull", "cuda_ipc", "cpu_serialize"]
+SAME_GPU_TRANSPORTS: tuple[str, ...] = ("host_pull", "cuda_ipc", "cpu_serialize")
 
 
 @final
@@ -106,13 +107,14 @@ def _device(value: DeviceRef | Sequence[int], what: str) -> DeviceRef:
 def build_comm_plan(
     sender: DeviceRef | Sequence[int],
     targets: Mapping[int, Sequence[DeviceRef | Sequence[int]]],
-    same_gpu_transport: SameGpuTransport = "cuda_ipc",
+    same_gpu_transport: SameGpuTransport = "host_pull",
 ) -> CommPlan:
     """Classify every target device of every dp rank; deterministic for equal inputs.
 
     :param sender: the GPU that holds the staging buffer (the cache owner's GPU).
     :param targets: dp rank -> devices of that rank, in local-rank (TP) order.
-    :param same_gpu_transport: ``cuda_ipc`` (zero-copy) or ``cpu_serialize`` (no CUDA IPC needed).
+    :param same_gpu_transport: ``host_pull`` (receiver copies from the shared pinned cache, one RPC per sync),
+        ``cuda_ipc`` (zero-copy handle to the sender's GPU staging) or ``cpu_serialize`` (bytes in the RPC).
     """
     if same_gpu_transport not in SAME_GPU_TRANSPORTS:
         raise RlixConfigError(

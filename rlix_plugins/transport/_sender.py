@@ -27,6 +27,7 @@ from rlix_plugins.transport._broadcast import GroupHost
 from rlix_plugins.transport._cache import CacheSnapshot, VersionedBucketCache
 from rlix_plugins.transport._cpu_serialize import make_cpu_serialize_payload
 from rlix_plugins.transport._cuda_ipc import make_cuda_ipc_payload
+from rlix_plugins.transport._host_pull import make_host_pull_payload
 from rlix_plugins.transport._memory import check_device_capacity
 from rlix_plugins.transport._plan import CommPlan
 
@@ -259,6 +260,14 @@ def _send_buckets(
     copy_stream: Any = None
     ipc_targets = [t for t in plan.targets if t.ipc_local_ranks]
     bcast_targets = [t for t in plan.targets if t.broadcast_ranks]
+    pulls: dict[int, PendingCall] = {}
+    if ipc_targets and plan.same_gpu_transport == "host_pull":
+        # one call per target with every bucket: the receiver pipelines its own copies, no per-bucket barrier
+        payload = make_host_pull_payload(list(buckets))
+        t_send = time.perf_counter()
+        pulls = {t.dp_rank: endpoints[t.dp_rank].update_parameter_in_bucket(payload, list(t.ipc_local_ranks))
+                 for t in ipc_targets}
+        ipc_targets = []
     # Only a broadcast or a cuda_ipc payload reads the GPU copy; cpu_serialize sends the pinned bucket itself.
     reads_gpu_copy = host is not None or (bool(ipc_targets) and plan.same_gpu_transport == "cuda_ipc")
     if staging_dev.type == "cuda" and buckets and reads_gpu_copy:
@@ -282,7 +291,7 @@ def _send_buckets(
     wire_s = copy_s = 0.0
     try:
         pending: Any = stage(0) if stagings else None
-        for i, record in enumerate(buckets):
+        for i, record in enumerate(buckets if stagings or ipc_targets or host is not None else ()):
             data = record.payload
             if stagings:
                 pending.synchronize()
@@ -314,6 +323,9 @@ def _send_buckets(
                     ) from exc
             wait_all(calls, timeout_s, f"bucket {record.meta.index}/{len(buckets)} of version {snap.version}")
             wire_s += time.perf_counter() - t_send
+        if pulls:
+            wait_all(pulls, timeout_s, f"host_pull of version {snap.version} ({len(buckets)} buckets)")
+            wire_s = max(wire_s, time.perf_counter() - t_send)
     finally:
         if stagings:
             torch.cuda.synchronize(staging_dev)

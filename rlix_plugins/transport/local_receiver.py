@@ -197,17 +197,22 @@ class _Worker:
         self.faults: dict[str, int] = {}
         self.calls: dict[str, int] = {}
 
-    def _load(self, named: list[tuple[str, Any]]) -> int:
-        from rlix_plugins.transport import tensor_checksum
+    def _load(self, named: list[tuple[str, Any]], wait: bool = True) -> int:
+        """Copy into persistent parameters (asynchronous from pinned host pages), checksum them; ``wait``: sync."""
+        from rlix_plugins.transport import finish_checksums, start_checksums
 
+        on_gpu = self.device.type == "cuda"
+        params = []
         for name, tensor in named:
             param = self.params.get(name)
             if param is None or param.shape != tensor.shape or param.dtype != tensor.dtype:
                 param = self.params[name] = self.torch.empty_like(tensor, device=self.device)
-            param.copy_(tensor)
-            if self.use_checksums:
-                self.checksums[name] = tensor_checksum(param)
-        if self.device.type == "cuda":
+            param.copy_(tensor, non_blocking=on_gpu)
+            params.append(param)
+        if self.use_checksums:
+            sums = finish_checksums([p.numel() * p.element_size() for p in params], start_checksums(params))
+            self.checksums.update(zip((n for n, _ in named), sums, strict=True))
+        if on_gpu and wait:
             self.torch.cuda.current_stream(self.device).synchronize()
         return len(named)
 
@@ -225,6 +230,15 @@ class _Worker:
 
         if self.local_rank not in ipc_local_ranks:
             return 0
+        if payload.get("transport") == "host_pull":
+            from rlix_plugins.transport import open_host_pull, unpack_bucket
+
+            count = 0
+            for meta, host in open_host_pull(payload, pin=self.device.type == "cuda"):  # every bucket in one call
+                count += self._load(unpack_bucket(meta, host), wait=False)
+            if self.device.type == "cuda":
+                self.torch.cuda.current_stream(self.device).synchronize()  # every host read done before returning
+            return count
         named = receive_bucket(payload, self.device)
         n = self._load(named)
         del named  # cuda_ipc views must be dropped before the RPC returns

@@ -65,7 +65,7 @@ def test_every_implementation_receives_every_spec_argument(seam: ModuleType) -> 
 
 
 class RecordingRuntime:
-    """A ``PipelineRuntime`` (hooks.py Protocol) that records every argument the hooks hand it and does the
+    """A ``HookRuntime`` (hooks.py Protocol) that records every argument the hooks hand it and does the
     control-plane part of each call (the grants), so the hooks run on the real control plane."""
 
     def __init__(self) -> None:
@@ -86,23 +86,23 @@ class RecordingRuntime:
     def attach_collector(self, collector: Any, replay_buffer: Any) -> None:
         self.calls.append(("attach_collector", collector, replay_buffer))
 
-    def before_training(self, step: int) -> None:
+    def before_training(self, step: int) -> list[int]:
         from rlix_plugins.control.types import TRAIN_CLUSTER, Priority
 
         self.calls.append(("before_training", step))
-        self.pipe.request_gpus(TRAIN_CLUSTER, Priority.ACTOR_TRAINING, step=step, timeout_s=60)
+        return self.pipe.request_gpus(TRAIN_CLUSTER, Priority.ACTOR_TRAINING, step=step, timeout_s=60)
 
-    def build_cache(self, step: int) -> None:
+    def before_weight_sync(self, step: int) -> None:
         self.calls.append(("build_cache", step))
 
     def after_training(self, step: int) -> int:
         self.calls.append(("after_training", step))
         return step + 1
 
-    def on_published(self, step: int, version: int) -> None:
+    def on_weight_version_published(self, step: int, weight_version: int) -> None:
         from rlix_plugins.control.types import TRAIN_CLUSTER
 
-        self.calls.append(("on_published", step, version))
+        self.calls.append(("on_published", step, weight_version))
         self.pipe.release_gpus(TRAIN_CLUSTER, step=step, timeout_s=60)
 
     def step_metrics(self, step: int) -> dict[str, float]:
@@ -144,9 +144,11 @@ def test_every_hook_fired_through_the_seam_delivers_every_argument(seam: ModuleT
     pool = placement_pool(worker_groups_per_gpu=1)
     cfg = _config()
     try:
+        before = set(cp.status()["pipelines"])
         placement = seam.load_rlix_hooks().rlix_placement(master_config=cfg)  # setup()'s own instance
         assert placement is not None and type(placement[0]).__name__ == "VirtualClusterAdapter"
-        pid = cfg["rlix"]["pipeline_id"]  # written by the placement, read back by the loop's hooks
+        [pid] = set(cp.status()["pipelines"]) - before  # handed to the loop's hooks with setup()'s grant
+        assert "pipeline_id" not in cfg["rlix"], "NeMo RL's config must not be written"
         assert pid in cp.status()["pipelines"], "setup() did not register the pipeline before its workers existed"
 
         hooks = seam.load_rlix_hooks()  # the loop's instance

@@ -33,7 +33,7 @@ def test_valid_config_and_runtime_knobs() -> None:
     cfg = _valid(sleep_level=1, bucket_size_bytes=1 << 20, sync_timeout_s=30, watchdog_interval_s=0.5)
     assert _problems(cfg) == []
     run = load_run_config(cfg)
-    rc = run.runtime_config()
+    rc = run.runtime
     assert (rc.sleep_level, rc.sync_timeout_s, rc.watchdog_interval_s) == (1, 30.0, 0.5)
     assert run.bucket_size_bytes == 1 << 20
     assert rc.step_target_estimate == 8  # default: grpo.num_prompts_per_step (debug #27)
@@ -151,3 +151,21 @@ def test_megatron_tp2_on_one_gpu_is_refused() -> None:
     cfg = _valid(train_devices=[0], infer_devices=[0])
     cfg["policy"]["megatron_cfg"]["tensor_model_parallel_size"] = 2
     assert any("Megatron TP·PP·CP·EP" in p for p in _problems(cfg))
+
+
+def test_the_rlix_keys_are_the_records_fields_parsed_once() -> None:
+    """One declaration per knob: the section's keys are RlixRunConfig's and RuntimeConfig's fields (every runtime
+    knob settable, each default declared once), values validated by the records, errors naming ``rlix.<key>``."""
+    from dataclasses import fields
+
+    from rlix_plugins.pipeline.config import RuntimeConfig
+
+    run = load_run_config(_valid(resize_lock_timeout_s=7, max_route_attempts=3, post_sleep_max_bytes=None))
+    assert (run.runtime.resize_lock_timeout_s, run.runtime.max_route_attempts) == (7, 3)
+    assert run.runtime.post_sleep_max_bytes is None
+    assert load_run_config(_valid()).runtime == RuntimeConfig(step_target_estimate=8)  # the declared defaults
+    with pytest.raises(RlixConfigError, match=r"^rlix\.drain_timeout_s=True must be a positive number of seconds"):
+        load_run_config(_valid(drain_timeout_s=True))
+    with pytest.raises(RlixConfigError) as err:
+        load_run_config(_valid(nope=1))
+    assert all(f.name in str(err.value) for f in fields(RuntimeConfig))

@@ -70,7 +70,7 @@ def test_setup_placement_answers_two_pipelines_the_same_groups(ray_cluster: dict
 
     from rlix_plugins.control import client
     from rlix_plugins.control.types import GENERATION_CLUSTER
-    from rlix_plugins.nemo_rl.placement import POOL_NAME, nemo_rl_placement, take_setup_grant
+    from rlix_plugins.nemo_rl.placement import POOL_NAME, nemo_rl_placement, take_setup
 
     bad = _run_config([0, 1])  # no inference rank left outside training
     with pytest.raises(RlixConfigError, match="at least one full DP rank"):
@@ -86,16 +86,18 @@ def test_setup_placement_answers_two_pipelines_the_same_groups(ray_cluster: dict
     try:
         a_cfg, b_cfg = _run_config([0]), _run_config([1], pipeline_id="ft_0123456789ab")
         a_train, a_infer, a_policy, a_gen = nemo_rl_placement(a_cfg)
-        a_pid = a_cfg["rlix"]["pipeline_id"]  # type: ignore[index]
         with ThreadPoolExecutor(1) as ex:  # B's setup() starts while A's still holds GPUs 0-1
             b_answer = ex.submit(nemo_rl_placement, b_cfg)
             with pytest.raises(TimeoutError):
                 b_answer.result(timeout=3)
-            a_pipe = take_setup_grant(a_pid)  # what A's runtime does after its init phases
+            a_setup = take_setup(a_cfg)  # what A's runtime does after its init phases
+            assert a_setup is not None
+            a_pid, a_pipe = a_setup.config.pipeline_id, a_setup.pipe
             a_pipe.release_gpus(GENERATION_CLUSTER, step=-1, timeout_s=60)
             b_train, b_infer, b_policy, b_gen = b_answer.result(timeout=60)
-        b_pipe = take_setup_grant("ft_0123456789ab")
-        assert b_pipe is not None and take_setup_grant(a_pid) is None
+        b_setup = take_setup(b_cfg)
+        assert b_setup is not None and b_setup.config.pipeline_id == "ft_0123456789ab" and take_setup(a_cfg) is None
+        b_pipe = b_setup.pipe
         held = {c: (a["priority"], a["gpus"]) for c, a in client.connect().status()["allocations"].items()
                 if c.startswith("ft_0123456789ab")}
         assert held == {"ft_0123456789ab_actor_infer": ("INITIALIZATION", [0, 1])}, held  # B's setup grant: every GPU it uses
@@ -118,3 +120,24 @@ def test_setup_placement_answers_two_pipelines_the_same_groups(ray_cluster: dict
     finally:
         ray.get(pool.release_all.remote(), timeout=60)
         ray.kill(pool)
+
+
+def test_setup_grant_is_handed_over_by_the_config_object_never_written_into_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """setup() and the loop share NeMo RL's master config object: the grant (parsed config with the pipeline id,
+    registration) is found by it, or by a fixed ``rlix.pipeline_id``; another object while one is pending is an
+    error that names the fix (registering a second pipeline would wait for GPUs the first holds)."""
+    from rlix_plugins.errors import RlixError
+    from rlix_plugins.nemo_rl import placement
+    from rlix_plugins.nemo_rl.config import load_run_config
+
+    monkeypatch.setattr(placement, "_SETUP_GRANTS", {})
+    master = _run_config([0])
+    cfg = load_run_config(master)
+    placement._SETUP_GRANTS["ft_000000000001"] = placement.SetupGrant(master, cfg, pipe="handle")
+    with pytest.raises(RlixError, match=r"\['ft_000000000001'\] for another master config object.*pipeline_id"):
+        placement.take_setup(_run_config([0]))
+    fixed = _run_config([0], pipeline_id="ft_000000000001")  # a copy naming the id
+    grant = placement.take_setup(fixed)
+    assert grant is not None and grant.pipe == "handle" and placement.take_setup(master) is None
+    assert "pipeline_id" not in master["rlix"]  # type: ignore[operator]

@@ -18,6 +18,7 @@ from rlix_plugins.pipeline.config import RuntimeConfig
 from rlix_plugins.pipeline.resizer import FleetResizer
 from rlix_plugins.pipeline.router import RolloutRouter
 from rlix_plugins.pipeline.runtime import PipelineRuntime
+from rlix_plugins.pipeline.versions import VersionLedger
 from tests.control._ray_helpers import FAST_COORDINATOR, control_plane, make_pipeline, wait_for
 from tests.pipeline.standins import Recorder, RecordingFleet, RecordingPublisher, RecordingWeights, ops
 
@@ -40,11 +41,12 @@ def _active(rt: PipelineRuntime) -> list[int]:
 
 def test_runtime_step_in_hook_order(control_plane: ControlPlane) -> None:
     rt, rec = _runtime(control_plane, [0], [0, 1])
-    assert ops(rec)[:3] == [("build", -1), ("wake", [0, 1]), ("sleep", ([0, 1], 2))], "init: cache v-1, prewarm, sleep"
+    assert ops(rec)[:4] == [("build", -1), ("wake", [0, 1]), ("sync", [0, 1]), ("sleep", ([0, 1], 2))], \
+        "init: cache v-1, prewarm (wake, warm-up sync), sleep"
     assert _active(rt) == []
     rt.attach_collector(RecordingPublisher(rec))
     assert _active(rt), "attach_collector returned before a rank was routed"
-    first = ops(rec)[3:]
+    first = ops(rec)[4:]
     assert ("publish", 0) in first and first.index(("sync", _active(rt))) < first.index(("publish", 0))
 
     n = len(ops(rec))
@@ -94,7 +96,7 @@ def resizer(ray_cluster: Any) -> Any:
         "test_pipe", RecordingFleet(rec, 2), RecordingWeights(rec), router, CFG)
     ray.get(rec.set.remote("cache_version", 4))
     ray.get(actor.set_publisher.remote(RecordingPublisher(rec)))
-    ray.get(actor.set_version.remote(3))
+    ray.get(actor.set_versions.remote(VersionLedger(cache=4, published=3)))
     yield actor, router, rec
     for a in (actor, router, rec):
         ray.kill(a)
@@ -215,3 +217,17 @@ def test_one_gpu_two_pipelines_take_turns_on_gpu_0(control_plane: ControlPlane) 
     for rt, _ in pipes:
         assert rt.end() == []
         assert _status_allocs(control_plane, rt.pipeline_id) == {}
+
+
+def test_end_logs_and_returns_what_failed_with_the_pipeline_id(control_plane: ControlPlane,
+                                                               caplog: pytest.LogCaptureFixture) -> None:
+    """end() never raises, and never swallows: a dead resize actor (its history unreadable) is logged with the
+    pipeline id and returned; the pipeline is still unregistered."""
+    rt = PipelineRuntime.register(control_plane, [0], [0, 1], config=CFG, coordinator_config=FAST_COORDINATOR)
+    rt.resizer = Recorder.remote()  # any actor, then dead: reading the history fails
+    ray.kill(rt.resizer)
+    with caplog.at_level("WARNING", logger="rlix_plugins.pipeline.runtime"):
+        errors = rt.end()
+    assert len(errors) == 1 and errors[0].startswith("read the resize history: "), errors
+    assert any(rt.pipeline_id in r.getMessage() and "read the resize history" in r.getMessage() for r in caplog.records)
+    assert rt.pipeline_id not in control_plane.status()["pipelines"]

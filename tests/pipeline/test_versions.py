@@ -8,9 +8,12 @@ from rlix_plugins.errors import RlixError
 from rlix_plugins.pipeline.config import RuntimeConfig
 from rlix_plugins.pipeline.versions import (
     BOOTSTRAP_VERSION,
+    VersionLedger,
     cache_version_after_step,
     check_no_double_bump,
+    initial_cache_version,
     published_version,
+    version_after_step,
 )
 
 
@@ -50,3 +53,20 @@ def test_runtime_config_validates() -> None:
         RuntimeConfig(step_target_estimate=0)
     with pytest.raises(RlixError, match="sync_timeout_s"):
         RuntimeConfig(sync_timeout_s=0)
+
+
+def test_ledger_is_the_one_place_of_the_rules() -> None:
+    """The runtime's ledger: bootstrap -1 published as 0, a step publishes N + 1 only from the cache that step
+    built (a cache being rebuilt or left from before the offload is refused, debug #34), never bumped twice."""
+    ledger = VersionLedger().cache_built(BOOTSTRAP_VERSION).collector_attached()
+    assert (ledger.cache, ledger.published) == (-1, 0)
+    with pytest.raises(RlixError, match="debug #34"):
+        ledger.after_step(0)  # no cache built for step 0
+    with pytest.raises(RlixError, match="debug #34"):
+        ledger.cache_built(1).cache_rebuilding().after_step(0)
+    ledger = ledger.cache_built(cache_version_after_step(0)).after_step(0)
+    assert (ledger.cache, ledger.published) == (1, 1) == (version_after_step(0),) * 2
+    with pytest.raises(RlixError, match="debug #31"):
+        VersionLedger(cache=3, published=1).after_step(2)  # 1 -> 3: bumped twice
+    resumed = VersionLedger().cache_built(initial_cache_version(5)).collector_attached()
+    assert resumed.published == 5 and resumed.cache_built(6).after_step(5).published == 6

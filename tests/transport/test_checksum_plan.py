@@ -15,7 +15,9 @@ from rlix_plugins.transport import (
     tensor_checksum,
     verify_checksums,
 )
-from rlix_plugins.transport._checksum import CHUNK_WORDS
+from rlix_plugins.transport._checksum import ROW_WORDS, WIDE_WORDS, finish_checksums, segment_checksums
+
+CHUNK_WORDS = WIDE_WORDS * 64
 
 
 def test_single_bit_flip_changes_the_checksum() -> None:
@@ -48,6 +50,36 @@ def test_chunk_boundary_and_odd_sizes() -> None:
     assert tensor_checksum(odd)[0] == 3
     assert tensor_checksum(torch.zeros(0)) == [0, 0, 0]
     assert tensor_checksum(odd[1:]) == tensor_checksum(odd[1:].clone())  # odd storage offset
+
+
+def _reference(data: bytes) -> list[int]:
+    """The definition in the module docstring, in plain Python."""
+    padded = data + b"\0" * (-len(data) % 4)
+    word_sum = weighted = 0
+    for i in range(0, len(padded), 4):
+        w = int.from_bytes(padded[i : i + 4], "little", signed=True)
+        k, j = divmod(i // 4, ROW_WORDS)
+        word_sum += w
+        weighted += w * ((k + 1) * (ROW_WORDS + 1) + j + 1)
+    return [len(data), word_sum % 2**32, weighted % 2**32]
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.binary(min_size=0, max_size=1500), min_size=1, max_size=6))
+def test_one_tensor_and_batched_bucket_forms_match_the_definition(blobs: list[bytes]) -> None:
+    """The per-tensor form (CPU and senders) and the batched form (receivers' GPUs) agree, on any layout."""
+    offsets, end = [], 0
+    for blob in blobs:
+        start = -(-end // 512) * 512
+        offsets.append(start)
+        end = start + len(blob)
+    buffer = torch.zeros(end + 3, dtype=torch.uint8)  # ends mid-row: the batched form pads the last row itself
+    for blob, start in zip(blobs, offsets, strict=True):
+        if blob:
+            buffer[start : start + len(blob)] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+    want = [_reference(b) for b in blobs]
+    assert [tensor_checksum(torch.frombuffer(bytearray(b), dtype=torch.uint8)) if b else [0, 0, 0] for b in blobs] == want
+    assert finish_checksums([len(b) for b in blobs], segment_checksums(buffer, offsets, [len(b) for b in blobs])) == want
 
 
 @settings(max_examples=25, deadline=None)

@@ -85,6 +85,14 @@ def test_cuda_ipc_same_gpu_handoff(same_gpu_receiver: SubprocessReceiver) -> Non
     _cycles(cache, {0: [(0, 0)]}, {0: same_gpu_receiver}, "cuda_ipc", [0])
 
 
+def test_host_pull_same_gpu(same_gpu_receiver: SubprocessReceiver) -> None:
+    """The receiver maps the cache's pinned pages once and copies from them; no sender GPU memory at all."""
+    cache = VersionedBucketCache(BUCKET)
+    assert cache.shared and cache.pin_memory
+    _cycles(cache, {0: [(0, 0)]}, {0: same_gpu_receiver}, "host_pull", [0])
+    cache.close()
+
+
 def test_pinned_cache_push_cpu_serialize(same_gpu_receiver: SubprocessReceiver) -> None:
     """The locked-down path: pinned cache bytes to a GPU receiver without CUDA IPC; buffers stay pinned."""
     cache = VersionedBucketCache(BUCKET)

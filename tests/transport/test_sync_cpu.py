@@ -171,3 +171,56 @@ def test_dead_receiver_before_setup_times_out_cleanly(receivers: dict[int, Subpr
     cache.build(31, iter(model))
     sync_weights(cache, PLAN, receivers, timeout_s=20, verify=True)
     _assert_bit_exact(receivers[1], model)
+
+
+# ---- host_pull: receivers map the sender's shared cache pages and copy from them ---------------------------
+
+HOST_PULL_PLAN = build_comm_plan((0, 0), {0: [(0, 0)], 1: [(0, 1)], 2: [(1, 0)]}, "host_pull")
+
+
+def test_host_pull_next_to_broadcast_is_bit_exact_over_versions(receivers: dict[int, SubprocessReceiver]) -> None:
+    cache = VersionedBucketCache(BUCKET)
+    assert cache.shared
+    try:
+        for version in (30, 31):
+            model = _model(version)
+            cache.build(version, iter(model))
+            report = sync_weights(cache, HOST_PULL_PLAN, receivers, timeout_s=20, verify=True)
+            assert report.ipc_dp_ranks == (0,) and report.broadcast_dp_ranks == (1, 2) and report.verified
+            for ep in receivers.values():
+                _assert_bit_exact(ep, model)
+        _assert_nothing_left(receivers)
+    finally:
+        cache.close()
+
+
+def test_host_pull_reads_what_the_cache_holds_and_verification_catches_a_flipped_byte(
+    receivers: dict[int, SubprocessReceiver],
+) -> None:
+    cache = VersionedBucketCache(BUCKET)
+    plan = build_comm_plan((0, 0), {0: [(0, 0)]}, "host_pull")
+    try:
+        cache.build(40, iter(_model(40)))
+        with cache.read() as snap:  # corrupt the cache's bytes after the sender's checksums were taken
+            record = snap.buckets[1]
+            victim = record.meta.names[0]
+            record.buffer[record.meta.offsets[0]] ^= 0x10
+        with pytest.raises(WeightVerificationError, match=victim.replace(".", r"\.")):
+            sync_weights(cache, plan, {0: receivers[0]}, timeout_s=20, verify=True)
+    finally:
+        cache.close()
+
+
+def test_host_pull_errors_name_the_fix(receivers: dict[int, SubprocessReceiver]) -> None:
+    from rlix_plugins.transport import map_host_buffer
+
+    with pytest.raises(TransportError, match="another machine"):
+        map_host_buffer({"boot_id": "elsewhere", "pid": 1, "fd": 3, "inode": 1, "nbytes": 8}, pin=False)
+    from rlix_plugins.transport._host_pull import BOOT_ID
+
+    with pytest.raises(TransportError, match="cuda_ipc"):  # a sender that is gone
+        map_host_buffer({"boot_id": BOOT_ID, "pid": 2**22 + 7, "fd": 3, "inode": 1, "nbytes": 8}, pin=False)
+    unshared = VersionedBucketCache(BUCKET, shared=False)
+    unshared.build(0, iter(_model(0)))
+    with pytest.raises(TransportError, match="shared host memory"):
+        sync_weights(unshared, build_comm_plan((0, 0), {0: [(0, 0)]}, "host_pull"), {0: receivers[0]}, timeout_s=5)

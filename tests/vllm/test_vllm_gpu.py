@@ -105,8 +105,8 @@ def baselines(engines: dict[str, Any]) -> dict[str, list[list[int]]]:
 def _sync(weights_or_cache: Any, targets: dict[int, list], rpcs: dict[int, EngineRpc], *, via: str,
           version: int = 0, **kw: Any) -> Any:
     cache = weights_or_cache if hasattr(weights_or_cache, "read") else build_cache(weights_or_cache, version)
-    if via == "cuda_ipc":
-        plan = build_comm_plan(ENGINE_GPU, targets, same_gpu_transport="cuda_ipc")
+    if via in ("cuda_ipc", "host_pull"):
+        plan = build_comm_plan(ENGINE_GPU, targets, same_gpu_transport=via)
         staging = "cuda:0"
     elif via == "nccl":
         plan = build_comm_plan(OTHER_GPU, targets, same_gpu_transport="cuda_ipc")
@@ -122,6 +122,16 @@ def _info(rpc: EngineRpc) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------------------------------
+
+
+def test_gpu_host_pull_sync_matches_fresh_engine(engines: dict, rpcs: dict, weight_sets: dict, baselines: dict) -> None:
+    report = _sync(weight_sets["seed1"], {0: [ENGINE_GPU]}, rpcs, via="host_pull", version=3)
+    assert report.transport.ipc_dp_ranks == (0,) and report.transport.group_name is None
+    assert report.verified[0][0]["received"] == len(weight_sets["seed1"])
+    assert greedy(engines["a"]) == baselines["seed1"]
+    _sync(weight_sets["orig"], {0: [ENGINE_GPU]}, rpcs, via="host_pull", version=4)
+    assert greedy(engines["a"]) == baselines["orig"]
+    assert _info(rpcs[0])["dirty"] is False
 
 
 def test_gpu_cuda_ipc_sync_matches_fresh_engine(engines: dict, rpcs: dict, weight_sets: dict, baselines: dict) -> None:
@@ -244,7 +254,7 @@ def test_gpu_expand_time_1p5b(gpus: int, tiny_model_dir: Path) -> None:
     llm = _engine(big, 0.45, load_format="dummy")
     rpc = {0: LLMEngineRpc(llm)}
     try:
-        _sync(cache, {0: [ENGINE_GPU]}, rpc, via="cuda_ipc", verify=False)  # warm-up (first IPC open, allocator)
+        _sync(cache, {0: [ENGINE_GPU]}, rpc, via="host_pull", verify=False)  # warm-up (mapping, pinning, allocator)
         from vllm import SamplingParams
 
         ref = [list(o.outputs[0].token_ids) for o in
@@ -256,8 +266,10 @@ def test_gpu_expand_time_1p5b(gpus: int, tiny_model_dir: Path) -> None:
             wake_only = time.perf_counter() - t0
             llm.sleep(level=level)
             t0 = time.perf_counter()
+            if level == 1:  # what the resizer does: the sync overwrites the weights, never restore the old ones
+                llm.collective_rpc("rlix_discard_weight_backup")
             llm.wake_up(tags=["weights"])
-            report = _sync(cache, {0: [ENGINE_GPU]}, rpc, via="cuda_ipc", verify=(level == 2))
+            report = _sync(cache, {0: [ENGINE_GPU]}, rpc, via="host_pull", verify=True)
             llm.wake_up(tags=["kv_cache"])
             expand = time.perf_counter() - t0
             out = [list(o.outputs[0].token_ids) for o in

@@ -6,6 +6,7 @@ interpreter (as vLLM's processes do), so the once-per-process guard cannot hide 
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -103,3 +104,41 @@ def test_entry_point_asks_for_amx_in_every_vllm_process(res: dict[str, dict]) ->
         else:
             assert res[name]["amx"] == "not supported: no amx_tile flag in /proc/cpuinfo", (name, res[name])
             assert res[name]["xtiledata"] is False
+
+
+def test_host_pull_load_groups_tile_the_bucket_padding_included() -> None:
+    """The GPU receiver copies a bucket group by group; the groups' byte ranges must cover every byte up to
+    ``used_bytes`` (the padding between tensors too: the batched checksums read it). A gap left stale bytes in
+    the receive buffer and failed verification on the H100."""
+    import torch
+
+    from rlix_plugins.transport import pack_bucket
+    from rlix_plugins.vllm import receiver
+
+    sizes = [3, 70, 1000, 5, (receiver.GROUP_BYTES // 4) + 7, 9, 2, receiver.GROUP_BYTES // 8, 11]
+    meta = pack_bucket([(f"t{i}", torch.zeros(n, dtype=torch.float32)) for i, n in enumerate(sizes)]).meta
+    ranges = receiver.group_ranges(meta)
+    assert len(ranges) >= 3
+    assert [k for g, _, _ in ranges for k in g] == list(range(len(sizes)))
+    assert ranges[0][1] == 0 and ranges[-1][2] == meta.used_bytes
+    assert all(hi == lo for (_, _, hi), (_, lo, _) in itertools.pairwise(ranges))
+
+
+def test_batched_live_check_matches_one_checksum_per_parameter() -> None:
+    """The live check's batched form (parameters side by side in a scratch buffer) equals the per-tensor one."""
+    import torch
+
+    from rlix_plugins.transport import finish_checksums, start_checksums
+    from rlix_plugins.vllm import receiver
+
+    g = torch.Generator().manual_seed(3)
+    params = [torch.randn(*shape, generator=g).to(dtype) for shape, dtype in
+              [((7,), torch.float32), ((33, 5), torch.bfloat16), ((1,), torch.float16), ((300, 17), torch.float32)]]
+    nbytes = [p.numel() * p.element_size() for p in params]
+    want = finish_checksums(nbytes, start_checksums(params))
+    old = receiver.LIVE_CHUNK_BYTES
+    receiver.LIVE_CHUNK_BYTES = 1024  # several chunks
+    try:
+        assert finish_checksums(nbytes, receiver.live_checksums(params, batched=True)) == want
+    finally:
+        receiver.LIVE_CHUNK_BYTES = old

@@ -130,7 +130,7 @@ def baselines(engine_a: Any, engine_b: Any) -> dict[str, list[list[int]]]:
 
 
 def _sync(cache: Any, targets: dict[int, list], rpcs: dict[int, EngineRpc], **kw: Any) -> Any:
-    plan = build_comm_plan(SENDER, targets, same_gpu_transport="cpu_serialize")
+    plan = build_comm_plan(SENDER, targets, same_gpu_transport=kw.pop("same_gpu_transport", "cpu_serialize"))
     return sync_engines(cache, plan, rpcs, staging_device="cpu", timeout_s=kw.pop("timeout_s", TIMEOUT_S), **kw)
 
 
@@ -205,6 +205,25 @@ def test_two_dp_ranks_sync_only_one(
     assert greedy_a(engine_a) == greedy_b(engine_b) == baselines["orig"]
     _sync(build_cache(weight_sets["seed1"], 23), {1: SAME_GPU}, rpcs)
     assert greedy_b(engine_b) == baselines["seed1"]
+
+
+def test_host_pull_sync_into_both_engines_matches_fresh_engine(
+    engine_a: Any, rpcs: dict[int, EngineRpc], weight_sets: dict, baselines: dict
+) -> None:
+    """Both worker processes map the sender's shared cache pages; plain vLLM and NeMo RL's loader alike."""
+    seed1, orig = build_cache(weight_sets["seed1"], 3), build_cache(weight_sets["orig"], 4)
+    for dp, cache in ((0, seed1), (1, orig)):  # one target per GPU and sync: each engine in turn
+        report = _sync(cache, {dp: SAME_GPU}, rpcs, same_gpu_transport="host_pull")
+        assert report.transport.ipc_dp_ranks == (dp,) and report.transport.group_name is None
+        assert report.finalized_dp_ranks == (dp,)
+        assert report.verified[dp][0]["received"] == len(weight_sets["seed1"])
+    assert greedy_a(engine_a) == baselines["seed1"]  # plain vLLM's layer-wise reload
+    assert greedy_b(rpcs[1].actor) == baselines["orig"]  # type: ignore[attr-defined]  # NeMo RL's loader
+    for dp, cache in ((0, orig), (1, seed1)):  # back to where both started
+        _sync(cache, {dp: SAME_GPU}, rpcs, same_gpu_transport="host_pull")
+    assert greedy_a(engine_a) == baselines["orig"] and greedy_b(rpcs[1].actor) == baselines["seed1"]  # type: ignore[attr-defined]
+    seed1.close()
+    orig.close()
 
 
 # --------------------------------------------------------------------------------------------- failures

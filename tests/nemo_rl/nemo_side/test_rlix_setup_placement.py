@@ -179,7 +179,7 @@ def test_two_pipelines_share_per_gpu_groups_under_unique_names(monkeypatch):
     creates no worker until A's grant is released (what A's runtime does after its init phases)."""
     from rlix_plugins.control import client
     from rlix_plugins.control.types import GENERATION_CLUSTER
-    from rlix_plugins.nemo_rl.placement import placement_pool, take_setup_grant
+    from rlix_plugins.nemo_rl.placement import placement_pool, take_setup
 
     monkeypatch.setenv("RLIX_CONTROL_PLANE", "rlix")
     pool = placement_pool(worker_groups_per_gpu=3)  # 3 workers per GPU here (CPU budget of the private head)
@@ -193,7 +193,8 @@ def test_two_pipelines_share_per_gpu_groups_under_unique_names(monkeypatch):
             cfg, tokenizer = configs[name]
             calls = []
             made.append(_setup(monkeypatch, cfg, tokenizer, calls))
-            pipelines[name] = (cfg.model_extra["rlix"]["pipeline_id"], *made[-1], calls)
+            pid = made[-1][2].name.removesuffix("-train")  # the train cluster is named after the pipeline
+            pipelines[name] = (pid, *made[-1], calls)
 
         run_setup("a")
         a_pid = pipelines["a"][0]
@@ -205,12 +206,12 @@ def test_two_pipelines_share_per_gpu_groups_under_unique_names(monkeypatch):
         b_thread.join(timeout=5)
         assert b_thread.is_alive() and "b" not in pipelines  # B's setup() waits for the GPUs ...
         assert [c for c in CREATED[created_before:] if not c[0].startswith(a_pid)] == [], CREATED  # ... no worker
-        grants["a"] = take_setup_grant(a_pid)
+        grants["a"] = take_setup(configs["a"][0]).pipe
         t_released = time.time()
         grants["a"].release_gpus(GENERATION_CLUSTER, step=-1, timeout_s=60)
         b_thread.join(timeout=120)
         assert "b" in pipelines, "B's setup() did not finish after A's grant was released"
-        grants["b"] = take_setup_grant(pipelines["b"][0])
+        grants["b"] = take_setup(configs["b"][0]).pipe
         b_created = [t for prefix, _, t in CREATED if prefix.startswith(pipelines["b"][0])]
         assert len(b_created) == 2 and min(b_created) > t_released, (CREATED, t_released)
         groups = ray.get(pool.groups.remote([0, 1]), timeout=60)

@@ -1,0 +1,223 @@
+"""Expand benchmark: a rollout rank's expand (wake + weight sync + finalize + verify) against wake alone, on a
+real vLLM engine, with every number a ratio against its raw primitive measured in the same run.
+
+For each model shape (Qwen2.5-0.5B and -1.5B shaped, ``load_format="dummy"``) and sleep level (1, 2):
+
+* ``wake_only_s``: ``sleep(level)`` then ``wake_up()`` (level 1 restores the weights from vLLM's CPU copy);
+* ``expand_s``: ``sleep(level)`` then what the resizer does - level 1: drop vLLM's CPU copy of the weights
+  (a sync overwrites them), ``wake_up(["weights"])``, sync from the CPU bucket cache (``host_pull``: the
+  engine's worker copies from the sender's pinned pages; verified every time), ``wake_up(["kv_cache"])``;
+  ``expand_over_wake`` is the ratio the target is set on;
+* ``load_vs_raw_h2d``: weight bytes per second into the engine during the sync (send to verified, finalize
+  included) over a raw pinned host->device copy of the same bytes in this process;
+* the same sync by ``cuda_ipc`` (the previous path: sender GPU staging + IPC handle per bucket) for comparison;
+* ``first_sync_s`` vs a warm sync on a fresh engine (what a pipeline's first expand pays).
+
+Greedy output after every expand must equal the output after the first sync (the weights are right).
+
+Usage (GPU machine, vLLM kit): ``python benchmarks/expand.py [--shapes 0.5b 1.5b] [--repeats 3] [--json out.json]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # this process uses CUDA (the sender)
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch
+
+SHAPES: dict[str, dict[str, Any]] = {
+    "0.5b": {"hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14,
+             "num_key_value_heads": 2},
+    "1.5b": {"hidden_size": 1536, "intermediate_size": 8960, "num_hidden_layers": 28, "num_attention_heads": 12,
+             "num_key_value_heads": 2},
+}
+PROMPTS = ["the model weight", "sleep wake gpu", "hello world token", "fast slow update"]
+BUCKET_BYTES = 512 << 20
+
+
+def progress(msg: str) -> None:
+    print(f"[expand-bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def model_dir(root: Path, shape: str) -> Path:
+    """A Qwen2.5-shaped config (dummy weights) with the tiny model's locally trained tokenizer."""
+    from transformers import Qwen2Config
+
+    from rlix_plugins.tiny_model import build_tiny_qwen2
+
+    tiny = build_tiny_qwen2(root / "tiny", seed=0) if not (root / "tiny").exists() else root / "tiny"
+    out = root / f"qwen2p5-{shape}"
+    out.mkdir(exist_ok=True)
+    base = Qwen2Config.from_pretrained(str(tiny))
+    fields: dict[str, Any] = {
+        "vocab_size": 151936, "head_dim": 128 if shape == "1.5b" else 64, "max_position_embeddings": 4096,
+        "tie_word_embeddings": True, "eos_token_id": base.eos_token_id, "bos_token_id": base.bos_token_id,
+        "rope_theta": 10000.0, "torch_dtype": "bfloat16", **SHAPES[shape],
+    }
+    Qwen2Config(**fields).save_pretrained(str(out))
+    for f in tiny.iterdir():
+        if f.name.startswith(("tokenizer", "chat_template", "special_tokens")):
+            (out / f.name).write_bytes(f.read_bytes())
+    return out
+
+
+def random_weights(path: Path) -> dict[str, torch.Tensor]:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config.from_pretrained(str(path))
+    with torch.device("meta"):
+        shapes = {n: tuple(p.shape) for n, p in Qwen2ForCausalLM(cfg).named_parameters()}
+    shapes.pop("lm_head.weight", None)  # tied
+    gen = torch.Generator(device="cuda:0").manual_seed(0)
+    return {n: (torch.randn(s, generator=gen, device="cuda:0") * 0.02).to(torch.bfloat16) for n, s in shapes.items()}
+
+
+def raw_h2d_s(nbytes: int, repeats: int) -> float:
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    host.fill_(1)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda:0")
+    best = float("inf")
+    for _ in range(repeats + 1):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        dev.copy_(host, non_blocking=True)
+        torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def greedy(llm: Any) -> list[list[int]]:
+    from vllm import SamplingParams
+
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def bench_shape(shape: str, root: Path, repeats: int) -> dict[str, Any]:
+    from vllm import LLM
+
+    from rlix_plugins.transport import VersionedBucketCache, build_comm_plan
+    from rlix_plugins.vllm import EXTENSION_CLS
+    from rlix_plugins.vllm.driver import LLMEngineRpc, sync_engines
+
+    path = model_dir(root, shape)
+    weights = random_weights(path)
+    nbytes = sum(t.numel() * t.element_size() for t in weights.values())
+    cache = VersionedBucketCache(BUCKET_BYTES)
+    t0 = time.perf_counter()
+    cache.build(1, sorted(weights.items()))
+    first_build = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    cache.build(2, sorted(weights.items()))
+    rebuild = time.perf_counter() - t0
+    del weights
+    torch.cuda.empty_cache()
+    raw = raw_h2d_s(nbytes, repeats)
+    row: dict[str, Any] = {"weights_gib": round(nbytes / 2**30, 3), "buckets": cache.num_buffers,
+                           "raw_h2d_GBps": round(nbytes / raw / 1e9, 1), "cache_first_build_s": round(first_build, 3),
+                           "cache_rebuild_s(checksums on GPU)": round(rebuild, 3)}
+    progress(f"{shape}: starting the engine")
+    llm = LLM(model=str(path), dtype="bfloat16", max_model_len=512, enforce_eager=True, seed=0, load_format="dummy",
+              gpu_memory_utilization=0.45, enable_sleep_mode=True, worker_extension_cls=EXTENSION_CLS)
+    rpc = {0: LLMEngineRpc(llm)}
+    plans = {t: build_comm_plan((0, 0), {0: [(0, 0)]}, t) for t in ("host_pull", "cuda_ipc")}
+
+    def sync(transport: str) -> Any:
+        return sync_engines(cache, plans[transport], rpc, staging_device="cuda:0", timeout_s=120, verify=True)
+
+    try:
+        t0 = time.perf_counter()
+        first = sync("host_pull")
+        row["first_sync_s"] = round(time.perf_counter() - t0, 3)
+        t0 = time.perf_counter()
+        sync("host_pull")
+        row["warm_sync_s"] = round(time.perf_counter() - t0, 3)
+        row["first_over_warm_sync"] = round(row["first_sync_s"] / row["warm_sync_s"], 2)
+        assert first.verified, "the first sync was not verified"
+        ref = greedy(llm)
+        sync("cuda_ipc")  # warm the previous path too (staging, IPC open)
+        for transport in ("host_pull", "cuda_ipc"):
+            for level in (1, 2):
+                wake, expand, load, parts = [], [], [], []
+                for _ in range(repeats):
+                    llm.sleep(level=level)
+                    t0 = time.perf_counter()
+                    llm.wake_up()
+                    wake.append(time.perf_counter() - t0)
+                    llm.sleep(level=level)
+                    t0 = time.perf_counter()
+                    if level == 1 and transport == "host_pull":
+                        llm.collective_rpc("rlix_discard_weight_backup")
+                    llm.wake_up(tags=["weights"])
+                    t1 = time.perf_counter()
+                    report = sync(transport)
+                    t2 = time.perf_counter()
+                    llm.wake_up(tags=["kv_cache"])
+                    expand.append(time.perf_counter() - t0)
+                    load.append(t2 - t1)
+                    parts.append({"wake_weights_s": t1 - t0, "sync_s": t2 - t1,
+                                  "transfer_s": report.transport.transfer_seconds,
+                                  "finalize_s": report.finalize_seconds, "verify_s": report.verify_seconds,
+                                  "wake_kv_s": time.perf_counter() - t2})
+                    parts[-1]["receiver"] = llm.collective_rpc("rlix_receiver_info")[0]["timing"]
+                    assert all(v for per in report.verified.values() for v in per), "an expand was not verified"
+                    llm.reset_prefix_cache()
+                    assert greedy(llm) == ref, f"{shape} level {level} {transport}: output differs after expand"
+                w, e, s = statistics.median(wake), statistics.median(expand), statistics.median(load)
+                best = min(range(repeats), key=lambda i: expand[i])
+                row[f"{transport}_level{level}"] = {
+                    "wake_only_s": round(w, 4), "expand_s": round(e, 4), "expand_over_wake": round(e / w, 2),
+                    "sync_s": round(s, 4), "load_GBps": round(nbytes / s / 1e9, 1),
+                    "load_vs_raw_h2d": round(raw / s, 2),
+                    "best_expand_parts_s": {k: v if isinstance(v, dict) else round(v, 4) for k, v in parts[best].items()},
+                }
+                progress(f"{shape} {transport} level {level}: {row[f'{transport}_level{level}']}")
+    finally:
+        rpc[0].close()
+        shutdown = getattr(getattr(llm.llm_engine, "engine_core", None), "shutdown", None)
+        if callable(shutdown):
+            shutdown()
+        cache.close()
+        del llm
+        torch.cuda.empty_cache()
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", nargs="+", default=["0.5b", "1.5b"], choices=sorted(SHAPES))
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--profile-pull", type=int, default=5,
+                        help="torch-profile the engine worker's N-th host_pull (0: off); table next to --json")
+    args = parser.parse_args(argv)
+    if args.profile_pull:
+        os.environ["RLIX_PROFILE_PULL"] = str(args.profile_pull)  # the engine processes inherit it
+        os.environ["RLIX_PROFILE_DIR"] = str(Path(args.json).parent if args.json else Path.cwd())
+    if not torch.cuda.is_available():
+        print("expand benchmark: needs a GPU and vLLM (see docs/gpu.md)", file=sys.stderr)
+        return 2
+    results: dict[str, Any] = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
+                               "bucket_bytes": BUCKET_BYTES}
+    with tempfile.TemporaryDirectory(prefix="rlix-expand-") as tmp:
+        for shape in args.shapes:
+            results[shape] = bench_shape(shape, Path(tmp), args.repeats)
+            text = json.dumps(results, indent=1)
+            if args.json:
+                Path(args.json).write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
