@@ -19,6 +19,10 @@ class SchedulerError(RlixError):
     """The control plane refused or could not complete a request."""
 
 
+class ActorDeadError(SchedulerError):
+    """An actor a call needed is dead (e.g. the scheduler: restart the control plane with ``rlix up``)."""
+
+
 class PipelineUnregisteredError(SchedulerError):
     """The pipeline was unregistered (or failed) while a request of it was pending."""
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import ray
 
-from rlix_plugins.errors import RlixTimeoutError, SchedulerError
+from rlix_plugins.errors import ActorDeadError, RlixTimeoutError
 
 
 def actor_death_reason(exc: BaseException) -> str:
@@ -30,14 +30,14 @@ def ray_get(
     unwrap: type[BaseException] | tuple[type[BaseException], ...] = Exception,
 ) -> Any:
     """``ray.get(refs, timeout=timeout_s)``. A timeout raises ``RlixTimeoutError`` ("<what>: no answer within N s
-    <hint>"), a dead actor ``SchedulerError`` ("<what>: <dead> (<reason>)"); an exception raised by the remote call
+    <hint>"), a dead actor ``ActorDeadError`` (a ``SchedulerError``) ("<what>: <dead> (<reason>)"); an exception raised by the remote call
     is re-raised as itself when it is an ``unwrap`` instance (else Ray's ``RayTaskError`` propagates)."""
     try:
         return ray.get(refs, timeout=timeout_s)
     except ray.exceptions.GetTimeoutError:
         raise RlixTimeoutError(f"{what}: no answer within {timeout_s:.0f} s{hint}") from None
     except ray.exceptions.RayActorError as exc:
-        raise SchedulerError(f"{what}: {dead} ({actor_death_reason(exc)})") from None
+        raise ActorDeadError(f"{what}: {dead} ({actor_death_reason(exc)})") from None
     except ray.exceptions.RayTaskError as exc:
         if isinstance(exc.cause, unwrap):
             raise exc.cause from None

@@ -19,6 +19,7 @@ import ray
 
 from rlix_plugins.control import planner
 from rlix_plugins.control._gap_ratio import note_generation_waits
+from rlix_plugins.control._invariants import PlanInvariantError, validate_snapshot
 from rlix_plugins.control.scheduler_state import (
     SchedulerConfig,
     apply_shrink,
@@ -40,6 +41,9 @@ from rlix_plugins.control.types import (
 from rlix_plugins.errors import PipelineUnregisteredError, RlixConfigError, RlixTimeoutError, SchedulerError
 
 logger = logging.getLogger(__name__)
+
+#: Failed pipelines kept for ``rlix status`` (the oldest are dropped first).
+FAILED_KEPT = 256
 
 
 @dataclass
@@ -89,6 +93,11 @@ class SchedulerCore:
         self._cycles = 0
         self._last_plan_ms = 0.0
         self._stopped = False
+        #: pipelines the scheduler failed, and why (newest last; ``rlix status`` names them)
+        self._failed: dict[str, dict[str, Any]] = {}
+        #: committed states checked against the invariants after a cycle, and those that broke one
+        self._invariant_checks = 0
+        self._invariant_violations: list[str] = []
 
     def _ensure_loop(self) -> None:
         if self._wake is None:
@@ -142,6 +151,10 @@ class SchedulerCore:
             detail += f" (rollout ranks {awake} were still active: call await_release before unregistering)"
             logger.warning("rlix scheduler: pipeline %s left with active rollout ranks %s", pipeline_id, awake)
         self._trace.record(op, pipeline_id=pipeline_id, gpus=freed, detail=detail)
+        if op == "fail":
+            self._failed[pipeline_id] = {"reason": detail, "time": time.time(), "gpus_freed": sorted(freed)}
+            while len(self._failed) > FAILED_KEPT:
+                del self._failed[next(iter(self._failed))]
         if self._wake is not None:
             self._wake.set()
         return True
@@ -257,7 +270,22 @@ class SchedulerCore:
             await self._execute(snapshot, plan)
         finally:
             self._inflight_seqs, self._inflight_clusters, self._removed_in_cycle = set(), set(), None
+        self._check_committed()
         return True
+
+    def _check_committed(self) -> None:
+        """Check the state a cycle committed (the plan was validated before it ran; this catches what changed
+        while it executed: releases, unregisters, failures). Counted for ``rlix status`` and the chaos soak."""
+        self._invariant_checks += 1
+        clusters = {cid: s for p in self._pipelines.values() for cid, s in p.clusters.items()}
+        try:
+            validate_snapshot(SchedulerSnapshot(gpus=self._gpus, gpus_per_node=self._gpus_per_node, clusters=clusters,
+                                                allocations=dict(self._allocations), pending=(), progress={},
+                                                planned_releases=frozenset()))
+        except PlanInvariantError as exc:
+            logger.error("rlix scheduler: committed state breaks an invariant: %s", exc)
+            self._trace.record("error", detail=f"committed state: {exc}")
+            self._invariant_violations = [*self._invariant_violations[-99:], str(exc)]
 
     def _on_planner_error(self, snapshot: SchedulerSnapshot, exc: Exception) -> None:
         """A planner bug: execute nothing, fail the waiters of this snapshot (they would only time out)."""
@@ -385,7 +413,8 @@ class SchedulerCore:
         )
 
     async def _health_check(self) -> None:
-        """Fail pipelines whose coordinator actor died (e.g. the driver that owned it exited).
+        """Fail pipelines whose coordinator actor died (e.g. the driver that owned it exited), or whose coordinator
+        reports that the driver stopped renewing its lease (a driver that hangs or was stopped while it holds GPUs).
 
         A coordinator is found by name once and its handle kept; a driver that dies before that lookup takes its
         (driver-owned) coordinator with it, so "no such actor" for a pipeline that holds GPUs or waits for them,
@@ -409,6 +438,8 @@ class SchedulerCore:
         for pid, res in zip(probes, results, strict=True):
             if isinstance(res, ray.exceptions.RayActorError):
                 self._fail(pid, f"coordinator died: {_describe(res)}")
+            elif isinstance(res, str) and res != "ok":  # the coordinator's verdict: its driver's lease expired
+                self._fail(pid, res)
             elif isinstance(res, BaseException):
                 self._trace.record("error", pipeline_id=pid, detail=f"health probe: {_describe(res)}")
 

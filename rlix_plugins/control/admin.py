@@ -217,6 +217,16 @@ def format_status(st: dict[str, Any]) -> str:
     ))
     if st.get("planned_releases"):
         lines.append(f"\nplanned releases: {', '.join(st['planned_releases'])}")
+    if st.get("failed"):
+        lines.append("")
+        lines.append(_table(
+            ["FAILED PIPELINE", "WHEN", "GPUS FREED", "WHY"],
+            [[pid, time.strftime("%H:%M:%S", time.localtime(f["time"])), _ids(f.get("gpus_freed", [])), f["reason"]]
+             for pid, f in st["failed"].items()],
+            empty="",
+        ))
+    if st.get("invariant_violations"):
+        lines.append(f"\nINVARIANT VIOLATIONS (an rlix bug, please report): {st['invariant_violations'][-3:]}")
     return "\n".join(lines)
 
 

@@ -163,9 +163,13 @@ def ensure_ray(address: str | None = None) -> None:
         ) from None
 
 
-def call(ref: Any, what: str, timeout_s: float = RPC_TIMEOUT_S) -> Any:
+#: What a call to a dead scheduler says (its pipelines fail with it; ``rlix up`` starts a new one).
+SCHEDULER_DEAD: Final = "the rlix scheduler actor is dead; restart the control plane with `rlix up`"
+
+
+def call(ref: Any, what: str, timeout_s: float = RPC_TIMEOUT_S, *, dead: str = "the actor serving it is dead") -> Any:
     """``ray.get`` with a timeout; control-plane errors come back as rlix errors."""
-    return ray_get(ref, what, timeout_s, unwrap=RlixError,
+    return ray_get(ref, what, timeout_s, unwrap=RlixError, dead=dead,
                    hint=" (is the control plane overloaded or hung? `rlix status`)")
 
 
@@ -203,8 +207,11 @@ def connect(
                 ) from None
     call(orch.ping.remote(), "starting the rlix orchestrator", timeout_s)
     sched = _lookup(SCHEDULER_NAME, RLIX_NAMESPACE)
+    if sched is None and create_if_missing:  # the scheduler died (its pipelines failed with it): start a new one
+        call(orch.restart_scheduler.remote(scheduler_config), "restarting the scheduler", timeout_s)
+        sched = _lookup(SCHEDULER_NAME, RLIX_NAMESPACE)
     if sched is None:
-        raise SchedulerError("the orchestrator runs but the scheduler actor is missing; run `rlix down` then `rlix up`")
+        raise SchedulerError("the orchestrator runs but the scheduler actor is missing (it died); run `rlix up`")
     config = call(sched.get_config.remote(), "scheduler config", timeout_s)
     return ControlPlane(orch, sched, config)
 
@@ -227,10 +234,10 @@ class ControlPlane:
         return dict(call(self.orchestrator.pool.remote(), "pool"))
 
     def status(self) -> dict[str, Any]:
-        return dict(call(self.scheduler.status.remote(), "status"))
+        return dict(call(self.scheduler.status.remote(), "status", dead=SCHEDULER_DEAD))
 
     def trace(self, since: float | None = None) -> list[TraceEvent]:
-        return list(call(self.scheduler.get_trace.remote(since), "get_trace"))
+        return list(call(self.scheduler.get_trace.remote(since), "get_trace", dead=SCHEDULER_DEAD))
 
     def allocate_pipeline_id(self, kind: str = "ft") -> str:
         return str(call(self.orchestrator.allocate_pipeline_id.remote(kind), "allocate_pipeline_id"))
@@ -293,6 +300,10 @@ class ControlPlane:
     def unregister_pipeline(self, pipeline_id: str, reason: str = "unregistered by its pipeline") -> bool:
         return bool(call(self.orchestrator.unregister_pipeline.remote(pipeline_id, reason), "unregister_pipeline"))
 
+    def fail_pipeline(self, pipeline_id: str, reason: str) -> bool:
+        """Unregister a pipeline as failed: ``rlix status`` lists it with ``reason``. False when not registered."""
+        return bool(call(self.scheduler.fail_pipeline.remote(pipeline_id, reason), "fail_pipeline", dead=SCHEDULER_DEAD))
+
     def kill_pipeline(self, pipeline_id: str) -> list[str]:
         return list(call(self.orchestrator.kill_pipeline.remote(pipeline_id), "kill_pipeline", 90.0))
 
@@ -331,12 +342,14 @@ class PipelineHandle:
                      step_target_estimate: int | None = None, timeout_s: float = DEFAULT_WAIT_S) -> list[int]:
         cid = self.cluster_id(cluster)
         ref = self.control_plane.scheduler.request_gpus.remote(cid, int(to_priority(priority)), step, step_target_estimate, timeout_s)
-        return list(call(ref, f"request_gpus({cid})", timeout_s + self.control_plane.rpc_margin_s))
+        return list(call(ref, f"request_gpus({cid})", timeout_s + self.control_plane.rpc_margin_s,
+                         dead=SCHEDULER_DEAD))
 
     def release_gpus(self, cluster: str, *, step: int | None = None, timeout_s: float = DEFAULT_WAIT_S) -> list[int]:
         cid = self.cluster_id(cluster)
         ref = self.control_plane.scheduler.release_gpus.remote(cid, step, timeout_s)
-        return list(call(ref, f"release_gpus({cid})", timeout_s + self.control_plane.rpc_margin_s))
+        return list(call(ref, f"release_gpus({cid})", timeout_s + self.control_plane.rpc_margin_s,
+                         dead=SCHEDULER_DEAD))
 
     def release_then_request(self, release: str, request: str, priority: Priority | int, *,
                              step: int | None = None, step_target_estimate: int | None = None,
@@ -344,12 +357,14 @@ class PipelineHandle:
         rel, req = self.cluster_id(release), self.cluster_id(request)
         ref = self.control_plane.scheduler.release_then_request.remote(
             rel, req, int(to_priority(priority)), step, step_target_estimate, timeout_s)
-        return list(call(ref, f"release_then_request({rel} -> {req})", timeout_s + self.control_plane.rpc_margin_s))
+        return list(call(ref, f"release_then_request({rel} -> {req})", timeout_s + self.control_plane.rpc_margin_s,
+                         dead=SCHEDULER_DEAD))
 
     def await_release(self, cluster: str = GENERATION_CLUSTER, *, timeout_s: float = 300.0) -> list[int]:
         cid = self.cluster_id(cluster)
         ref = self.control_plane.scheduler.await_release.remote(cid, timeout_s)
-        return list(call(ref, f"await_release({cid})", timeout_s + self.control_plane.rpc_margin_s))
+        return list(call(ref, f"await_release({cid})", timeout_s + self.control_plane.rpc_margin_s,
+                         dead=SCHEDULER_DEAD))
 
     def report_progress(self, collected: int, step_target: int, *, step: int | None = None,
                         new_batch: bool = False) -> bool:
@@ -371,6 +386,9 @@ class PipelineHandle:
 
     def unregister(self, reason: str = "unregistered by its pipeline") -> bool:
         return self.control_plane.unregister_pipeline(self.pipeline_id, reason)
+
+    def fail(self, reason: str) -> bool:
+        return self.control_plane.fail_pipeline(self.pipeline_id, reason)
 
     def kill(self) -> list[str]:
         return self.control_plane.kill_pipeline(self.pipeline_id)

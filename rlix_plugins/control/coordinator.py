@@ -68,9 +68,13 @@ class CoordinatorConfig:
     handler_timeout_s: float = 180.0
     #: A lock taken with ``acquire_resize_lock`` expires after this (a crashed holder cannot block resizes forever).
     lock_lease_s: float = 600.0
+    #: Once the driver sent a ``heartbeat``, it must send the next within this; otherwise ``ping`` reports the
+    #: lease expired and the scheduler fails the pipeline, returning its GPUs (a driver that hangs or was stopped
+    #: while it holds a grant). The runtime beats every quarter of it.
+    heartbeat_lease_s: float = 120.0
 
     def __post_init__(self) -> None:
-        for key in ("lock_timeout_s", "handler_timeout_s", "lock_lease_s"):
+        for key in ("lock_timeout_s", "handler_timeout_s", "lock_lease_s", "heartbeat_lease_s"):
             value = getattr(self, key)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
                 raise RlixConfigError(f"CoordinatorConfig.{key}={value!r} must be a positive number of seconds")
@@ -132,9 +136,24 @@ class Coordinator:
         self._last_progress: tuple[int, int, int | None] | None = None
         self._report_seq = 0
         self._resizes: deque[tuple[float, list[int], list[int]]] = deque(maxlen=RESIZE_HISTORY)
+        self._last_beat: float | None = None
 
     def ping(self) -> str:
+        """``"ok"``, or why the pipeline's driver is presumed dead (the scheduler's health probe fails it then)."""
+        with self._state:
+            last = self._last_beat
+        if last is not None and time.monotonic() - last > self._cfg.heartbeat_lease_s:
+            return (f"driver lease expired: no heartbeat for {time.monotonic() - last:.0f} s "
+                    f"(CoordinatorConfig.heartbeat_lease_s={self._cfg.heartbeat_lease_s:g}); the driver hangs or was stopped")
         return "ok"
+
+    def heartbeat(self) -> None:
+        """Renew the driver's lease (the runtime calls it every quarter of ``heartbeat_lease_s``)."""
+        with self._state:
+            self._last_beat = time.monotonic()
+
+    def heartbeat_interval_s(self) -> float:
+        return self._cfg.heartbeat_lease_s / 4
 
     def set_resize_handler(self, handle: Any) -> None:
         """Set the pipeline-side actor whose ``resize_infer(remove, add)`` does the sleeping and waking."""
@@ -177,13 +196,15 @@ class Coordinator:
                     f"pipeline {self._pid}: resize handler did not finish resize_infer(remove={remove}, add={add}) "
                     f"within {self._cfg.handler_timeout_s:.0f} s (CoordinatorConfig.handler_timeout_s)"
                 ) from None
-            except ray.exceptions.RayActorError:
-                raise SchedulerError(f"pipeline {self._pid}: the resize handler actor died") from None
             except ray.exceptions.RayTaskError as exc:
+                # First: Ray makes a task's error an instance of its cause's class too, so a handler that raised
+                # ActorDiedError (one of its engines died) would otherwise read as "the handler died".
                 raise SchedulerError(
                     f"pipeline {self._pid}: resize handler raised in resize_infer(remove={remove}, add={add}): "
-                    f"{type(exc.cause).__name__}: {exc.cause}"
+                    f"{type(exc.cause).__name__}: {str(exc.cause).splitlines()[0] if str(exc.cause) else ''}"
                 ) from None
+            except ray.exceptions.RayActorError:
+                raise SchedulerError(f"pipeline {self._pid}: the resize handler actor died") from None
             with self._state:
                 self._active -= set(remove)
                 self._active |= set(add)

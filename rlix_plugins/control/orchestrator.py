@@ -58,12 +58,21 @@ class Orchestrator:
 
     def __init__(self, scheduler_config: SchedulerConfig | None = None) -> None:
         self._num_gpus, self._gpus_per_node = discover_pool()
+        self._config = scheduler_config
         self._scheduler = _create_scheduler(self._num_gpus, self._gpus_per_node, scheduler_config)
         _get(self._scheduler.ping.remote(), "scheduler start")
         self._ids: set[str] = set()
 
     def ping(self) -> str:
         return "ok"
+
+    def restart_scheduler(self, scheduler_config: SchedulerConfig | None = None) -> None:
+        """Start a new scheduler when the old one died (``rlix up``). It starts empty: the pipelines that were
+        registered failed with the old one and register again."""
+        if scheduler_config is not None:
+            self._config = scheduler_config
+        self._scheduler = _create_scheduler(self._num_gpus, self._gpus_per_node, self._config)
+        _get(self._scheduler.ping.remote(), "scheduler start")
 
     def pool(self) -> dict[str, int]:
         return {"num_gpus": self._num_gpus, "gpus_per_node": self._gpus_per_node}

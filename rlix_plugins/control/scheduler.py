@@ -64,7 +64,10 @@ class Scheduler(SchedulerCore):
             planned_releases=self._planned,
             now=time.time(),
             extra={"cycles": self._cycles, "last_plan_ms": round(self._last_plan_ms, 3),
-                   "trace_events": len(self._trace), "trace_dropped": self._trace.dropped},
+                   "trace_events": len(self._trace), "trace_dropped": self._trace.dropped,
+                   "failed": {pid: dict(f) for pid, f in self._failed.items()},
+                   "invariant_checks": self._invariant_checks,
+                   "invariant_violations": list(self._invariant_violations)},
         )
 
     async def get_trace(self, since: float | None = None, limit: int | None = None) -> list[TraceEvent]:
@@ -91,6 +94,7 @@ class Scheduler(SchedulerCore):
         # The one place specs are validated (pool bounds included): they are frozen, so no cycle re-checks them.
         planner.validate_cluster_specs(clusters, self._gpus, self._gpus_per_node)
         self._pipelines[pipeline_id] = _Pipeline(clusters={s.cluster_id: s for s in clusters})
+        self._failed.pop(pipeline_id, None)
         gpus = {g for s in clusters for g in s.device_mapping}
         self._trace.record("register", pipeline_id=pipeline_id, gpus=gpus,
                            detail=", ".join(f"{s.name}:tp{s.tp_size}" for s in clusters))

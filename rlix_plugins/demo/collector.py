@@ -23,7 +23,7 @@ from typing import Any
 
 import ray
 
-from rlix_plugins.errors import RlixError, RlixTimeoutError
+from rlix_plugins.errors import PipelineUnregisteredError, RlixError, RlixTimeoutError
 
 __all__ = ["DemoCollector"]
 
@@ -54,6 +54,8 @@ class DemoCollector:
         self._threads: list[threading.Thread] = []
         self._versions_seen: list[int] = [0]
         self._errors: list[str] = []
+        #: an engine actor died: no retry brings it back, so ``sample`` fails at once instead of timing out
+        self._fatal: str | None = None
         self._generated = 0
 
     # ------------------------------------------------------------------ VersionPublisher target
@@ -115,6 +117,16 @@ class DemoCollector:
                 result = client.route(self._generator(prompt), is_aborted=lambda r: bool(r["aborted"]))
             except RlixTimeoutError:
                 result = None  # no active rank for a long time: try again (or stop)
+            except ray.exceptions.RayActorError as exc:
+                with self._cond:
+                    self._fatal = f"a rollout engine actor died: {str(exc).splitlines()[0][:200]}"
+                result = None
+                time.sleep(0.5)
+            except PipelineUnregisteredError as exc:  # the scheduler failed the pipeline (or died): no rank comes back
+                with self._cond:
+                    self._fatal = str(exc)
+                result = None
+                time.sleep(0.5)
             except Exception as exc:
                 with self._cond:
                     self._errors.append(f"{type(exc).__name__}: {exc}")
@@ -139,6 +151,8 @@ class DemoCollector:
             self._step = step
             self._report(new_batch=True)
             while len(self._buffer.get(step, ())) < self.prompts_per_step:
+                if self._fatal is not None:
+                    raise RlixError(f"collector: step {step} cannot be sampled: {self._fatal}")
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise RlixTimeoutError(

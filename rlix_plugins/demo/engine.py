@@ -226,6 +226,8 @@ def _get_all(refs: dict[int, Any], timeout_s: float, what: str) -> dict[int, Any
             raise RlixTimeoutError(f"{what}: dp rank {rank} did not answer within {timeout_s:.0f} s") from None
         except ray.exceptions.RayTaskError as exc:
             raise TransportError(f"{what}: dp rank {rank} failed: {exc.cause!r}") from None
+        except ray.exceptions.RayActorError:
+            raise TransportError(f"{what}: the engine actor of dp rank {rank} died") from None
     return out
 
 

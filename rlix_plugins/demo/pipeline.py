@@ -23,6 +23,7 @@ from typing import Any
 
 import ray
 
+from rlix_plugins.control.coordinator import CoordinatorConfig
 from rlix_plugins.pipeline.config import RuntimeConfig
 
 __all__ = ["DemoGate", "DemoPipeline", "PipelineSpec"]
@@ -88,6 +89,11 @@ class PipelineSpec:
     lr: float = 3e-3
     sample_timeout_s: float = 600.0
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    coordinator: CoordinatorConfig | None = None
+    #: vLLM ``worker_cls`` of the engines (None: the rlix receiver worker of the platform) and extra engine
+    #: environment: the chaos tools (``demo/chaos.py``) put their fault-injecting worker here
+    worker_cls: str | None = None
+    engine_env: dict[str, str] = field(default_factory=dict)
 
 
 def engine_kwargs(spec: PipelineSpec) -> tuple[dict[str, Any], dict[str, str]]:
@@ -106,6 +112,9 @@ def engine_kwargs(spec: PipelineSpec) -> tuple[dict[str, Any], dict[str, str]]:
     else:
         kwargs.update(worker_cls=CPU_WORKER_CLS)
         env.update(OMP_NUM_THREADS="1", VLLM_CPU_OMP_THREADS_BIND="nobind")
+    if spec.worker_cls is not None:
+        kwargs["worker_cls"] = spec.worker_cls
+    env.update(spec.engine_env)
     return kwargs, env
 
 
@@ -117,7 +126,9 @@ class DemoPipeline:
         self.gate = gate
         self._events: list[dict[str, Any]] = []
         self._lock = threading.Lock()
+        self._stop = threading.Event()
         self.pipeline_id: str | None = None
+        self._actors: dict[str, Any] = {}
 
     def _emit(self, **event: Any) -> None:
         event.setdefault("time", time.time())
@@ -137,6 +148,15 @@ class DemoPipeline:
 
     def get_pipeline_id(self) -> str | None:
         return self.pipeline_id
+
+    def stop(self) -> None:
+        """End the run after the current step (a normal end: shrink to zero, unregister)."""
+        self._stop.set()
+
+    def actors(self) -> dict[str, Any]:
+        """Handles of the pipeline's actors that exist so far (``trainer``, ``engines``, ``collector``, ``router``,
+        ``resizer``, ``coordinator``): the chaos tools kill them through these."""
+        return dict(self._actors)
 
     def _spawn_engines(self) -> None:
         """Start the engine actors (they import vLLM, touching no GPU) while the pipeline waits for grants."""
@@ -173,14 +193,18 @@ class DemoPipeline:
         t_start = time.time()
         trainer: Any = ray.remote(DemoTrainer).options(num_cpus=0, max_concurrency=4, max_restarts=0).remote(
             spec.model_dir, spec.bucket_size_bytes, (0, spec.train_devices[0]), lr=spec.lr, seed=spec.seed)
+        self._actors["trainer"] = trainer
         self._spawn_engines()
+        self._actors["engines"] = list(self.engines)
 
         def offload() -> None:
             ray.get(trainer.offload.remote(), timeout=spec.runtime.sync_timeout_s)
 
         cp = client.connect(create_if_missing=False)
-        rt = PipelineRuntime.register(cp, list(spec.train_devices), list(spec.infer_devices), config=spec.runtime)
+        rt = PipelineRuntime.register(cp, list(spec.train_devices), list(spec.infer_devices), config=spec.runtime,
+                                      coordinator_config=spec.coordinator)
         self.pipeline_id = rt.pipeline_id
+        self._actors["coordinator"] = rt.pipe.coordinator
         self._emit(kind="registered", train=list(spec.train_devices), infer=list(spec.infer_devices))
         collector: Any = None
         steps_done = 0
@@ -188,10 +212,12 @@ class DemoPipeline:
         seen = 0
         try:
             rt.start(ActorWeightSource(trainer), self._make_fleet, offload=offload)
+            self._actors.update(router=rt.router, resizer=rt.resizer)
             collector = ray.remote(DemoCollector).options(num_cpus=0, max_concurrency=64, max_restarts=0).remote(
                 rt.router_client(), self.engines, rt.progress_reporter(),
                 prompts_per_step=spec.prompts_per_step, group_size=spec.group_size, max_tokens=spec.max_tokens,
                 max_age=spec.max_age, seed=spec.seed)
+            self._actors["collector"] = collector
             publisher = CollectorPublisher(collector)
             if self.gate is not None:
                 ray.get(self.gate.wait_turn.remote(spec.index, spec.runtime.init_timeout_s),
@@ -206,6 +232,8 @@ class DemoPipeline:
             if self.gate is not None:
                 ray.get(self.gate.wait_all.remote(spec.runtime.init_timeout_s), timeout=spec.runtime.init_timeout_s + 30)
             for step in range(spec.steps):
+                if self._stop.is_set():
+                    break
                 t0 = time.time()
                 groups = ray.get(collector.sample.remote(step, spec.sample_timeout_s), timeout=spec.sample_timeout_s + 30)
                 rt.before_training(step)
@@ -228,7 +256,7 @@ class DemoPipeline:
             self._emit(kind="error", error=error, traceback=traceback.format_exc()[-2000:])
         finally:
             end_errors = rt.end(stop_collector=(lambda: ray.get(collector.stop.remote(), timeout=30))
-                                if collector is not None else None)
+                                if collector is not None else None, error=error)
             hist = rt.resize_history(seen)
         stats = ray.get(collector.stats.remote(), timeout=30) if collector is not None else {}
         trained = ray.get(trainer.history.remote(), timeout=30)

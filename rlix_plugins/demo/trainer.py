@@ -48,6 +48,8 @@ class DemoTrainer:
         self.built: list[tuple[int, dict[str, list[int]]]] = []  # (version, checksums) of every cache build
         self.syncs: list[dict[str, Any]] = []
         self.offloaded = False
+        #: what the trainer is doing now ("idle", "train", "build_cache", "sync"): fault injection and diagnostics
+        self.phase = "idle"
 
     def _named_weights(self) -> Any:
         import torch
@@ -62,10 +64,19 @@ class DemoTrainer:
         if self.offloaded and version >= 0:
             # A cache built from offloaded parameters would read empty storage (debug #34): refuse loudly.
             raise RuntimeError(f"build_cache({version}) after offload: build it in before_weight_sync")
-        built = self.cache.build(version, self._named_weights())
-        with self.cache.read(60.0) as snap:
-            self.built.append((version, dict(snap.checksums)))
+        self.phase = "build_cache"
+        try:
+            built = self.cache.build(version, self._named_weights())
+            with self.cache.read(60.0) as snap:
+                self.built.append((version, dict(snap.checksums)))
+        finally:
+            self.phase = "idle"
         return int(built if built is not None else version)
+
+    def pid(self) -> int:
+        import os
+
+        return os.getpid()
 
     def sync(self, targets: dict[int, tuple[Any, list[tuple[int, int]]]], timeout_s: float, verify: bool) -> SyncResult:
         from rlix_plugins.transport import build_comm_plan

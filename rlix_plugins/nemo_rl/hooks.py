@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -89,8 +90,9 @@ class HookRuntime(Protocol):
     def before_checkpoint(self, step: int) -> None: ...
     def after_checkpoint(self, step: int) -> None: ...
 
-    def stop(self) -> None:
-        """Release what the runtime holds and unregister the pipeline; raise what failed."""
+    def stop(self, error: str | None = None) -> None:
+        """Release what the runtime holds and unregister the pipeline (as failed, with ``error`` as the reason,
+        when the run raised); raise what failed."""
         ...
 
 
@@ -156,9 +158,12 @@ class ControlOnlyRuntime:
     def after_checkpoint(self, step: int) -> None:
         """Nothing to release but the hooks' grant."""
 
-    def stop(self) -> None:
+    def stop(self, error: str | None = None) -> None:
         self._release(None)
-        self.pipe.unregister("the NeMo RL run ended")
+        if error:
+            self.pipe.fail(f"the NeMo RL run failed: {error}")
+        else:
+            self.pipe.unregister("the NeMo RL run ended")
 
     def _release(self, step: int | None) -> None:
         if self._holds_train:
@@ -341,8 +346,12 @@ class NemoRLHooks:
 
     @hookimpl
     def on_pipeline_end(self) -> None:
-        """Call site: the ``finally`` of ``async_grpo_train``, before its actors are killed. Idempotent."""
-        self._end("ended")
+        """Call site: the ``finally`` of ``async_grpo_train``, before its actors are killed. Idempotent.
+
+        When that ``finally`` runs because the loop raised, the exception is still propagating (``sys.exc_info``):
+        the pipeline is then unregistered as failed with it as the reason, which ``rlix status`` shows."""
+        failure = sys.exc_info()[1]
+        self._end("ended", error=None if failure is None else f"{type(failure).__name__}: {failure}"[:500])
 
     # ------------------------------------------------------------------ internals
     def _release_checkpoint_grant(self, step: int | None) -> None:
@@ -350,7 +359,7 @@ class NemoRLHooks:
         self._checkpoint_grant = False
         self._record("checkpoint_released", step, gpus)
 
-    def _end(self, event: str) -> None:
+    def _end(self, event: str, error: str | None = None) -> None:
         with self._lock:
             if self._ended or self._pipe is None or self.runtime is None:
                 return
@@ -360,7 +369,8 @@ class NemoRLHooks:
         steps: list[tuple[str, Any]] = []
         if self._checkpoint_grant:
             steps.append((f"release {TRAIN_CLUSTER}", lambda: self._release_checkpoint_grant(None)))
-        steps.append(("runtime.stop", self.runtime.stop))
+        runtime = self.runtime
+        steps.append(("runtime.stop", lambda: runtime.stop(error=error)))
         errors: list[str] = []
         for what, fn in steps:
             try:

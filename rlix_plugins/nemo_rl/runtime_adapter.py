@@ -171,7 +171,8 @@ class NemoRuntime:
             "rlix/preemptions": float(len(preempted)),
         }
 
-    def stop(self) -> None:
+    def stop(self, error: str | None = None) -> None:
+        """End the pipeline (``error``: the run failed with it; the pipeline is unregistered as failed)."""
         self._stop.set()
         if self._progress is not None:
             self._progress.join(timeout=15)
@@ -179,6 +180,6 @@ class NemoRuntime:
         if self.rt is not None:
             # Watchdog off → planned shrink to zero → collector stopped → unregister (debug #64-#66); NeMo RL's
             # own ray.kill of the collector right after this hook is then a no-op.
-            errors = self.rt.end(stop_collector=self._kill_collector)
+            errors = self.rt.end(stop_collector=self._kill_collector, error=error)
         if errors:
             raise RlixError("; ".join(errors))

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Final, TypeVar
 
 from rlix_plugins.control._rpc import ray_get
-from rlix_plugins.errors import RlixConfigError, RlixTimeoutError
+from rlix_plugins.errors import PipelineUnregisteredError, RlixConfigError, RlixTimeoutError
 from rlix_plugins.pipeline.protocols import ShardPreemptedError
 
 __all__ = ["MIN_ROUTE_ATTEMPTS", "ROUTER_MAX_CONCURRENCY", "RolloutRouter", "RouterClient", "router_name"]
@@ -67,9 +67,17 @@ class RolloutRouter:
         self._preempted = 0
         self._tickets: dict[int, _Ticket] = {}
         self._seq = itertools.count(1)
+        self._closed: str | None = None
 
     def ping(self) -> str:
         return "ok"
+
+    def close(self, reason: str) -> None:
+        """The pipeline was failed: every routed request, waiting or new, raises ``PipelineUnregisteredError``
+        (its collector stops at once instead of waiting for ranks that never come back)."""
+        with self._cond:
+            self._closed = reason
+            self._cond.notify_all()
 
     def _check(self, ranks: list[int]) -> list[int]:
         bad = [r for r in ranks if not (isinstance(r, int) and 0 <= r < self._n)]
@@ -83,6 +91,8 @@ class RolloutRouter:
         skip = set(exclude or ())
         with self._cond:
             while True:
+                if self._closed is not None:
+                    raise PipelineUnregisteredError(f"no rollout: {self._closed}")
                 taken = self._take_locked(skip)
                 if taken is not None:
                     return taken
@@ -136,6 +146,8 @@ class RolloutRouter:
     def try_acquire(self, exclude: list[int] | None = None) -> tuple[int, int] | None:
         """:meth:`acquire` without waiting: None when no rank is active."""
         with self._cond:
+            if self._closed is not None:
+                raise PipelineUnregisteredError(f"no rollout: {self._closed}")
             return self._take_locked(set(exclude or ()))
 
     def _take_locked(self, skip: set[int]) -> tuple[int, int] | None:

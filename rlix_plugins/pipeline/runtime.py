@@ -36,7 +36,13 @@ from rlix_plugins.control._rpc import ray_get
 from rlix_plugins.control.client import ControlPlane, PipelineHandle
 from rlix_plugins.control.coordinator import CoordinatorConfig
 from rlix_plugins.control.types import GENERATION_CLUSTER, TRAIN_CLUSTER, Priority, pipeline_namespace
-from rlix_plugins.errors import RlixError, RlixTimeoutError, SchedulerError
+from rlix_plugins.errors import (
+    ActorDeadError,
+    PipelineUnregisteredError,
+    RlixError,
+    RlixTimeoutError,
+    SchedulerError,
+)
 from rlix_plugins.pipeline.config import RuntimeConfig
 from rlix_plugins.pipeline.protocols import RolloutFleet, VersionPublisher, WeightSource
 from rlix_plugins.pipeline.resizer import FleetResizer, resizer_name
@@ -86,6 +92,7 @@ class PipelineRuntime:
         self._ended = False
         self._stop = threading.Event()
         self._watchdog: threading.Thread | None = None
+        self._beats_stop = threading.Event()
         self._watchdog_requests = 0
         self._final_history: list[dict[str, Any]] = []
         #: the router's final counters (requests served per rank, requests preempted by shrinks), set by end()
@@ -124,6 +131,7 @@ class PipelineRuntime:
         """
         ns = pipeline_namespace(self.pipeline_id)
         self.weights = weights
+        self._start_heartbeat()
         try:
             self.router = ray.remote(RolloutRouter).options(
                 name=router_name(self.pipeline_id), namespace=ns, num_cpus=0,
@@ -134,6 +142,21 @@ class PipelineRuntime:
             if init_held:
                 self.pipe.release_gpus(GENERATION_CLUSTER, step=-1, timeout_s=_RPC_S)
         self.pipe.set_resize_handler(self.resizer)
+
+    def _start_heartbeat(self) -> None:
+        """Renew this driver's lease with the coordinator until ``end`` finished: if this process hangs or is
+        stopped, the lease expires and the scheduler fails the pipeline and frees its GPUs."""
+        coordinator = self.pipe.coordinator
+        interval = float(_get(coordinator.heartbeat_interval_s.remote(), "coordinator.heartbeat_interval_s", _RPC_S))
+
+        def beat() -> None:
+            while True:
+                with contextlib.suppress(Exception):  # fire and forget: a dead coordinator is the scheduler's business
+                    coordinator.heartbeat.remote()
+                if self._beats_stop.wait(interval):
+                    return
+
+        threading.Thread(target=beat, name=f"rlix-heartbeat-{self.pipeline_id}", daemon=True).start()
 
     @contextlib.contextmanager
     def _init_grant(self, cluster: str, held: bool) -> Iterator[None]:
@@ -214,10 +237,18 @@ class PipelineRuntime:
         if self._stop.is_set():
             return
         self._watchdog_requests += 1
-        with contextlib.suppress(RlixTimeoutError, SchedulerError):  # pending already / unregistered at the end
+        try:
             self.pipe.request_gpus(GENERATION_CLUSTER, Priority.GENERATION,
                                    step_target_estimate=self.config.step_target_estimate,
                                    timeout_s=max(self.config.watchdog_interval_s * 10, 20.0))
+        except (PipelineUnregisteredError, ActorDeadError) as exc:
+            # The scheduler failed this pipeline, or died (its ranks never come back): make routing fail at once,
+            # so the rollout loop and the host's wait for a batch end now instead of at their timeouts.
+            if not self._stop.is_set():
+                with contextlib.suppress(Exception):
+                    _get(self.router.close.remote(str(exc)), "router.close", _RPC_S)
+        except (RlixTimeoutError, SchedulerError):  # pending already / unregistered at the end
+            pass
 
     # ------------------------------------------------------------------ per step
     def before_training(self, step: int) -> list[int]:
@@ -274,8 +305,9 @@ class PipelineRuntime:
         self.pipe.report_progress(collected, step_target, step=step, new_batch=new_batch)
 
     # ------------------------------------------------------------------ end
-    def end(self, *, stop_collector: Callable[[], None] | None = None) -> list[str]:
-        """Watchdog off → release training → planned shrink to zero → stop the collector → unregister.
+    def end(self, *, stop_collector: Callable[[], None] | None = None, error: str | None = None) -> list[str]:
+        """Watchdog off → release training → planned shrink to zero → stop the collector → unregister (as failed,
+        with ``error`` as the reason ``rlix status`` shows, when the run failed).
 
         Idempotent; never raises (returns the errors it met) so the host's ``finally`` completes (debug #64-#66).
         """
@@ -293,11 +325,13 @@ class PipelineRuntime:
             ("planned shrink to zero", lambda: self.pipe.await_release(GENERATION_CLUSTER,
                                                                        timeout_s=self.config.release_timeout_s)),
             ("stop the collector", stop_collector or (lambda: None)),
-            ("unregister", lambda: self.pipe.unregister("the pipeline finished")),
+            ("unregister", (lambda: self.pipe.fail(f"the run failed: {error}")) if error
+             else (lambda: self.pipe.unregister("the pipeline finished"))),
         ]
         for what, fn in steps:
             with self._logged(what, errors):
                 fn()
+        self._beats_stop.set()
         self._holds_train = False
         # Figures for the report, then the actors: a failure is logged and returned, never raised (see above).
         if self.resizer is not None:

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -119,3 +120,28 @@ def test_actor_death_reason_surfaces_the_rlix_error() -> None:
            "rlix_plugins.errors.RlixConfigError: the Ray cluster has no GPUs; start it with GPUs")
     assert actor_death_reason(RuntimeError(msg)) == "RlixConfigError: the Ray cluster has no GPUs; start it with GPUs"
     assert actor_death_reason(RuntimeError("plain death\nmore")) == "plain death"
+
+
+def test_connect_restarts_a_dead_scheduler_like_rlix_up(ray_cluster: Any) -> None:
+    """The scheduler actor died (its pipelines failed with it): ``connect(create_if_missing=True)`` (what ``rlix up``
+    calls) starts a new, empty one through the orchestrator; without it, connect names the fix."""
+    from rlix_plugins.control.types import RLIX_NAMESPACE, SCHEDULER_NAME
+
+    kill_control_plane()
+    try:
+        cp = client.connect()
+        cp.register_pipeline({"actor_infer": 1}, {"actor_infer": [0]})
+        ray.kill(cp.scheduler, no_restart=True)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            names = {e["name"] for e in ray.util.list_named_actors(all_namespaces=True)
+                     if e.get("namespace") == RLIX_NAMESPACE}
+            if SCHEDULER_NAME not in names:
+                break
+            time.sleep(0.1)
+        with pytest.raises(SchedulerError, match="rlix up"):
+            client.connect(create_if_missing=False)
+        again = client.connect()
+        assert again.status()["pipelines"] == {} and again.pool()["num_gpus"] >= 1
+    finally:
+        kill_control_plane()

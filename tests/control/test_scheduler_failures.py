@@ -117,3 +117,44 @@ def test_hanging_handler_fails_planned_release_of_that_pipeline_only(control_pla
     b.await_release("actor_infer", timeout_s=10)
     assert cp.status()["idle_gpus"] == [0, 1, 2, 3]
     wait_for(lambda: ray.is_initialized() and ray.cluster_resources().get("GPU") == 4, what="cluster alive")
+
+
+def test_rlix_status_names_failed_pipelines_and_why(control_plane: client.ControlPlane) -> None:
+    """A pipeline the scheduler failed is listed by status (and ``rlix status``) with the reason and GPUs freed;
+    the state committed by every changing cycle was checked against the invariants."""
+    from rlix_plugins.control.admin import format_status
+
+    cp = control_plane
+    a, _ = make_pipeline(cp, train=[0], infer=[0, 1])
+    a.request_gpus("actor_train", TRAIN, timeout_s=10)
+    time.sleep(0.7)
+    ray.kill(a.coordinator, no_restart=True)
+    wait_for(lambda: a.pipeline_id in cp.status()["failed"], 15, "A failed")
+    st = cp.status()
+    failed = st["failed"][a.pipeline_id]
+    assert "coordinator died" in failed["reason"] and failed["gpus_freed"] == [0]
+    text = format_status(st)
+    assert "FAILED PIPELINE" in text and a.pipeline_id in text and "coordinator died" in text
+    assert st["invariant_checks"] >= 1 and st["invariant_violations"] == []
+    assert cp.fail_pipeline(a.pipeline_id, "again") is False  # already gone: the first reason stays
+    assert cp.status()["failed"][a.pipeline_id]["reason"] == failed["reason"]
+
+
+def test_driver_that_stops_renewing_its_lease_is_failed_and_its_gpus_return(control_plane: client.ControlPlane) -> None:
+    """A driver that holds a training grant and stops responding (no heartbeat within the lease) is failed by the
+    health probe; another pipeline then gets the GPU. A pipeline that never beat has no lease (old drivers)."""
+    from dataclasses import replace
+
+    from tests.control._ray_helpers import FAST_COORDINATOR
+
+    cp = control_plane
+    a = cp.register_pipeline({"actor_train": 1, "actor_infer": 1}, {"actor_train": [0], "actor_infer": [0, 1]},
+                             coordinator_config=replace(FAST_COORDINATOR, heartbeat_lease_s=1.0))
+    b, _ = make_pipeline(cp, train=[0], infer=[0, 1])
+    a.request_gpus("actor_train", TRAIN, timeout_s=10)
+    time.sleep(1.5)
+    assert a.pipeline_id in cp.status()["pipelines"]  # no heartbeat yet: no lease to expire
+    ray.get(a.coordinator.heartbeat.remote(), timeout=10)  # one beat, then silence (a stopped driver)
+    assert b.request_gpus("actor_train", TRAIN, timeout_s=15) == [0]
+    assert "lease expired" in cp.status()["failed"][a.pipeline_id]["reason"]
+    _still_serving(cp, b)

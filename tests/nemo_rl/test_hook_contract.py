@@ -115,7 +115,7 @@ class RecordingRuntime:
     def after_checkpoint(self, step: int) -> None:
         self.calls.append(("after_checkpoint", step))
 
-    def stop(self) -> None:
+    def stop(self, error: str | None = None) -> None:
         self.calls.append(("stop",))
         self.pipe.unregister("test over")
 

@@ -172,3 +172,24 @@ def test_real_seam_loads_our_hooks_through_the_entry_point(tmp_path: Path, value
         # setup()'s placement hook: first result (one answer), answered by our implementation
         assert "FIRSTRESULT ['after_training', 'rlix_placement']" in out.stdout
         assert "PLACEMENT_IMPLS ['rlix_plugins.nemo_rl.hooks']" in out.stdout
+
+
+def test_run_that_raises_is_listed_as_failed_with_its_error(ray_cluster: dict[str, float]) -> None:
+    """The loop raised: ``on_pipeline_end`` runs in its ``finally`` while the exception propagates, so the pipeline
+    leaves as failed and ``rlix status`` names the error; nothing stays allocated."""
+    from rlix_plugins.control import client
+
+    cp = client.connect()
+    hooks = NemoRLHooks()
+    hooks.rlix_pipeline_start(master_config=_config(), policy=FakePolicy(), policy_generation=None, start_step=0)
+    pid = hooks.pipeline_id
+    assert pid is not None
+    hooks.before_training(step=0)
+    with pytest.raises(ValueError, match="loss is NaN"):
+        try:
+            raise ValueError("loss is NaN at step 0")
+        finally:
+            hooks.on_pipeline_end()
+    status = cp.status()
+    assert pid not in status["pipelines"] and not _train_allocated(cp, pid)
+    assert "ValueError: loss is NaN at step 0" in status["failed"][pid]["reason"]

@@ -145,3 +145,21 @@ def test_one_rank_request_waits_out_repeated_preemptions_by_default(ray_cluster:
         assert ray.get(router.stats.remote())["preempted"] == 3
     finally:
         ray.kill(router)
+
+
+def test_close_fails_waiting_and_new_acquires_at_once(router: Any) -> None:
+    """A failed pipeline's router: a request blocked for an active rank and every later one raise at once."""
+    from rlix_plugins.errors import PipelineUnregisteredError
+
+    client = RouterClient(router, 3, timeout_s=30.0)
+    blocked = router.acquire.remote(30.0)
+    time.sleep(0.3)
+    ray.get(router.close.remote("pipeline p was failed by the scheduler"))
+    with pytest.raises(PipelineUnregisteredError, match="failed by the scheduler"):
+        ray.get(blocked, timeout=5)
+    t0 = time.monotonic()
+    with pytest.raises(PipelineUnregisteredError):
+        client.route(lambda rank: rank)
+    with pytest.raises(PipelineUnregisteredError):
+        client.try_acquire()
+    assert time.monotonic() - t0 < 5

@@ -1,0 +1,40 @@
+"""The fault file the chaos tools arm and a broken component claims (no vLLM, no Ray: read in any process).
+
+``RLIX_FAULT_FILE`` names a JSON file ``{"op": ..., "action": ..., "seconds": ...}``. The process that reaches
+``op`` first claims it by renaming the file to ``<file>.hit`` (atomic, so a fault fires once) and records its
+pid there; the injector waits for that file to know the operation is under way.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any
+
+__all__ = ["FAULT_FILE_ENV", "claim_fault"]
+
+FAULT_FILE_ENV = "RLIX_FAULT_FILE"
+
+
+def claim_fault(op: str) -> dict[str, Any] | None:
+    """The armed fault for ``op`` (claimed: it fires once), or None."""
+    path = os.environ.get(FAULT_FILE_ENV)
+    if not path or not os.path.exists(path):
+        return None
+    try:
+        with open(path) as f:
+            fault = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if fault.get("op") != op:
+        return None
+    try:
+        os.rename(path, path + ".hit")
+    except OSError:
+        return None  # another process claimed it
+    with open(path + ".hit", "w") as f:
+        json.dump({**fault, "pid": os.getpid(), "time": time.time()}, f)
+    return dict(fault)
+
+
