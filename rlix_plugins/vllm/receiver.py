@@ -18,6 +18,7 @@ EngineCore->worker hop cannot pickle tensors; everything is positional so NeMo R
 * ``setup_collective_group(group_name, master_addr, master_port, rank_map, world_size, backend, timeout_s)``
   - ``rank_map`` ``{local_rank: group_rank}`` (keys may arrive as str); workers not in it return False.
 * ``update_parameter_in_bucket(payload, ipc_local_ranks, sync_id, apply_mode)`` - ``payload`` a
+  ``host_pull`` (every bucket of the sync at once: the worker copies from the sender's pinned pages),
   ``cpu_serialize`` or ``cuda_ipc`` dict from :mod:`rlix_plugins.transport`; a worker whose local rank
   is not in ``ipc_local_ranks`` ignores it (returns 0).
 * ``broadcast_parameter(group_name, meta, broadcast_local_ranks, sync_id, apply_mode)`` - receive one
