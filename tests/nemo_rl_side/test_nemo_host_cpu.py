@@ -99,9 +99,13 @@ def test_time_shared_steps_with_real_vllm(engines: Any) -> None:
     try:
         # Routing installed on the driver's object BEFORE the collector pickles it (debug #33).
         assert isinstance(generation.fleet_selector, RouterShardSelector)
-        # Init: every rank prewarmed once (wake + sleep at rlix.sleep_level = 2, not the workers' 1), none routed yet.
+        # Init: every rank prewarmed once (wake, one warm-up sync of the start-up cache, sleep at rlix.sleep_level = 2,
+        # not the workers' 1), none routed yet.
         for w in leaders:
-            assert ray.get(w.calls.remote())[:2] == [("wake_up", None), ("sleep", 2)]
+            calls = ray.get(w.calls.remote())
+            slept = calls.index(("sleep", 2))
+            assert calls[0] == ("wake_up", None) and ("rpc", "finalize_weight_update") in calls[1:slept], calls
+            assert all(c[0] == "rpc" for c in calls[1:slept]), calls
         assert ray.get(rt.rt.router.active.remote()) == []
 
         collector = ray.remote(StandinCollector).options(num_cpus=0, max_concurrency=8).remote(generation)
