@@ -123,6 +123,21 @@ def remember_pipeline_id(master_config: Any, pipeline_id: str) -> None:
         raw.pipeline_id = pipeline_id
 
 
+def scope_data_plane(master_config: Any, pipeline_id: str) -> str | None:
+    """With ``data_plane.enabled``: write ``data_plane.rlix_namespace`` (the Ray namespace of this pipeline's
+    TransferQueue controller and storage actors, patch 0007; every NeMo RL process gets it with the data-plane
+    config) and return it; else None."""
+    section = cfg_get(master_config, "data_plane")
+    if section is None or not cfg_get(section, "enabled"):
+        return None
+    namespace = f"rlix_tq_{pipeline_id}"
+    if isinstance(section, MutableMapping):
+        section["rlix_namespace"] = namespace
+    else:
+        section.rlix_namespace = namespace
+    return namespace
+
+
 def _devices(section: Mapping[str, Any], key: str) -> tuple[int, ...]:
     raw = section.get(key)
     if raw is None:

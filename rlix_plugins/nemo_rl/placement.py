@@ -218,7 +218,7 @@ def nemo_rl_placement(master_config: Any) -> tuple[VirtualClusterAdapter, Virtua
     pipeline uses, see the module docstring) and the pool (group creation); both bounded by ``rlix.init_timeout_s``.
     """
     from rlix_plugins.control import client
-    from rlix_plugins.nemo_rl.config import load_run_config, remember_pipeline_id
+    from rlix_plugins.nemo_rl.config import load_run_config, remember_pipeline_id, scope_data_plane
     from rlix_plugins.nemo_rl.topology import validate_topology
 
     cfg = load_run_config(master_config)
@@ -231,6 +231,7 @@ def nemo_rl_placement(master_config: Any) -> tuple[VirtualClusterAdapter, Virtua
     cp = client.connect(cfg.ray_address)
     pid = cfg.pipeline_id or cp.allocate_pipeline_id()
     remember_pipeline_id(master_config, pid)  # rlix_pipeline_start registers under the same id
+    scope_data_plane(master_config, pid)  # the pipeline's own TransferQueue actors (before TQPolicy starts them)
     gpus = sorted(set(cfg.train_devices) | set(cfg.infer_devices))
     pool, dead = placement_pool(), "the placement pool actor died; `rlix down` and start again"
     groups = ray_get(pool.groups.remote(gpus), f"shared placement groups of GPUs {gpus}", cfg.init_timeout_s,
