@@ -1,0 +1,25 @@
+"""The second patch part (``loops/``) in time-sharing mode on NeMo RL's own mocks: ``grpo_train_sync`` (the
+TransferQueue loop) with the real entry point, real hooks and the real control plane on Ray
+(``nemo_side/test_rlix_grpo_sync.py``, run inside the patched copy with NeMo RL's pytest). Standalone: the same file
+proves the variable-unset path imports nothing of rlix_plugins and keeps the lazy refit.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from _nemo_checkout import report, run_nemo_side
+
+pytestmark = pytest.mark.nemo_rl
+
+EXPECTED = {"test_standalone_loads_nothing_of_rlix", "test_time_sharing_hook_order_with_real_control_plane"}
+
+
+@pytest.mark.timeout(1000)
+def test_grpo_sync_time_sharing_on_nemo_rl_mocks(nemo_copies: dict[str, Path], tmp_path: Path) -> None:
+    run = run_nemo_side(nemo_copies["patched"], "test_rlix_grpo_sync.py", "tests/unit/algorithms",
+                        tmp_path / "sync.xml", timeout_s=800, num_gpus=4)
+    report(f"NeMo RL grpo_train_sync time-sharing scenario: {run.summary()}")
+    got = {name.rsplit("::", 1)[-1]: outcome for name, outcome in run.outcomes.items()}
+    assert got == dict.fromkeys(EXPECTED, "passed"), f"{got}\noutput tail:\n{run.output_tail}"
