@@ -158,7 +158,7 @@ class NemoRLHooks:
 
             self.runtime = NemoRuntime(cfg)
         cp = client.connect(cfg.ray_address)
-        held = take_setup_grant(cfg.pipeline_id)  # setup()'s registration, holding INITIALIZATION (or None)
+        held = take_setup_grant(cfg.pipeline_id, cp)  # setup()'s registration holding INITIALIZATION, or None
         if self.runtime is not None:
             self._pipe = self.runtime.register(cp, held)  # registered (and at the end unregistered) by the runtime
         elif held is not None:  # control-only: no init phases to run under the setup grant

@@ -25,6 +25,8 @@ surface its worker groups read.
   process for ``rlix_pipeline_start`` (another hook instance: setup() and the loop each load the hooks) to
   :func:`take_setup_grant` it; the runtime's init phases run under the grant and release it (``PipelineRuntime.start(
   init_held=True)``). Never taken (setup() failed, or the loop never ran): released and unregistered at exit.
+  The SingleController runs ``setup()`` in the driver but its hooks inside its own actor process: there the handle
+  is adopted by pipeline id through the control plane (registered, holding INITIALIZATION of its inference cluster).
 
 Limits (clear errors): vLLM TP 1 only (a TP group needs one multi-bundle placement group, NeMo RL's tied-worker
 layout), one node (the pool keys groups by node-local GPU id). Not proven on GPUs yet.
@@ -195,11 +197,23 @@ def _hold_setup_grant(cp: Any, cfg: Any, pipeline_id: str) -> None:
     atexit.register(_end_untaken_setup_grant, pipeline_id)
 
 
-def take_setup_grant(pipeline_id: str | None) -> Any:
-    """The handle of ``pipeline_id`` that setup() registered in this process, holding INITIALIZATION of its
-    inference cluster (the taker releases it); None when setup() did not (e.g. NeMo RL's own clusters)."""
+def take_setup_grant(pipeline_id: str | None, cp: Any = None) -> Any:
+    """The handle of ``pipeline_id`` that setup() registered, holding INITIALIZATION of its inference cluster (the
+    taker releases it): from this process's table, else (with ``cp``, the loop's hooks run in another process than
+    setup(): the SingleController's actor) adopted through the control plane when it holds that grant; None when
+    setup() did not place the pipeline (e.g. NeMo RL's own clusters)."""
+    if not pipeline_id:
+        return None
     with _SETUP_LOCK:
-        return _SETUP_GRANTS.pop(pipeline_id, None) if pipeline_id else None
+        pipe = _SETUP_GRANTS.pop(pipeline_id, None)
+    if pipe is not None or cp is None:
+        return pipe
+    from rlix_plugins.control.types import GENERATION_CLUSTER, cluster_id
+
+    held = cp.status()["allocations"].get(cluster_id(pipeline_id, GENERATION_CLUSTER))
+    if held is None or held.get("priority") != "INITIALIZATION":
+        return None
+    return cp.pipeline(pipeline_id)
 
 
 def _end_untaken_setup_grant(pipeline_id: str) -> None:

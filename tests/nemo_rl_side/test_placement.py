@@ -118,3 +118,43 @@ def test_setup_placement_answers_two_pipelines_the_same_groups(ray_cluster: dict
     finally:
         ray.get(pool.release_all.remote(), timeout=60)
         ray.kill(pool)
+
+
+@ray.remote(num_cpus=0)
+class _ControllerProcess:
+    """The SingleController's actor: its hooks run here, in another process than the driver's setup()."""
+
+    def start_and_end(self, master_config: dict[str, object]) -> list[str]:
+        from rlix_plugins.nemo_rl.hooks import NemoRLHooks
+
+        hooks = NemoRLHooks()  # control-only: the policy and generation below have no worker groups
+        hooks.rlix_pipeline_start(master_config=master_config, policy=object(), policy_generation=object(),
+                                  start_step=0)
+        pid = hooks.pipeline_id
+        hooks.on_pipeline_end()
+        return [str(pid), *(e.name for e in hooks.history)]
+
+
+def test_setup_grant_adopted_by_the_single_controller_actor(ray_cluster: dict[str, float]) -> None:
+    """setup() (the driver) registers the pipeline and holds its setup grant; the SingleController actor's
+    ``rlix_pipeline_start`` (another process, so not in the driver's table) adopts that registration by pipeline id
+    through the control plane instead of registering the id again, and releases the grant."""
+    from rlix_plugins.control import client
+    from rlix_plugins.nemo_rl.placement import nemo_rl_placement
+
+    cfg = _run_config([0])
+    cfg.update(async_rl={}, data_plane={"enabled": True})  # the SingleController (topology.grpo_loop)
+    pool = placement_pool()
+    try:
+        nemo_rl_placement(cfg)
+        pid = cfg["rlix"]["pipeline_id"]  # type: ignore[index]
+        assert cfg["data_plane"] == {"enabled": True, "rlix_namespace": f"rlix_tq_{pid}"}
+        cp = client.connect()
+        assert cp.status()["allocations"][f"{pid}_actor_infer"]["priority"] == "INITIALIZATION"
+        got = ray.get(_ControllerProcess.remote().start_and_end.remote(cfg), timeout=120)
+        assert got == [pid, "registered", "ended"], got
+        status = cp.status()
+        assert pid not in status["pipelines"] and not [c for c in status["allocations"] if c.startswith(pid)]
+    finally:
+        ray.get(pool.release_all.remote(), timeout=60)
+        ray.kill(pool)
