@@ -24,6 +24,8 @@ Checks common to both:
   routing needs the async engine; the TransferQueue loop's rollout actor then generates per request too), vLLM
   backend; for async GRPO ``loss_fn.use_importance_sampling_correction`` (trajectories from older weights are
   corrected; the TransferQueue loop is on-policy, the SingleController validates its own staleness rules);
+* the SingleController on one GPU: ``async_rl.min_groups_for_streaming_train == grpo.num_prompts_per_step`` (its
+  training grant spans a step's chunks while its only rollout rank sleeps; one chunk per step);
 * ``vllm_cfg.sleep_level`` (patch 0003), when set, equals ``rlix.sleep_level`` (scheduler shrinks pass
   ``rlix.sleep_level`` per call; two different configured levels would only confuse);
 * ``vllm_cfg.tensor_parallel_size`` equals ``rlix.infer_tp``.
@@ -115,6 +117,19 @@ def _partial_overlap_problems(run: RlixRunConfig) -> list[str]:
     return problems
 
 
+def _streaming_on_one_gpu(master_config: Any) -> list[str]:
+    """The SingleController holds the training grant from a step's first chunk to its publish; on one GPU its only
+    rollout rank sleeps meanwhile, so a step must be one chunk (an unresolved interpolation is not judged)."""
+    groups = cfg_path(master_config, "async_rl.min_groups_for_streaming_train")
+    per_step = cfg_path(master_config, "grpo.num_prompts_per_step")
+    if isinstance(groups, int) and isinstance(per_step, int) and groups < per_step:
+        return [f"async_rl.min_groups_for_streaming_train={groups} < grpo.num_prompts_per_step={per_step}: on one "
+                "GPU the SingleController's rollout sleeps while it trains, so a streamed step never gets its later "
+                "chunks; set async_rl.min_groups_for_streaming_train=${grpo.num_prompts_per_step} (one chunk per step), "
+                "or give the pipeline an inference GPU outside rlix.train_devices"]
+    return []
+
+
 def topology_problems(master_config: Any, run: RlixRunConfig) -> list[str]:
     """Every violated rule, each with its fix (empty list: the run may start)."""
     problems: list[str] = []
@@ -157,6 +172,8 @@ def topology_problems(master_config: Any, run: RlixRunConfig) -> list[str]:
     if loop == ASYNC_GRPO and not cfg_path(master_config, "loss_fn.use_importance_sampling_correction"):
         problems.append("set loss_fn.use_importance_sampling_correction=true (trajectories generated with older "
                         "weights must be corrected)")
+    if loop == SINGLE_CONTROLLER and is_one_gpu_topology(run):
+        problems += _streaming_on_one_gpu(master_config)
     level = cfg_path(master_config, "policy.generation.vllm_cfg.sleep_level")
     if level is not None and int(level) != run.sleep_level:
         problems.append(f"policy.generation.vllm_cfg.sleep_level={level} differs from rlix.sleep_level="

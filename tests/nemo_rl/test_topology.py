@@ -198,3 +198,20 @@ def test_data_plane_gets_a_per_pipeline_transfer_queue_namespace() -> None:
     assert scope_data_plane(a, "ft_a") == a["data_plane"]["rlix_namespace"] == "rlix_tq_ft_a"
     assert scope_data_plane(b, "ft_b") == "rlix_tq_ft_b"
     assert scope_data_plane(plain, "ft_c") is None and "data_plane" not in plain
+
+
+def test_single_controller_streaming_on_one_gpu_is_refused_with_the_fix() -> None:
+    """On one GPU the SingleController's only rollout rank sleeps while it holds the training grant, which spans
+    every chunk of a step: a streamed step (fewer groups per chunk than per step) would wait forever."""
+    cfg = _data_plane(single_controller=True)
+    cfg["rlix"].update(train_devices=[0], infer_devices=[0])
+    cfg["async_rl"] = {"min_groups_for_streaming_train": 2}
+    [problem] = _problems(cfg)
+    assert "min_groups_for_streaming_train=${grpo.num_prompts_per_step}" in problem
+    cfg["async_rl"]["min_groups_for_streaming_train"] = 8
+    assert _problems(cfg) == []
+    cfg["async_rl"]["min_groups_for_streaming_train"] = "${grpo.num_prompts_per_step}"  # unresolved: not judged
+    assert _problems(cfg) == []
+    cfg["async_rl"]["min_groups_for_streaming_train"] = 2
+    cfg["rlix"].update(infer_devices=[0, 1])  # a rank outside the training GPU keeps generating: streaming is fine
+    assert _problems(cfg) == []
