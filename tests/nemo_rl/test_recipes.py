@@ -76,7 +76,7 @@ def test_nemo_rl_loads_and_we_validate(name: str, tmp_path: Path) -> None:
 
 #: The one-GPU pipelines of the loops GPU run: (recipe, stock recipe, `rlix recipe` flags, loop).
 LOOPS = [("loops_1gpu_single_controller", "grpo_math_1B_megatron_single_controller.yaml", [], "single_controller"),
-         ("loops_1gpu_data_plane", "grpo_math_1B_megatron.yaml", ["--data-plane"], "grpo_train_sync")]
+         ("loops_1gpu_data_plane", "grpo_math_1B.yaml", ["--data-plane"], "grpo_train_sync")]
 
 
 @pytest.mark.parametrize("name,stock,flags,loop", LOOPS)
