@@ -1,5 +1,9 @@
 """Reading a patch series: ``<root>/<commit prefix>/NNNN-*.patch`` files (git format-patch output).
 
+A series has parts: the patches of its directory (part ``""``, the async-GRPO seam) and those of its
+:data:`PARTS` subdirectories (``loops/``: NeMo RL's other GRPO loops), applied after them as one series.
+Each part has its own size cap (``tests/test_patching.py``).
+
 Pure parsing, no git: a :class:`Patch` is split into per-file hunks so that ``rlix patch check`` can name
 the hunk that drifted, and each hunk is a self-contained patch text (file header + one hunk).
 """
@@ -14,6 +18,8 @@ from rlix_plugins.errors import PatchError
 
 _PATCH_NAME = re.compile(r"^\d{4}-[A-Za-z0-9._-]+\.patch$")
 _SERIES_NAME = re.compile(r"^[0-9a-f]{7,40}$")
+#: Subdirectories of a series directory holding further parts, in application order.
+PARTS = ("loops",)
 
 
 @dataclass(frozen=True)
@@ -31,6 +37,7 @@ class Patch:
     path: Path
     text: str
     hunks: tuple[Hunk, ...]
+    part: str = ""  # "" (the series directory) or one of PARTS
 
     @property
     def touched_paths(self) -> tuple[str, ...]:
@@ -57,13 +64,17 @@ class Series:
     def touched_paths(self) -> tuple[str, ...]:
         return tuple(dict.fromkeys(p for patch in self.patches for p in patch.touched_paths))
 
+    def part(self, name: str) -> tuple[Patch, ...]:
+        """The patches of one part (``""``: the series directory itself)."""
+        return tuple(p for p in self.patches if p.part == name)
+
 
 def _header_len(hunk_text: str) -> int:
     lines = hunk_text.splitlines()
     return next(i for i, line in enumerate(lines) if line.startswith("@@ "))
 
 
-def parse_patch(path: Path) -> Patch:
+def parse_patch(path: Path, part: str = "") -> Patch:
     text = path.read_text(encoding="utf-8")
     lines = text.splitlines(keepends=True)
     files: list[tuple[list[str], list[list[str]]]] = []  # (file header, hunks)
@@ -96,7 +107,7 @@ def parse_patch(path: Path) -> Patch:
             raise PatchError(f"{path}: the diff of {target} has no hunks (mode-only or binary patches are not supported)")
         for i, hunk in enumerate(file_hunks, start=1):
             result.append(Hunk(target, i, len(file_hunks), hunk[0].rstrip("\n"), "".join(file_header + hunk)))
-    return Patch(path.name, path, text, tuple(result))
+    return Patch(path.name, path, text, tuple(result), part)
 
 
 def _target_path(file_header: list[str], patch_path: Path) -> str:
@@ -109,14 +120,23 @@ def _target_path(file_header: list[str], patch_path: Path) -> str:
     raise PatchError(f"{patch_path}: cannot find the file name in {file_header[0].strip()!r}")
 
 
-def load_series(directory: Path) -> Series:
+def _patch_names(directory: Path) -> list[str]:
     names = sorted(p.name for p in directory.iterdir() if p.suffix == ".patch")
     bad = [n for n in names if not _PATCH_NAME.match(n)]
     if bad:
         raise PatchError(f"{directory}: patch names must look like 0001-what.patch, got {bad}")
+    return names
+
+
+def load_series(directory: Path) -> Series:
+    names = _patch_names(directory)
     if not names:
         raise PatchError(f"{directory} holds no .patch files")
-    return Series(directory.name, directory, tuple(parse_patch(directory / n) for n in names))
+    patches = [parse_patch(directory / n) for n in names]
+    for part in PARTS:
+        if (directory / part).is_dir():
+            patches += [parse_patch(directory / part / n, part) for n in _patch_names(directory / part)]
+    return Series(directory.name, directory, tuple(patches))
 
 
 def discover_series(root: Path) -> list[Series]:

@@ -55,7 +55,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 def _cmd_recipe(args: argparse.Namespace) -> int:
     from rlix_plugins.nemo_rl.recipe import run_cli
 
-    return run_cli(args.stock, args.out, args.pipelines, args.gpus, args.gpus_per_node)
+    return run_cli(args.stock, args.out, args.pipelines, args.gpus, args.gpus_per_node, args.data_plane)
 
 
 def _gpu_ids(text: str) -> list[int]:
@@ -140,6 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpus", type=_gpu_ids, required=True, help="GPU ids they share, e.g. 0 or 0,1")
     p.add_argument("--gpus-per-node", type=_positive_int, default=None, help="GPUs of the node (default: max id + 1)")
     p.add_argument("--out", required=True, help="directory for the overlays")
+    p.add_argument("--data-plane", action="store_true",
+                   help="run NeMo RL's TransferQueue loop (data_plane.enabled) instead of async GRPO")
 
     p = add("patch", _cmd_patch, "Apply, check or revert the pinned NeMo RL patch series.")
     p.add_argument("action", choices=["apply", "check", "revert"])

@@ -1,7 +1,8 @@
 """``rlix patch apply|check|revert --nemo-rl PATH``: the pinned NeMo RL patch series.
 
 A series is a directory ``patches/nemo-rl/<commit prefix>/`` of numbered ``0001-*.patch`` files (git
-format-patch output) applied in name order. The series is chosen by the checkout's ``HEAD`` (the
+format-patch output) applied in name order, then those of its ``loops/`` part (NeMo RL's TransferQueue and
+SingleController GRPO loops); the parts are applied, checked and reverted together. The series is chosen by the checkout's ``HEAD`` (the
 directory name is a prefix of it); when ``HEAD`` is not a pinned commit, a series is used only if it
 applies (or is applied) cleanly, hunk for hunk.
 
@@ -66,7 +67,7 @@ class SeriesStatus:
         pin = "the pinned commit" if self.at_pin else f"not the pin {self.series.name} (series chosen by content)"
         lines = [f"NeMo RL checkout {self.checkout} at {self.head[:12]} ({pin}): series {self.series.name} {self.state}"]
         for p in self.patches:
-            lines.append(f"  {p.patch.name}: {p.state}")
+            lines.append(f"  {p.patch.part + '/' if p.patch.part else ''}{p.patch.name}: {p.state}")
             lines.extend(f"    drifted: {d}" for d in p.drift)
         return "\n".join(lines)
 

@@ -26,8 +26,10 @@ def test_wheel_contains_the_patch_series(tmp_path: Path) -> None:
     [wheel] = list((tmp_path / "dist").glob("rlix_plugins-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
     series = sorted(n for n in names if n.startswith("rlix_plugins/patches/nemo-rl/"))
-    repo_series = sorted(p.name for p in (REPO / "rlix_plugins/patches/nemo-rl/7ea279a").iterdir())
+    pinned = REPO / "rlix_plugins/patches/nemo-rl/7ea279a"
+    repo_series = sorted(str(p.relative_to(pinned)) for p in pinned.rglob("*") if p.is_file())
     assert series == [f"rlix_plugins/patches/nemo-rl/7ea279a/{n}" for n in repo_series], series
+    assert any(n.startswith("rlix_plugins/patches/nemo-rl/7ea279a/loops/") for n in series)  # the second part
     assert any(n.endswith(".patch") for n in series)
 
     # Installed from the wheel (extracted as site-packages would hold it), the default root finds the series.

@@ -189,8 +189,23 @@ def test_real_series_shape() -> None:
     touched = set(series.touched_paths)
     assert {"nemo_rl/algorithms/rlix_hooks.py", "nemo_rl/algorithms/grpo.py"} <= touched
     assert all(p.startswith("nemo_rl/") for p in touched), touched  # no test, config or doc files of NeMo RL
-    changed = sum(p.changed_lines for p in series.patches)
+    changed = sum(p.changed_lines for p in series.part(""))
     assert 0 < changed <= 340, changed
+
+
+def test_real_loops_part_shape() -> None:
+    """The second part (``loops/``: the TransferQueue and SingleController GRPO loops) follows the first, touches
+    only those loops' files, and has its own cap (210 changed lines in 2026-11)."""
+    [series] = discover_series(DEFAULT_SERIES_ROOT)
+    loops = series.part("loops")
+    assert [p.name[:4] for p in loops] == ["0005", "0006", "0007"]
+    assert [p.name for p in series.patches][-len(loops):] == [p.name for p in loops]  # applied after the first part
+    touched = {t for p in loops for t in p.touched_paths}
+    assert touched == {"nemo_rl/algorithms/grpo_sync.py", "nemo_rl/algorithms/single_controller.py",
+                       "nemo_rl/algorithms/single_controller_utils/setup.py",
+                       "nemo_rl/data_plane/adapters/transfer_queue.py"}, touched
+    changed = sum(p.changed_lines for p in loops)
+    assert 0 < changed <= 220, changed
 
 
 def test_revert_after_the_series_changed_uses_the_recorded_copy(fake_nemo: tuple[Path, Path, str]) -> None:

@@ -12,7 +12,7 @@ topology against the rest of the config by :mod:`rlix_plugins.nemo_rl.topology`.
 from __future__ import annotations
 
 import difflib
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass, fields
 from typing import Any, Final, Literal
 
@@ -119,6 +119,35 @@ def policy_trainer(master_config: Any) -> Trainer:
             f"policy.megatron_cfg.enabled={megatron} and policy.dtensor_cfg.enabled={dtensor}: enable exactly one "
             "training backend (the weight cache is built in its workers)")
     return "megatron" if megatron else "dtensor"
+
+
+#: Prefix of a pipeline's TransferQueue Ray namespace (:func:`scope_data_plane`).
+TQ_NAMESPACE_PREFIX: Final = "rlix_tq_"
+
+
+def scope_data_plane(master_config: Any, pipeline_id: str) -> str | None:
+    """With ``data_plane.enabled``: write ``data_plane.rlix_namespace`` (the Ray namespace of this pipeline's
+    TransferQueue controller and storage actors, patch 0007; every NeMo RL process gets it with the data-plane
+    config) and return it; else None. The one key rlix writes into NeMo RL's config: NeMo RL's own processes read
+    it, and it names the pipeline there (:func:`data_plane_pipeline_id`)."""
+    section = cfg_get(master_config, "data_plane")
+    if section is None or not cfg_get(section, "enabled"):
+        return None
+    namespace = f"{TQ_NAMESPACE_PREFIX}{pipeline_id}"
+    if isinstance(section, MutableMapping):
+        section["rlix_namespace"] = namespace
+    else:
+        section.rlix_namespace = namespace
+    return namespace
+
+
+def data_plane_pipeline_id(master_config: Any) -> str | None:
+    """The pipeline id :func:`scope_data_plane` wrote into ``master_config`` (a copy in another process, such as
+    the SingleController's actor), else None."""
+    namespace = cfg_path(master_config, "data_plane.rlix_namespace")
+    if isinstance(namespace, str) and namespace.startswith(TQ_NAMESPACE_PREFIX):
+        return namespace[len(TQ_NAMESPACE_PREFIX):]
+    return None
 
 
 def load_run_config(master_config: Any) -> RlixRunConfig:

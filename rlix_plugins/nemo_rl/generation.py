@@ -189,6 +189,11 @@ class RouterShardSelector:
             shard = await asyncio.to_thread(self._take, tried)
         raise ShardPreemptedError(shard, f"aborted by shrinks on {self.client.max_attempts} attempts (ranks {tried})")
 
+    def active_ranks(self) -> list[int]:
+        """The DP ranks the scheduler left active (the SingleController pushes only their URLs to NeMo-Gym's
+        router, patch 0006)."""
+        return [int(r) for r in self.client._get(self.client.router.active.remote(), "active", 60.0)]
+
     def inflight(self, shard_idx: int) -> int:
         return int(self.client._get(self.client.router.in_flight.remote([shard_idx]), "in_flight", 30.0))
 

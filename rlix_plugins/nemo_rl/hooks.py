@@ -20,7 +20,8 @@ chosen at ``rlix_pipeline_start``:
     rlix_placement (setup()) → parse + validate config & topology → pipeline id → shared per-GPU placement groups +
                                worker name prefixes → register + hold INITIALIZATION of every GPU while setup()
                                creates the workers (:func:`.placement.take_setup` hands all of it to the loop)
-    rlix_pipeline_start      → take setup()'s grant (else parse + validate, and register) → runtime.register →
+    rlix_pipeline_start      → take setup()'s grant (else parse + validate, then adopt setup()'s registration from
+                               another process - the SingleController's actor - or register) → runtime.register →
                                runtime.start(start_step) (init phases under the setup grant, then released)
     on_trajectory_collector_created → (runtime: GENERATION; the first expand syncs real weights; progress thread)
     before_training(N)       → request ACTOR_TRAINING (blocks until granted; donors slept first)
@@ -235,14 +236,17 @@ class NemoRLHooks:
         Blocks on: the control plane (connect, register, admit; bounded RPCs). Mutates nothing of NeMo RL.
         """
         from rlix_plugins.control import client
-        from rlix_plugins.nemo_rl.placement import take_setup
+        from rlix_plugins.nemo_rl.placement import adopt_setup, take_setup
 
         if self._pipe is not None:
             raise RlixError(f"pipeline {self.pipeline_id} is already started; one NemoRLHooks serves one run")
         setup = take_setup(master_config)  # setup()'s parsed config + registration holding INITIALIZATION
         if setup is None:
-            cfg, held = load_run_config(master_config), None
+            cfg = load_run_config(master_config)
             validate_topology(master_config, cfg)  # before anything is registered (reference F10 gap)
+            setup = adopt_setup(master_config, cfg, client.connect(cfg.ray_address))  # the SingleController's actor
+        if setup is None:
+            held = None
         else:
             cfg, held = setup.config, setup.pipe
         if self.runtime is None:

@@ -24,9 +24,12 @@ surface its worker groups read.
   Megatron and vLLM workers only while no other pipeline initialises on those GPUs. A :class:`SetupGrant` (the
   parsed config with the pipeline id, and the registration) waits in this process for ``rlix_pipeline_start``
   (another hook instance: setup() and the loop each load the hooks) to :func:`take_setup` it with the master
-  config setup() was given (NeMo RL's setup() returns that object, and the loop gets it); NeMo RL's config is
-  never written. The runtime's init phases run under the grant and release it (``PipelineRuntime.start(
-  init_held=True)``). Never taken (setup() failed, or the loop never ran): released and unregistered at exit.
+  config setup() was given (NeMo RL's setup() returns that object, and the loop gets it). NeMo RL's config is
+  written only where NeMo RL's own processes must read it: ``data_plane.rlix_namespace`` (the TransferQueue loops,
+  :func:`.config.scope_data_plane`). The runtime's init phases run under the grant and release it
+  (``PipelineRuntime.start(init_held=True)``). Never taken (setup() failed, or the loop never ran): released and
+  unregistered at exit. The SingleController runs ``setup()`` in the driver but its hooks inside its own actor
+  process: there :func:`adopt_setup` adopts the registration by pipeline id through the control plane.
 
 Limits (clear errors): vLLM TP 1 only (a TP group needs one multi-bundle placement group, NeMo RL's tied-worker
 layout), one node (the pool keys groups by node-local GPU id). Not proven on GPUs yet.
@@ -51,8 +54,8 @@ from rlix_plugins.errors import RlixConfigError, RlixError
 if TYPE_CHECKING:
     from rlix_plugins.nemo_rl.config import RlixRunConfig
 
-__all__ = ["GpuPlacementPool", "SetupGrant", "VirtualClusterAdapter", "nemo_rl_placement", "placement_pool",
-           "take_setup", "worker_name_prefix"]
+__all__ = ["GpuPlacementPool", "SetupGrant", "VirtualClusterAdapter", "adopt_setup", "nemo_rl_placement",
+           "placement_pool", "take_setup", "worker_name_prefix"]
 
 logger = logging.getLogger(__name__)
 
@@ -238,6 +241,23 @@ def take_setup(master_config: Any) -> SetupGrant | None:
     return None
 
 
+def adopt_setup(master_config: Any, cfg: RlixRunConfig, cp: Any) -> SetupGrant | None:
+    """The SingleController runs setup() in the driver but its hooks in its own actor process, with a copy of the
+    master config: there setup()'s registration is adopted through the control plane when the pipeline the copy
+    names (``rlix.pipeline_id``, else the data-plane namespace setup() wrote: :func:`.config.data_plane_pipeline_id`)
+    holds INITIALIZATION of its inference cluster; None otherwise (nothing to adopt: register anew)."""
+    from rlix_plugins.control.types import GENERATION_CLUSTER, cluster_id
+    from rlix_plugins.nemo_rl.config import data_plane_pipeline_id
+
+    pid = cfg.pipeline_id or data_plane_pipeline_id(master_config)
+    if not pid:
+        return None
+    held = cp.status()["allocations"].get(cluster_id(pid, GENERATION_CLUSTER))
+    if held is None or held.get("priority") != "INITIALIZATION":
+        return None
+    return SetupGrant(master_config, dataclasses.replace(cfg, pipeline_id=pid), cp.pipeline(pid))
+
+
 def _end_untaken_setup_grant(pipeline_id: str) -> None:
     with _SETUP_LOCK:
         grant = _SETUP_GRANTS.pop(pipeline_id, None)
@@ -257,7 +277,7 @@ def nemo_rl_placement(master_config: Any) -> tuple[VirtualClusterAdapter, Virtua
     pipeline uses, see the module docstring) and the pool (group creation); both bounded by ``rlix.init_timeout_s``.
     """
     from rlix_plugins.control import client
-    from rlix_plugins.nemo_rl.config import load_run_config
+    from rlix_plugins.nemo_rl.config import load_run_config, scope_data_plane
     from rlix_plugins.nemo_rl.topology import validate_topology
 
     cfg = load_run_config(master_config)
@@ -270,6 +290,7 @@ def nemo_rl_placement(master_config: Any) -> tuple[VirtualClusterAdapter, Virtua
     cp = client.connect(cfg.ray_address)
     pid = cfg.pipeline_id or cp.allocate_pipeline_id()
     cfg = dataclasses.replace(cfg, pipeline_id=pid)
+    scope_data_plane(master_config, pid)  # the pipeline's own TransferQueue actors (before TQPolicy starts them)
     gpus = sorted(set(cfg.train_devices) | set(cfg.infer_devices))
     pool, dead = placement_pool(), "the placement pool actor died; `rlix down` and start again"
     groups = ray_get(pool.groups.remote(gpus), f"shared placement groups of GPUs {gpus}", cfg.runtime.init_timeout_s,

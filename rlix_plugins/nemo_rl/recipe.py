@@ -12,6 +12,9 @@ Layout of ``N`` pipelines on ``G`` GPUs (one node, vLLM TP 1: what the shared pl
 * ``G >= 2``: partial overlap as in ``recipes/nemo_rl/``: every pipeline rolls out on all G GPUs and trains on
   its own home slice (``G // N`` GPUs, at most ``G - 1`` so one rank always stays outside, rounded down to whole
   trainer replicas).
+
+The GRPO loop (:func:`.topology.grpo_loop`): a stock SingleController or TransferQueue (``data_plane.enabled``)
+recipe keeps its loop; any other is switched to async GRPO, or with ``--data-plane`` to the TransferQueue loop.
 """
 
 from __future__ import annotations
@@ -26,7 +29,14 @@ from typing import Any, Final
 
 from rlix_plugins.errors import RlixConfigError
 from rlix_plugins.nemo_rl.config import DEFAULT_BUCKET_SIZE_BYTES, cfg_path, load_run_config
-from rlix_plugins.nemo_rl.topology import topology_problems, training_parallel_size
+from rlix_plugins.nemo_rl.topology import (
+    ASYNC_GRPO,
+    DATA_PLANE,
+    SINGLE_CONTROLLER,
+    grpo_loop,
+    topology_problems,
+    training_parallel_size,
+)
 from rlix_plugins.pipeline.config import RuntimeConfig
 
 __all__ = ["Overlay", "PipelineLayout", "layout", "load_stock", "make_overlays", "run_cli", "write_overlays"]
@@ -206,8 +216,9 @@ def _worker_groups_per_gpu(layouts: Sequence[PipelineLayout]) -> tuple[int, int]
 
 
 def make_overlays(stock: Mapping[str, Any], num_pipelines: int, gpus: Sequence[int],
-                  gpus_per_node: int | None = None) -> list[Overlay]:
-    """The overlay of each pipeline, validated by the start-up checks; ``RlixConfigError`` lists every refusal."""
+                  gpus_per_node: int | None = None, data_plane: bool = False) -> list[Overlay]:
+    """The overlay of each pipeline, validated by the start-up checks; ``RlixConfigError`` lists every refusal.
+    ``data_plane``: switch the stock recipe to NeMo RL's TransferQueue loop (``grpo_train_sync``)."""
     from rlix_plugins.nemo_rl.placement import WORKER_GROUPS_PER_GPU
 
     gpus = list(gpus)
@@ -225,7 +236,7 @@ def make_overlays(stock: Mapping[str, Any], num_pipelines: int, gpus: Sequence[i
         raise RlixConfigError(
             f"GPU {gpu} would hold {groups} worker groups (vLLM ranks + trainers of {num_pipelines} pipelines); the "
             f"shared placement holds {WORKER_GROUPS_PER_GPU} per GPU: use fewer pipelines or more GPUs")
-    overlays = [_overlay(stock, p, num_pipelines, per_node) for p in layouts]
+    overlays = [_overlay(stock, p, num_pipelines, per_node, data_plane) for p in layouts]
     for ov in overlays:
         merged = _merge(dict(stock), ov.nested())
         found = topology_problems(merged, load_run_config(merged))
@@ -235,11 +246,30 @@ def make_overlays(stock: Mapping[str, Any], num_pipelines: int, gpus: Sequence[i
     return overlays
 
 
-def _overlay(stock: Mapping[str, Any], p: PipelineLayout, num_pipelines: int, gpus_per_node: int) -> Overlay:
+#: The entry point NeMo RL runs each loop with (examples/).
+ENTRY_POINTS: Final = {ASYNC_GRPO: "examples/run_grpo.py", DATA_PLANE: "examples/run_grpo.py",
+                       SINGLE_CONTROLLER: "examples/run_grpo_single_controller.py"}
+
+
+def _overlay(stock: Mapping[str, Any], p: PipelineLayout, num_pipelines: int, gpus_per_node: int,
+             data_plane: bool) -> Overlay:
     ov = Overlay(p)
-    sync = not _resolved(stock, "grpo.async_grpo.enabled")
+    loop = grpo_loop(stock)
+    kept = "kept"
+    if data_plane and loop != SINGLE_CONTROLLER:
+        loop, kept = DATA_PLANE, "switched to it (--data-plane)"
+        _set(ov, stock, "data_plane.enabled", True, "NeMo RL's TransferQueue loop grpo_train_sync (--data-plane)")
+        _set(ov, stock, "grpo.async_grpo.enabled", False, "run_grpo.py would pick async GRPO first")
     colocated = _resolved(stock, "policy.generation.colocated.enabled") is not False
-    if sync or colocated:
+    if loop in (DATA_PLANE, SINGLE_CONTROLLER):  # the second patch part drives them as they are (loops/)
+        ov.notes.append(f"NeMo RL's {loop} loop: {kept} (run it with {ENTRY_POINTS[loop]})"
+                        + ("; vLLM switched to non-colocated (the scheduler shares the GPUs instead)" if colocated
+                           else ""))
+        if loop == SINGLE_CONTROLLER and len(p.infer_devices) == 1:
+            _set(ov, stock, "async_rl.min_groups_for_streaming_train", "${grpo.num_prompts_per_step}",
+                 "one GPU: one chunk per step (its rollout sleeps while it trains)")
+    elif not _resolved(stock, "grpo.async_grpo.enabled") or colocated:
+        sync = not _resolved(stock, "grpo.async_grpo.enabled")
         ov.notes.append(
             f"the stock recipe runs {'synchronous' if sync else 'async'} GRPO with {'colocated' if colocated else 'non-colocated'} "
             "inference; time-sharing needs async GRPO with non-colocated vLLM (the scheduler shares the GPUs "
@@ -248,9 +278,10 @@ def _overlay(stock: Mapping[str, Any], p: PipelineLayout, num_pipelines: int, gp
     if one_gpu:
         ov.notes.append("one GPU: this pipeline trains and rolls out on it; its rollout sleeps while any pipeline "
                         "on the GPU trains (no generation/training overlap for it; see topology.is_one_gpu_topology)")
-    _set(ov, stock, "grpo.async_grpo.enabled", True, "time-sharing drives async_grpo_train")
-    _set(ov, stock, "loss_fn.use_importance_sampling_correction", True,
-         "trajectories from older weights are corrected (NeMo RL requires it with async GRPO)")
+    if loop not in (DATA_PLANE, SINGLE_CONTROLLER):
+        _set(ov, stock, "grpo.async_grpo.enabled", True, "time-sharing drives async_grpo_train")
+        _set(ov, stock, "loss_fn.use_importance_sampling_correction", True,
+             "trajectories from older weights are corrected (NeMo RL requires it with async GRPO)")
     _set(ov, stock, "policy.generation.colocated.enabled", False,
          "non-colocated vLLM; the scheduler shares GPUs instead")
     _set(ov, stock, "policy.generation.colocated.resources.gpus_per_node", len(p.infer_devices),
@@ -313,10 +344,11 @@ def render(overlay: Overlay, defaults: str, stock_name: str, num_pipelines: int)
 
 
 def write_overlays(stock_path: str | os.PathLike[str], out_dir: str | os.PathLike[str], num_pipelines: int,
-                   gpus: Sequence[int], gpus_per_node: int | None = None) -> list[tuple[Path, Overlay]]:
+                   gpus: Sequence[int], gpus_per_node: int | None = None,
+                   data_plane: bool = False) -> list[tuple[Path, Overlay]]:
     """Validate, then write ``<out>/<stock stem>_rlix_<name>.yaml`` per pipeline (``defaults:`` relative to out)."""
     stock_path, out = Path(stock_path).resolve(), Path(out_dir)
-    overlays = make_overlays(load_stock(stock_path), num_pipelines, gpus, gpus_per_node)
+    overlays = make_overlays(load_stock(stock_path), num_pipelines, gpus, gpus_per_node, data_plane)
     out.mkdir(parents=True, exist_ok=True)
     defaults = os.path.relpath(stock_path, out.resolve())
     written = []
@@ -327,8 +359,9 @@ def write_overlays(stock_path: str | os.PathLike[str], out_dir: str | os.PathLik
     return written
 
 
-def run_cli(stock: str, out: str, num_pipelines: int, gpus: Sequence[int], gpus_per_node: int | None) -> int:
-    written = write_overlays(stock, out, num_pipelines, gpus, gpus_per_node)
+def run_cli(stock: str, out: str, num_pipelines: int, gpus: Sequence[int], gpus_per_node: int | None,
+            data_plane: bool = False) -> int:
+    written = write_overlays(stock, out, num_pipelines, gpus, gpus_per_node, data_plane)
     for path, ov in written:
         print(f"{path}: pipeline {ov.pipeline.name}, train {list(ov.pipeline.train_devices)}, "
               f"infer {list(ov.pipeline.infer_devices)}")
@@ -336,6 +369,7 @@ def run_cli(stock: str, out: str, num_pipelines: int, gpus: Sequence[int], gpus_
             print(f"  note: {note}")
         for key, (value, reason) in ov.changes.items():
             print(f"  {key} = {_scalar(value)}  # {reason}")
-    print("run each with: RLIX_CONTROL_PLANE=rlix python examples/run_grpo.py --config <overlay> (one per pipeline, "
+    entry = ENTRY_POINTS[grpo_loop(_merge(load_stock(stock), written[0][1].nested())) or ASYNC_GRPO]
+    print(f"run each with: RLIX_CONTROL_PLANE=rlix python {entry} --config <overlay> (one per pipeline, "
           "after `rlix up`)")
     return 0

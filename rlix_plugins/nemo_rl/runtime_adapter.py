@@ -8,7 +8,9 @@
   refused, debug #34) → the trainer's communication groups released (Megatron: NCCL groups destroyed inside every
   training worker; DTensor: FSDP2's stay, see :mod:`.weights`); ``before_training`` restores them after the grant,
   before NeMo RL's ``prepare_for_lp_inference``;
-* publisher: :class:`~rlix_plugins.pipeline.publisher.CollectorPublisher` (``collector.set_weight_version``);
+* publisher, progress and the end of the rollout side: per loop kind (:func:`.topology.grpo_loop`), see
+  :mod:`.loops` (async GRPO: ``collector.set_weight_version``; the TransferQueue loop and the SingleController
+  publish themselves);
 * registration: :meth:`NemoRuntime.register` adopts the pipeline NeMo RL's ``setup()`` registered (the placement
   hook, holding INITIALIZATION of all its GPUs since before its workers existed: :mod:`.placement`; ``start`` runs
   the init phases under that grant and releases it), else registers + admits through ``PipelineRuntime.register``
@@ -16,9 +18,10 @@
 * resume: ``start(..., start_step=k)`` builds the start cache as version ``k`` (the checkpoint's weights), so every
   expand before the first training step publishes the version NeMo RL's loop publishes (``weight_version = step``);
 * metrics: :meth:`NemoRuntime.step_metrics` - the step's ``rlix/`` figures NeMo RL logs with its training metrics;
-* progress: a daemon thread counts the replay buffer's entries intended for the current weight version (F9) once
-  a second and sends the raw count with ``step_target = grpo.num_prompts_per_step`` through the runtime's
-  fire-and-forget :class:`~rlix_plugins.pipeline.runtime.ProgressReporter` (never blocks on the coordinator).
+* progress: a daemon thread counts what the loop collected toward the current weight version (F9; async GRPO:
+  replay-buffer entries intended for it, :mod:`.loops` for the others) once a second and sends the raw count with
+  ``step_target = grpo.num_prompts_per_step`` through the runtime's fire-and-forget
+  :class:`~rlix_plugins.pipeline.runtime.ProgressReporter` (never blocks on the coordinator).
 
 Threads: hook calls come from the driver's main thread; the progress thread only reads and reports.
 """
@@ -30,13 +33,11 @@ import threading
 import time
 from typing import Any, Final
 
-import ray
-
-from rlix_plugins.control._rpc import ray_get
 from rlix_plugins.errors import RlixError
-from rlix_plugins.nemo_rl import worker_ops
 from rlix_plugins.nemo_rl.config import RlixRunConfig, cfg_path
 from rlix_plugins.nemo_rl.generation import NemoVllmFleet, install_routing
+from rlix_plugins.nemo_rl.loops import loop_surface
+from rlix_plugins.nemo_rl.topology import grpo_loop
 from rlix_plugins.nemo_rl.weights import PolicyWeightSource
 from rlix_plugins.pipeline.publisher import CollectorPublisher
 
@@ -59,7 +60,8 @@ class NemoRuntime:
         self._stop = threading.Event()
         self._progress: threading.Thread | None = None
         self.progress_reports: list[tuple[int, int]] = []  # (version, collected) sent
-        self._collector: Any = None
+        self._master_config: Any = None
+        self._stop_collector: Any = None  # per loop kind (.loops)
         self._init_held = False
         self._history_seen = 0  # resize-history events already counted into step metrics
         self._trace_since = time.time()
@@ -84,7 +86,7 @@ class NemoRuntime:
         if self.rt is None:
             raise RlixError("NemoRuntime.start before register(): the pipeline is not registered")
         cfg = self.config
-        self.policy = policy
+        self.policy, self._master_config = policy, master_config
         self.step_target = int(cfg_path(master_config, "grpo.num_prompts_per_step") or 1)
         per_node = cfg_path(master_config, "cluster.gpus_per_node")
         self.weights = PolicyWeightSource.from_policy(policy, master_config, list(cfg.train_devices),
@@ -101,20 +103,20 @@ class NemoRuntime:
         self.weights.release_comm_groups(self.config.runtime.sync_timeout_s)
 
     def attach_collector(self, collector: Any, replay_buffer: Any) -> None:
-        self._collector = collector
-        self.rt.attach_collector(CollectorPublisher(collector))  # publishes the start version first
+        surface = loop_surface(grpo_loop(self._master_config), self._master_config, collector, replay_buffer)
+        self._stop_collector, self.step_target = surface.stop_collector, surface.step_target
+        self.rt.attach_collector(surface.publisher)  # publishes the start version first
         self._progress = threading.Thread(target=self._report_progress,
-                                          args=(replay_buffer, self.rt.progress_reporter()), daemon=True,
+                                          args=(surface.count, self.rt.progress_reporter()), daemon=True,
                                           name=f"rlix-progress-{self.rt.pipeline_id}")
         self._progress.start()
 
-    def _report_progress(self, replay_buffer: Any, reporter: Any) -> None:
+    def _report_progress(self, count: Any, reporter: Any) -> None:
         last: tuple[int, int] | None = None
         while not self._stop.wait(_PROGRESS_PERIOD_S):
             try:
                 version = self.rt.versions.published
-                n = int(ray_get(replay_buffer.__ray_call__.remote(worker_ops.count_intended_for, version),
-                                "replay_buffer.count_intended_for", 10.0, dead="the replay buffer died"))
+                n = int(count(version))
                 if last is None or (version, n) != last:
                     reporter.report(n, self.step_target, step=version, new_batch=last is None or last[0] != version)
                     self.progress_reports.append((version, n))
@@ -128,10 +130,6 @@ class NemoRuntime:
         self.weights.restore_comm_groups(self.config.runtime.sync_timeout_s)
         self.weights.mark_offloaded(False)
         return list(gpus)
-
-    def _kill_collector(self) -> None:
-        if self._collector is not None:
-            ray.kill(self._collector, no_restart=True)
 
     def before_checkpoint(self, step: int) -> None:
         """The save runs on the training workers (grant held by the hooks): rebuild their communication groups."""
@@ -180,6 +178,6 @@ class NemoRuntime:
         if self.rt is not None:
             # Watchdog off → planned shrink to zero → collector stopped → unregister (debug #64-#66); NeMo RL's
             # own ray.kill of the collector right after this hook is then a no-op.
-            errors = self.rt.end(stop_collector=self._kill_collector, error=error)
+            errors = self.rt.end(stop_collector=self._stop_collector, error=error)
         if errors:
             raise RlixError("; ".join(errors))

@@ -17,9 +17,15 @@ Checks common to both:
 * ``len(infer) % vllm_tp == 0`` and ``len(train) % (TP·PP·CP·EP) == 0`` (Megatron; DTensor: TP·CP);
 * not both ``policy.megatron_cfg.enabled`` and ``policy.dtensor_cfg.enabled`` (the weight cache is built in the
   workers of the one NeMo RL builds; neither set is left to NeMo RL's own error, and to its unit-test mocks);
-* ``grpo.async_grpo.enabled``, ``policy.generation.colocated.enabled == false`` (non-colocated vLLM),
-  ``vllm_cfg.async_engine`` (per-request routing needs the async engine), ``loss_fn.
-  use_importance_sampling_correction`` (trajectories from older weights are corrected), vLLM backend;
+* one of the GRPO loops the patch series drives (:func:`grpo_loop`): ``async_grpo_train``
+  (``grpo.async_grpo.enabled``), the TransferQueue loop ``grpo_train_sync`` (``data_plane.enabled``) or the
+  SingleController (an ``async_rl`` section with ``data_plane.enabled``);
+* ``policy.generation.colocated.enabled == false`` (non-colocated vLLM), ``vllm_cfg.async_engine`` (per-request
+  routing needs the async engine; the TransferQueue loop's rollout actor then generates per request too), vLLM
+  backend; for async GRPO ``loss_fn.use_importance_sampling_correction`` (trajectories from older weights are
+  corrected; the TransferQueue loop is on-policy, the SingleController validates its own staleness rules);
+* the SingleController on one GPU: ``async_rl.min_groups_for_streaming_train == grpo.num_prompts_per_step`` (its
+  training grant spans a step's chunks while its only rollout rank sleeps; one chunk per step);
 * ``vllm_cfg.sleep_level`` (patch 0003), when set, equals ``rlix.sleep_level`` (scheduler shrinks pass
   ``rlix.sleep_level`` per call; two different configured levels would only confuse);
 * ``vllm_cfg.tensor_parallel_size`` equals ``rlix.infer_tp``.
@@ -32,7 +38,25 @@ from typing import Any
 from rlix_plugins.errors import RlixConfigError
 from rlix_plugins.nemo_rl.config import RlixRunConfig, cfg_path
 
-__all__ = ["is_one_gpu_topology", "topology_problems", "training_parallel_size", "validate_topology"]
+__all__ = ["ASYNC_GRPO", "DATA_PLANE", "SINGLE_CONTROLLER", "grpo_loop", "is_one_gpu_topology", "topology_problems",
+           "training_parallel_size", "validate_topology"]
+
+#: The GRPO loops the patch series drives (:func:`grpo_loop`).
+ASYNC_GRPO, DATA_PLANE, SINGLE_CONTROLLER = "async_grpo_train", "grpo_train_sync", "single_controller"
+
+
+def grpo_loop(master_config: Any) -> str | None:
+    """Which patched NeMo RL loop ``master_config`` drives, as NeMo RL's entry points choose it: the SingleController
+    (``examples/run_grpo_single_controller.py``: its config has an ``async_rl`` section, and needs the data plane),
+    ``async_grpo_train`` (``run_grpo.py`` with ``grpo.async_grpo.enabled``: checked first there), the TransferQueue
+    loop ``grpo_train_sync`` (``run_grpo.py`` with ``data_plane.enabled``); None: the sync ``grpo_train``, which
+    time-sharing does not drive."""
+    data_plane = bool(cfg_path(master_config, "data_plane.enabled"))
+    if cfg_path(master_config, "async_rl") is not None and data_plane:
+        return SINGLE_CONTROLLER
+    if cfg_path(master_config, "grpo.async_grpo.enabled"):
+        return ASYNC_GRPO
+    return DATA_PLANE if data_plane else None
 
 
 def training_parallel_size(master_config: Any) -> tuple[int, str]:
@@ -93,6 +117,19 @@ def _partial_overlap_problems(run: RlixRunConfig) -> list[str]:
     return problems
 
 
+def _streaming_on_one_gpu(master_config: Any) -> list[str]:
+    """The SingleController holds the training grant from a step's first chunk to its publish; on one GPU its only
+    rollout rank sleeps meanwhile, so a step must be one chunk (an unresolved interpolation is not judged)."""
+    groups = cfg_path(master_config, "async_rl.min_groups_for_streaming_train")
+    per_step = cfg_path(master_config, "grpo.num_prompts_per_step")
+    if isinstance(groups, int) and isinstance(per_step, int) and groups < per_step:
+        return [f"async_rl.min_groups_for_streaming_train={groups} < grpo.num_prompts_per_step={per_step}: on one "
+                "GPU the SingleController's rollout sleeps while it trains, so a streamed step never gets its later "
+                "chunks; set async_rl.min_groups_for_streaming_train=${grpo.num_prompts_per_step} (one chunk per step), "
+                "or give the pipeline an inference GPU outside rlix.train_devices"]
+    return []
+
+
 def topology_problems(master_config: Any, run: RlixRunConfig) -> list[str]:
     """Every violated rule, each with its fix (empty list: the run may start)."""
     problems: list[str] = []
@@ -118,8 +155,10 @@ def topology_problems(master_config: Any, run: RlixRunConfig) -> list[str]:
     if vllm_tp is not None and int(vllm_tp) != tp:
         problems.append(f"rlix.infer_tp={tp} differs from policy.generation.vllm_cfg.tensor_parallel_size="
                         f"{vllm_tp}: drop rlix.infer_tp or make them equal")
-    if not cfg_path(master_config, "grpo.async_grpo.enabled"):
-        problems.append("async GRPO is off: set grpo.async_grpo.enabled=true (time-sharing drives async_grpo_train)")
+    loop = grpo_loop(master_config)
+    if loop is None:
+        problems.append("no time-shared GRPO loop selected: set grpo.async_grpo.enabled=true (async_grpo_train) or "
+                        "data_plane.enabled=true (the TransferQueue loop, or the SingleController's entry point)")
     backend = cfg_path(master_config, "policy.generation.backend")
     if backend is not None and backend != "vllm":
         problems.append(f"policy.generation.backend={backend!r}: time-sharing supports vLLM only "
@@ -130,9 +169,11 @@ def topology_problems(master_config: Any, run: RlixRunConfig) -> list[str]:
     if not cfg_path(master_config, "policy.generation.vllm_cfg.async_engine"):
         problems.append("set policy.generation.vllm_cfg.async_engine=true (per-request routing over active DP ranks "
                         "needs the async engine)")
-    if not cfg_path(master_config, "loss_fn.use_importance_sampling_correction"):
+    if loop == ASYNC_GRPO and not cfg_path(master_config, "loss_fn.use_importance_sampling_correction"):
         problems.append("set loss_fn.use_importance_sampling_correction=true (trajectories generated with older "
                         "weights must be corrected)")
+    if loop == SINGLE_CONTROLLER and is_one_gpu_topology(run):
+        problems += _streaming_on_one_gpu(master_config)
     level = cfg_path(master_config, "policy.generation.vllm_cfg.sleep_level")
     if level is not None and int(level) != run.runtime.sleep_level:
         problems.append(f"policy.generation.vllm_cfg.sleep_level={level} differs from rlix.sleep_level="

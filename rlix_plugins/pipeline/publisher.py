@@ -2,7 +2,8 @@
 
 Both hosts' trajectory collectors are Ray actors with ``set_weight_version(version)`` (NeMo RL's
 ``AsyncTrajectoryCollector``, the demo's ``DemoCollector``), so one picklable handle serves both; the runtime ships
-it to the resize-handler actor, which publishes the current version after every expand.
+it to the resize-handler actor, which publishes the current version after every expand. :class:`LoopPublishes`
+serves the loops that publish themselves (:mod:`rlix_plugins.nemo_rl.loops`).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import Any
 from rlix_plugins.control._rpc import ray_get
 from rlix_plugins.errors import RlixError
 
-__all__ = ["CollectorPublisher"]
+__all__ = ["CollectorPublisher", "LoopPublishes"]
 
 
 class CollectorPublisher:
@@ -34,3 +35,12 @@ class CollectorPublisher:
             )
         ray_get(self.collector.set_weight_version.remote(int(version)), f"collector.set_weight_version({version})",
                 timeout_s, dead="the trajectory collector died")
+
+
+class LoopPublishes:
+    """The publisher of a loop that publishes versions itself (NeMo RL's TransferQueue loop and SingleController):
+    an expand delivers the cache's weights to the woken ranks, and there is no collector actor to tell."""
+
+    def set_weight_version(self, version: int, timeout_s: float) -> None:
+        if version < 0:
+            raise RlixError(f"weight version {version} must be >= 0 (debug #31)")

@@ -20,6 +20,12 @@ QUICK_TARGETS = [
     "tests/unit/models/generation/test_fleet_health.py",
     "tests/unit/weight_sync/",
 ]
+#: The loops of the second patch part (``loops/``): the SingleController and the TransferQueue data plane
+#: (``grpo_train_sync`` itself runs in ``test_grpo.py`` above). Without TransferQueue installed some of them fail the
+#: same way on both copies (2026-11-24: 489 passed, 12 failed, 6 skipped each); outcomes are compared test by test.
+#: ``test_watchdog_pump.py::TestEnvHealthCheck::test_a_healthy_environment_passes`` (1 ms ticks) hangs now and then
+#: on a loaded machine on either copy (3 runs each: pristine failed 1, patched 2): rerun before blaming the patch.
+LOOPS_TARGETS = ["tests/unit/single_controller/", "tests/unit/data_plane/"]
 #: The async utilities (trajectory collector, replay buffer): ~8 minutes per run on 2 cores.
 SLOW_TARGETS = ["tests/unit/algorithms/test_async_utils.py"]
 
@@ -51,3 +57,8 @@ def test_quick_unit_tests_identical(nemo_copies: dict[str, Path], tmp_path: Path
 @pytest.mark.timeout(3700)
 def test_async_utils_identical(nemo_copies: dict[str, Path], tmp_path: Path) -> None:
     _compare(nemo_copies, SLOW_TARGETS, tmp_path, timeout_s=1800)
+
+
+@pytest.mark.timeout(2600)
+def test_loops_unit_tests_identical(nemo_copies: dict[str, Path], tmp_path: Path) -> None:
+    _compare(nemo_copies, LOOPS_TARGETS, tmp_path, timeout_s=1200)

@@ -176,3 +176,45 @@ def test_stock_recipes_through_nemo_rls_loader(name: str, gpus: str, tmp_path: P
         run = load_run_config(cfg)
         validate_topology(cfg, run)
         assert is_one_gpu_topology(run) is (gpus == "0")
+
+
+# ---------------------------------------------------------------- NeMo RL's other GRPO loops
+_SC_CHILD = """\
+defaults: child.yaml
+grpo: {async_grpo: null}
+async_rl: {min_groups_for_streaming_train: 2}
+data_plane: {enabled: true}
+"""
+
+
+def test_single_controller_recipe_keeps_its_loop(stock: Path, tmp_path: Path, capsys: Any) -> None:
+    """A SingleController recipe (``async_rl`` + data plane) is not switched to async GRPO; on one GPU a streamed step
+    becomes one chunk (the rollout sleeps while it trains); on two GPUs streaming stays; its entry point is printed."""
+    from rlix_plugins.nemo_rl.topology import grpo_loop
+
+    sc = stock.parent / "sc.yaml"
+    sc.write_text(_SC_CHILD)
+    for gpus, groups in (("0", "${grpo.num_prompts_per_step}"), ("0,1", 2)):
+        rc, files = _recipe(sc, tmp_path / gpus, "--pipelines", "2", "--gpus", gpus)
+        assert rc == 0 and len(files) == 2
+        assert "examples/run_grpo_single_controller.py" in capsys.readouterr().out
+        for f in files:
+            overlay = yaml.safe_load(f.read_text())
+            assert "grpo.async_grpo.enabled" not in _leaves(overlay) and "loss_fn" not in overlay
+            cfg = load_stock(f)
+            assert grpo_loop(cfg) == "single_controller" and cfg["async_rl"]["min_groups_for_streaming_train"] == groups
+            assert cfg["policy"]["generation"]["colocated"]["enabled"] is False
+
+
+def test_data_plane_flag_switches_to_the_transfer_queue_loop(stock: Path, tmp_path: Path, capsys: Any) -> None:
+    from rlix_plugins.nemo_rl.topology import grpo_loop
+
+    rc, files = _recipe(stock, tmp_path / "out", "--pipelines", "2", "--gpus", "0,1", "--data-plane")
+    assert rc == 0 and len(files) == 2
+    assert "examples/run_grpo.py" in capsys.readouterr().out
+    for f in files:
+        cfg = load_stock(f)
+        assert grpo_loop(cfg) == "grpo_train_sync" and cfg["data_plane"] == {"enabled": True}
+        assert cfg["grpo"]["async_grpo"]["enabled"] is False
+        assert cfg["loss_fn"]["use_importance_sampling_correction"] is False  # on-policy: not switched on
+        validate_topology(cfg, load_run_config(cfg))

@@ -72,3 +72,49 @@ def test_nemo_rl_loads_and_we_validate(name: str, tmp_path: Path) -> None:
     cfg = json.loads(run.stdout.strip().splitlines()[-1])
     assert cfg["policy"]["megatron_cfg"]["enabled"] is True  # the stock Megatron recipe underneath
     validate_topology(cfg, load_run_config(cfg))
+
+
+#: The one-GPU pipelines of the loops GPU run: (recipe, stock recipe, `rlix recipe` flags, loop).
+LOOPS = [("loops_1gpu_single_controller", "grpo_math_1B_megatron_single_controller.yaml", [], "single_controller"),
+         ("loops_1gpu_data_plane", "grpo_math_1B.yaml", ["--data-plane"], "grpo_train_sync")]
+
+
+@pytest.mark.parametrize("name,stock,flags,loop", LOOPS)
+def test_loops_recipes_keep_their_loop_on_one_gpu(name: str, stock: str, flags: list[str], loop: str) -> None:
+    from rlix_plugins.nemo_rl.topology import grpo_loop, is_one_gpu_topology
+
+    cfg = _overlay(name)
+    assert cfg["defaults"] == f"../{stock}"
+    assert "async_grpo" not in cfg.get("grpo", {}) and "loss_fn" not in cfg  # no switch to async GRPO
+    assert is_one_gpu_topology(load_run_config(cfg))
+    if loop == "grpo_train_sync":
+        assert grpo_loop(cfg) == loop  # the overlay itself turns the TransferQueue loop on
+
+
+@pytest.mark.nemo_rl
+@pytest.mark.parametrize("name,stock,flags,loop", LOOPS)
+def test_loops_recipes_are_what_rlix_recipe_writes(name: str, stock: str, flags: list[str], loop: str,
+                                                   tmp_path: Path) -> None:
+    """`rlix recipe` on NeMo RL's stock recipe writes the checked-in overlay (below its two comment lines); NeMo RL's
+    loader resolves it to the loop, and our start-up checks accept it."""
+    from _nemo_checkout import nemo_python, nemo_src
+
+    from rlix_plugins.cli import main as rlix_main
+    from rlix_plugins.nemo_rl.topology import grpo_loop
+
+    configs = tmp_path / "configs"
+    shutil.copytree(nemo_src() / "examples" / "configs", configs, ignore=shutil.ignore_patterns("recipes"))
+    assert rlix_main(["recipe", str(configs / stock), "--pipelines", "1", "--gpus", "0", "--out",
+                      str(configs / "rlix"), *flags]) == 0
+    written = configs / "rlix" / f"{Path(stock).stem}_rlix_a.yaml"
+    checked_in = (RECIPES / f"{name}.yaml").read_text().split("\n", 3)[3]  # without the 3 lines about the GPU run
+    assert written.read_text() == checked_in
+    code = ("import json, sys; from omegaconf import OmegaConf; from nemo_rl.utils.config import load_config, "
+            "register_omegaconf_resolvers; register_omegaconf_resolvers();"
+            "print(json.dumps(OmegaConf.to_container(load_config(sys.argv[1]), resolve=True)))")
+    run = subprocess.run([str(nemo_python()), "-c", code, str(written)], capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "PYTHONPATH": str(nemo_src())})
+    assert run.returncode == 0, run.stderr[-3000:]
+    cfg = json.loads(run.stdout.strip().splitlines()[-1])
+    assert grpo_loop(cfg) == loop
+    validate_topology(cfg, load_run_config(cfg))

@@ -10,7 +10,15 @@ import pytest
 from rlix_plugins.errors import RlixConfigError
 from rlix_plugins.nemo_rl.config import load_run_config
 from rlix_plugins.nemo_rl.hooks import NemoRLHooks
-from rlix_plugins.nemo_rl.topology import is_one_gpu_topology, topology_problems, validate_topology
+from rlix_plugins.nemo_rl.topology import (
+    ASYNC_GRPO,
+    DATA_PLANE,
+    SINGLE_CONTROLLER,
+    grpo_loop,
+    is_one_gpu_topology,
+    topology_problems,
+    validate_topology,
+)
 
 
 def _valid(**rlix: Any) -> dict[str, Any]:
@@ -47,7 +55,7 @@ def test_valid_config_and_runtime_knobs() -> None:
         (lambda c: c["rlix"].update(train_devices=[0, 1]), "at least one full DP rank"),
         (lambda c: c["rlix"].update(infer_devices=[0, 1, 2], infer_tp=2), "not a multiple of the vLLM tensor"),
         (lambda c: c["policy"]["megatron_cfg"].update(tensor_model_parallel_size=2), "Megatron TP·PP·CP·EP"),
-        (lambda c: c["grpo"]["async_grpo"].update(enabled=False), "grpo.async_grpo.enabled=true"),
+        (lambda c: c["grpo"]["async_grpo"].update(enabled=False), "no time-shared GRPO loop"),
         (lambda c: c["policy"]["generation"]["colocated"].update(enabled=True), "colocated.enabled=false"),
         (lambda c: c["policy"]["generation"]["vllm_cfg"].update(async_engine=False), "async_engine=true"),
         (lambda c: c["loss_fn"].update(use_importance_sampling_correction=False), "importance_sampling_correction"),
@@ -60,6 +68,35 @@ def test_each_rule_names_its_fix(edit: Any, fix: str) -> None:
     edit(cfg)
     problems = _problems(cfg)
     assert any(fix in p for p in problems), problems
+
+
+def _data_plane(single_controller: bool = False) -> dict[str, Any]:
+    """The TransferQueue loop (``run_grpo.py`` with ``data_plane.enabled``), or the SingleController's config (an
+    ``async_rl`` section): async GRPO off, no importance-sampling correction required."""
+    cfg = copy.deepcopy(_valid())
+    cfg["grpo"]["async_grpo"]["enabled"] = False
+    cfg["loss_fn"]["use_importance_sampling_correction"] = False
+    cfg["data_plane"] = {"enabled": True}
+    if single_controller:
+        cfg["async_rl"] = {"max_buffered_rollouts": 8}
+    return cfg
+
+
+def test_the_other_grpo_loops_are_accepted() -> None:
+    """The loops the second patch part drives pass the check; each keeps the vLLM rules; nothing at all is refused."""
+    assert grpo_loop(_valid()) == ASYNC_GRPO
+    for single_controller, loop in ((False, DATA_PLANE), (True, SINGLE_CONTROLLER)):
+        cfg = _data_plane(single_controller)
+        assert grpo_loop(cfg) == loop and _problems(cfg) == []
+        cfg["policy"]["generation"]["vllm_cfg"]["async_engine"] = False
+        assert any("async_engine=true" in p for p in _problems(cfg))
+    sync = _data_plane()
+    sync["data_plane"]["enabled"] = False
+    assert grpo_loop(sync) is None
+    assert any("no time-shared GRPO loop" in p and "data_plane.enabled=true" in p for p in _problems(sync))
+    with_async = _valid()  # run_grpo.py checks async GRPO first, as grpo_loop does
+    with_async["data_plane"] = {"enabled": True}
+    assert grpo_loop(with_async) == ASYNC_GRPO
 
 
 def _dtensor(**dtensor_cfg: Any) -> dict[str, Any]:
@@ -89,7 +126,7 @@ def test_all_problems_in_one_error() -> None:
     cfg["grpo"]["async_grpo"]["enabled"] = False
     with pytest.raises(RlixConfigError) as err:
         validate_topology(cfg, load_run_config(cfg))
-    assert "at least one full DP rank" in str(err.value) and "async_grpo.enabled" in str(err.value)
+    assert "at least one full DP rank" in str(err.value) and "no time-shared GRPO loop" in str(err.value)
 
 
 @pytest.mark.parametrize(("key", "value"), [("sleep_level", 3), ("bucket_size_bytes", 0), ("sync_timeout_s", -1),
@@ -169,3 +206,30 @@ def test_the_rlix_keys_are_the_records_fields_parsed_once() -> None:
     with pytest.raises(RlixConfigError) as err:
         load_run_config(_valid(nope=1))
     assert all(f.name in str(err.value) for f in fields(RuntimeConfig))
+
+
+def test_data_plane_gets_a_per_pipeline_transfer_queue_namespace() -> None:
+    """Patch 0007 reads ``data_plane.rlix_namespace``: one per pipeline, written only when the data plane is on."""
+    from rlix_plugins.nemo_rl.config import scope_data_plane
+
+    a, b, plain = _data_plane(), _data_plane(True), _valid()
+    assert scope_data_plane(a, "ft_a") == a["data_plane"]["rlix_namespace"] == "rlix_tq_ft_a"
+    assert scope_data_plane(b, "ft_b") == "rlix_tq_ft_b"
+    assert scope_data_plane(plain, "ft_c") is None and "data_plane" not in plain
+
+
+def test_single_controller_streaming_on_one_gpu_is_refused_with_the_fix() -> None:
+    """On one GPU the SingleController's only rollout rank sleeps while it holds the training grant, which spans
+    every chunk of a step: a streamed step (fewer groups per chunk than per step) would wait forever."""
+    cfg = _data_plane(single_controller=True)
+    cfg["rlix"].update(train_devices=[0], infer_devices=[0])
+    cfg["async_rl"] = {"min_groups_for_streaming_train": 2}
+    [problem] = _problems(cfg)
+    assert "min_groups_for_streaming_train=${grpo.num_prompts_per_step}" in problem
+    cfg["async_rl"]["min_groups_for_streaming_train"] = 8
+    assert _problems(cfg) == []
+    cfg["async_rl"]["min_groups_for_streaming_train"] = "${grpo.num_prompts_per_step}"  # unresolved: not judged
+    assert _problems(cfg) == []
+    cfg["async_rl"]["min_groups_for_streaming_train"] = 2
+    cfg["rlix"].update(infer_devices=[0, 1])  # a rank outside the training GPU keeps generating: streaming is fine
+    assert _problems(cfg) == []

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import threading
 import time
+from types import SimpleNamespace
 from typing import Any
 
 
@@ -204,3 +205,23 @@ class StandinReplayBuffer:
 def in_flight(worker: Any) -> int:
     """Requests the worker's AsyncLLM holds (run in the worker with ``__ray_call__``)."""
     return len(worker.llm.output_processor.request_states)
+
+
+class StandinTqController:
+    """TransferQueueController's partition table (``_get_partition(id).global_indexes``)."""
+
+    def __init__(self) -> None:
+        self.partitions: dict[str, Any] = {}
+
+    def put(self, partition_id: str, n: int) -> None:
+        self.partitions.setdefault(partition_id, SimpleNamespace(global_indexes=set()))
+        part = self.partitions[partition_id]
+        part.global_indexes |= set(range(len(part.global_indexes), len(part.global_indexes) + n))
+
+    def _get_partition(self, partition_id: str) -> Any:
+        return self.partitions.get(partition_id)
+
+
+class StandinRolloutActor:  # NeMo RL's SyncRolloutActor has no set_weight_version
+    def ping(self) -> bool:
+        return True

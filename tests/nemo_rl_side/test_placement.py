@@ -141,3 +141,49 @@ def test_setup_grant_is_handed_over_by_the_config_object_never_written_into_it(
     grant = placement.take_setup(fixed)
     assert grant is not None and grant.pipe == "handle" and placement.take_setup(master) is None
     assert "pipeline_id" not in master["rlix"]  # type: ignore[operator]
+
+
+@ray.remote(num_cpus=0)
+class _ControllerProcess:
+    """The SingleController's actor: its hooks run here, in another process than the driver's setup()."""
+
+    def start_and_end(self, master_config: dict[str, object]) -> list[str]:
+        from rlix_plugins.nemo_rl.hooks import NemoRLHooks
+
+        hooks = NemoRLHooks()  # control-only: the policy and generation below have no worker groups
+        hooks.rlix_pipeline_start(master_config=master_config, policy=object(), policy_generation=object(),
+                                  start_step=0)
+        pid = hooks.pipeline_id
+        hooks.on_pipeline_end()
+        return [str(pid), *(e.name for e in hooks.history)]
+
+
+def test_setup_grant_adopted_by_the_single_controller_actor(ray_cluster: dict[str, float],
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """setup() (the driver) registers the pipeline and holds its setup grant; the SingleController actor's
+    ``rlix_pipeline_start`` (another process, so not in the driver's table) adopts that registration by the
+    pipeline id its data-plane namespace names, through the control plane instead of registering the id again, and
+    releases the grant. The rlix section is not written."""
+    from rlix_plugins.control import client
+    from rlix_plugins.nemo_rl import placement
+    from rlix_plugins.nemo_rl.placement import nemo_rl_placement
+
+    monkeypatch.setattr(placement, "_SETUP_GRANTS", {})  # the driver's untaken grant stays out of other tests
+
+    cfg = _run_config([0])
+    cfg.update(async_rl={}, data_plane={"enabled": True})  # the SingleController (topology.grpo_loop)
+    pool = placement_pool()
+    try:
+        nemo_rl_placement(cfg)
+        namespace = cfg["data_plane"]["rlix_namespace"]  # type: ignore[index]
+        assert namespace.startswith("rlix_tq_ft_") and "pipeline_id" not in cfg["rlix"]  # type: ignore[operator]
+        pid = namespace.removeprefix("rlix_tq_")
+        cp = client.connect()
+        assert cp.status()["allocations"][f"{pid}_actor_infer"]["priority"] == "INITIALIZATION"
+        got = ray.get(_ControllerProcess.remote().start_and_end.remote(cfg), timeout=120)
+        assert got == [pid, "registered", "ended"], got
+        status = cp.status()
+        assert pid not in status["pipelines"] and not [c for c in status["allocations"] if c.startswith(pid)]
+    finally:
+        ray.get(pool.release_all.remote(), timeout=60)
+        ray.kill(pool)
