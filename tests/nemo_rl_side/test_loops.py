@@ -84,7 +84,7 @@ class _RecordingRuntime:
     def progress_reporter(self) -> Any:
         return SimpleNamespace(report=lambda *a, **k: None)
 
-    def end(self, stop_collector: Any = None) -> list[str]:
+    def end(self, stop_collector: Any = None, error: str | None = None) -> list[str]:
         self.stop_collector = stop_collector
         return []
 
