@@ -122,7 +122,7 @@ class ControlOnlyRuntime:
                 cluster_tp_configs={TRAIN_CLUSTER: 1, GENERATION_CLUSTER: cfg.infer_tp},
                 cluster_device_mappings={TRAIN_CLUSTER: list(cfg.train_devices),
                                          GENERATION_CLUSTER: list(cfg.infer_devices)},
-                pipeline_id=cfg.pipeline_id,
+                pipeline_id=cfg.pipeline_id, coordinator_config=cfg.coordinator_config(),
             )
         return self.pipe
 
