@@ -259,8 +259,8 @@ class NemoRLHooks:
         try:
             self.runtime.start(master_config, policy, policy_generation, start_step)
         except BaseException as exc:
-            try:  # release and unregister; the start error is the one to report
-                self._end("start_failed_ended")
+            try:  # release and unregister as failed (`rlix status` names why); the start error is the one to report
+                self._end("start_failed_ended", error=f"start failed: {type(exc).__name__}: {exc}"[:500])
             except Exception as end_exc:
                 exc.add_note(f"ending the pipeline after the failed start also failed: {end_exc}")
             raise
