@@ -88,6 +88,7 @@ CASES: list[tuple[str, Callable[..., object], tuple[str, ...]]] = [
     ("infer-tp-zero", _run(rlix__infer_tp=0), ("rlix.infer_tp=0", "must be a positive int")),
     ("verify-not-bool", _run(rlix__verify="yes"), ("rlix.verify='yes'", "must be true or false")),
     ("bucket-size-negative", _run(rlix__bucket_size_bytes=-1), ("rlix.bucket_size_bytes=-1", "must be a positive int")),
+    ("heartbeat-lease-zero", _run(rlix__heartbeat_lease_s=0), ("rlix.heartbeat_lease_s=0", "must be a positive number of seconds")),
     ("runtime-step-target-estimate", lambda: RuntimeConfig(step_target_estimate=0), ("step_target_estimate=0", "must be an int >= 1")),
     ("train-not-subset-of-infer", _topology(rlix__train_devices=[2]), ("rlix.train_devices [2] must be a subset of rlix.infer_devices", "add them to rlix.infer_devices")),
     ("async-grpo-off", _topology(grpo__async_grpo={"enabled": False}), ("async GRPO is off", "grpo.async_grpo.enabled=true")),

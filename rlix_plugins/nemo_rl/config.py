@@ -16,6 +16,7 @@ from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass, fields
 from typing import Any, Final, Literal
 
+from rlix_plugins.control.coordinator import CoordinatorConfig
 from rlix_plugins.errors import RlixConfigError
 from rlix_plugins.pipeline.config import RuntimeConfig
 
@@ -44,6 +45,13 @@ class RlixRunConfig:
     #: Size of one CPU cache bucket (explicit: it must fit the VRAM left after a wake-up next to a co-tenant's KV
     #: cache; reference bug 5).
     bucket_size_bytes: int = DEFAULT_BUCKET_SIZE_BYTES
+    #: The driver's heartbeat lease (``CoordinatorConfig.heartbeat_lease_s``): a driver that stops responding while
+    #: it holds GPUs is failed after this and its GPUs return; default the coordinator's (120 s).
+    heartbeat_lease_s: float | None = None
+
+    def coordinator_config(self) -> CoordinatorConfig | None:
+        """The pipeline coordinator's config (None: the defaults)."""
+        return None if self.heartbeat_lease_s is None else CoordinatorConfig(heartbeat_lease_s=self.heartbeat_lease_s)
 
     def __post_init__(self) -> None:
         for key in ("train_devices", "infer_devices"):
@@ -52,6 +60,11 @@ class RlixRunConfig:
             raise RlixConfigError(f"{SECTION}.infer_tp={self.infer_tp!r} must be a positive int (GPUs per vLLM DP rank)")
         if not _is_int(self.bucket_size_bytes) or self.bucket_size_bytes <= 0:
             raise RlixConfigError(f"{SECTION}.bucket_size_bytes={self.bucket_size_bytes!r} must be a positive int")
+        if self.heartbeat_lease_s is not None:
+            try:
+                self.coordinator_config()
+            except RlixConfigError as exc:
+                raise RlixConfigError(f"{SECTION}.heartbeat_lease_s={self.heartbeat_lease_s!r}: {exc}") from None
         for key in ("pipeline_id", "ray_address"):
             value = getattr(self, key)
             if value is not None and not isinstance(value, str):

@@ -123,7 +123,7 @@ class ControlOnlyRuntime:
                 cluster_tp_configs={TRAIN_CLUSTER: 1, GENERATION_CLUSTER: cfg.infer_tp},
                 cluster_device_mappings={TRAIN_CLUSTER: list(cfg.train_devices),
                                          GENERATION_CLUSTER: list(cfg.infer_devices)},
-                pipeline_id=cfg.pipeline_id,
+                pipeline_id=cfg.pipeline_id, coordinator_config=cfg.coordinator_config(),
             )
         return self.pipe
 
@@ -263,8 +263,8 @@ class NemoRLHooks:
         try:
             self.runtime.start(master_config, policy, policy_generation, start_step)
         except BaseException as exc:
-            try:  # release and unregister; the start error is the one to report
-                self._end("start_failed_ended")
+            try:  # release and unregister as failed (`rlix status` names why); the start error is the one to report
+                self._end("start_failed_ended", error=f"start failed: {type(exc).__name__}: {exc}"[:500])
             except Exception as end_exc:
                 exc.add_note(f"ending the pipeline after the failed start also failed: {end_exc}")
             raise

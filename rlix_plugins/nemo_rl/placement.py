@@ -207,7 +207,7 @@ def _hold_setup_grant(cp: Any, master_config: Any, cfg: RlixRunConfig) -> None:
     assert cfg.pipeline_id is not None  # fixed by nemo_rl_placement
     pipe = cp.register_pipeline({TRAIN_CLUSTER: 1, GENERATION_CLUSTER: cfg.infer_tp},
                                 {TRAIN_CLUSTER: list(cfg.train_devices), GENERATION_CLUSTER: list(cfg.infer_devices)},
-                                pipeline_id=cfg.pipeline_id)
+                                pipeline_id=cfg.pipeline_id, coordinator_config=cfg.coordinator_config())
     try:
         pipe.request_gpus(GENERATION_CLUSTER, Priority.INITIALIZATION, step=-1, timeout_s=cfg.runtime.init_timeout_s)
     except BaseException as exc:

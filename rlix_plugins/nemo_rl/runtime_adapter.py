@@ -78,7 +78,8 @@ class NemoRuntime:
         else:
             self.rt = PipelineRuntime.register(cp, list(cfg.train_devices), list(cfg.infer_devices),
                                                infer_tp=cfg.infer_tp, config=cfg.runtime,
-                                               pipeline_id=cfg.pipeline_id)
+                                               pipeline_id=cfg.pipeline_id,
+                                               coordinator_config=cfg.coordinator_config())
         return self.rt.pipe
 
     def start(self, master_config: Any, policy: Any, policy_generation: Any, start_step: int = 0) -> None:

@@ -22,7 +22,9 @@ from typing import Any
 
 
 class StandinVllmWorker:
-    def __init__(self, model_dir: str, sleep_level: int, max_model_len: int = 512) -> None:
+    def __init__(self, model_dir: str, sleep_level: int, max_model_len: int = 512,
+                 worker_cls: str = "rlix_plugins.vllm.cpu_worker.RlixCPUWorker") -> None:
+        self.worker_cls = worker_cls
         self.cfg = {"vllm_cfg": {"async_engine": True, "sleep_level": sleep_level}}
         self.model_dir, self.max_model_len = model_dir, max_model_len
         self.llm: Any = None
@@ -37,7 +39,7 @@ class StandinVllmWorker:
         self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(
             model=self.model_dir, dtype="float32", enforce_eager=True, max_model_len=self.max_model_len,
             max_num_seqs=8, kv_cache_memory_bytes=64 << 20, load_format="dummy", seed=0,
-            worker_cls="rlix_plugins.vllm.cpu_worker.RlixCPUWorker"))
+            worker_cls=self.worker_cls))
         return time.perf_counter() - t0
 
     async def generate_async(self, prompt: list[int], max_tokens: int) -> dict[str, Any]:
