@@ -91,7 +91,7 @@ CASES: list[tuple[str, Callable[..., object], tuple[str, ...]]] = [
     ("heartbeat-lease-zero", _run(rlix__heartbeat_lease_s=0), ("rlix.heartbeat_lease_s=0", "must be a positive number of seconds")),
     ("runtime-step-target-estimate", lambda: RuntimeConfig(step_target_estimate=0), ("step_target_estimate=0", "must be an int >= 1")),
     ("train-not-subset-of-infer", _topology(rlix__train_devices=[2]), ("rlix.train_devices [2] must be a subset of rlix.infer_devices", "add them to rlix.infer_devices")),
-    ("async-grpo-off", _topology(grpo__async_grpo={"enabled": False}), ("async GRPO is off", "grpo.async_grpo.enabled=true")),
+    ("async-grpo-off", _topology(grpo__async_grpo={"enabled": False}), ("no time-shared GRPO loop selected", "grpo.async_grpo.enabled=true")),
     ("vllm-colocated", _topology(policy__generation__colocated={"enabled": True}), ("colocated", "policy.generation.colocated.enabled=false")),
     ("sleep-level-mismatch", _topology(policy__generation__vllm_cfg={"tensor_parallel_size": 1, "async_engine": True, "sleep_level": 1}),
      ("policy.generation.vllm_cfg.sleep_level=1 differs from rlix.sleep_level=2", "set both to the same value")),
