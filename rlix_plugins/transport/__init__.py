@@ -106,7 +106,6 @@ from rlix_plugins.transport._cpu_serialize import make_cpu_serialize_payload, re
 from rlix_plugins.transport._cuda_ipc import make_cuda_ipc_payload, open_cuda_ipc
 from rlix_plugins.transport._host_pull import (
     SharedHostBuffer,
-    forget_host_buffers,
     make_host_pull_payload,
     map_host_buffer,
     open_host_pull,
@@ -141,7 +140,6 @@ __all__ = [
     "destroy_collective_group",
     "dtype_to_str",
     "finish_checksums",
-    "forget_host_buffers",
     "group_names",
     "host_available_bytes",
     "iter_buckets",

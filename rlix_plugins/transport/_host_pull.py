@@ -177,16 +177,6 @@ def _unmap(found: _Mapped) -> None:
         log.debug("host_pull mapping still referenced; unmapped when released")
 
 
-def forget_host_buffers() -> int:
-    """Unmap every buffer this process mapped (end of a pipeline, tests). Returns how many."""
-    with _maps_lock:
-        count = len(_maps)
-        for found in _maps.values():
-            _unmap(found)
-        _maps.clear()
-        return count
-
-
 def open_host_pull(payload: dict[str, Any], *, pin: bool = False) -> list[tuple[BucketMeta, torch.Tensor]]:
     """A ``host_pull`` payload -> per bucket its metadata and its ``used_bytes`` as a CPU view of the sender's
     pages (zero-copy; valid while the sender holds the cache lock, i.e. until the RPC returns). Buffers of
