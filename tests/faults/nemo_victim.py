@@ -27,7 +27,7 @@ from tests.nemo_rl_side.standins import (
 ENV = {"HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
 #: Short bounds (as the built-in rows' ``chaos.BENCH_RUNTIME``); the lease is the NeMo RL host's ``rlix`` key.
 RLIX = {"train_devices": [0], "infer_devices": [0], "request_timeout_s": 150, "init_timeout_s": 300,
-        "sync_timeout_s": 8, "drain_timeout_s": 8, "watchdog_interval_s": 1.0, "bucket_size_bytes": 4 << 20,
+        "sync_timeout_s": 30, "drain_timeout_s": 15, "watchdog_interval_s": 1.0, "bucket_size_bytes": 4 << 20,
         "heartbeat_lease_s": 10.0}
 
 
