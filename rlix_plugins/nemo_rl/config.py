@@ -14,11 +14,13 @@ from __future__ import annotations
 import difflib
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass, fields
-from typing import Any, Final, Literal
+from typing import TYPE_CHECKING, Any, Final, Literal
 
-from rlix_plugins.control.coordinator import CoordinatorConfig
 from rlix_plugins.errors import RlixConfigError
 from rlix_plugins.pipeline.config import RuntimeConfig
+
+if TYPE_CHECKING:  # the coordinator module imports Ray; hooks.py (and this module) must import without it
+    from rlix_plugins.control.coordinator import CoordinatorConfig
 
 SECTION: Final = "rlix"
 DEFAULT_BUCKET_SIZE_BYTES: Final = 256 << 20
@@ -51,7 +53,11 @@ class RlixRunConfig:
 
     def coordinator_config(self) -> CoordinatorConfig | None:
         """The pipeline coordinator's config (None: the defaults)."""
-        return None if self.heartbeat_lease_s is None else CoordinatorConfig(heartbeat_lease_s=self.heartbeat_lease_s)
+        if self.heartbeat_lease_s is None:
+            return None
+        from rlix_plugins.control.coordinator import CoordinatorConfig
+
+        return CoordinatorConfig(heartbeat_lease_s=self.heartbeat_lease_s)
 
     def __post_init__(self) -> None:
         for key in ("train_devices", "infer_devices"):
