@@ -22,6 +22,7 @@ from tests.nemo_rl_side.standins import (
     StandinPolicy,
     StandinReplayBuffer,
     StandinVllmWorker,
+    standin_master_config,
 )
 
 ENV = {"HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
@@ -32,14 +33,7 @@ RLIX = {"train_devices": [0], "infer_devices": [0], "request_timeout_s": 150, "i
 
 
 def config() -> dict[str, object]:
-    return {
-        "rlix": dict(RLIX), "cluster": {"gpus_per_node": 4},
-        "grpo": {"async_grpo": {"enabled": True}, "num_prompts_per_step": 4},
-        "loss_fn": {"use_importance_sampling_correction": True},
-        "policy": {"megatron_cfg": {"enabled": True}, "generation": {
-            "backend": "vllm", "colocated": {"enabled": False},
-            "vllm_cfg": {"tensor_parallel_size": 1, "async_engine": True}}},
-    }
+    return standin_master_config(dict(RLIX))
 
 
 def main(address: str, model: str, fault_file: str) -> None:

@@ -227,3 +227,15 @@ class StandinTqController:
 class StandinRolloutActor:  # NeMo RL's SyncRolloutActor has no set_weight_version
     def ping(self) -> bool:
         return True
+
+
+def standin_master_config(rlix: dict[str, Any]) -> dict[str, Any]:
+    """The NeMo RL config the stand-in host runs: async GRPO, a Megatron policy, a non-colocated async vLLM."""
+    return {
+        "rlix": rlix, "cluster": {"gpus_per_node": 4},
+        "grpo": {"async_grpo": {"enabled": True}, "num_prompts_per_step": 4},
+        "loss_fn": {"use_importance_sampling_correction": True},
+        "policy": {"megatron_cfg": {"enabled": True}, "generation": {
+            "backend": "vllm", "colocated": {"enabled": False},
+            "vllm_cfg": {"tensor_parallel_size": 1, "async_engine": True}}},
+    }

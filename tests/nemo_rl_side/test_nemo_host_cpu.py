@@ -28,6 +28,7 @@ from tests.nemo_rl_side.standins import (
     StandinReplayBuffer,
     StandinVllmWorker,
     in_flight,
+    standin_master_config,
 )
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -56,14 +57,7 @@ def _config(**rlix: Any) -> dict[str, Any]:
     section = {"train_devices": [0], "infer_devices": [0, 1], "request_timeout_s": 120, "init_timeout_s": 300,
                "sync_timeout_s": 60, "drain_timeout_s": 30, "watchdog_interval_s": 0.5, "bucket_size_bytes": 4 << 20,
                **rlix}
-    return {
-        "rlix": section, "cluster": {"gpus_per_node": 4},
-        "grpo": {"async_grpo": {"enabled": True}, "num_prompts_per_step": 4},
-        "loss_fn": {"use_importance_sampling_correction": True},
-        "policy": {"megatron_cfg": {"enabled": True}, "generation": {
-            "backend": "vllm", "colocated": {"enabled": False},
-            "vllm_cfg": {"tensor_parallel_size": 1, "async_engine": True}}},
-    }
+    return standin_master_config(section)
 
 
 def _wait(pred: Any, timeout_s: float, what: str) -> None:
