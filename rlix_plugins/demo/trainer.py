@@ -78,7 +78,8 @@ class DemoTrainer:
 
         return os.getpid()
 
-    def sync(self, targets: dict[int, tuple[Any, list[tuple[int, int]]]], timeout_s: float, verify: bool) -> SyncResult:
+    def sync(self, targets: dict[int, tuple[Any, list[tuple[int, int]]]], timeout_s: float, verify: bool,
+             wake_tags: list[str] | None = None) -> SyncResult:
         from rlix_plugins.transport import build_comm_plan
         from rlix_plugins.vllm.driver import sync_engines
 
@@ -86,7 +87,8 @@ class DemoTrainer:
         plan = build_comm_plan(self.sender, {dp: devs for dp, (_, devs) in targets.items()},
                                same_gpu_transport="host_pull")
         report = sync_engines(self.cache, plan, {dp: rpc for dp, (rpc, _) in targets.items()},
-                              staging_device="cpu", backend="gloo", timeout_s=timeout_s, verify=verify)
+                              staging_device="cpu", backend="gloo", timeout_s=timeout_s, verify=verify,
+                              wake_tags=wake_tags)
         verified = {dp: min(int(w.get("received", 0)) for w in per) if per else 0
                     for dp, per in report.verified.items()}
         result = SyncResult(version=report.transport.version, dp_ranks=tuple(sorted(targets)),
@@ -169,7 +171,8 @@ class ActorWeightSource:
     def build_cache(self, version: int, timeout_s: float) -> int:
         return int(self._get(self.trainer.build_cache.remote(version), f"build_cache({version})", timeout_s))
 
-    def sync(self, targets: dict[int, tuple[Any, list[tuple[int, int]]]], timeout_s: float, verify: bool) -> SyncResult:
-        result: SyncResult = self._get(self.trainer.sync.remote(targets, timeout_s, verify), "weight sync",
+    def sync(self, targets: dict[int, tuple[Any, list[tuple[int, int]]]], timeout_s: float, verify: bool,
+             wake_tags: list[str] | None = None) -> SyncResult:
+        result: SyncResult = self._get(self.trainer.sync.remote(targets, timeout_s, verify, wake_tags), "weight sync",
                                        timeout_s * 4 + 30)
         return result

@@ -76,7 +76,8 @@ class NemoVllmFleet:
     def engine_rpc(self, dp_rank: int) -> Any:
         from rlix_plugins.vllm.driver import RayEngineRpc
 
-        return RayEngineRpc(self.leaders[dp_rank], "checkpoint_engine_rpc_async", "reset_prefix_cache_async")
+        return RayEngineRpc(self.leaders[dp_rank], "checkpoint_engine_rpc_async", "reset_prefix_cache_async",
+                            "wake_up_async")
 
     def abort(self, dp_ranks: list[int], timeout_s: float) -> None:
         _get([self.leaders[r].__ray_call__.remote(worker_ops.vllm_abort_all) for r in dp_ranks],

@@ -82,8 +82,10 @@ class PolicyWeightSource:
         if self.trainer == "megatron":
             self._on_every_worker(worker_ops.megatron_rebuild_nccl, "rebuild Megatron NCCL groups", timeout_s)
 
-    def sync(self, targets: dict[int, tuple[Any, list[tuple[int, int]]]], timeout_s: float, verify: bool) -> SyncResult:
+    def sync(self, targets: dict[int, tuple[Any, list[tuple[int, int]]]], timeout_s: float, verify: bool,
+             wake_tags: list[str] | None = None) -> SyncResult:
         result = self._get(
-            self.owner.__ray_call__.remote(worker_ops.sync_from_cache, targets, self.sender, timeout_s, verify),
+            self.owner.__ray_call__.remote(worker_ops.sync_from_cache, targets, self.sender, timeout_s, verify,
+                                           None, wake_tags),
             f"weight sync to dp ranks {sorted(targets)}", timeout_s * 4 + 60.0)
         return result

@@ -158,7 +158,8 @@ def mark_offloaded(worker: Any, offloaded: bool) -> None:
 
 
 def sync_from_cache(worker: Any, targets: dict[int, tuple[Any, list[tuple[int, int]]]],
-                    sender: tuple[int, int], timeout_s: float, verify: bool, backend: str | None = None) -> Any:
+                    sender: tuple[int, int], timeout_s: float, verify: bool, backend: str | None = None,
+                    wake_tags: list[str] | None = None) -> Any:
     """On the owner: push the cache to ``targets`` (dp rank -> (EngineRpc, devices)) - same-GPU targets by
     host_pull (they copy from the cache's shared pinned pages), others by a per-sync broadcast group. Returns a ``SyncResult``.
     The same for every trainer: the cache holds HF-named tensors whichever workers built it."""
@@ -176,7 +177,7 @@ def sync_from_cache(worker: Any, targets: dict[int, tuple[Any, list[tuple[int, i
     plan = build_comm_plan(sender, {dp: devs for dp, (_, devs) in targets.items()}, same_gpu_transport="host_pull")
     report = sync_engines(cache, plan, {dp: rpc for dp, (rpc, _) in targets.items()},
                           staging_device="cuda" if on_gpu else "cpu", backend=backend or ("nccl" if on_gpu else "gloo"),
-                          timeout_s=timeout_s, verify=verify)
+                          timeout_s=timeout_s, verify=verify, wake_tags=wake_tags)
     verified = {dp: min(int(w.get("received", 0)) for w in per) if per else 0 for dp, per in report.verified.items()}
     return SyncResult(version=report.transport.version, dp_ranks=tuple(sorted(targets)),
                       seconds=time.perf_counter() - t0, verified_params=verified,

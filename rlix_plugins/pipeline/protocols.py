@@ -94,9 +94,11 @@ class WeightSource(Protocol):
         """
         ...
 
-    def sync(self, targets: dict[int, tuple[Any, list[tuple[int, int]]]], timeout_s: float, verify: bool) -> SyncResult:
+    def sync(self, targets: dict[int, tuple[Any, list[tuple[int, int]]]], timeout_s: float, verify: bool,
+             wake_tags: list[str] | None = None) -> SyncResult:
         """Push the cache's version to ``targets`` (dp rank -> (EngineRpc, devices)), finalize them once each and
-        verify checksums; raise on any failure (nothing is finalized then)."""
+        verify checksums; raise on any failure (nothing is finalized then). ``wake_tags``: vLLM sleep tags to wake on
+        every target while the bytes move (``sync_engines(wake_tags=...)``; woken on failure too)."""
         ...
 
 

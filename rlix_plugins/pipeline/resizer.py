@@ -6,7 +6,8 @@ coordinator (which holds the resize lock around each call and signals grants aft
 * **shrink** ``resize_infer(remove, [])``: remove from routing → abort in-flight requests → drain → sleep
   (configured level) → measure the rank's device memory after the sleep and check it is below
   ``RuntimeConfig.post_sleep_max_bytes`` (where measurable; recorded as ``memory_after``).
-* **expand** ``resize_infer([], add)``: wake → sync weights from the CPU cache (``WeightSource.sync``: buckets →
+* **expand** ``resize_infer([], add)``: wake the weights → sync them from the CPU cache while the KV cache wakes
+  (``WeightSource.sync(wake_tags=["kv_cache"])``: buckets →
   finalize once per target rank → verify checksums) → publish the CURRENT version (no bump) → activate routing.
   Atomic: if any step before activation fails the ranks are NOT routed to; they are put back to sleep (best
   effort), marked dirty, and the error propagates so the scheduler fails this pipeline only.
@@ -145,8 +146,8 @@ class FleetResizer:
     def _targets(self, ranks: list[int]) -> dict[int, tuple[Any, list[tuple[int, int]]]]:
         return {r: (self._fleet.engine_rpc(r), self._fleet.devices(r)) for r in ranks}
 
-    def _sync(self, ranks: list[int]) -> SyncResult:
-        result = self._weights.sync(self._targets(ranks), self._cfg.sync_timeout_s, self._cfg.verify)
+    def _sync(self, ranks: list[int], wake_tags: list[str] | None = None) -> SyncResult:
+        result = self._weights.sync(self._targets(ranks), self._cfg.sync_timeout_s, self._cfg.verify, wake_tags)
         if sorted(result.dp_ranks) != sorted(ranks):
             raise RlixError(f"pipeline {self._pid}: weight sync covered ranks {list(result.dp_ranks)}, asked {ranks}")
         if self._cfg.verify and not result.verified:
@@ -165,9 +166,11 @@ class FleetResizer:
             if cfg.sleep_level == 1:  # the sync overwrites the weights right after the wake: never restore the old ones
                 wait_all({r: self._fleet.engine_rpc(r).call("rlix_discard_weight_backup", ()) for r in ranks},
                          cfg.drain_timeout_s, f"discarding the level-1 weight copy of dp ranks {ranks}")
-            self._fleet.wake_up(ranks, None, cfg.drain_timeout_s)
+            # The weights first; the KV cache wakes while the new weights are copied in (the sync wakes it, on failure
+            # too: vLLM ignores a sleep while a tag still sleeps).
+            self._fleet.wake_up(ranks, ["weights"], cfg.drain_timeout_s)
             t_wake = time.perf_counter()
-            result = self._sync(ranks)
+            result = self._sync(ranks, ["kv_cache"])
             t_sync = time.perf_counter()
             with self._state:
                 version = self._versions.published

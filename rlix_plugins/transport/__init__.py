@@ -113,7 +113,14 @@ from rlix_plugins.transport._host_pull import (
 from rlix_plugins.transport._memory import check_device_capacity, check_host_capacity, host_available_bytes
 from rlix_plugins.transport._plan import CommPlan, DeviceRef, TargetPlan, build_comm_plan
 from rlix_plugins.transport._receiver import receive_bucket
-from rlix_plugins.transport._sender import PendingCall, ReceiverEndpoint, SyncReport, sync_weights, wait_all
+from rlix_plugins.transport._sender import (
+    DeferredReadsEndpoint,
+    PendingCall,
+    ReceiverEndpoint,
+    SyncReport,
+    sync_weights,
+    wait_all,
+)
 
 __all__ = [
     "ALIGN_BYTES",
@@ -122,6 +129,7 @@ __all__ = [
     "BucketRecord",
     "CacheSnapshot",
     "CommPlan",
+    "DeferredReadsEndpoint",
     "DeviceRef",
     "GroupHost",
     "PendingCall",

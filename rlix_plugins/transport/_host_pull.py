@@ -102,15 +102,18 @@ class SharedHostBuffer:
         os.close(self.fd)
 
 
-def make_host_pull_payload(records: list[BucketRecord]) -> dict[str, Any]:
-    """Sender side: the metadata of every bucket (each record's buffer must be a shared host buffer)."""
+def make_host_pull_payload(records: list[BucketRecord], *, deferred: bool = False) -> dict[str, Any]:
+    """Sender side: the metadata of every bucket (each record's buffer must be a shared host buffer). ``deferred``:
+    a receiver may return once its copies are queued; the sender then waits on ``host_reads_done`` before it lets
+    go of the pages."""
     missing = [r.meta.index for r in records if r.host is None]
     if missing:
         raise TransportError(
             f"host_pull needs the cache in shared host memory, buckets {missing} are not; build the cache with "
             "shared=True (the default on Linux) or use same_gpu_transport='cuda_ipc'"
         )
-    return {"transport": TRANSPORT, "buckets": [{"meta": r.meta.to_wire(), "host": r.host} for r in records]}
+    return {"transport": TRANSPORT, "buckets": [{"meta": r.meta.to_wire(), "host": r.host} for r in records],
+            "deferred": deferred}
 
 
 class _Mapped:

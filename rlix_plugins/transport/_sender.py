@@ -16,7 +16,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol, final, runtime_checkable
 
@@ -88,6 +88,15 @@ class ReceiverEndpoint(Protocol):
         ...
 
 
+@runtime_checkable
+class DeferredReadsEndpoint(ReceiverEndpoint, Protocol):
+    """An endpoint that can take a deferred host_pull (``sync_weights(after_issue=...)``)."""
+
+    def host_reads_done(self) -> PendingCall:
+        """Every worker: return once it read every host page of this sync (a deferred pull's barrier)."""
+        ...
+
+
 @final
 @dataclass(frozen=True)
 class SyncReport:
@@ -148,6 +157,13 @@ def _failed_calls(calls: Mapping[int, PendingCall], grace_s: float) -> str:
     return "; ".join(failed)
 
 
+def _deferred(endpoint: ReceiverEndpoint) -> DeferredReadsEndpoint:
+    if not isinstance(endpoint, DeferredReadsEndpoint):
+        raise RlixConfigError(f"{type(endpoint).__name__} has no host_reads_done: it cannot take a deferred host_pull "
+                              "(sync_weights(after_issue=...)); sync without after_issue")
+    return endpoint
+
+
 def _check_endpoints(plan: CommPlan, endpoints: Mapping[int, ReceiverEndpoint]) -> None:
     missing = [t.dp_rank for t in plan.targets if t.dp_rank not in endpoints]
     if missing:
@@ -165,6 +181,7 @@ def sync_weights(
     timeout_s: float = 150.0,
     verify: bool = False,
     group_prefix: str = "rlix_sync",
+    after_issue: Callable[[], None] | None = None,
 ) -> SyncReport:
     """Send the cache's published version to every target of ``plan``; see the module docstring.
 
@@ -173,6 +190,9 @@ def sync_weights(
         (gloo broadcast and cpu_serialize only).
     :param backend: broadcast backend; default ``nccl`` for a CUDA staging device, else ``gloo``.
     :param verify: after teardown, ask every target to verify against the version's checksums.
+    :param after_issue: work to overlap with the transfer (an expand wakes the KV cache here), called under the
+        cache lock once every receiver call was answered. host_pull receivers then return as soon as their copies
+        are queued (``deferred``), and their ``host_reads_done`` after this call is the barrier on the host pages.
     """
     _check_endpoints(plan, endpoints)
     staging_dev = torch.device(staging_device)
@@ -201,7 +221,7 @@ def sync_weights(
                 host.join(plan.broadcast_world_size)
                 wait_all(calls, timeout_s, f"setup_collective_group({group_name})")
             setup_s = time.perf_counter() - t0
-            wire_s, copy_s = _send_buckets(snap, plan, endpoints, host, group_name, staging_dev, timeout_s)
+            wire_s, copy_s = _send_buckets(snap, plan, endpoints, host, group_name, staging_dev, timeout_s, after_issue)
             transfer_s = time.perf_counter() - t0 - setup_s
             ok = True
         except (TransportError, RlixConfigError):
@@ -241,6 +261,7 @@ def _send_buckets(
     group_name: str | None,
     staging_dev: torch.device,
     timeout_s: float,
+    after_issue: Callable[[], None] | None = None,
 ) -> tuple[float, float]:
     """Per bucket i: [staged] -> start receiver calls -> stage bucket i+1 -> sender broadcast -> barrier.
     Returns (seconds from each bucket's send to its barrier, summed: wire + load time; GPU seconds of
@@ -263,7 +284,8 @@ def _send_buckets(
     pulls: dict[int, PendingCall] = {}
     if ipc_targets and plan.same_gpu_transport == "host_pull":
         # one call per target with every bucket: the receiver pipelines its own copies, no per-bucket barrier
-        payload = make_host_pull_payload(list(buckets))
+        deferred = {t.dp_rank: _deferred(endpoints[t.dp_rank]) for t in ipc_targets} if after_issue else {}
+        payload = make_host_pull_payload(list(buckets), deferred=bool(deferred))
         t_send = time.perf_counter()
         pulls = {t.dp_rank: endpoints[t.dp_rank].update_parameter_in_bucket(payload, list(t.ipc_local_ranks))
                  for t in ipc_targets}
@@ -325,6 +347,12 @@ def _send_buckets(
             wire_s += time.perf_counter() - t_send
         if pulls:
             wait_all(pulls, timeout_s, f"host_pull of version {snap.version} ({len(buckets)} buckets)")
+        if after_issue is not None:
+            after_issue()
+            if pulls:
+                reads = {dp: deferred[dp].host_reads_done() for dp in pulls}
+                wait_all(reads, timeout_s, f"host_pull reads of version {snap.version}")
+        if pulls:
             wire_s = max(wire_s, time.perf_counter() - t_send)
     finally:
         if stagings:

@@ -54,6 +54,10 @@ class EngineRpc(Protocol):
 
     def reset_prefix_cache(self) -> PendingCall: ...
 
+    def wake_up(self, tags: list[str]) -> PendingCall:
+        """The engine's own ``wake_up(tags)`` (its sleep bookkeeping included), for ``sync_engines(wake_tags=...)``."""
+        ...
+
 
 @final
 class LLMEngineRpc:
@@ -75,6 +79,9 @@ class LLMEngineRpc:
     def reset_prefix_cache(self) -> Future[Any]:
         return self._pool.submit(self.llm.reset_prefix_cache)
 
+    def wake_up(self, tags: list[str]) -> Future[Any]:
+        return self._pool.submit(self.llm.wake_up, tags=tags)
+
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
@@ -88,18 +95,25 @@ class RayEngineRpc:
         ``"rlix_rpc"`` on :class:`~rlix_plugins.vllm.engine_actor.RlixEngineActor`.
     :param reset_method: actor method that resets the engine's prefix cache
         (NeMo RL: ``"reset_prefix_cache"`` / ``"reset_prefix_cache_async"``).
+    :param wake_method: actor method taking ``tags=`` that wakes the engine (NeMo RL: ``"wake_up"`` /
+        ``"wake_up_async"``).
     """
 
-    def __init__(self, actor: Any, rpc_method: str = "rlix_rpc", reset_method: str = "reset_prefix_cache") -> None:
+    def __init__(self, actor: Any, rpc_method: str = "rlix_rpc", reset_method: str = "reset_prefix_cache",
+                 wake_method: str = "wake_up") -> None:
         self.actor = actor
         self.rpc_method = rpc_method
         self.reset_method = reset_method
+        self.wake_method = wake_method
 
     def call(self, method: str, args: tuple[Any, ...]) -> PendingCall:
         return getattr(self.actor, self.rpc_method).remote(method, args).future()
 
     def reset_prefix_cache(self) -> PendingCall:
         return getattr(self.actor, self.reset_method).remote().future()
+
+    def wake_up(self, tags: list[str]) -> PendingCall:
+        return getattr(self.actor, self.wake_method).remote(tags=tags).future()
 
 
 @final
@@ -136,6 +150,9 @@ class _SyncEndpoint:
 
     def verify_model(self, expected_checksums: dict[str, list[int]]) -> PendingCall:
         return self.rpc.call("verify_model", (expected_checksums,))
+
+    def host_reads_done(self) -> PendingCall:
+        return self.rpc.call("rlix_host_reads_done", (self.sync_id,))
 
 
 @final
@@ -198,6 +215,7 @@ def sync_engines(
     verify: bool = True,
     apply_mode: str = "auto",
     overall_timeout_s: float | None = None,
+    wake_tags: list[str] | None = None,
 ) -> EngineSyncReport:
     """Push the cache's published version to the plan's target engines; see the module docstring.
 
@@ -208,6 +226,10 @@ def sync_engines(
     some blocking calls cannot honour a timeout (NCCL communicator init blocks in the calling thread), so
     the transport runs on a helper thread; past the deadline ``RlixTimeoutError`` is raised and the thread
     is abandoned (it keeps the cache lock until its call returns, so later syncs fail fast on the lock).
+    ``wake_tags``: wake these tags of every target while the weights are copied (an expand: the weights were woken
+    before the sync, the KV cache wakes during it); the engines are woken through ``EngineRpc.wake_up``. They are
+    woken on failure too, so that a failed sync leaves whole engines the caller can put back to sleep (vLLM ignores
+    a sleep while any tag still sleeps).
     """
     from rlix_plugins.vllm.receiver import APPLY_MODES
 
@@ -221,11 +243,20 @@ def sync_engines(
     endpoints = {dp: _SyncEndpoint(engines[dp], sync_id, apply_mode) for dp in targets}
     num_buckets = max(cache.num_buffers, 1)  # >= the buckets of any version (buffers are reused, never shrunk)
     deadline_s = overall_timeout_s if overall_timeout_s is not None else timeout_s * (num_buckets + 4)
+
+    woken = threading.Event()
+
+    def wake() -> None:
+        woken.set()  # before the calls: a wake that fails half-way is not repeated (a tag wakes once)
+        wait_all({dp: engines[dp].wake_up(list(wake_tags or ())) for dp in targets}, timeout_s,
+                 f"wake_up({wake_tags}) of dp ranks {targets} during sync {sync_id}")
+
     try:
         report = _bounded(
             lambda: sync_weights(
                 cache, plan, endpoints, staging_device=staging_device, master_addr=master_addr,
                 backend=backend, timeout_s=timeout_s, verify=False, group_prefix=f"rlix_{sync_id}",
+                after_issue=wake if wake_tags else None,
             ),
             deadline_s, f"weight sync {sync_id} (up to {num_buckets} buckets)",
         )
@@ -234,6 +265,12 @@ def sync_engines(
                        timeout_s, f"finalize_weight_update(sync {sync_id})")
     except BaseException:
         _abort(engines, targets, sync_id, timeout_s)
+        if wake_tags and not woken.is_set():
+            try:
+                wake()
+            except Exception as exc:  # never mask the error that failed the sync
+                log.warning("rlix: waking %s of dp ranks %s after failed sync %s failed: %s", wake_tags, targets,
+                            sync_id, exc)
         raise
     changed = [dp for dp in targets if any(done[dp])]
     wait_all({dp: engines[dp].reset_prefix_cache() for dp in changed}, timeout_s, "reset_prefix_cache")

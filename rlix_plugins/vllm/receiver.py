@@ -55,10 +55,12 @@ from rlix_plugins.errors import RlixConfigError, TransportError, WeightVerificat
 from rlix_plugins.transport import finish_checksums, start_checksums, verify_checksums
 from rlix_plugins.transport._checksum import segment_checksums
 from rlix_plugins.vllm.loading import WeightLoader, refresh_cpu_packed_copies, select_loader
-from rlix_plugins.vllm.replay import BucketReplay, CopyRecorder, parameter_storages
+from rlix_plugins.vllm.replay import BucketReplay, CopyRecorder, DirectCopies, parameter_storages
 
 if TYPE_CHECKING:
     import torch
+
+    from rlix_plugins.transport import BucketMeta
 
 __all__ = ["APPLY_MODES", "RECEIVER_METHODS", "RlixReceiverMixin"]
 
@@ -87,6 +89,16 @@ class _Sync:
     pending_sums: list[tuple[list[str], list[int], torch.Tensor]] = field(default_factory=list)
     buckets: int = 0
     loaded_eagerly: bool = False
+    #: host_pull straight into the parameters: the layouts used, and the event after their last host read
+    direct: list[tuple[BucketMeta, DirectCopies]] = field(default_factory=list)
+    reads_done: Any = None
+    #: layouts first recorded in this sync: (meta, key, replay) - checked for the direct form at finalize
+    recorded: list[tuple[BucketMeta, tuple[Any, ...], BucketReplay]] = field(default_factory=list)
+
+    def wait_reads(self) -> None:
+        """Block until every host page read of this sync landed (the sender may then rebuild its cache)."""
+        if self.reads_done is not None:
+            self.reads_done.synchronize()
 
     def checksums(self) -> dict[str, list[int]]:
         """Read every launched checksum (one host sync for the whole sync)."""
@@ -114,6 +126,11 @@ class _State:
     #: host_pull: per bucket layout, the loader's copies recorded at its first load (:mod:`.replay`)
     replays: dict[tuple[Any, ...], BucketReplay] = field(default_factory=dict)
     no_replay: set[tuple[Any, ...]] = field(default_factory=set)
+    #: host_pull: layouts whose recorded copies go straight from the host pages into the parameters
+    direct: dict[tuple[Any, ...], DirectCopies] = field(default_factory=dict)
+    #: checksums of parameter bytes as the last finalize left them, with the address of the one piece holding them
+    #: (None: several pieces); one use: that sync's ``verify_model``
+    landed: dict[str, tuple[list[int], int | None]] = field(default_factory=dict)
 
 
 class RlixReceiverMixin:
@@ -168,8 +185,10 @@ class RlixReceiverMixin:
 
     @staticmethod
     def _rlix_drop(state: _State) -> None:
-        if state.sync is not None and state.sync.loaded_eagerly:
-            state.dirty = True
+        if state.sync is not None:
+            state.sync.wait_reads()  # no copy may still write into parameters (or read pages) once dropped
+            if state.sync.loaded_eagerly:
+                state.dirty = True
         state.sync = None
 
     def _rlix_accept(self, sync: _Sync, named: list[tuple[str, torch.Tensor]], *, borrowed: bool) -> int:
@@ -279,6 +298,10 @@ class RlixReceiverMixin:
         try:
             if sync.mode == "staged":
                 state.loader.load(self, sync.staged)
+            if sync.direct:  # the loader's post-processing reads the parameters: after the copies into them
+                import torch
+
+                torch.cuda.current_stream(self._rlix_device()).wait_event(sync.reads_done)
             state.loader.post_process(self)
             if self._rlix_device().type == "cpu":
                 refresh_cpu_packed_copies(self)  # tied lm_head on vLLM-CPU, see its docstring
@@ -287,7 +310,11 @@ class RlixReceiverMixin:
             state.sync = None
             raise
         t_post = time.perf_counter()
-        state.model_checksums.update(sync.checksums())
+        received = sync.checksums()
+        state.landed = self._rlix_landed(sync, received)
+        if sync.direct:
+            received.update((name, checksum) for name, (checksum, _) in state.landed.items())
+        state.model_checksums.update(received)
         # host_pull's receive buffers stay cached in this process until the next sleep, whose empty_cache gives
         # them back to the shared GPU (an empty_cache here cost 9 ms per sync and a cudaMalloc at the next one).
         state.timing.update(finalize_post_process_s=t_post - started, finalize_read_checksums_s=time.perf_counter() - t_post)
@@ -305,6 +332,9 @@ class RlixReceiverMixin:
         Two checks: (1) every expected parameter was received and finalized with identical bytes;
         (2) every expected parameter that the model stores unchanged (same name, shape and dtype, e.g.
         embeddings and norms; fused or repacked layers are covered by check 1 only) matches live.
+        After a direct host_pull both read the parameters: check 1 reads them where the bytes landed, check 2
+        reuses those sums where they cover a whole parameter (the finalize just before this computed them after the
+        last write into the model; nothing writes weights in between) and reads the rest.
         """
         state = self._rlix()
         if state.dirty:
@@ -313,6 +343,8 @@ class RlixReceiverMixin:
         _verify(expected, received, f"received bytes, local rank {self._rlix_local_rank()}")
         want: dict[str, list[int]] = {}
         tensors = []
+        live: dict[str, list[int]] = {}
+        landed, state.landed = state.landed, {}
         params = dict(self.model_runner.model.named_parameters())  # type: ignore[attr-defined]
         for name, checksum in expected.items():
             param = params.get(name)
@@ -320,12 +352,16 @@ class RlixReceiverMixin:
                 continue
             if param.numel() * param.element_size() != int(checksum[0]):
                 continue  # sharded or repacked: different layout than the HF tensor
+            if name in landed and landed[name][1] == param.data_ptr():
+                live[name] = landed[name][0]  # this whole parameter's bytes, summed at finalize
+                continue
             want[name] = list(checksum)
             tensors.append(param)
         t0 = time.perf_counter()
         sums = finish_checksums([int(want[n][0]) for n in want], live_checksums(tensors))  # one host sync
         state.timing["verify_live_checksums_s"] = time.perf_counter() - t0
-        live = dict(zip(want, sums, strict=True))
+        live.update(zip(want, sums, strict=True))
+        want = {n: list(expected[n]) for n in live}
         _verify(want, live, f"live model parameters, local rank {self._rlix_local_rank()}")
         return {"received": len(received), "live_checked": len(live)}
 
@@ -351,6 +387,11 @@ class RlixReceiverMixin:
         state = self._rlix()
         if state.copy_stream is None:
             state.copy_stream = torch.cuda.Stream(device)
+        params = parameter_storages(self.model_runner.model)  # type: ignore[attr-defined]
+        if sync.mode == "eager":
+            direct = [state.direct.get(layout_key(m)) for m, _ in opened]
+            if all(d is not None and d.valid(params) for d in direct):
+                return self._rlix_pull_direct(sync, opened, direct, deferred=bool(payload.get("deferred")))  # type: ignore[arg-type]
         copy_stream, main = state.copy_stream, torch.cuda.current_stream(device)
         capacity = max((transport.align_up(m.used_bytes) for m, _ in opened), default=0)
         count = min(2, len(opened))
@@ -377,17 +418,17 @@ class RlixReceiverMixin:
         tensors = replayed = 0
         t0 = time.perf_counter()
         load_s = 0.0
-        params = parameter_storages(self.model_runner.model)  # type: ignore[attr-defined]
         for i in range(count):
             copy_in(i)
         for i, (meta, _) in enumerate(opened):
             buf = receive[i % count]
             views = transport.unpack_bucket(meta, buf)
-            key = (meta.names, meta.offsets, meta.dtypes)
+            key = layout_key(meta)
             replay = state.replays.get(key) if sync.mode == "eager" else None
             if replay is not None and not replay.valid(params):
                 logger.warning("rlix: parameters moved since bucket %d's load was recorded: loading it again", meta.index)
                 state.replays.pop(key, None)
+                state.direct.pop(key, None)
                 replay = None
             record = sync.mode == "eager" and replay is None and key not in state.no_replay
             recorders: list[CopyRecorder] = []
@@ -417,6 +458,7 @@ class RlixReceiverMixin:
                                 next((r.foreign for r in recorders if r.foreign), "copies into non-parameters"))
                 else:
                     state.replays[key] = built
+                    sync.recorded.append((meta, key, built))
             nbytes = [meta.nbytes(k) for k in range(len(meta.names))]
             padded = receive[i % count][: transport.align_up(meta.used_bytes)]
             sync.pending_sums.append(
@@ -434,6 +476,81 @@ class RlixReceiverMixin:
         state.timing = {"pull_issue_s": t_issued - t0, "pull_load_s": load_s, "pull_replayed_buckets": replayed,
                         "pull_wait_copies_s": time.perf_counter() - t_issued}
         return tensors
+
+    def _rlix_pull_direct(self, sync: _Sync, opened: list[tuple[BucketMeta, Any]], direct: list[DirectCopies],
+                          *, deferred: bool) -> int:
+        """Every bucket straight from the sender's pinned pages into the parameters: one host->device copy per
+        recorded range, on the side stream, ordered after the work already queued on the model. ``deferred``: return
+        once the copies are queued (the sender's ``after_issue`` work - the KV cache's wake - overlaps them, and
+        ``rlix_host_reads_done`` is the barrier); otherwise return after the last host read. Verified at finalize,
+        on the parameters themselves."""
+        import torch
+
+        state = self._rlix()
+        stream = state.copy_stream
+        t0 = time.perf_counter()
+        stream.wait_stream(torch.cuda.current_stream(self._rlix_device()))
+        dsts, srcs = [], []
+        for (_, host), layout in zip(opened, direct, strict=True):
+            for dst, lo, hi in layout.copies:
+                dsts.append(dst)
+                srcs.append(host[lo:hi])
+        with torch.cuda.stream(stream):
+            torch._foreach_copy_(dsts, srcs, non_blocking=True)
+            sync.reads_done = torch.cuda.Event()
+            sync.reads_done.record(stream)
+        sync.direct.extend((meta, layout) for (meta, _), layout in zip(opened, direct, strict=True))
+        sync.loaded_eagerly = True
+        sync.buckets += len(opened)
+        state.buckets_total += len(opened)
+        t_issued = time.perf_counter()
+        if not deferred:
+            sync.wait_reads()
+        state.timing = {"pull_issue_s": t_issued - t0, "pull_direct_copies": len(dsts), "pull_deferred": deferred,
+                        "pull_wait_copies_s": time.perf_counter() - t_issued}
+        return sum(len(m.names) for m, _ in opened)
+
+    def _rlix_landed(self, sync: _Sync, received: dict[str, list[int]]) -> dict[str, tuple[list[int], int | None]]:
+        """Checksums of the bytes in the parameters after a direct pull (what verification reads), and a check of the
+        layouts this sync recorded: one becomes direct when its copies tile its tensors and the parameters, after the
+        loader's post-processing, hold exactly the received bytes (a post-processing that rewrites weights keeps
+        the layout on the receive-buffer path). One batched pass, one host sync."""
+        items: list[tuple[str, list[Any]]] = []
+        candidates: list[tuple[tuple[Any, ...], BucketMeta, DirectCopies]] = []
+        for meta, key, replay in sync.recorded:
+            found = DirectCopies.from_replay(replay, meta.offsets, [meta.nbytes(k) for k in range(len(meta.names))])
+            if isinstance(found, str):
+                logger.info("rlix: bucket %d stays on the receive-buffer path: %s", meta.index, found)
+                continue
+            candidates.append((key, meta, found))
+        for meta, layout in [*sync.direct, *((m, d) for _, m, d in candidates)]:
+            items.extend(zip(meta.names, layout.pieces, strict=True))
+        if not items:
+            return {}
+        t0 = time.perf_counter()
+        sums = finish_checksums([sum(p.numel() for p in pieces) for _, pieces in items],
+                                pieces_checksums([pieces for _, pieces in items]))
+        landed = {name: (sum_, pieces[0].data_ptr() if len(pieces) == 1 else None)
+                  for (name, pieces), sum_ in zip(items, sums, strict=True)}
+        self._rlix().timing["finalize_landed_checksums_s"] = time.perf_counter() - t0
+        for key, meta, found in candidates:
+            if all(landed[n][0] == received.get(n) for n in meta.names):
+                self._rlix().direct[key] = found
+            else:
+                logger.info("rlix: bucket %d stays on the receive-buffer path: the parameters differ from the received "
+                            "bytes after post-processing", meta.index)
+        return landed
+
+    def rlix_host_reads_done(self, sync_id: str) -> bool:
+        """The barrier of a deferred host_pull: return once this worker read every host page of ``sync_id`` (False:
+        nothing of that sync was pending here)."""
+        sync = self._rlix().sync
+        if sync is None or sync.sync_id != sync_id:
+            return False
+        t0 = time.perf_counter()
+        sync.wait_reads()
+        self._rlix().timing["reads_done_wait_s"] = time.perf_counter() - t0
+        return True
 
     def rlix_discard_weight_backup(self) -> int:
         """Level 1: drop the CPU copy of the sleeping weights so that the next wake only allocates (a sync
@@ -503,6 +620,11 @@ def _verify(expected: dict[str, list[int]], actual: dict[str, list[int]], contex
 GROUP_BYTES = 64 << 20
 
 
+def layout_key(meta: BucketMeta) -> tuple[Any, ...]:
+    """What makes two buckets load the same way: names, offsets and dtypes (shapes follow from the model)."""
+    return (meta.names, meta.offsets, meta.dtypes)
+
+
 def group_ranges(meta: Any) -> list[tuple[list[int], int, int]]:
     """Tensor indices of ``meta`` in consecutive groups of about ``GROUP_BYTES`` (a large tensor alone), each with
     its byte range ``[lo, hi)``. The ranges tile ``[0, used_bytes)`` - padding between groups included: the
@@ -552,15 +674,27 @@ LIVE_CHUNK_BYTES = 256 << 20
 
 
 def live_checksums(tensors: list[Any], batched: bool | None = None) -> Any:
-    """:func:`start_checksums` of model parameters with a handful of kernels: parameters are copied into a
-    scratch buffer at 512-byte aligned offsets (one ``cat`` per chunk) and checksummed as one bucket. One
+    """:func:`start_checksums` of model parameters with a handful of kernels (:func:`pieces_checksums`). One
     kernel chain per parameter cost 23-31 ms for a 1.5B model's live check on the H100."""
-    import torch
-
     if not tensors or not (tensors[0].device.type == "cuda" if batched is None else batched):
         return start_checksums(tensors)
+    return pieces_checksums([[t.detach().contiguous().reshape(-1).view(_uint8())] for t in tensors])
+
+
+def _uint8() -> Any:
+    import torch
+
+    return torch.uint8
+
+
+def pieces_checksums(items: list[list[Any]]) -> Any:
+    """Checksums of byte strings each given as uint8 pieces on one device (item ``k`` = ``cat(items[k])``), for
+    :func:`finish_checksums`: the pieces are copied into a scratch buffer at 512-byte aligned offsets (one ``cat``
+    per ``LIVE_CHUNK_BYTES``) and checksummed as one bucket."""
+    import torch
+
     parts: list[Any] = []
-    chunk: list[Any] = []
+    chunk: list[list[Any]] = []
     size = 0
 
     def flush() -> None:
@@ -569,23 +703,37 @@ def live_checksums(tensors: list[Any], batched: bool | None = None) -> Any:
             return
         pieces, offsets, nbytes = [], [], []
         end = 0
-        for t in chunk:
-            raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
+        for item in chunk:
+            n = sum(p.numel() for p in item)
             offsets.append(end)
-            nbytes.append(raw.numel())
-            pieces.append(raw)
-            pad = transport.align_up(raw.numel()) - raw.numel()
+            nbytes.append(n)
+            pieces.extend(item)
+            pad = transport.align_up(n) - n
             if pad:
-                pieces.append(raw.new_zeros(pad))
-            end += raw.numel() + pad
-        parts.append(segment_checksums(torch.cat(pieces), offsets, nbytes))
+                pieces.append(_zeros(pad, item[0].device if item else torch.device("cpu")))
+            end += n + pad
+        parts.append(segment_checksums(torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.uint8),
+                                       offsets, nbytes))
         chunk, size = [], 0
 
-    for t in tensors:
-        nbytes = t.numel() * t.element_size()
-        if chunk and size + nbytes > LIVE_CHUNK_BYTES:
+    for item in items:
+        n = sum(p.numel() for p in item)
+        if chunk and size + n > LIVE_CHUNK_BYTES:
             flush()
-        chunk.append(t)
-        size += nbytes
+        chunk.append(item)
+        size += n
     flush()
-    return torch.cat(parts)
+    return torch.cat(parts) if parts else start_checksums([])
+
+
+_zero_rows: dict[Any, Any] = {}
+
+
+def _zeros(n: int, device: Any) -> Any:
+    """``n`` (< 512) zero bytes on ``device``: a view of one cached row (the padding between checksummed items)."""
+    import torch
+
+    row = _zero_rows.get(device)
+    if row is None:
+        row = _zero_rows[device] = torch.zeros(transport.ALIGN_BYTES, dtype=torch.uint8, device=device)
+    return row[:n]

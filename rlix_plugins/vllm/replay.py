@@ -11,17 +11,22 @@ A layout is replayed only if its recorded load did nothing else: every in-place 
 receive buffer into parameter storage (a loader that transforms the bytes - FP8 quantization, vocabulary
 padding, a transpose - is left alone and runs every time). Before each replay the parameters' storages are
 checked against the recorded ones; a change (a loader that re-allocated a parameter) drops the record.
+
+A recorded layout whose copies each move one contiguous byte range of the bucket into a contiguous parameter slice,
+tiling every tensor of the bucket, is also a :class:`DirectCopies`: later syncs copy those ranges from the sender's
+pinned host pages straight into the parameters (no receive buffer, no device-to-device pass).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["BucketReplay", "CopyRecorder", "parameter_storages"]
+__all__ = ["BucketReplay", "CopyRecorder", "DirectCopies", "parameter_storages"]
 
 
 def parameter_storages(model: Any) -> set[int]:
@@ -56,9 +61,14 @@ class CopyRecorder(TorchFunctionMode):
                                          src.dtype))
             elif self.foreign is None:
                 self.foreign = f"copy_ from outside the received bucket into {tuple(dst.shape)}"
-        elif name.endswith("_") and not name.startswith("__") and self.foreign is None:
-            self.foreign = f"in-place {name}"
+        elif name.endswith("_") and not name.startswith("__") and self.foreign is None and not _empty(args):
+            self.foreign = f"in-place {name}"  # (one on an empty view writes nothing: vLLM's embedding loader
+            # zero-fills the vocabulary padding, an empty slice when there is none)
         return func(*args, **(kwargs or {}))
+
+
+def _empty(args: Any) -> bool:
+    return bool(args) and isinstance(args[0], torch.Tensor) and args[0].numel() == 0
 
 
 @dataclass
@@ -89,6 +99,56 @@ class BucketReplay:
         srcs = [_view(buffer, c) for c in copies]
         torch._foreach_copy_([c.dst for c in copies], srcs)
         return len(copies)
+
+
+@dataclass
+class DirectCopies:
+    """One bucket layout loaded straight from host pages: ``copies`` are ``(parameter bytes, lo, hi)`` with ``[lo, hi)``
+    a byte range of the bucket; ``pieces[k]`` are the parameter bytes that hold bucket tensor ``k``, in order (their
+    concatenation is the tensor's bytes: what the receiver checksums to verify the sync)."""
+
+    copies: list[tuple[torch.Tensor, int, int]]
+    pieces: list[list[torch.Tensor]]
+    storages: set[int]
+
+    @classmethod
+    def from_replay(cls, replay: BucketReplay, offsets: Sequence[int], nbytes: Sequence[int]) -> DirectCopies | str:
+        """The direct form of ``replay`` for a bucket with tensors at ``offsets`` of ``nbytes``; a reason when the
+        recorded copies are not plain contiguous ranges that tile every tensor exactly once."""
+        copies: list[tuple[torch.Tensor, int, int]] = []
+        for c in (c for group in replay.groups for c in group):
+            if not c.dst.is_contiguous() or c.stride != _contiguous_strides(c.shape):
+                return f"a strided copy into {tuple(c.dst.shape)}"
+            size = c.dst.numel() * c.dtype.itemsize
+            copies.append((c.dst.reshape(-1).view(torch.uint8), c.offset, c.offset + size))
+        copies.sort(key=lambda c: c[1])
+        pieces: list[list[torch.Tensor]] = []
+        i = 0
+        for k, (start, size) in enumerate(zip(offsets, nbytes, strict=True)):
+            at, mine = start, []
+            while i < len(copies) and copies[i][1] < start + size:
+                dst, lo, hi = copies[i]
+                if lo != at or hi > start + size:
+                    return f"tensor {k}'s bytes are not copied exactly once, in order"
+                mine.append(dst)
+                at, i = hi, i + 1
+            if at != start + size:
+                return f"tensor {k} is not copied whole (the loader skips or splits it)"
+            pieces.append(mine)
+        if i != len(copies):
+            return "a copy from outside the bucket's tensors"
+        return cls(copies, pieces, set(replay.storages))
+
+    def valid(self, params: set[int]) -> bool:
+        return self.storages <= params
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
 
 
 def _view(buffer: torch.Tensor, c: _Copy) -> torch.Tensor:

@@ -61,7 +61,7 @@ class RecordingFleet:
         ray.get(self.rec.log.remote("sleep", (sorted(dp_ranks), level)))
 
     def wake_up(self, dp_ranks: list[int], tags: list[str] | None, timeout_s: float) -> None:
-        ray.get(self.rec.log.remote("wake", sorted(dp_ranks)))
+        ray.get(self.rec.log.remote("wake", sorted(dp_ranks) if tags is None else (sorted(dp_ranks), tags)))
 
     def memory_in_use(self, dp_ranks: list[int], timeout_s: float) -> dict[int, int | None]:
         ray.get(self.rec.log.remote("memory", sorted(dp_ranks)))
@@ -78,9 +78,10 @@ class RecordingWeights:
         ray.get(self.rec.log.remote("build", version))
         return version
 
-    def sync(self, targets: dict[int, Any], timeout_s: float, verify: bool) -> SyncResult:
+    def sync(self, targets: dict[int, Any], timeout_s: float, verify: bool,
+             wake_tags: list[str] | None = None) -> SyncResult:
         ranks = sorted(targets)
-        ray.get(self.rec.log.remote("sync", ranks))
+        ray.get(self.rec.log.remote("sync", ranks if wake_tags is None else (ranks, wake_tags)))
         if ray.get(self.rec.knob.remote("fail_sync")):
             raise TransportError(f"stand-in sync to {ranks} told to fail")
         version = ray.get(self.rec.knob.remote("cache_version"))

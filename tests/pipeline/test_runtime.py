@@ -47,7 +47,9 @@ def test_runtime_step_in_hook_order(control_plane: ControlPlane) -> None:
     rt.attach_collector(RecordingPublisher(rec))
     assert _active(rt), "attach_collector returned before a rank was routed"
     first = ops(rec)[4:]
-    assert ("publish", 0) in first and first.index(("sync", _active(rt))) < first.index(("publish", 0))
+    expand_sync = ("sync", (_active(rt), ["kv_cache"]))  # the KV cache wakes while the weights are copied in
+    assert ("publish", 0) in first and first.index(expand_sync) < first.index(("publish", 0))
+    assert first.index(("wake", (_active(rt), ["weights"]))) < first.index(expand_sync), "expand: weights woken first"
 
     n = len(ops(rec))
     rt.before_training(0)

@@ -223,6 +223,34 @@ def test_gpu_sleep_wake_sync_matches_fresh_engine(level: int, engines: dict, rpc
     assert greedy(llm) == baselines["orig"]
 
 
+def test_gpu_direct_pull_verifies_what_landed_and_a_failed_expand_sleeps(engines: dict, rpcs: dict,
+                                                                        weight_sets: dict, baselines: dict) -> None:
+    """host_pull straight into the parameters (a layout seen before): a byte flipped in the sender's host page after
+    its checksums were taken is caught by verification, naming the parameter; the expand that failed still woke the
+    KV cache (sync_engines(wake_tags)), so the rank goes back to sleep and frees its memory; a clean expand repairs it."""
+    import torch
+
+    llm = engines["a"]
+    _sync(build_cache(weight_sets["seed1"], 60), {0: [ENGINE_GPU]}, rpcs, via="host_pull")
+    assert _info(rpcs[0])["timing"].get("pull_direct_copies", 0) > 0, "the layout was not loaded directly"
+    cache = build_cache(weight_sets["orig"], 61)
+    with cache.read() as snap:
+        bucket = snap.buckets[-1]
+        culprit = bucket.meta.names[-1]
+        bucket.payload[bucket.meta.offsets[-1]] ^= 1
+    llm.sleep(level=2)
+    llm.wake_up(tags=["weights"])
+    with pytest.raises(WeightVerificationError, match=culprit.replace(".", r"\.")):
+        _sync(cache, {0: [ENGINE_GPU]}, rpcs, via="host_pull", wake_tags=["kv_cache"])
+    free = torch.cuda.mem_get_info()[0]
+    llm.sleep(level=2)
+    freed = torch.cuda.mem_get_info()[0] - free
+    assert freed > 256 << 20, f"the rank did not go back to sleep after the failed expand (freed {freed} bytes)"
+    llm.wake_up(tags=["weights"])
+    _sync(weight_sets["orig"], {0: [ENGINE_GPU]}, rpcs, via="host_pull", version=62, wake_tags=["kv_cache"])
+    assert greedy(llm) == baselines["orig"]
+
+
 def test_gpu_expand_time_1p5b(gpus: int, tiny_model_dir: Path) -> None:
     """Qwen2.5-1.5B-shaped dummy engine: expand (wake + sync + finalize) vs wake alone, levels 1 and 2."""
     import torch
@@ -269,9 +297,10 @@ def test_gpu_expand_time_1p5b(gpus: int, tiny_model_dir: Path) -> None:
             if level == 1:  # what the resizer does: the sync overwrites the weights, never restore the old ones
                 llm.collective_rpc("rlix_discard_weight_backup")
             llm.wake_up(tags=["weights"])
-            report = _sync(cache, {0: [ENGINE_GPU]}, rpc, via="host_pull", verify=True)
-            llm.wake_up(tags=["kv_cache"])
+            report = _sync(cache, {0: [ENGINE_GPU]}, rpc, via="host_pull", verify=True, wake_tags=["kv_cache"])
             expand = time.perf_counter() - t0
+            timing = _info(rpc[0])["timing"]
+            assert timing.get("pull_direct_copies", 0) > 0 and timing["pull_deferred"], timing
             out = [list(o.outputs[0].token_ids) for o in
                    llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)]
             assert out == ref, f"level {level}: output after expand differs from the synced reference"
@@ -282,6 +311,7 @@ def test_gpu_expand_time_1p5b(gpus: int, tiny_model_dir: Path) -> None:
                 "sync_transfer_s": round(report.transport.transfer_seconds, 3),
                 "finalize_s": round(report.finalize_seconds, 3),
                 "gib_per_s": round(nbytes / 2**30 / max(report.transport.transfer_seconds, 1e-6), 1),
+                "receiver": timing,
             })
     finally:
         rpc[0].close()

@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 
@@ -173,6 +174,7 @@ def test_recorded_copies_replay_the_loader_and_anything_else_is_refused() -> Non
     recorder = CopyRecorder(first.buffer)
     with recorder:
         loader(named)
+        model.norm.data[4:].fill_(0)  # vLLM's embedding loader zero-fills the vocabulary padding: empty here
     replay = BucketReplay.from_recording([recorder], parameter_storages(model))
     assert replay is not None and len(replay.groups[0]) == 4
     second, named2 = bucket(1)
@@ -182,10 +184,70 @@ def test_recorded_copies_replay_the_loader_and_anything_else_is_refused() -> Non
     assert torch.equal(replayed[0], model.qkv) and torch.equal(replayed[1], model.norm)
     assert not torch.equal(model.norm, named[3][1])
 
-    for bad in (lambda: model.norm.data.copy_(named[3][1] * 2), lambda: model.qkv.data.fill_(0)):
+    for bad in (lambda: model.norm.data.copy_(named[3][1] * 2), lambda: model.qkv.data.fill_(0),
+                lambda: model.norm.data[3:].fill_(0)):
         refused = CopyRecorder(first.buffer)
         with refused:
             bad()
         assert BucketReplay.from_recording([refused], parameter_storages(model)) is None, refused.foreign
     model.norm = torch.nn.Parameter(torch.zeros(4), requires_grad=False)  # re-allocated by someone
     assert not replay.valid(parameter_storages(model))
+
+
+def test_direct_copies_tile_each_tensor_and_land_its_bytes() -> None:
+    """host_pull's direct form (:class:`rlix_plugins.vllm.replay.DirectCopies`): from a recorded load, every bucket
+    tensor's byte range goes straight into its parameter slice; copying those ranges from a new bucket lands what the
+    loader would, and the checksum of each tensor's landed pieces is the sender's checksum of that tensor (what a
+    direct sync verifies). A loader that skips a tensor or writes strided gets no direct form."""
+    import torch
+
+    from rlix_plugins.transport import compute_checksums, finish_checksums, pack_bucket, unpack_bucket
+    from rlix_plugins.vllm import receiver
+    from rlix_plugins.vllm.replay import BucketReplay, CopyRecorder, DirectCopies, parameter_storages
+
+    model = torch.nn.Module()
+    model.qkv = torch.nn.Parameter(torch.zeros(6, 4, dtype=torch.bfloat16), requires_grad=False)
+    model.norm = torch.nn.Parameter(torch.zeros(5), requires_grad=False)
+
+    def loader(named: list, skip: str = "", strided: bool = False) -> None:
+        for name, t in named:
+            if name == skip:
+                continue
+            if name == "norm":
+                model.norm.data.copy_(t)
+            elif strided:
+                model.qkv.data.t().narrow(1, "qkv".index(name) * 2, 2).copy_(t.t())
+            else:
+                model.qkv.data.narrow(0, "qkv".index(name) * 2, 2).copy_(t)
+
+    def bucket(seed: int) -> tuple:
+        g = torch.Generator().manual_seed(seed)
+        tensors = [(n, torch.randn(2, 4, generator=g).to(torch.bfloat16)) for n in "kqv"]  # not the param order
+        record = pack_bucket([*tensors, ("norm", torch.randn(5, generator=g))])
+        return record, unpack_bucket(record.meta, record.buffer)
+
+    def record(named: list, buffer: torch.Tensor, **kw: Any) -> BucketReplay:
+        recorder = CopyRecorder(buffer)
+        with recorder:
+            loader(named, **kw)
+        replay = BucketReplay.from_recording([recorder], parameter_storages(model))
+        assert replay is not None
+        return replay
+
+    first, named = bucket(0)
+    meta = first.meta
+    nbytes = [meta.nbytes(k) for k in range(len(meta.names))]
+    direct = DirectCopies.from_replay(record(named, first.buffer), meta.offsets, nbytes)
+    assert isinstance(direct, DirectCopies), direct
+    second, named2 = bucket(1)
+    for dst, lo, hi in direct.copies:
+        dst.copy_(second.buffer[lo:hi])
+    landed = (model.qkv.clone(), model.norm.clone())
+    loader(named2)
+    assert torch.equal(landed[0], model.qkv) and torch.equal(landed[1], model.norm)
+    sums = finish_checksums([sum(p.numel() for p in pieces) for pieces in direct.pieces],
+                            receiver.pieces_checksums(direct.pieces))
+    assert dict(zip(meta.names, sums, strict=True)) == compute_checksums(named2)
+
+    assert "not copied whole" in str(DirectCopies.from_replay(record(named, first.buffer, skip="v"), meta.offsets, nbytes))
+    assert "strided" in str(DirectCopies.from_replay(record(named, first.buffer, strided=True), meta.offsets, nbytes))

@@ -226,6 +226,57 @@ def test_host_pull_sync_into_both_engines_matches_fresh_engine(
     orig.close()
 
 
+class _Calls:
+    """Passes every call through to a real engine and notes its name (the wake with its tags)."""
+
+    def __init__(self, inner: EngineRpc, fail: str | None = None) -> None:
+        self.inner, self.fail, self.seen = inner, fail, []
+
+    def call(self, method: str, args: tuple[Any, ...]) -> Any:
+        self.seen.append(method)
+        if method == self.fail:
+            failed: Future[Any] = Future()
+            failed.set_exception(TransportError(f"{method} told to fail"))
+            return failed
+        return self.inner.call(method, args)
+
+    def reset_prefix_cache(self) -> Any:
+        return self.inner.reset_prefix_cache()
+
+    def wake_up(self, tags: list[str]) -> Any:
+        self.seen.append(("wake_up", tuple(tags)))
+        return self.inner.wake_up(tags)
+
+
+def test_wake_tags_wake_during_the_pull_and_after_a_failed_sync(
+    engine_a: Any, rpcs: dict[int, EngineRpc], weight_sets: dict, baselines: dict
+) -> None:
+    """An expand's ``sync_engines(wake_tags=["kv_cache"])``: the engine's own wake runs after the pull was answered
+    and before the barrier on the host pages and the finalize; a sync that fails still wakes it (vLLM ignores a
+    sleep while a tag sleeps, so a half-woken rank could not be put back to sleep)."""
+    for dp in (0, 1):
+        seen = _Calls(rpcs[dp])
+        cache = build_cache(weight_sets["seed1" if dp == 0 else "orig"], 60 + dp)
+        _sync(cache, {dp: SAME_GPU}, {dp: seen}, same_gpu_transport="host_pull", wake_tags=["kv_cache"])
+        assert seen.seen == ["update_parameter_in_bucket", ("wake_up", ("kv_cache",)), "rlix_host_reads_done",
+                             "finalize_weight_update", "verify_model"], seen.seen
+        cache.close()
+    assert greedy_a(engine_a) == baselines["seed1"] and greedy_b(rpcs[1].actor) == baselines["orig"]  # type: ignore[attr-defined]
+    failing = _Calls(rpcs[0], fail="finalize_weight_update")
+    with pytest.raises(TransportError, match="told to fail"):
+        _sync(build_cache(weight_sets["orig"], 62), {0: SAME_GPU}, {0: failing}, same_gpu_transport="host_pull",
+              wake_tags=["kv_cache"])
+    assert failing.seen.count(("wake_up", ("kv_cache",))) == 1 and failing.seen[-1] == "rlix_abort_weight_update"
+    failing = _Calls(rpcs[0], fail="update_parameter_in_bucket")  # fails before the overlap: woken in the cleanup
+    with pytest.raises(TransportError):
+        _sync(build_cache(weight_sets["orig"], 63), {0: SAME_GPU}, {0: failing}, same_gpu_transport="host_pull",
+              wake_tags=["kv_cache"])
+    assert failing.seen[-2:] == ["rlix_abort_weight_update", ("wake_up", ("kv_cache",))], failing.seen
+    for dp, name in ((0, "orig"), (1, "seed1")):  # back to where both started
+        _sync(build_cache(weight_sets[name], 64 + dp), {dp: SAME_GPU}, rpcs, same_gpu_transport="host_pull")
+    assert greedy_a(engine_a) == baselines["orig"] and greedy_b(rpcs[1].actor) == baselines["seed1"]  # type: ignore[attr-defined]
+
+
 # --------------------------------------------------------------------------------------------- failures
 
 
