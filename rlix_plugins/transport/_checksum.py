@@ -157,9 +157,20 @@ def bucket_checksums(buffer: torch.Tensor, offsets: Sequence[int], nbytes: Seque
     return segment_checksums(buffer, offsets, nbytes)
 
 
-def segment_checksums(buffer: torch.Tensor, offsets: Sequence[int], nbytes: Sequence[int]) -> torch.Tensor:
+def segment_rows(offsets: Sequence[int], nbytes: Sequence[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each segment's first row and the row past its end, on ``device`` (pass to :func:`segment_checksums` as
+    ``rows`` when the same layout is checksummed again: building them is a blocking host->device copy)."""
+    row_bytes = ROW_WORDS * 4
+    first = torch.tensor([o // row_bytes for o in offsets], dtype=torch.int64, device=device)
+    last = torch.tensor([-(-(o + n) // row_bytes) for o, n in zip(offsets, nbytes, strict=True)],
+                        dtype=torch.int64, device=device)
+    return first, last
+
+
+def segment_checksums(buffer: torch.Tensor, offsets: Sequence[int], nbytes: Sequence[int],
+                      rows: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """The batched form of :func:`bucket_checksums` (any device; the GPU path): row sums and row dot
-    products of the whole bucket, per-tensor sums by prefix sums over rows."""
+    products of the whole bucket, per-tensor sums by prefix sums over rows (``rows``: :func:`segment_rows`)."""
     dev = buffer.device
     if not offsets:
         return torch.zeros((0, 3), dtype=_I32, device=dev)
@@ -182,9 +193,7 @@ def segment_checksums(buffer: torch.Tensor, offsets: Sequence[int], nbytes: Sequ
         row_sum[start : start + GPU_CHUNK_ROWS] = block.sum(dim=1, dtype=_I32)
         row_dot[start : start + GPU_CHUNK_ROWS] = (block * col_weights).sum(dim=1, dtype=_I32)
     # per tensor: rows [first, last); sums over a row range by prefix sums (modular: differences are exact)
-    first = torch.tensor([o // row_bytes for o in offsets], dtype=torch.int64, device=dev)
-    last = torch.tensor([-(-(o + n) // row_bytes) for o, n in zip(offsets, nbytes, strict=True)],
-                        dtype=torch.int64, device=dev)
+    first, last = rows if rows is not None else segment_rows(offsets, nbytes, dev)
     zero = torch.zeros(1, dtype=_I32, device=dev)
     global_row = _arange(dev, 0, nrows)
     prefix = [torch.cat([zero, torch.cumsum(v, 0, dtype=_I32)]) for v in (row_sum, row_sum * global_row, row_dot)]

@@ -128,6 +128,8 @@ class _State:
     no_replay: set[tuple[Any, ...]] = field(default_factory=set)
     #: host_pull: layouts whose recorded copies go straight from the host pages into the parameters
     direct: dict[tuple[Any, ...], DirectCopies] = field(default_factory=dict)
+    #: direct layouts used together -> their landed-bytes checksum plan (ids of the ``direct`` values)
+    landed_plans: dict[tuple[int, ...], PiecesChecksums] = field(default_factory=dict)
     #: checksums of parameter bytes as the last finalize left them, with the address of the one piece holding them
     #: (None: several pieces); one use: that sync's ``verify_model``
     landed: dict[str, tuple[list[int], int | None]] = field(default_factory=dict)
@@ -429,6 +431,7 @@ class RlixReceiverMixin:
                 logger.warning("rlix: parameters moved since bucket %d's load was recorded: loading it again", meta.index)
                 state.replays.pop(key, None)
                 state.direct.pop(key, None)
+                state.landed_plans.clear()
                 replay = None
             record = sync.mode == "eager" and replay is None and key not in state.no_replay
             recorders: list[CopyRecorder] = []
@@ -528,14 +531,21 @@ class RlixReceiverMixin:
         if not items:
             return {}
         t0 = time.perf_counter()
-        sums = finish_checksums([sum(p.numel() for p in pieces) for _, pieces in items],
-                                pieces_checksums([pieces for _, pieces in items]))
+        state = self._rlix()
+        if candidates:  # a first load: checksummed once the slow way
+            plan = PiecesChecksums([pieces for _, pieces in items])
+        else:
+            key = tuple(id(layout) for _, layout in sync.direct)
+            plan = state.landed_plans.get(key) or state.landed_plans.setdefault(
+                key, PiecesChecksums([pieces for _, pieces in items]))
+        sums = finish_checksums(plan.nbytes, plan.start())
         landed = {name: (sum_, pieces[0].data_ptr() if len(pieces) == 1 else None)
                   for (name, pieces), sum_ in zip(items, sums, strict=True)}
-        self._rlix().timing["finalize_landed_checksums_s"] = time.perf_counter() - t0
+        state.timing["finalize_landed_checksums_s"] = time.perf_counter() - t0
         for key, meta, found in candidates:
             if all(landed[n][0] == received.get(n) for n in meta.names):
-                self._rlix().direct[key] = found
+                state.direct[key] = found
+                state.landed_plans.clear()
             else:
                 logger.info("rlix: bucket %d stays on the receive-buffer path: the parameters differ from the received "
                             "bytes after post-processing", meta.index)
@@ -689,41 +699,65 @@ def _uint8() -> Any:
 
 def pieces_checksums(items: list[list[Any]]) -> Any:
     """Checksums of byte strings each given as uint8 pieces on one device (item ``k`` = ``cat(items[k])``), for
-    :func:`finish_checksums`: the pieces are copied into a scratch buffer at 512-byte aligned offsets (one ``cat``
-    per ``LIVE_CHUNK_BYTES``) and checksummed as one bucket."""
-    import torch
+    :func:`finish_checksums`; see :class:`PiecesChecksums`."""
+    return PiecesChecksums(items).start()
 
-    parts: list[Any] = []
-    chunk: list[list[Any]] = []
-    size = 0
 
-    def flush() -> None:
-        nonlocal chunk, size
-        if not chunk:
-            return
-        pieces, offsets, nbytes = [], [], []
-        end = 0
-        for item in chunk:
-            n = sum(p.numel() for p in item)
-            offsets.append(end)
-            nbytes.append(n)
-            pieces.extend(item)
-            pad = transport.align_up(n) - n
-            if pad:
-                pieces.append(_zeros(pad, item[0].device if item else torch.device("cpu")))
-            end += n + pad
-        parts.append(segment_checksums(torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.uint8),
-                                       offsets, nbytes))
-        chunk, size = [], 0
+class PiecesChecksums:
+    """:func:`pieces_checksums` worked out once for pieces that stay where they are (a direct layout's parameter
+    slices): the pieces are copied into a scratch buffer at 512-byte aligned offsets (one ``cat`` per
+    ``LIVE_CHUNK_BYTES``) and checksummed as one bucket; the row indices live on the device, so :meth:`start`
+    only launches kernels (no host sync, a few ``cat`` calls)."""
 
-    for item in items:
-        n = sum(p.numel() for p in item)
-        if chunk and size + n > LIVE_CHUNK_BYTES:
-            flush()
-        chunk.append(item)
-        size += n
-    flush()
-    return torch.cat(parts) if parts else start_checksums([])
+    def __init__(self, items: list[list[Any]]) -> None:
+        from rlix_plugins.transport._checksum import segment_rows
+
+        self.nbytes = [sum(p.numel() for p in item) for item in items]
+        self.chunks: list[tuple[list[Any], list[int], list[int], Any]] = []
+        chunk: list[int] = []
+        size = 0
+
+        def flush() -> None:
+            nonlocal chunk, size
+            if not chunk:
+                return
+            pieces, offsets, nbytes, end = [], [], [], 0
+            for k in chunk:
+                n = self.nbytes[k]
+                offsets.append(end)
+                nbytes.append(n)
+                pieces.extend(items[k])
+                pad = transport.align_up(n) - n
+                if pad:
+                    pieces.append(_zeros(pad, items[chunk[0]][0].device))
+                end += n + pad
+            device = pieces[0].device
+            self.chunks.append((pieces, offsets, nbytes, segment_rows(offsets, nbytes, device)))
+            chunk, size = [], 0
+
+        for k, item in enumerate(items):
+            if not item:
+                continue  # zero bytes: zeros, see start
+            if chunk and size + self.nbytes[k] > LIVE_CHUNK_BYTES:
+                flush()
+            chunk.append(k)
+            size += self.nbytes[k]
+        flush()
+        self.present = [k for k, item in enumerate(items) if item]
+
+    def start(self) -> Any:
+        """The ``(n, 3)`` partial sums of every item, for :func:`finish_checksums` (no host sync)."""
+        import torch
+
+        parts = [segment_checksums(torch.cat(pieces), offsets, nbytes, rows=rows)
+                 for pieces, offsets, nbytes, rows in self.chunks]
+        if len(self.present) == len(self.nbytes):
+            return torch.cat(parts) if parts else start_checksums([])
+        device = parts[0].device if parts else torch.device("cpu")
+        out = torch.zeros((len(self.nbytes), 3), dtype=torch.int32, device=device)  # an empty item sums to zero
+        if parts:
+            out[torch.tensor(self.present, device=device)] = torch.cat(parts)
+        return out
 
 
 _zero_rows: dict[Any, Any] = {}

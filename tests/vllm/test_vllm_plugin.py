@@ -141,6 +141,13 @@ def test_batched_live_check_matches_one_checksum_per_parameter() -> None:
     receiver.LIVE_CHUNK_BYTES = 1024  # several chunks
     try:
         assert finish_checksums(nbytes, receiver.live_checksums(params, batched=True)) == want
+        # the same as pieces (a tensor split in two, an empty item), through a plan that is started twice
+        raw = [p.reshape(-1).view(torch.uint8) for p in params]
+        items = [[raw[0]], [], [raw[1][:10], raw[1][10:]], [raw[2]], [raw[3]]]
+        plan = receiver.PiecesChecksums(items)
+        for _ in range(2):
+            got = finish_checksums(plan.nbytes, plan.start())
+            assert got == [want[0], [0, 0, 0], *want[1:]]
     finally:
         receiver.LIVE_CHUNK_BYTES = old
 
