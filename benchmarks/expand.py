@@ -97,6 +97,49 @@ def raw_h2d_s(nbytes: int, repeats: int) -> float:
     return best
 
 
+def copy_probe(worker: Any, payload: dict[str, Any], repeats: int) -> dict[str, Any]:
+    """Runs inside the engine's worker (``collective_rpc`` with a function): where host_pull's copies lose speed.
+    The cache's pages copied, with CUDA events, (a) into one fresh device buffer in bucket order, (b) into the
+    parameters as a direct sync does (no checksums, no finalize), (c) (a) again; best of ``repeats`` each."""
+    from rlix_plugins.transport import open_host_pull
+    from rlix_plugins.vllm.receiver import layout_key
+
+    opened = open_host_pull(payload, pin=True)
+    total = sum(m.used_bytes for m, _ in opened)
+    state = worker._rlix()
+    direct = [state.direct.get(layout_key(m)) for m, _ in opened]
+    scratch = torch.empty(total, dtype=torch.uint8, device=worker.device)
+
+    def timed(fn: Any) -> float:
+        best = float("inf")
+        for _ in range(repeats):
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            best = min(best, start.elapsed_time(end) / 1000)
+        return best
+
+    def to_scratch() -> None:
+        at = 0
+        for meta, host in opened:
+            scratch[at : at + meta.used_bytes].copy_(host, non_blocking=True)
+            at += meta.used_bytes
+
+    def to_params() -> None:
+        dsts = [d for layout in direct if layout for d, _, _ in layout.copies]
+        srcs = [host[lo:hi] for (_, host), layout in zip(opened, direct, strict=True) if layout for _, lo, hi in layout.copies]
+        torch._foreach_copy_(dsts, srcs, non_blocking=True)
+
+    out = {"bytes": total, "scratch_GBps": total / timed(to_scratch) / 1e9}
+    if all(direct):
+        out["params_GBps"] = total / timed(to_params) / 1e9
+    out["scratch_again_GBps"] = total / timed(to_scratch) / 1e9
+    return {k: round(v, 1) if isinstance(v, float) else v for k, v in out.items()}
+
+
 def greedy(llm: Any) -> list[list[int]]:
     from vllm import SamplingParams
 
@@ -147,6 +190,12 @@ def bench_shape(shape: str, root: Path, repeats: int) -> dict[str, Any]:
         row["first_over_warm_sync"] = round(row["first_sync_s"] / row["warm_sync_s"], 2)
         assert first.verified, "the first sync was not verified"
         ref = greedy(llm)
+        from rlix_plugins.transport import make_host_pull_payload
+
+        with cache.read() as snap:  # raw copies from the cache's own pages, inside the engine's worker
+            row["engine_copy_probe"] = llm.collective_rpc(copy_probe, args=(make_host_pull_payload(list(snap.buckets)),
+                                                                               repeats))[0]
+        progress(f"{shape} copy probe in the engine: {row['engine_copy_probe']}")
         sync("cuda_ipc")  # warm the previous path too (staging, IPC open)
         for transport in ("host_pull", "cuda_ipc"):
             took = []
