@@ -3,7 +3,7 @@
 Pure Python, no Ray. This module checks the *shape* of the caller's arguments (dicts with the same known
 cluster names, ints, lists of ints, ``actor_infer`` present, a valid pipeline id) and sorts the mappings;
 every placement rule (duplicates, pool bounds, ``len % tp``, TP groups contiguous/on one node/aligned,
-``actor_train`` ⊆ ``actor_infer``) lives in one place, :func:`rlix_plugins.control.planner.validate_cluster_specs`,
+``actor_train`` ⊆ ``actor_infer``) lives in one place, :func:`rlix_plugins.control.scheduling.planner.validate_cluster_specs`,
 which the scheduler also applies. Every problem raises :class:`RlixConfigError` with the value and the fix.
 """
 

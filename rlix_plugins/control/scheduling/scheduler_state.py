@@ -11,7 +11,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from rlix_plugins.control._gap_ratio import generation_demands
+from rlix_plugins.control.scheduling.gap_ratio import generation_demands
 from rlix_plugins.control.types import (
     Allocation,
     ClusterSpec,

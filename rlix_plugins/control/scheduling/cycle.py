@@ -17,10 +17,10 @@ from typing import Any
 
 import ray
 
-from rlix_plugins.control import planner
-from rlix_plugins.control._gap_ratio import note_generation_waits
-from rlix_plugins.control._invariants import PlanInvariantError, validate_snapshot
-from rlix_plugins.control.scheduler_state import (
+from rlix_plugins.control.scheduling import planner
+from rlix_plugins.control.scheduling.gap_ratio import note_generation_waits
+from rlix_plugins.control.scheduling.invariants import PlanInvariantError, validate_snapshot
+from rlix_plugins.control.scheduling.scheduler_state import (
     SchedulerConfig,
     apply_shrink,
     merge_ops,

@@ -25,7 +25,7 @@ import pathlib
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 
-from rlix_plugins.control._sim_engine import JobSpec, Placement, SimRun, Simulation
+from rlix_plugins.control.capacity.simulation import JobSpec, Placement, SimRun, Simulation
 from rlix_plugins.control.types import TraceEvent
 from rlix_plugins.errors import RlixConfigError
 
@@ -254,7 +254,7 @@ def jobs_from_args(args: argparse.Namespace) -> list[JobSpec]:
 
 
 def run_cli(args: argparse.Namespace) -> int:
-    from rlix_plugins.control.timeline import render_timeline
+    from rlix_plugins.control.capacity.timeline import render_timeline
 
     jobs = jobs_from_args(args)
     cmp = compare(jobs, args.gpus, args.gpus_per_node, dt_s=args.dt, validate=not args.no_validate)

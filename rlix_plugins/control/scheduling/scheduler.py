@@ -28,9 +28,14 @@ import asyncio
 import time
 from typing import Any
 
-from rlix_plugins.control import planner
-from rlix_plugins.control._scheduler_core import SchedulerCore, _Pipeline, _Waiter
-from rlix_plugins.control.scheduler_state import SchedulerConfig, check_timeout, status_dict, to_priority
+from rlix_plugins.control.scheduling import planner
+from rlix_plugins.control.scheduling.cycle import SchedulerCore, _Pipeline, _Waiter
+from rlix_plugins.control.scheduling.scheduler_state import (
+    SchedulerConfig,
+    check_timeout,
+    status_dict,
+    to_priority,
+)
 from rlix_plugins.control.types import ClusterSpec, PendingRequest, Priority, Progress, TraceEvent
 from rlix_plugins.errors import PipelineUnregisteredError, RlixConfigError, RlixTimeoutError, SchedulerError
 

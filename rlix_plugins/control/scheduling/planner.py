@@ -24,10 +24,10 @@ releases. ``validate_plan`` (re-exported here) checks a plan against its snapsho
 
 from __future__ import annotations
 
-from rlix_plugins.control._gap_ratio import plan_gap_ratio
-from rlix_plugins.control._invariants import PlanInvariantError, validate_plan, validate_snapshot
-from rlix_plugins.control._plan_state import PlanState, rank_index
 from rlix_plugins.control._registration import validate_cluster_specs
+from rlix_plugins.control.scheduling.gap_ratio import plan_gap_ratio
+from rlix_plugins.control.scheduling.invariants import PlanInvariantError, validate_plan, validate_snapshot
+from rlix_plugins.control.scheduling.plan_state import PlanState, rank_index
 from rlix_plugins.control.types import Allocation, CyclePlan, Grant, Priority, SchedulerSnapshot
 
 __all__ = [

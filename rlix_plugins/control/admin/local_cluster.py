@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Final
 
-from rlix_plugins.control import ray_auth
+from rlix_plugins.control.admin import ray_auth
 from rlix_plugins.errors import RlixConfigError, SchedulerError
 
 STATE_DIR_ENV: Final = "RLIX_STATE_DIR"

@@ -38,7 +38,7 @@ import heapq
 import math
 from collections.abc import Container, Iterator
 
-from rlix_plugins.control._plan_state import PlanState, bundles, mappings_overlap, rank_index
+from rlix_plugins.control.scheduling.plan_state import PlanState, bundles, mappings_overlap, rank_index
 from rlix_plugins.control.types import PendingRequest, Priority, Progress, SchedulerSnapshot
 
 #: Safety caps per cycle (the reference used the same numbers).

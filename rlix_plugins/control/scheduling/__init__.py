@@ -1,0 +1,1 @@
+"""The scheduler actor and its planner (pure functions over frozen records)."""
