@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from rlix_plugins.control._registration import validate_spec
+from rlix_plugins.control.registration import validate_spec
 from rlix_plugins.control.scheduling.planner import (
     PlanInvariantError,
     plan_cycle,

@@ -24,7 +24,7 @@ releases. ``validate_plan`` (re-exported here) checks a plan against its snapsho
 
 from __future__ import annotations
 
-from rlix_plugins.control._registration import validate_cluster_specs
+from rlix_plugins.control.registration import validate_cluster_specs
 from rlix_plugins.control.scheduling.gap_ratio import plan_gap_ratio
 from rlix_plugins.control.scheduling.invariants import PlanInvariantError, validate_plan, validate_snapshot
 from rlix_plugins.control.scheduling.plan_state import PlanState, rank_index
