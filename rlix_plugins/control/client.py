@@ -47,7 +47,7 @@ from rlix_plugins.control.admin import ray_auth
 from rlix_plugins.control.coordinator import Coordinator, CoordinatorConfig
 from rlix_plugins.control.orchestrator import Orchestrator
 from rlix_plugins.control.rpc import ray_get
-from rlix_plugins.control.scheduling.scheduler_state import SchedulerConfig, to_priority
+from rlix_plugins.control.scheduling.config import SchedulerConfig, to_priority
 from rlix_plugins.control.types import (
     GENERATION_CLUSTER,
     ORCHESTRATOR_NAME,

@@ -12,9 +12,10 @@ import pytest
 import ray
 
 from rlix_plugins.control import client
+from rlix_plugins.control.scheduling.cycle import apply_shrink, merge_ops
 from rlix_plugins.control.scheduling.gap_ratio import cluster_demands
 from rlix_plugins.control.scheduling.plan_state import PlanState
-from rlix_plugins.control.scheduling.scheduler_state import apply_shrink, demand, merge_ops, rebalance_reason
+from rlix_plugins.control.scheduling.rebalance import demand, rebalance_reason
 from rlix_plugins.control.trace import TraceRecorder
 from rlix_plugins.control.types import (
     Allocation,

@@ -55,7 +55,7 @@ def round_half_up(x: float) -> int:
 
 def rollout_demand(progress: Progress | None, request: PendingRequest | None) -> int:
     """THE demand rule (trajectories) of one generation cluster; the planner and the scheduler's rebalance
-    trigger (``scheduler_state.rebalance_reason``) both get their demand from here, so they never disagree.
+    trigger (``rebalance.rebalance_reason``) both get their demand from here, so they never disagree.
 
     ``progress.remaining`` when positive; otherwise, with a pending GENERATION request, the request's
     ``step_target_estimate`` (>= 1: a pipeline that asks is never skipped, debug #27, even when its last progress
