@@ -2,7 +2,7 @@
 
 Each returns a process exit code and raises an ``RlixError`` subclass for bad input or an unreachable cluster
 (the CLI prints it on one line and exits 2). The cluster acted on: ``--address``, else ``RAY_ADDRESS``, else the
-one ``rlix up`` started or joined (recorded by ``control/local_cluster.py``); never whatever Ray's ``"auto"`` finds.
+one ``rlix up`` started or joined (recorded by ``control/admin/local_cluster.py``); never whatever Ray's ``"auto"`` finds.
 """
 
 from __future__ import annotations
