@@ -28,9 +28,9 @@ the timeline picture), :mod:`.admin` (``rlix up/down/status/timeline``: the loca
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from rlix_plugins._lazy import lazy_exports
 from rlix_plugins.control.types import (
     GENERATION_CLUSTER,
     RLIX_NAMESPACE,
@@ -76,12 +76,7 @@ _LAZY = {
     "Scheduler": "scheduling.scheduler",
     "TraceRecorder": "trace",
 }
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _LAZY:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+__getattr__ = lazy_exports(__name__, _LAZY)
 
 
 __all__ = [
