@@ -14,9 +14,9 @@ import random
 from collections.abc import Iterator
 from dataclasses import replace
 
-import rlix_plugins.control._sim_engine as engine
+import rlix_plugins.control.capacity.simulation as engine
 from benchmarks.scheduler_scale import SIZES, make_clusters, random_snapshot, sim_latency
-from rlix_plugins.control.planner import plan_cycle
+from rlix_plugins.control.scheduling.planner import plan_cycle
 from rlix_plugins.control.types import CyclePlan, SchedulerSnapshot
 
 

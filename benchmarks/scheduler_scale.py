@@ -28,8 +28,8 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 
-from rlix_plugins.control.planner import plan_cycle, validate_plan
-from rlix_plugins.control.simulator import JobSpec, compare
+from rlix_plugins.control.capacity.comparison import JobSpec, compare
+from rlix_plugins.control.scheduling.planner import plan_cycle, validate_plan
 from rlix_plugins.control.types import (
     Allocation,
     ClusterSpec,
@@ -163,8 +163,8 @@ def bench_latency(samples: int) -> bool:
 
 def sim_latency(pipelines: int, gpus: int) -> list[float]:
     """CPU ms of every plan_cycle call while simulating ``pipelines`` mixed jobs on ``gpus`` GPUs."""
-    import rlix_plugins.control._sim_engine as engine
-    from rlix_plugins.control.simulator import rlix_placements
+    import rlix_plugins.control.capacity.simulation as engine
+    from rlix_plugins.control.capacity.comparison import rlix_placements
 
     kinds = [ROLL, TRAIN, BAL, ROLL]
     train = max(1, min(4, gpus // pipelines))

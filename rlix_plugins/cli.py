@@ -14,32 +14,32 @@ from rlix_plugins.errors import RlixError
 
 
 def _cmd_up(args: argparse.Namespace) -> int:
-    from rlix_plugins.control.admin import up
+    from rlix_plugins.control.admin.commands import up
 
     return up(address=args.address, num_gpus=args.num_gpus, num_cpus=args.num_cpus,
               insecure_no_auth=args.insecure_no_auth)
 
 
 def _cmd_down(args: argparse.Namespace) -> int:
-    from rlix_plugins.control.admin import down
+    from rlix_plugins.control.admin.commands import down
 
     return down(address=args.address, stop_ray=args.stop_ray)
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
-    from rlix_plugins.control.admin import status
+    from rlix_plugins.control.admin.commands import status
 
     return status(address=args.address, as_json=args.json)
 
 
 def _cmd_timeline(args: argparse.Namespace) -> int:
-    from rlix_plugins.control.admin import timeline
+    from rlix_plugins.control.admin.commands import timeline
 
     return timeline(address=args.address, out=args.out)
 
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
-    from rlix_plugins.control.simulator import run_cli
+    from rlix_plugins.control.capacity.comparison import run_cli
     from rlix_plugins.out_dir import make_out_dir
 
     make_out_dir(args.out)
@@ -120,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="output picture, e.g. timeline.png")
 
     p = add("simulate", _cmd_simulate, "Simulate N pipelines time-sharing G GPUs with the real planner.")
-    from rlix_plugins.control.simulator import add_arguments as add_sim_arguments
+    from rlix_plugins.control.capacity.comparison import add_arguments as add_sim_arguments
 
     add_sim_arguments(p)
 

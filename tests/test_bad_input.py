@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from rlix_plugins.control.registration import build_cluster_specs
-from rlix_plugins.control.scheduler_state import SchedulerConfig, check_timeout, to_priority
+from rlix_plugins.control.scheduling.config import SchedulerConfig, check_timeout, to_priority
 from rlix_plugins.errors import RlixConfigError
 from rlix_plugins.nemo_rl.config import load_run_config
 from rlix_plugins.nemo_rl.recipe import layout, load_stock

@@ -16,9 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from rlix_plugins.control import client, local_cluster
-from rlix_plugins.control.admin import NO_AUTH_WARNING
-from rlix_plugins.control.local_cluster import ClusterRecord
+from rlix_plugins.control import client
+from rlix_plugins.control.admin import local_cluster
+from rlix_plugins.control.admin.commands import NO_AUTH_WARNING
+from rlix_plugins.control.admin.local_cluster import ClusterRecord
 from tests.control._ray_helpers import control_plane
 from tests.test_cli import one_line_error, rlix, without_token
 

@@ -43,11 +43,11 @@ from typing import Any, Final
 
 import ray
 
-from rlix_plugins.control import ray_auth
-from rlix_plugins.control._rpc import ray_get
+from rlix_plugins.control.admin import ray_auth
 from rlix_plugins.control.coordinator import Coordinator, CoordinatorConfig
 from rlix_plugins.control.orchestrator import Orchestrator
-from rlix_plugins.control.scheduler_state import SchedulerConfig, to_priority
+from rlix_plugins.control.rpc import ray_get
+from rlix_plugins.control.scheduling.config import SchedulerConfig, to_priority
 from rlix_plugins.control.types import (
     GENERATION_CLUSTER,
     ORCHESTRATOR_NAME,

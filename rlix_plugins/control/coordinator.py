@@ -19,7 +19,6 @@ so it dies with its pipeline; the scheduler's health probe then fails the pipeli
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 import uuid
@@ -29,6 +28,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import ray
 
+from rlix_plugins.control.scheduling.config import check_durations
 from rlix_plugins.control.types import RLIX_NAMESPACE, SCHEDULER_NAME
 from rlix_plugins.errors import RlixConfigError, RlixTimeoutError, SchedulerError
 
@@ -74,10 +74,7 @@ class CoordinatorConfig:
     heartbeat_lease_s: float = 120.0
 
     def __post_init__(self) -> None:
-        for key in ("lock_timeout_s", "handler_timeout_s", "lock_lease_s", "heartbeat_lease_s"):
-            value = getattr(self, key)
-            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-                raise RlixConfigError(f"CoordinatorConfig.{key}={value!r} must be a positive number of seconds")
+        check_durations(self, "lock_timeout_s", "handler_timeout_s", "lock_lease_s", "heartbeat_lease_s")
 
 
 class _ResizeLock:

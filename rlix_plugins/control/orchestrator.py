@@ -17,10 +17,10 @@ from typing import Any, Final
 
 import ray
 
-from rlix_plugins.control._rpc import ray_get
 from rlix_plugins.control.registration import build_cluster_specs, validate_pipeline_id
-from rlix_plugins.control.scheduler import Scheduler
-from rlix_plugins.control.scheduler_state import SchedulerConfig
+from rlix_plugins.control.rpc import ray_get
+from rlix_plugins.control.scheduling.config import SchedulerConfig
+from rlix_plugins.control.scheduling.scheduler import Scheduler
 from rlix_plugins.control.types import RLIX_NAMESPACE, SCHEDULER_NAME, ClusterSpec, pipeline_namespace
 from rlix_plugins.errors import RlixConfigError, RlixTimeoutError
 

@@ -160,7 +160,7 @@ class SchedulerSnapshot:
     #: cost a wake + weight sync + shrink for nothing). Non-generation requests may take them at once.
     release_grace_gpus: frozenset[int] = frozenset()
     #: Generation clusters that want rollout and have no active rank -> when they started waiting (a logical
-    #: clock: smaller = waiting longer; ``_gap_ratio.note_generation_waits`` keeps it). When bundles are too few
+    #: clock: smaller = waiting longer; ``scheduling.gap_ratio.note_generation_waits`` keeps it). When bundles are too few
     #: for every waiting cluster (two pipelines on one GPU) the longest waiter is woken first, so co-tenants take
     #: turns. Absent clusters count as waiting longest; an empty map leaves the pipeline-id order.
     generation_waiting_since: dict[str, int] = field(default_factory=dict)

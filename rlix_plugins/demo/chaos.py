@@ -26,7 +26,7 @@ import ray
 
 from rlix_plugins.control.client import ControlPlane, connect
 from rlix_plugins.control.coordinator import CoordinatorConfig
-from rlix_plugins.control.scheduler_state import SchedulerConfig
+from rlix_plugins.control.scheduling.config import SchedulerConfig
 from rlix_plugins.control.types import cluster_id as make_cluster_id
 from rlix_plugins.demo.fault_file import FAULT_FILE_ENV
 from rlix_plugins.demo.pipeline import DemoPipeline, PipelineSpec

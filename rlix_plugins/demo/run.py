@@ -157,7 +157,7 @@ def format_event(ev: dict[str, Any]) -> list[str]:
 
 def analyse_trace(events: list[Any], gpus: list[int], t0: float, t1: float) -> dict[str, Any]:
     """GPU busy share over ``[t0, t1]`` and training grants that preempted ANOTHER pipeline's rollout rank."""
-    from rlix_plugins.control.timeline import occupancy_spans
+    from rlix_plugins.control.capacity.timeline import occupancy_spans
     from rlix_plugins.control.types import Priority
 
     span_total = max(t1 - t0, 1e-9) * len(gpus)
@@ -291,7 +291,7 @@ def run_demo(pipelines: int = 2, gpus: int = 2, steps: int = 3, out: str | os.Pa
     import ray
 
     from rlix_plugins.control import client
-    from rlix_plugins.control.timeline import render_timeline
+    from rlix_plugins.control.capacity.timeline import render_timeline
     from rlix_plugins.demo.pipeline import DemoGate, DemoPipeline, PipelineSpec
     from rlix_plugins.tiny_model import build_tiny_qwen2
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from rlix_plugins.control._rpc import ray_get
+from rlix_plugins.control.rpc import ray_get
 from rlix_plugins.pipeline.protocols import SyncResult
 
 __all__ = ["ActorWeightSource", "DemoTrainer", "token_reward"]

@@ -25,7 +25,7 @@ from collections import defaultdict, deque
 from collections.abc import AsyncIterator
 from typing import Any, Final
 
-from rlix_plugins.control._rpc import ray_get
+from rlix_plugins.control.rpc import ray_get
 from rlix_plugins.errors import RlixConfigError
 from rlix_plugins.nemo_rl import worker_ops
 from rlix_plugins.pipeline.protocols import ShardPreemptedError

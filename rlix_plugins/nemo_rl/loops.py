@@ -23,7 +23,7 @@ from typing import Any, Final
 
 import ray
 
-from rlix_plugins.control._rpc import ray_get
+from rlix_plugins.control.rpc import ray_get
 from rlix_plugins.errors import RlixConfigError
 from rlix_plugins.nemo_rl import worker_ops
 from rlix_plugins.nemo_rl.config import cfg_path

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any, Final
 
-from rlix_plugins.control._rpc import ray_get
+from rlix_plugins.control.rpc import ray_get
 from rlix_plugins.errors import RlixError
 from rlix_plugins.nemo_rl import worker_ops
 from rlix_plugins.nemo_rl.config import Trainer, policy_trainer

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rlix_plugins.control._rpc import ray_get
+from rlix_plugins.control.rpc import ray_get
 from rlix_plugins.errors import RlixError
 
 __all__ = ["CollectorPublisher", "LoopPublishes"]

@@ -27,7 +27,7 @@ import time
 from collections.abc import Iterator
 from typing import Any, Final
 
-from rlix_plugins.control._rpc import ray_get
+from rlix_plugins.control.rpc import ray_get
 from rlix_plugins.errors import RlixError, RlixTimeoutError, SchedulerError, WeightVerificationError
 from rlix_plugins.pipeline.config import RuntimeConfig
 from rlix_plugins.pipeline.protocols import RolloutFleet, SyncResult, VersionPublisher, WeightSource

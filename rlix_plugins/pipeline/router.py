@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final, TypeVar
 
-from rlix_plugins.control._rpc import ray_get
+from rlix_plugins.control.rpc import ray_get
 from rlix_plugins.errors import PipelineUnregisteredError, RlixConfigError, RlixTimeoutError
 from rlix_plugins.pipeline.protocols import ShardPreemptedError
 

@@ -32,9 +32,9 @@ from typing import Any, Final
 
 import ray
 
-from rlix_plugins.control._rpc import ray_get
 from rlix_plugins.control.client import ControlPlane, PipelineHandle
 from rlix_plugins.control.coordinator import CoordinatorConfig
+from rlix_plugins.control.rpc import ray_get
 from rlix_plugins.control.types import GENERATION_CLUSTER, TRAIN_CLUSTER, Priority, pipeline_namespace
 from rlix_plugins.errors import (
     ActorDeadError,

@@ -18,7 +18,7 @@ import ray
 
 from rlix_plugins.control.client import ControlPlane, PipelineHandle, call, connect
 from rlix_plugins.control.coordinator import CoordinatorConfig
-from rlix_plugins.control.scheduler_state import SchedulerConfig
+from rlix_plugins.control.scheduling.config import SchedulerConfig
 from rlix_plugins.control.types import ORCHESTRATOR_NAME, RLIX_NAMESPACE, SCHEDULER_NAME
 from rlix_plugins.errors import RlixError
 

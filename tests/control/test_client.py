@@ -14,7 +14,7 @@ import pytest
 import ray
 
 from rlix_plugins.control import client
-from rlix_plugins.control._rpc import actor_death_reason
+from rlix_plugins.control.rpc import actor_death_reason
 from rlix_plugins.control.types import Priority
 from rlix_plugins.errors import RlixConfigError, RlixTimeoutError, SchedulerError
 from tests.control._ray_helpers import FAST_SCHEDULER, control_plane, kill_control_plane, make_pipeline

@@ -5,8 +5,8 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from rlix_plugins.control._gap_ratio import generation_targets
-from rlix_plugins.control.planner import plan_cycle, validate_plan
+from rlix_plugins.control.scheduling.gap_ratio import generation_targets
+from rlix_plugins.control.scheduling.planner import plan_cycle, validate_plan
 from rlix_plugins.control.types import PendingRequest, Priority, SchedulerSnapshot
 
 from ._planner_fixtures import GEN, active, apply_plan, gen_alloc, pipeline, snapshot, snapshots, whole_alloc

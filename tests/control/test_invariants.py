@@ -7,8 +7,13 @@ from dataclasses import replace
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from rlix_plugins.control._registration import validate_spec
-from rlix_plugins.control.planner import PlanInvariantError, plan_cycle, validate_cluster_specs, validate_plan
+from rlix_plugins.control.registration import validate_spec
+from rlix_plugins.control.scheduling.planner import (
+    PlanInvariantError,
+    plan_cycle,
+    validate_cluster_specs,
+    validate_plan,
+)
 from rlix_plugins.control.types import Allocation, ExpandOp, Grant, PendingRequest, Priority, ShrinkOp
 from rlix_plugins.errors import RlixConfigError, SchedulerError
 

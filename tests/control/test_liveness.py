@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from rlix_plugins.control.planner import plan_cycle, validate_cluster_specs, validate_plan
+from rlix_plugins.control.scheduling.planner import plan_cycle, validate_cluster_specs, validate_plan
 from rlix_plugins.control.types import (
     Allocation,
     ClusterSpec,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from rlix_plugins.control.planner import PlanInvariantError, plan_cycle, validate_plan
+from rlix_plugins.control.scheduling.planner import PlanInvariantError, plan_cycle, validate_plan
 from rlix_plugins.control.types import PendingRequest, Priority
 
 from ._planner_fixtures import GEN, active, apply_plan, gen_alloc, pipeline, snapshot, spec, whole_alloc
@@ -202,7 +202,7 @@ def test_one_gpu_co_tenants_take_turns_longest_waiter_first() -> None:
     bundle; the one that has waited longer gets it (b here, although the pipeline-id order prefers a)."""
     from dataclasses import replace
 
-    from rlix_plugins.control._gap_ratio import note_generation_waits
+    from rlix_plugins.control.scheduling.gap_ratio import note_generation_waits
 
     c = {**pipeline("a", [0], [0]), **pipeline("b", [0], [0])}
     progress = {"a": (64, 0), "b": (64, 0)}

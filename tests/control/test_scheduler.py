@@ -12,9 +12,10 @@ import pytest
 import ray
 
 from rlix_plugins.control import client
-from rlix_plugins.control._gap_ratio import cluster_demands
-from rlix_plugins.control._plan_state import PlanState
-from rlix_plugins.control.scheduler_state import apply_shrink, demand, merge_ops, rebalance_reason
+from rlix_plugins.control.scheduling.cycle import apply_shrink, merge_ops
+from rlix_plugins.control.scheduling.gap_ratio import cluster_demands
+from rlix_plugins.control.scheduling.plan_state import PlanState
+from rlix_plugins.control.scheduling.rebalance import demand, rebalance_reason
 from rlix_plugins.control.trace import TraceRecorder
 from rlix_plugins.control.types import (
     Allocation,
@@ -260,7 +261,7 @@ def test_pure_helpers_merge_shrink_and_rebalance_trigger() -> None:
 
 def test_scheduler_validates_specs_once_at_registration() -> None:
     """Pool bounds and TP bundles are refused at registration (cycles never re-check the frozen specs)."""
-    from rlix_plugins.control.scheduler import Scheduler
+    from rlix_plugins.control.scheduling.scheduler import Scheduler
 
     async def register(*specs: ClusterSpec) -> None:
         sched = Scheduler(4, 2)

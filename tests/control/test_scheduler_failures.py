@@ -122,7 +122,7 @@ def test_hanging_handler_fails_planned_release_of_that_pipeline_only(control_pla
 def test_rlix_status_names_failed_pipelines_and_why(control_plane: client.ControlPlane) -> None:
     """A pipeline the scheduler failed is listed by status (and ``rlix status``) with the reason and GPUs freed;
     the state committed by every changing cycle was checked against the invariants."""
-    from rlix_plugins.control.admin import format_status
+    from rlix_plugins.control.admin.commands import format_status
 
     cp = control_plane
     a, _ = make_pipeline(cp, train=[0], infer=[0, 1])

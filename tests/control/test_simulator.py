@@ -9,9 +9,9 @@ from collections import defaultdict
 import pytest
 
 from rlix_plugins.cli import main as rlix_main
-from rlix_plugins.control._sim_engine import JobSpec, Placement, Simulation
-from rlix_plugins.control.simulator import compare, rlix_placements, stock_configs
-from rlix_plugins.control.timeline import occupancy_spans
+from rlix_plugins.control.capacity.comparison import compare, rlix_placements, stock_configs
+from rlix_plugins.control.capacity.simulation import JobSpec, Placement, Simulation
+from rlix_plugins.control.capacity.timeline import occupancy_spans
 from rlix_plugins.control.types import Priority
 
 

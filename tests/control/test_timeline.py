@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from rlix_plugins.control.timeline import occupancy_spans, phase_of, render_timeline
+from rlix_plugins.control.capacity.timeline import occupancy_spans, phase_of, render_timeline
 from rlix_plugins.control.types import Priority, TraceEvent
 
 

@@ -186,7 +186,8 @@ def test_single_controller_and_grpo_sync_time_share_one_control_plane(mock_grpo_
     training grant (the control plane's allocations, read there); the runs interleave; both finish."""
     monkeypatch.setenv("RLIX_CONTROL_PLANE", "rlix")
     _no_gym(monkeypatch)
-    from rlix_plugins.control import _rpc, client
+    from rlix_plugins.control import client
+    from rlix_plugins.control import rpc as _rpc
 
     # The sync loop's mocks replace the process-wide ray.get while it runs (identity for their stubs); the
     # SingleController's thread must reach the control plane with the real one meanwhile.

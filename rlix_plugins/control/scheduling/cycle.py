@@ -1,9 +1,10 @@
-"""State and cycle engine of the scheduler actor (split from ``scheduler.py`` for size; see its docstring).
+"""The scheduler's state and its cycle (snapshot → plan → execute → commit → signal); base of ``scheduler.Scheduler``.
 
-``SchedulerCore`` owns every field of the scheduler and runs the cycle; ``scheduler.Scheduler`` adds the public
-coroutine API on top. Single-threaded by construction: everything runs on the actor's asyncio event loop, and
-only ``_execute`` awaits (resize RPCs) in the middle of a cycle; what may change during those awaits is listed in
-``scheduler.py``'s docstring.
+``SchedulerCycle`` owns every field of the scheduler, runs the background loop and executes plans (resize calls to
+the pipelines' coordinators, health probes); ``scheduler.Scheduler`` adds the public coroutine API on top.
+Single-threaded by construction: everything runs on the actor's asyncio event loop, and only ``_execute`` awaits
+(resize RPCs) in the middle of a cycle; what may change during those awaits is listed in ``scheduler.py``'s
+docstring.
 """
 
 from __future__ import annotations
@@ -12,29 +13,28 @@ import asyncio
 import itertools
 import logging
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import ray
 
-from rlix_plugins.control import planner
-from rlix_plugins.control._gap_ratio import note_generation_waits
-from rlix_plugins.control._invariants import PlanInvariantError, validate_snapshot
-from rlix_plugins.control.scheduler_state import (
-    SchedulerConfig,
-    apply_shrink,
-    merge_ops,
-    rebalance_reason,
-)
+from rlix_plugins.control.scheduling import planner
+from rlix_plugins.control.scheduling.config import SchedulerConfig
+from rlix_plugins.control.scheduling.gap_ratio import note_generation_waits
+from rlix_plugins.control.scheduling.invariants import PlanInvariantError, validate_snapshot
+from rlix_plugins.control.scheduling.rebalance import rebalance_reason
 from rlix_plugins.control.trace import TraceRecorder
 from rlix_plugins.control.types import (
     Allocation,
     ClusterSpec,
     CyclePlan,
+    ExpandOp,
     PendingRequest,
     Priority,
     Progress,
     SchedulerSnapshot,
+    ShrinkOp,
     coordinator_name,
     pipeline_namespace,
 )
@@ -61,7 +61,7 @@ class _Pipeline:
     registered_at: float = field(default_factory=time.time)
 
 
-class SchedulerCore:
+class SchedulerCycle:
     """Scheduler state plus the cycle (snapshot → plan → execute → commit → signal). Not an actor itself."""
 
     def __init__(self, num_gpus: int, gpus_per_node: int, config: SchedulerConfig | None = None) -> None:
@@ -452,3 +452,22 @@ def _describe(exc: BaseException) -> str:
         return "coordinator actor died (RayActorError)"
     text = str(exc).splitlines()[0] if str(exc) else ""
     return f"{type(exc).__name__}: {text}"[:500]
+
+
+def merge_ops(ops: Iterable[ShrinkOp | ExpandOp]) -> dict[str, tuple[int, ...]]:
+    """DP ranks per cluster, merged over several ops of one kind (one ``resize_infer`` call per cluster)."""
+    merged: dict[str, set[int]] = {}
+    for op in ops:
+        merged.setdefault(op.cluster_id, set()).update(op.dp_ranks)
+    return {cid: tuple(sorted(ranks)) for cid, ranks in merged.items()}
+
+
+def apply_shrink(alloc: Allocation, spec: ClusterSpec, ranks: Iterable[int]) -> Allocation:
+    """``alloc`` after the given DP ranks went to sleep (used when only part of a plan was executed)."""
+    ranks = frozenset(ranks)
+    return Allocation(
+        cluster_id=alloc.cluster_id,
+        priority=alloc.priority,
+        gpus=alloc.gpus - spec.gpus_of(ranks),
+        active_dp_ranks=alloc.active_dp_ranks - ranks,
+    )

@@ -30,9 +30,9 @@ import itertools
 import math
 from dataclasses import dataclass, field, replace
 
-from rlix_plugins.control._gap_ratio import note_generation_waits
-from rlix_plugins.control._registration import validate_spec
-from rlix_plugins.control.planner import plan_cycle, validate_plan
+from rlix_plugins.control.registration import validate_spec
+from rlix_plugins.control.scheduling.gap_ratio import note_generation_waits
+from rlix_plugins.control.scheduling.planner import plan_cycle, validate_plan
 from rlix_plugins.control.types import (
     Allocation,
     ClusterSpec,

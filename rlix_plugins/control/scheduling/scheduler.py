@@ -28,17 +28,18 @@ import asyncio
 import time
 from typing import Any
 
-from rlix_plugins.control import planner
-from rlix_plugins.control._scheduler_core import SchedulerCore, _Pipeline, _Waiter
-from rlix_plugins.control.scheduler_state import SchedulerConfig, check_timeout, status_dict, to_priority
+from rlix_plugins.control.scheduling import planner
+from rlix_plugins.control.scheduling.config import SchedulerConfig, check_timeout, to_priority
+from rlix_plugins.control.scheduling.cycle import SchedulerCycle, _Pipeline, _Waiter
+from rlix_plugins.control.scheduling.status import status_dict
 from rlix_plugins.control.types import ClusterSpec, PendingRequest, Priority, Progress, TraceEvent
 from rlix_plugins.errors import PipelineUnregisteredError, RlixConfigError, RlixTimeoutError, SchedulerError
 
 
-class Scheduler(SchedulerCore):
+class Scheduler(SchedulerCycle):
     """GPU scheduler actor. Create through the orchestrator (``client.connect``); all methods are coroutines.
 
-    Subclass only to split the module: ``SchedulerCore`` holds state and the cycle, this class the public API.
+    Subclass only to split the module: ``SchedulerCycle`` holds state and the cycle, this class the public API.
     """
 
     # ------------------------------------------------------------------ lifecycle / introspection
@@ -137,10 +138,7 @@ class Scheduler(SchedulerCore):
         """
         self._ensure_loop()
         timeout = check_timeout(timeout_s, self._cfg.default_request_timeout_s, f"request_gpus({cluster_id})")
-        result = self._enqueue(cluster_id, to_priority(priority), step, step_target_estimate)
-        if isinstance(result, list):
-            return result
-        return await self._await_grant(result, timeout)
+        return await self._request(cluster_id, to_priority(priority), step, step_target_estimate, timeout)
 
     async def release_gpus(self, cluster_id: str, step: int | None = None, timeout_s: float | None = None) -> list[int]:
         """Give back the cluster's allocation; returns the GPUs released ([] when it held none).
@@ -177,12 +175,9 @@ class Scheduler(SchedulerCore):
         self._require_cluster(request_cluster_id)
         if request_cluster_id == release_cluster_id and held is not None and held.priority == prio:
             raise SchedulerError(f"{release_cluster_id} already holds priority {prio.name}; nothing to switch")
-        # No await between the release and the enqueue: atomic on the event loop.
+        # No await between the release and the enqueue (``_request`` enqueues before it first awaits): atomic.
         self._release(spec, step)
-        result = self._enqueue(request_cluster_id, prio, step, step_target_estimate)
-        if isinstance(result, list):
-            return result
-        return await self._await_grant(result, timeout)
+        return await self._request(request_cluster_id, prio, step, step_target_estimate, timeout)
 
     async def await_release(self, cluster_id: str, timeout_s: float | None = None) -> list[int]:
         """Planned shrink of a GENERATION cluster to zero; blocks until committed. Returns the GPUs freed.
@@ -286,6 +281,14 @@ class Scheduler(SchedulerCore):
         raise PipelineUnregisteredError(
             f"cluster {cluster_id!r} is not registered (its pipeline was unregistered or failed?); known: {known}"
         )
+
+    async def _request(self, cluster_id: str, prio: Priority, step: int | None, estimate: int | None,
+                       timeout: float) -> list[int]:
+        """Queue a request and wait for its grant (or return at once what the cluster already holds)."""
+        result = self._enqueue(cluster_id, prio, step, estimate)
+        if isinstance(result, list):
+            return result
+        return await self._await_grant(result, timeout)
 
     def _enqueue(self, cluster_id: str, prio: Priority, step: int | None, estimate: int | None) -> list[int] | _Waiter:
         spec = self._require_cluster(cluster_id)

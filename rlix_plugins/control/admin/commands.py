@@ -2,7 +2,7 @@
 
 Each returns a process exit code and raises an ``RlixError`` subclass for bad input or an unreachable cluster
 (the CLI prints it on one line and exits 2). The cluster acted on: ``--address``, else ``RAY_ADDRESS``, else the
-one ``rlix up`` started or joined (recorded by ``control/local_cluster.py``); never whatever Ray's ``"auto"`` finds.
+one ``rlix up`` started or joined (recorded by ``control/admin/local_cluster.py``); never whatever Ray's ``"auto"`` finds.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import time
 from pathlib import Path
 from typing import Any, Final
 
-from rlix_plugins.control import local_cluster, ray_auth
-from rlix_plugins.control.local_cluster import ClusterRecord
+from rlix_plugins.control.admin import local_cluster, ray_auth
+from rlix_plugins.control.admin.local_cluster import ClusterRecord
 from rlix_plugins.errors import RlixConfigError, SchedulerError
 
 
@@ -244,8 +244,8 @@ def _table(header: list[str], rows: list[list[str]], *, empty: str) -> str:
 
 def timeline(address: str | None, out: str) -> int:
     """Render the scheduler trace to ``out`` (PNG/SVG/PDF by suffix) as a Gantt chart, one row per GPU."""
+    from rlix_plugins.control.capacity.timeline import render_timeline
     from rlix_plugins.control.client import connect
-    from rlix_plugins.control.timeline import render_timeline
 
     path = Path(out)
     if path.suffix.lower() not in {".png", ".svg", ".pdf"}:

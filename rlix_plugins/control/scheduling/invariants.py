@@ -5,7 +5,7 @@ Each failure raises ``PlanInvariantError(invariant, message)``; ``invariant`` is
 
 from __future__ import annotations
 
-from rlix_plugins.control._plan_state import is_generation_alloc, rank_index
+from rlix_plugins.control.scheduling.plan_state import is_generation_alloc, rank_index
 from rlix_plugins.control.types import (
     Allocation,
     ClusterSpec,

@@ -38,7 +38,7 @@ import heapq
 import math
 from collections.abc import Container, Iterator
 
-from rlix_plugins.control._plan_state import PlanState, bundles, mappings_overlap, rank_index
+from rlix_plugins.control.scheduling.plan_state import PlanState, bundles, mappings_overlap, rank_index
 from rlix_plugins.control.types import PendingRequest, Priority, Progress, SchedulerSnapshot
 
 #: Safety caps per cycle (the reference used the same numbers).
@@ -55,7 +55,7 @@ def round_half_up(x: float) -> int:
 
 def rollout_demand(progress: Progress | None, request: PendingRequest | None) -> int:
     """THE demand rule (trajectories) of one generation cluster; the planner and the scheduler's rebalance
-    trigger (``scheduler_state.rebalance_reason``) both get their demand from here, so they never disagree.
+    trigger (``rebalance.rebalance_reason``) both get their demand from here, so they never disagree.
 
     ``progress.remaining`` when positive; otherwise, with a pending GENERATION request, the request's
     ``step_target_estimate`` (>= 1: a pipeline that asks is never skipped, debug #27, even when its last progress

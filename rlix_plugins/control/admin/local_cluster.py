@@ -8,7 +8,7 @@ A head that ``rlix up`` starts runs in a Unix session of its own (``ray start`` 
 that head, workers included, inherits the session id) and in a private Ray temp directory, so no plain
 ``ray.init()`` on the machine joins it by accident. ``rlix down --stop-ray`` ends exactly the processes of that
 session, after checking they still belong to the recorded head; a bare ``ray stop`` would end every Ray process of
-the user. Unless started with ``--insecure-no-auth`` the head demands Ray's auth token (``control/ray_auth.py``).
+the user. Unless started with ``--insecure-no-auth`` the head demands Ray's auth token (``control/admin/ray_auth.py``).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Final
 
-from rlix_plugins.control import ray_auth
+from rlix_plugins.control.admin import ray_auth
 from rlix_plugins.errors import RlixConfigError, SchedulerError
 
 STATE_DIR_ENV: Final = "RLIX_STATE_DIR"

@@ -14,7 +14,7 @@ Three ways to run the same jobs (each job keeps its number of training GPUs and 
 * **one after another**: each job alone on the whole pool in its fastest stock configuration, then the next.
 
 Reported: aggregate steps/hour (all steps / makespan) and GPU busy share (useful rollout + training GPU-seconds
-over pool x makespan), and the ratios rlix / baseline. The engine and its model are in ``_sim_engine.py``.
+over pool x makespan), and the ratios rlix / baseline. The engine and its model are in ``simulation.py``.
 """
 
 from __future__ import annotations
@@ -24,15 +24,24 @@ import json
 import pathlib
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
+from typing import TypedDict, Unpack
 
-from rlix_plugins.control._sim_engine import JobSpec, Placement, SimRun, Simulation
-from rlix_plugins.control.types import TraceEvent
+from rlix_plugins.control.capacity.simulation import JobSpec, Placement, SimRun, Simulation
 from rlix_plugins.errors import RlixConfigError
 
-__all__ = ["Comparison", "JobSpec", "SimRun", "add_arguments", "best_alone", "best_stock", "compare", "rlix_placements",
+__all__ = ["Comparison", "JobSpec", "SimOptions", "SimRun", "add_arguments", "best_alone", "best_stock", "compare", "rlix_placements",
            "run_cli"]
 
 MODES = ("rlix", "static", "sequential")
+
+
+class SimOptions(TypedDict, total=False):
+    """Keyword options of :class:`Simulation` that every run of a comparison shares (defaults: Simulation's)."""
+
+    dt_s: float
+    tick_s: float
+    validate: bool
+    record: bool
 
 
 def _bundles(lo: int, hi: int, tp: int, gpus_per_node: int) -> list[int]:
@@ -82,20 +91,21 @@ def stock_configs(job: JobSpec, size: int, gpus_per_node: int) -> list[tuple[Job
     return out
 
 
-def best_stock(job: JobSpec, size: int, gpus_per_node: int, **kw: object) -> tuple[JobSpec, Placement, SimRun]:
+def best_stock(job: JobSpec, size: int, gpus_per_node: int,
+               **options: Unpack[SimOptions]) -> tuple[JobSpec, Placement, SimRun]:
     """The fastest stock configuration of ``job`` alone on ``size`` GPUs: (variant, placement, its run)."""
     best: tuple[JobSpec, Placement, SimRun] | None = None
     for variant, placement in stock_configs(job, size, gpus_per_node):
-        run = Simulation([variant], [placement], size, gpus_per_node, **kw).run()  # type: ignore[arg-type]
+        run = Simulation([variant], [placement], size, gpus_per_node, **options).run()
         if best is None or run.makespan_s < best[2].makespan_s:
             best = (variant, placement, run)
     assert best is not None
     return best
 
 
-def best_alone(job: JobSpec, size: int, gpus_per_node: int, **kw: object) -> SimRun:
+def best_alone(job: JobSpec, size: int, gpus_per_node: int, **options: Unpack[SimOptions]) -> SimRun:
     """The run of the fastest stock configuration of ``job`` alone on ``size`` GPUs."""
-    return best_stock(job, size, gpus_per_node, **kw)[2]
+    return best_stock(job, size, gpus_per_node, **options)[2]
 
 
 def with_training_of(job: JobSpec, variant: JobSpec, placement: Placement) -> JobSpec:
@@ -132,25 +142,21 @@ class Comparison:
 _LABEL = {"rlix": "rlix (shared pool)", "static": "static partition", "sequential": "one after another"}
 
 
-def _shifted(events: list[TraceEvent], dt: float, dgpu: int) -> list[TraceEvent]:
-    return [replace(e, time=e.time + dt, gpus=tuple(g + dgpu for g in e.gpus)) for e in events]
+def _add_run(total: SimRun, run: SimRun, job: str, start_s: float, first_gpu: int) -> None:
+    """Add ``run`` (of ``job`` alone, started at ``start_s`` on GPUs from ``first_gpu``) to the baseline ``total``."""
+    total.events.extend(replace(e, time=e.time + start_s, gpus=tuple(g + first_gpu for g in e.gpus)) for e in run.events)
+    total.finish_s[job] = start_s + run.makespan_s
+    total.makespan_s = max(total.makespan_s, start_s + run.makespan_s)
+    total.steps += run.steps
+    total.busy_gpu_s += run.busy_gpu_s
+    total.cycles += run.cycles
 
 
-def compare(
-    jobs: Sequence[JobSpec],
-    num_gpus: int,
-    gpus_per_node: int,
-    *,
-    dt_s: float = 1.0,
-    tick_s: float = 5.0,
-    validate: bool = True,
-    record: bool = True,
-) -> Comparison:
+def compare(jobs: Sequence[JobSpec], num_gpus: int, gpus_per_node: int, **options: Unpack[SimOptions]) -> Comparison:
     """Run ``jobs`` under rlix, a static equal partition and one after another; return the three runs.
 
     Both baselines use each job's fastest stock configuration (``stock_configs``) on its GPUs.
     """
-    kw: dict[str, object] = {"dt_s": dt_s, "tick_s": tick_s, "validate": validate, "record": record}
     rlix_placements(jobs, num_gpus, gpus_per_node)  # refuses a job whose training does not fit its home slice
     n = len(jobs)
     home = num_gpus // n
@@ -158,22 +164,12 @@ def compare(
     seq = SimRun(makespan_s=0.0, steps=0, busy_gpu_s=0.0, num_gpus=num_gpus, finish_s={}, cycles=0)
     rlix_jobs: list[JobSpec] = []
     for i, job in enumerate(jobs):
-        variant, placement, r = best_stock(job, home, gpus_per_node, **kw)
+        variant, placement, r = best_stock(job, home, gpus_per_node, **options)
         rlix_jobs.append(with_training_of(job, variant, placement))
-        static.events.extend(_shifted(r.events, job.start_s, i * home))
-        static.finish_s[job.name] = job.start_s + r.makespan_s
-        static.makespan_s = max(static.makespan_s, job.start_s + r.makespan_s)
-        static.steps += r.steps
-        static.busy_gpu_s += r.busy_gpu_s
-        static.cycles += r.cycles
-        r = best_alone(job, num_gpus, gpus_per_node, **kw)
-        seq.events.extend(_shifted(r.events, seq.makespan_s, 0))
-        seq.finish_s[job.name] = seq.makespan_s + r.makespan_s
-        seq.makespan_s += r.makespan_s
-        seq.steps += r.steps
-        seq.busy_gpu_s += r.busy_gpu_s
-        seq.cycles += r.cycles
-    rlix = Simulation(rlix_jobs, rlix_placements(rlix_jobs, num_gpus, gpus_per_node), num_gpus, gpus_per_node, **kw).run()  # type: ignore[arg-type]
+        _add_run(static, r, job.name, job.start_s, i * home)
+        _add_run(seq, best_alone(job, num_gpus, gpus_per_node, **options), job.name, seq.makespan_s, 0)
+    rlix = Simulation(rlix_jobs, rlix_placements(rlix_jobs, num_gpus, gpus_per_node), num_gpus, gpus_per_node,
+                      **options).run()
     return Comparison({"rlix": rlix, "static": static, "sequential": seq}, rlix_jobs)
 
 
@@ -254,7 +250,7 @@ def jobs_from_args(args: argparse.Namespace) -> list[JobSpec]:
 
 
 def run_cli(args: argparse.Namespace) -> int:
-    from rlix_plugins.control.timeline import render_timeline
+    from rlix_plugins.control.capacity.timeline import render_timeline
 
     jobs = jobs_from_args(args)
     cmp = compare(jobs, args.gpus, args.gpus_per_node, dt_s=args.dt, validate=not args.no_validate)

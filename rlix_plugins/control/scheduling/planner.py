@@ -13,7 +13,7 @@
    priority, or same priority with a larger ``seq``) is granted any of those GPUs, and the gap ratio does not
    wake ranks on idle reserved GPUs. A waiting request preempts nothing (its generation neighbours keep working
    until it can really start). A request whose cluster already holds its whole mapping is granted at once.
-3. **Gap ratio** (``_gap_ratio.plan_gap_ratio``): divides rollout GPUs by remaining work x TP. Idle GPUs in
+3. **Gap ratio** (``gap_ratio.plan_gap_ratio``): divides rollout GPUs by remaining work x TP. Idle GPUs in
    ``snapshot.release_grace_gpus`` (released by a training cluster moments ago) are not lent to rollout yet.
 4. **Generation grants**: each pending GENERATION request whose cluster has ≥1 active rank after this plan is
    granted (partial grants; the wake-only signal of the reference that fixed its deadlock).
@@ -24,10 +24,10 @@ releases. ``validate_plan`` (re-exported here) checks a plan against its snapsho
 
 from __future__ import annotations
 
-from rlix_plugins.control._gap_ratio import plan_gap_ratio
-from rlix_plugins.control._invariants import PlanInvariantError, validate_plan, validate_snapshot
-from rlix_plugins.control._plan_state import PlanState, rank_index
-from rlix_plugins.control._registration import validate_cluster_specs
+from rlix_plugins.control.registration import validate_cluster_specs
+from rlix_plugins.control.scheduling.gap_ratio import plan_gap_ratio
+from rlix_plugins.control.scheduling.invariants import PlanInvariantError, validate_plan, validate_snapshot
+from rlix_plugins.control.scheduling.plan_state import PlanState, rank_index
 from rlix_plugins.control.types import Allocation, CyclePlan, Grant, Priority, SchedulerSnapshot
 
 __all__ = [
