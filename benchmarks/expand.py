@@ -33,6 +33,7 @@ from typing import Any
 
 os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # this process uses CUDA (the sender)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # the copy probe is a function sent to the worker
 
 import torch
 
