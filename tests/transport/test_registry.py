@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
 from typing import Any
@@ -53,6 +55,15 @@ def test_receive_bucket_refuses_payloads_it_cannot_open() -> None:
         receive_bucket({"transport": "nvlink"})
     with pytest.raises(TransportError, match="unknown payload transport 'host_pull'"):  # a whole-sync payload
         receive_bucket({"transport": "host_pull", "buckets": []})
+
+
+def test_the_package_imports_neither_vllm_nemo_rl_ray_nor_the_test_endpoints() -> None:
+    code = ("import sys\nfor m in ('vllm', 'nemo_rl', 'ray'): sys.modules[m] = None\n"
+            "import rlix_plugins.transport, rlix_plugins.errors\n"
+            "print(sorted(m for m in sys.modules if m.startswith('rlix_plugins.testing')))")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.strip() == "[]"
 
 
 # ------------------------------------------------------------- a transport added by registration alone
