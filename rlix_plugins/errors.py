@@ -13,7 +13,7 @@ import base64
 import binascii
 import json
 import re
-from typing import Any, ClassVar
+from typing import ClassVar
 
 
 class RlixError(Exception):
@@ -76,7 +76,7 @@ def carried_in_text(exc: RlixError) -> RlixError:
     ``Type: message``): raise this where the error crosses a hop that forwards only its text."""
     if _TAG.match(str(exc)):
         return exc
-    fields = _fields(exc)
+    fields = {f: getattr(exc, f) for f in type(exc).FIELDS}
     record = {"type": type(exc).__name__, "message": str(exc), "fields": fields}
     blob = base64.urlsafe_b64encode(json.dumps(record).encode()).decode("ascii")
     return type(exc)(f"[rlix-error:{blob}] {type(exc).__name__}: {exc}", **fields)
@@ -110,6 +110,7 @@ def _decode(tag: re.Match[str] | None) -> RlixError | None:
 
 
 def _error_types() -> dict[str, type[RlixError]]:
+    """Every loaded ``RlixError`` class by name (only these are ever rebuilt from a tag)."""
     found: dict[str, type[RlixError]] = {}
     todo: list[type[RlixError]] = [RlixError]
     while todo:
@@ -118,6 +119,3 @@ def _error_types() -> dict[str, type[RlixError]]:
         todo.extend(cls.__subclasses__())
     return found
 
-
-def _fields(exc: RlixError) -> dict[str, Any]:
-    return {f: getattr(exc, f) for f in type(exc).FIELDS}
