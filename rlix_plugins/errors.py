@@ -118,4 +118,3 @@ def _error_types() -> dict[str, type[RlixError]]:
         found.setdefault(cls.__name__, cls)
         todo.extend(cls.__subclasses__())
     return found
-
