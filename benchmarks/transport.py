@@ -27,6 +27,7 @@ os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
 
 import torch
 
+from rlix_plugins.testing.local_receiver import SubprocessReceiver
 from rlix_plugins.transport import (
     GroupHost,
     VersionedBucketCache,
@@ -34,7 +35,6 @@ from rlix_plugins.transport import (
     sync_weights,
     wait_for_teardowns,
 )
-from rlix_plugins.transport.local_receiver import SubprocessReceiver
 
 MiB = 1 << 20
 GiB = 1 << 30

@@ -1,4 +1,10 @@
-"""Weight transport: versioned CPU bucket cache, three transports, comm plan, verification.
+"""Weight transport: versioned CPU bucket cache, a registry of same-GPU transports, per-sync broadcast, comm plan,
+verification.
+
+What the package offers: the bucket format and the sender's cache (training side), ``build_comm_plan`` and
+``sync_weights`` (push one cache version to a set of receivers), the receiver functions a worker calls, and
+the transport registry. Everything public is re-exported here (``__all__``); the ``_modules`` are private.
+Test endpoints live in :mod:`rlix_plugins.testing`, not here.
 
 Imports torch only (never NeMo RL, vLLM or Ray). This docstring is the contract between the sender
 (training side, ``rlix_plugins.nemo_rl``) and the receiver (the vLLM worker extension,
@@ -25,9 +31,18 @@ every training rank (only the owner keeps buckets; pinned buffers allocated once
 Comm plan
 ---------
 ``build_comm_plan(sender=(node, gpu), targets={dp_rank: [(node, gpu), ...]}, same_gpu_transport)``:
-devices equal to the sender's go by ``cuda_ipc`` (or ``cpu_serialize``), the rest join a broadcast
-group (sender rank 0, then ascending ``(dp_rank, local_rank)``). ``TargetPlan.ipc_local_ranks``,
+devices equal to the sender's go by the named same-GPU transport, the rest join a broadcast group
+(sender rank 0, then ascending ``(dp_rank, local_rank)``). ``TargetPlan.ipc_local_ranks``,
 ``TargetPlan.broadcast_rank_map()`` (local rank -> group rank).
+
+Same-GPU transports (registry)
+------------------------------
+``same_gpu_transport(name)`` -> the registered ``SameGpuTransport`` (an unknown name is a one-line
+``RlixConfigError`` listing ``registered_transports()``): ``host_pull`` (a ``SyncTransport``: one payload
+naming every bucket of the sync, the receiver copies from the sender's shared pinned cache pages),
+``cuda_ipc`` and ``cpu_serialize`` (``BucketTransport``: one payload per bucket; ``reads_staging`` marks
+cuda_ipc, whose payload points into the sender's GPU staging copy). Adding one: a module with a subclass
+and one line in ``_registry``. The sender branches on the two shapes, never on a name.
 
 Sender
 ------
@@ -64,8 +79,10 @@ their local rank is listed (``ipc_local_ranks`` / ``broadcast_local_ranks`` / ``
   host sync; ``finish_checksums`` reads them (one sync for a whole sync's worth).
 * ``compute_checksums(named_tensors)`` -> ``{name: [nbytes, word_sum, weighted_sum]}`` and
   ``verify_checksums(expected, actual)`` - raises ``WeightVerificationError`` naming the first
-  differing parameter. Checksums are exact integer sums of the raw bytes (bit-exact, device-agnostic).
-  The receiver computes them on the received tensors (names as sent), accumulating across buckets.
+  differing parameter (also in ``.parameter``). Checksums are exact integer sums of the raw bytes
+  (bit-exact, device-agnostic). The receiver computes them on the received tensors (names as sent),
+  accumulating across buckets. Raised across vLLM's ``collective_rpc`` (which forwards only an error's
+  text) as ``errors.carried_in_text(exc)``; ``wait_all`` re-raises it typed, with ``.dp_rank``.
 * ``check_device_capacity(bucket_bytes, device)`` - the free-memory guard the receive functions apply.
 
 The receiver never knows about vLLM models: it returns named tensors; the extension loads them.
@@ -113,6 +130,8 @@ from rlix_plugins.transport._host_pull import (
 from rlix_plugins.transport._memory import check_device_capacity, check_host_capacity, host_available_bytes
 from rlix_plugins.transport._plan import CommPlan, DeviceRef, TargetPlan, build_comm_plan
 from rlix_plugins.transport._receiver import receive_bucket
+from rlix_plugins.transport._registry import registered_transports, same_gpu_transport
+from rlix_plugins.transport._same_gpu import BucketTransport, SameGpuTransport, SyncTransport
 from rlix_plugins.transport._sender import (
     DeferredReadsEndpoint,
     PendingCall,
@@ -127,6 +146,7 @@ __all__ = [
     "BACKENDS",
     "BucketMeta",
     "BucketRecord",
+    "BucketTransport",
     "CacheSnapshot",
     "CommPlan",
     "DeferredReadsEndpoint",
@@ -134,8 +154,10 @@ __all__ = [
     "GroupHost",
     "PendingCall",
     "ReceiverEndpoint",
+    "SameGpuTransport",
     "SharedHostBuffer",
     "SyncReport",
+    "SyncTransport",
     "TargetPlan",
     "VersionedBucketCache",
     "align_up",
@@ -160,6 +182,8 @@ __all__ = [
     "pack_bucket",
     "receive_bucket",
     "receive_cpu_serialize",
+    "registered_transports",
+    "same_gpu_transport",
     "setup_collective_group",
     "start_checksums",
     "str_to_dtype",

@@ -237,13 +237,15 @@ def verify_checksums(
             if require_all:
                 raise WeightVerificationError(
                     f"parameter {name!r} was sent but never received{where}; "
-                    f"received {len(actual)} of {len(expected)} parameters"
+                    f"received {len(actual)} of {len(expected)} parameters",
+                    parameter=name,
                 )
             continue
         if [int(x) for x in got] != [int(x) for x in want]:
             raise WeightVerificationError(
                 f"parameter {name!r} differs after loading{where}: sender checksum "
-                f"[nbytes, word_sum, weighted_sum]={list(want)}, receiver {list(got)}"
+                f"[nbytes, word_sum, weighted_sum]={list(want)}, receiver {list(got)}",
+                parameter=name,
             )
     extra = [n for n in actual if n not in expected]
     if extra:

@@ -19,6 +19,7 @@ import torch
 from rlix_plugins.errors import TransportError
 from rlix_plugins.transport._bucket import BucketMeta, BucketRecord, unpack_bucket
 from rlix_plugins.transport._memory import DEFAULT_SCRATCH_BYTES, check_device_capacity
+from rlix_plugins.transport._same_gpu import BucketTransport
 
 TRANSPORT = "cpu_serialize"
 
@@ -61,3 +62,15 @@ def receive_cpu_serialize(
         check_device_capacity(meta.used_bytes, dev, scratch_bytes=scratch_bytes, what=f"bucket {meta.index}")
         buffer = src.to(dev)
     return unpack_bucket(meta, buffer)
+
+
+class CpuSerialize(BucketTransport):
+    """The bucket's bytes in the RPC (sent from the pinned bucket, never from a GPU copy)."""
+
+    name = TRANSPORT
+
+    def payload(self, record: BucketRecord, data: torch.Tensor) -> dict[str, Any]:
+        return make_cpu_serialize_payload(record)
+
+    def receive(self, payload: dict[str, Any], device: torch.device | str, *, scratch_bytes: int) -> list[tuple[str, torch.Tensor]]:
+        return receive_cpu_serialize(payload, device, scratch_bytes=scratch_bytes)

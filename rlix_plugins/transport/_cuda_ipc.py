@@ -25,7 +25,8 @@ from typing import Any
 import torch
 
 from rlix_plugins.errors import TransportError
-from rlix_plugins.transport._bucket import BucketMeta, unpack_bucket
+from rlix_plugins.transport._bucket import BucketMeta, BucketRecord, unpack_bucket
+from rlix_plugins.transport._same_gpu import BucketTransport
 
 TRANSPORT = "cuda_ipc"
 #: position of ``storage_device`` in ``rebuild_cuda_tensor``'s arguments when introspection fails
@@ -88,3 +89,19 @@ def open_cuda_ipc(payload: dict[str, Any]) -> list[tuple[str, torch.Tensor]]:
     args[_device_arg_index(rebuild_cuda_tensor)] = local_index_for_uuid(str(payload["device_uuid"]))
     buffer = rebuild_cuda_tensor(*args)
     return unpack_bucket(meta, buffer.view(-1)[: meta.used_bytes])
+
+
+class CudaIpc(BucketTransport):
+    """A handle to the sender's GPU staging copy; receivers get zero-copy views (``device`` is found by UUID)."""
+
+    name = TRANSPORT
+    reads_staging = True
+
+    def payload(self, record: BucketRecord, data: torch.Tensor) -> dict[str, Any]:
+        return make_cuda_ipc_payload(record.meta, data)
+
+    def receive(self, payload: dict[str, Any], device: torch.device | str, *, scratch_bytes: int) -> list[tuple[str, torch.Tensor]]:
+        return open_cuda_ipc(payload)
+
+    def release(self, device: torch.device) -> None:
+        torch.cuda.ipc_collect()  # release staging blocks kept alive for IPC consumers

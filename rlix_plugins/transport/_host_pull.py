@@ -28,12 +28,14 @@ import os
 import threading
 import uuid
 import weakref
+from collections.abc import Sequence
 from typing import Any, Final
 
 import torch
 
 from rlix_plugins.errors import TransportError
 from rlix_plugins.transport._bucket import BucketMeta, BucketRecord
+from rlix_plugins.transport._same_gpu import SyncTransport
 
 TRANSPORT: Final = "host_pull"
 log = logging.getLogger(__name__)
@@ -205,3 +207,12 @@ def _forget_stale(current: set[tuple[str, int, int, int]]) -> None:
     with _maps_lock:
         for key in [k for k in _maps if k[1] in pids and k not in current]:
             _unmap(_maps.pop(key))
+
+
+class HostPull(SyncTransport):
+    """Every bucket's metadata and shared-buffer handle in one payload; receivers read the pinned pages."""
+
+    name = TRANSPORT
+
+    def payload(self, records: Sequence[BucketRecord], *, deferred: bool = False) -> dict[str, Any]:
+        return make_host_pull_payload(list(records), deferred=deferred)

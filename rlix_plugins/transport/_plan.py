@@ -1,8 +1,8 @@
-"""Comm plan: which target device gets a bucket by same-GPU handoff and which by broadcast. Pure Python.
+"""Comm plan: which target device gets a bucket by same-GPU handoff and which by broadcast.
 
-Rule: a target device whose ``(node, gpu)`` equals the sender's goes by the same-GPU transport
-(``host_pull``: the receiver copies from the sender's pinned cache pages; ``cuda_ipc``: a handle to the
-sender's GPU staging copy; ``cpu_serialize``: the bytes in the RPC); every other device joins the
+Rule: a target device whose ``(node, gpu)`` equals the sender's goes by the plan's same-GPU transport (a
+registered name, see ``_registry``: ``host_pull``, the receiver copies from the sender's pinned cache pages;
+``cuda_ipc``, a handle to the sender's GPU staging copy; ``cpu_serialize``, the bytes in the RPC); every other device joins the
 per-sync broadcast group. NCCL cannot put two ranks on one GPU, so same-GPU targets must never be
 broadcast targets.
 
@@ -15,12 +15,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, final
+from typing import Any, final
 
 from rlix_plugins.errors import RlixConfigError
-
-SameGpuTransport = Literal["host_pull", "cuda_ipc", "cpu_serialize"]
-SAME_GPU_TRANSPORTS: tuple[str, ...] = ("host_pull", "cuda_ipc", "cpu_serialize")
+from rlix_plugins.transport._registry import same_gpu_transport as registered_transport
 
 
 @final
@@ -58,8 +56,8 @@ class CommPlan:
     """The whole plan for one sync from one sender."""
 
     sender: DeviceRef
-    #: how same-GPU targets are served
-    same_gpu_transport: SameGpuTransport
+    #: how same-GPU targets are served: a registered transport name
+    same_gpu_transport: str
     #: one entry per target dp rank, ascending dp_rank
     targets: tuple[TargetPlan, ...]
 
@@ -107,19 +105,17 @@ def _device(value: DeviceRef | Sequence[int], what: str) -> DeviceRef:
 def build_comm_plan(
     sender: DeviceRef | Sequence[int],
     targets: Mapping[int, Sequence[DeviceRef | Sequence[int]]],
-    same_gpu_transport: SameGpuTransport = "host_pull",
+    same_gpu_transport: str = "host_pull",
 ) -> CommPlan:
     """Classify every target device of every dp rank; deterministic for equal inputs.
 
     :param sender: the GPU that holds the staging buffer (the cache owner's GPU).
     :param targets: dp rank -> devices of that rank, in local-rank (TP) order.
-    :param same_gpu_transport: ``host_pull`` (receiver copies from the shared pinned cache, one RPC per sync),
-        ``cuda_ipc`` (zero-copy handle to the sender's GPU staging) or ``cpu_serialize`` (bytes in the RPC).
+    :param same_gpu_transport: a registered transport: ``host_pull`` (receiver copies from the shared pinned
+        cache, one RPC per sync), ``cuda_ipc`` (zero-copy handle to the sender's GPU staging) or
+        ``cpu_serialize`` (bytes in the RPC).
     """
-    if same_gpu_transport not in SAME_GPU_TRANSPORTS:
-        raise RlixConfigError(
-            f"same_gpu_transport={same_gpu_transport!r} is not one of {SAME_GPU_TRANSPORTS}; set rlix.same_gpu_transport"
-        )
+    registered_transport(same_gpu_transport)  # an unknown name fails here, listing the registered ones
     src = _device(sender, "sender")
     seen: dict[DeviceRef, int] = {}
     classified: list[tuple[int, list[int], list[int]]] = []

@@ -22,14 +22,19 @@ from typing import Any, Protocol, final, runtime_checkable
 
 import torch
 
-from rlix_plugins.errors import RlixConfigError, RlixTimeoutError, TransportError, WeightVerificationError
+from rlix_plugins.errors import (
+    RlixConfigError,
+    RlixTimeoutError,
+    TransportError,
+    WeightVerificationError,
+    typed_error,
+)
 from rlix_plugins.transport._broadcast import GroupHost
 from rlix_plugins.transport._cache import CacheSnapshot, VersionedBucketCache
-from rlix_plugins.transport._cpu_serialize import make_cpu_serialize_payload
-from rlix_plugins.transport._cuda_ipc import make_cuda_ipc_payload
-from rlix_plugins.transport._host_pull import make_host_pull_payload
 from rlix_plugins.transport._memory import check_device_capacity
 from rlix_plugins.transport._plan import CommPlan
+from rlix_plugins.transport._registry import same_gpu_transport
+from rlix_plugins.transport._same_gpu import BucketTransport, SyncTransport
 
 log = logging.getLogger(__name__)
 
@@ -124,8 +129,9 @@ class SyncReport:
 def wait_all(calls: Mapping[int, PendingCall], timeout_s: float, what: str) -> dict[int, Any]:
     """Bounded barrier over started calls (one deadline for all); their results by dp rank.
 
-    Every error names the dp rank. A ``WeightVerificationError`` stays one, also when an RPC layer
-    (vLLM's ``collective_rpc``, Ray) forwarded only its text.
+    Every error names the dp rank. A receiver's ``WeightVerificationError`` stays one, with its fields, also
+    through Ray (``RayTaskError``) and vLLM's ``collective_rpc`` (its text, see ``errors.carried_in_text``);
+    any other failure is a ``TransportError``.
     """
     deadline = time.monotonic() + timeout_s
     out: dict[int, Any] = {}
@@ -137,8 +143,11 @@ def wait_all(calls: Mapping[int, PendingCall], timeout_s: float, what: str) -> d
                 f"{what}: dp rank {dp_rank} did not answer within {timeout_s:.0f} s (receiver dead or stuck)"
             ) from exc
         except Exception as exc:
-            if isinstance(exc, WeightVerificationError) or "WeightVerificationError" in repr(exc):
-                raise WeightVerificationError(f"{what}: dp rank {dp_rank}: {exc}") from exc
+            typed = typed_error(exc)
+            if isinstance(typed, WeightVerificationError):
+                raise WeightVerificationError(
+                    f"{what}: dp rank {dp_rank}: {typed}", parameter=typed.parameter, dp_rank=dp_rank
+                ) from exc
             raise TransportError(f"{what}: dp rank {dp_rank} failed: {exc!r}") from exc
     return out
 
@@ -197,8 +206,11 @@ def sync_weights(
     _check_endpoints(plan, endpoints)
     staging_dev = torch.device(staging_device)
     backend = backend or ("nccl" if staging_dev.type == "cuda" else "gloo")
-    if plan.same_gpu_transport == "cuda_ipc" and any(t.ipc_local_ranks for t in plan.targets) and staging_dev.type != "cuda":
-        raise RlixConfigError("same_gpu_transport='cuda_ipc' needs a CUDA staging_device; use 'cpu_serialize' on CPU")
+    same_gpu = same_gpu_transport(plan.same_gpu_transport)
+    if same_gpu.reads_staging and any(t.ipc_local_ranks for t in plan.targets) and staging_dev.type != "cuda":
+        raise RlixConfigError(
+            f"same_gpu_transport={same_gpu.name!r} needs a CUDA staging_device; use 'cpu_serialize' on CPU"
+        )
     if backend == "nccl" and staging_dev.type != "cuda":
         raise RlixConfigError("backend='nccl' needs a CUDA staging_device")
     ipc_ranks = tuple(t.dp_rank for t in plan.targets if t.ipc_local_ranks)
@@ -279,19 +291,20 @@ def _send_buckets(
     buckets = snap.buckets
     stagings: list[torch.Tensor] = []
     copy_stream: Any = None
+    same_gpu = same_gpu_transport(plan.same_gpu_transport)
     ipc_targets = [t for t in plan.targets if t.ipc_local_ranks]
     bcast_targets = [t for t in plan.targets if t.broadcast_ranks]
     pulls: dict[int, PendingCall] = {}
-    if ipc_targets and plan.same_gpu_transport == "host_pull":
+    if ipc_targets and isinstance(same_gpu, SyncTransport):
         # one call per target with every bucket: the receiver pipelines its own copies, no per-bucket barrier
         deferred = {t.dp_rank: _deferred(endpoints[t.dp_rank]) for t in ipc_targets} if after_issue else {}
-        payload = make_host_pull_payload(list(buckets), deferred=bool(deferred))
+        payload = same_gpu.payload(buckets, deferred=bool(deferred))
         t_send = time.perf_counter()
         pulls = {t.dp_rank: endpoints[t.dp_rank].update_parameter_in_bucket(payload, list(t.ipc_local_ranks))
                  for t in ipc_targets}
-        ipc_targets = []
-    # Only a broadcast or a cuda_ipc payload reads the GPU copy; cpu_serialize sends the pinned bucket itself.
-    reads_gpu_copy = host is not None or (bool(ipc_targets) and plan.same_gpu_transport == "cuda_ipc")
+    per_bucket = same_gpu if ipc_targets and isinstance(same_gpu, BucketTransport) else None
+    # Only a broadcast or a transport that reads the staging copy needs the GPU copy (cpu_serialize: the pinned bucket).
+    reads_gpu_copy = host is not None or (per_bucket is not None and per_bucket.reads_staging)
     if staging_dev.type == "cuda" and buckets and reads_gpu_copy:
         count = 2 if len(buckets) > 1 else 1
         check_device_capacity(count * snap.capacity_bytes, staging_dev, what=f"sender staging ({count} buffers)")
@@ -313,19 +326,15 @@ def _send_buckets(
     wire_s = copy_s = 0.0
     try:
         pending: Any = stage(0) if stagings else None
-        for i, record in enumerate(buckets if stagings or ipc_targets or host is not None else ()):
+        for i, record in enumerate(buckets if stagings or per_bucket is not None or host is not None else ()):
             data = record.payload
             if stagings:
                 pending.synchronize()
                 data = stagings[i % len(stagings)][: record.meta.used_bytes]
             t_send = time.perf_counter()
             calls: dict[int, PendingCall] = {}
-            if ipc_targets:
-                payload = (
-                    make_cuda_ipc_payload(record.meta, data)
-                    if plan.same_gpu_transport == "cuda_ipc"
-                    else make_cpu_serialize_payload(record)
-                )
+            if per_bucket is not None:
+                payload = per_bucket.payload(record, data)
                 for t in ipc_targets:
                     calls[t.dp_rank] = endpoints[t.dp_rank].update_parameter_in_bucket(payload, list(t.ipc_local_ranks))
             if host is not None and group_name is not None:
@@ -360,8 +369,7 @@ def _send_buckets(
             with contextlib.suppress(Exception):  # a diagnostic: never mask the error that got us here
                 copy_s = sum(a.elapsed_time(b) for a, b in copy_events) / 1000.0
             stagings.clear()
-            if plan.same_gpu_transport == "cuda_ipc":
-                torch.cuda.ipc_collect()  # release staging blocks kept alive for IPC consumers
+            same_gpu.release(staging_dev)
             torch.cuda.empty_cache()  # give the staging memory back to the device (the GPU is shared)
     return wire_s, copy_s
 

@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from rlix_plugins import transport
-from rlix_plugins.errors import RlixConfigError, TransportError, WeightVerificationError
+from rlix_plugins.errors import RlixConfigError, TransportError, WeightVerificationError, carried_in_text
 from rlix_plugins.transport import finish_checksums, start_checksums, verify_checksums
 from rlix_plugins.transport._checksum import segment_checksums
 from rlix_plugins.vllm.loading import WeightLoader, refresh_cpu_packed_copies, select_loader
@@ -645,11 +645,11 @@ class RlixReceiverMixin:
 
 
 def _verify(expected: dict[str, list[int]], actual: dict[str, list[int]], context: str) -> None:
-    """``verify_checksums`` with the error class named in the message: vLLM's RPC forwards only the text."""
+    """``verify_checksums`` with the error carried in its text: vLLM's RPC forwards only the text."""
     try:
         verify_checksums(expected, actual, context=context)
     except WeightVerificationError as exc:
-        raise WeightVerificationError(f"WeightVerificationError: {exc}") from None
+        raise carried_in_text(exc) from None
 
 
 #: bytes per load group of a host_pull bucket: the loader starts on a group as soon as it landed

@@ -25,7 +25,7 @@ import pytest
 from rlix_vllm_helpers import HERE, KV_CACHE_BYTES, MAX_TOKENS, PROMPTS, build_cache
 
 from rlix_plugins.errors import RlixConfigError, RlixTimeoutError, TransportError, WeightVerificationError
-from rlix_plugins.transport import build_comm_plan
+from rlix_plugins.transport import build_comm_plan, wait_all
 from rlix_plugins.vllm import CPU_WORKER_CLS, EXTENSION_CLS
 from rlix_plugins.vllm.amx import cpu_has_amx
 from rlix_plugins.vllm.driver import EngineRpc, LLMEngineRpc, RayEngineRpc, sync_engines
@@ -311,6 +311,36 @@ def test_verify_fails_naming_the_parameter_of_a_corrupted_bucket(
     report = _sync(build_cache(weight_sets["orig"], 31), {0: SAME_GPU}, rpcs)
     assert report.verified[0][0]["received"] == len(weight_sets["orig"])
     assert greedy_a(engine_a) == baselines["orig"]
+
+
+def test_verification_failure_arrives_typed_with_its_fields_through_both_routes(
+    engine_a: Any, engine_b: Any, rpcs: dict[int, EngineRpc], weight_sets: dict, baselines: dict
+) -> None:
+    """Engine A's worker error crosses vLLM's text-only hops (worker -> EngineCore -> this process), engine B's
+    the Ray actor (``RayTaskError``): either way the sender gets the receiver's error by type, with its fields."""
+    cache = build_cache(weight_sets["seed2"], 32)
+    with cache.read() as snap:
+        culprit = snap.buckets[1].meta.names[-1]
+    for dp in (0, 1):
+        with pytest.raises(WeightVerificationError) as err:
+            _sync(cache, {dp: SAME_GPU}, {dp: _CorruptBucket(rpcs[dp], 1)})
+        assert (err.value.parameter, err.value.dp_rank) == (culprit, dp)
+        assert str(err.value).startswith(f"verify_model(version 32): dp rank {dp}: parameter {culprit!r} differs")
+    _sync(build_cache(weight_sets["orig"], 33), {0: SAME_GPU}, rpcs)  # both engines back to their start weights
+    _sync(build_cache(weight_sets["seed1"], 34), {1: SAME_GPU}, rpcs)
+    assert greedy_a(engine_a) == baselines["orig"] and greedy_b(engine_b) == baselines["seed1"]
+
+
+def test_a_receiver_error_that_names_the_verification_error_is_not_one(rpcs: dict[int, EngineRpc]) -> None:
+    """A name in an error's text is not its type: an ``apply_mode`` spelled like the error class fails the call
+    as a ``TransportError`` through both routes (the old ``in repr(exc)`` test called it a verification failure)."""
+    for dp in (0, 1):
+        call = rpcs[dp].call("update_parameter_in_bucket", ({"transport": "cpu_serialize"}, [0], "named", "WeightVerificationError"))
+        with pytest.raises(TransportError, match=f"dp rank {dp} failed") as err:
+            wait_all({dp: call}, TIMEOUT_S, "update_parameter_in_bucket")
+        assert not isinstance(err.value, WeightVerificationError)
+        assert "apply_mode='WeightVerificationError' is not one of" in str(err.value.__cause__)
+        assert info(rpcs[dp])["pending_sync"] is None
 
 
 class _StallBroadcast:

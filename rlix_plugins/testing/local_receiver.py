@@ -1,8 +1,8 @@
 """``SubprocessReceiver``: a ``ReceiverEndpoint`` whose workers are spawned local processes.
 
-The reference endpoint for tests and benchmarks (the vLLM extension is the production one): one
-process per local rank, each a tiny "model" that loads received tensors into persistent parameters
-(``param.copy_(received)``, like vLLM's ``load_weights``) and records their checksums.
+The reference endpoint for tests and benchmarks (the vLLM extension is the production one; no product API,
+see :mod:`rlix_plugins.testing`): one process per local rank, each a tiny "model" that loads received tensors
+into persistent parameters (``param.copy_(received)``, like vLLM's ``load_weights``) and records their checksums.
 
 Calls to one worker run in order on one thread (like a Ray actor); calls to different workers and
 endpoints overlap, which the broadcast needs. A dead worker fails its pending call promptly
@@ -20,7 +20,7 @@ import pickle
 import signal
 import threading
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -55,6 +55,17 @@ def _gather(futures: list[Future[Any]]) -> Future[list[Any]]:
     for i, fut in enumerate(futures):
         fut.add_done_callback(functools.partial(done, i))
     return out
+
+
+def _on_every_worker(method: str) -> Callable[..., Future[list[Any]]]:
+    """An endpoint method: ``method`` with the caller's arguments on every worker (``SubprocessReceiver.call_all``);
+    the signatures are ``transport.ReceiverEndpoint``'s."""
+
+    def start(self: SubprocessReceiver, *args: Any) -> Future[list[Any]]:
+        return self.call_all(method, *args)
+
+    start.__name__ = start.__qualname__ = method
+    return start
 
 
 class SubprocessReceiver:
@@ -128,33 +139,13 @@ class SubprocessReceiver:
     def call_all(self, method: str, *args: Any) -> Future[list[Any]]:
         return _gather([self.call_worker(i, method, *args) for i in range(len(self.devices))])
 
-    # -- ReceiverEndpoint --------------------------------------------------------------------
+    # -- ReceiverEndpoint: each method starts the worker method of its name with its arguments -------------
 
-    def setup_collective_group(
-        self,
-        group_name: str,
-        master_addr: str,
-        master_port: int,
-        ranks_by_local_rank: dict[int, int],
-        world_size: int,
-        backend: str,
-        timeout_s: float,
-    ) -> Future[list[Any]]:
-        return self.call_all(
-            "setup_collective_group", group_name, master_addr, master_port, dict(ranks_by_local_rank), world_size, backend, timeout_s
-        )
-
-    def update_parameter_in_bucket(self, payload: dict[str, Any], ipc_local_ranks: list[int]) -> Future[list[Any]]:
-        return self.call_all("update_parameter_in_bucket", payload, list(ipc_local_ranks))
-
-    def broadcast_parameter(self, group_name: str, bucket_meta: dict[str, Any], broadcast_local_ranks: list[int]) -> Future[list[Any]]:
-        return self.call_all("broadcast_parameter", group_name, bucket_meta, list(broadcast_local_ranks))
-
-    def destroy_collective_group(self, group_name: str) -> Future[list[Any]]:
-        return self.call_all("destroy_collective_group", group_name)
-
-    def verify_model(self, expected_checksums: dict[str, list[int]]) -> Future[list[Any]]:
-        return self.call_all("verify_model", expected_checksums)
+    setup_collective_group = _on_every_worker("setup_collective_group")
+    update_parameter_in_bucket = _on_every_worker("update_parameter_in_bucket")
+    broadcast_parameter = _on_every_worker("broadcast_parameter")
+    destroy_collective_group = _on_every_worker("destroy_collective_group")
+    verify_model = _on_every_worker("verify_model")
 
     # -- lifetime ----------------------------------------------------------------------------
 
