@@ -221,7 +221,9 @@ class _Worker:
 
         if self.local_rank not in ipc_local_ranks:
             return 0
-        if payload.get("transport") == "host_pull":
+        from rlix_plugins.transport import SyncTransport, same_gpu_transport
+
+        if isinstance(same_gpu_transport(str(payload.get("transport"))), SyncTransport):  # host_pull: every bucket
             from rlix_plugins.transport import open_host_pull, unpack_bucket
 
             count = 0

@@ -250,9 +250,10 @@ class RlixReceiverMixin:
         if self._rlix_local_rank() not in {int(r) for r in ipc_local_ranks}:
             return 0
         sync = self._rlix_begin(sync_id, apply_mode)
-        if payload.get("transport") == "host_pull":
+        kind = transport.same_gpu_transport(str(payload.get("transport")))
+        if isinstance(kind, transport.SyncTransport):  # host_pull: every bucket in this one call
             return self._rlix_pull(sync, payload)
-        borrowed = payload.get("transport") == "cuda_ipc"
+        borrowed = kind.reads_staging  # views of the sender's staging buffer
         named = transport.receive_bucket(payload, self._rlix_device())
         count = self._rlix_accept(sync, named, borrowed=borrowed)
         del named
