@@ -107,3 +107,8 @@ class VersionPublisher(Protocol):
     """Tells the trajectory collector which weight version generation now uses."""
 
     def set_weight_version(self, version: int, timeout_s: float) -> None: ...
+
+    def wait_ready(self, timeout_s: float) -> None:
+        """Return once the collector answers: the first expand publishes to it, and must not hold the GPU while the
+        collector's actor is still starting."""
+        ...

@@ -36,10 +36,17 @@ class CollectorPublisher:
         ray_get(self.collector.set_weight_version.remote(int(version)), f"collector.set_weight_version({version})",
                 timeout_s, dead="the trajectory collector died")
 
+    def wait_ready(self, timeout_s: float) -> None:
+        ray_get(self.collector.__ray_ready__.remote(), "the trajectory collector's start", timeout_s,
+                dead="the trajectory collector died while starting")
+
 
 class LoopPublishes:
     """The publisher of a loop that publishes versions itself (NeMo RL's TransferQueue loop and SingleController):
     an expand delivers the cache's weights to the woken ranks, and there is no collector actor to tell."""
+
+    def wait_ready(self, timeout_s: float) -> None:
+        return None
 
     def set_weight_version(self, version: int, timeout_s: float) -> None:
         if version < 0:

@@ -206,6 +206,7 @@ class PipelineRuntime:
         if self.resizer is None:
             raise RlixError("attach_collector before start(): the fleet and resize handler do not exist yet")
         self.publisher = publisher
+        publisher.wait_ready(self.config.init_timeout_s)  # not inside the first expand, which holds a GPU grant
         _get(self.resizer.set_publisher.remote(publisher), "resizer.set_publisher", _RPC_S)
         self.versions = self.versions.collector_attached()
         _get(self.resizer.set_versions.remote(self.versions), "resizer.set_versions", _RPC_S)

@@ -92,8 +92,22 @@ class RecordingPublisher:
     def __init__(self, rec: Any) -> None:
         self.rec = rec
 
+    def wait_ready(self, timeout_s: float) -> None:
+        return None
+
     def set_weight_version(self, version: int, timeout_s: float) -> None:
         ray.get(self.rec.log.remote("publish", version))
+
+
+class SlowStartCollector:
+    """A collector whose actor takes 3 s to start (a real one imports its world first)."""
+
+    def __init__(self) -> None:
+        time.sleep(3.0)
+        self.versions: list[int] = []
+
+    def set_weight_version(self, version: int) -> None:
+        self.versions.append(version)
 
 
 def ops(rec: Any, *, memory: bool = False) -> list[tuple[str, Any]]:
