@@ -37,8 +37,10 @@ class CollectorPublisher:
                 timeout_s, dead="the trajectory collector died")
 
     def wait_ready(self, timeout_s: float) -> None:
-        ray_get(self.collector.__ray_ready__.remote(), "the trajectory collector's start", timeout_s,
-                dead="the trajectory collector died while starting")
+        ready = getattr(self.collector, "__ray_ready__", None)  # an actor handle; an in-process collector is ready
+        if ready is not None:
+            ray_get(ready.remote(), "the trajectory collector's start", timeout_s,
+                    dead="the trajectory collector died while starting")
 
 
 class LoopPublishes:
