@@ -9,6 +9,9 @@ For each model shape (Qwen2.5-0.5B and -1.5B shaped, ``load_format="dummy"``) an
   ``wake_tags=["kv_cache"]`` (``host_pull``: the engine's worker queues copies from the sender's pinned pages
   straight into the parameters, the KV cache wakes while they run, then finalize and verify - every time);
   ``expand_over_wake`` is the ratio the target is set on;
+* ``expand_over_wake_then_raw_copy``: expand over the wake plus a raw copy of the same bytes at the bandwidth the
+  engine's worker measured right after a wake (``copy_after_wake_levelN_GBps``: for about half a second after a
+  wake the GPU gives a copy ~30 GB/s instead of ~54), the floor of any sync into a woken engine;
 * ``load_vs_raw_h2d``: weight bytes per second into an awake engine during a sync (send to verified, finalize
   included; ``awake_sync``) over a raw pinned host->device copy of the same bytes in this process;
 * the same sync by ``cuda_ipc`` (the previous path: sender GPU staging + IPC handle per bucket) for comparison;
@@ -252,8 +255,11 @@ def bench_shape(shape: str, root: Path, repeats: int) -> dict[str, Any]:
                 w, e, s = statistics.median(wake), statistics.median(expand), statistics.median(load)
                 best = min(range(repeats), key=lambda i: expand[i])
                 name = f"{transport}_level{level}" + ("_sequential" if mode == "sequential" else "")
+                # the floor of any sync into a woken engine: the wake, then a raw copy at the bandwidth a woken GPU gives
+                floor = w + nbytes / (row[f"copy_after_wake_level{level}_GBps"]["at_once"] * 1e9)
                 row[name] = {
                     "wake_only_s": round(w, 4), "expand_s": round(e, 4), "expand_over_wake": round(e / w, 2),
+                    "expand_over_wake_then_raw_copy": round(e / floor, 2),
                     "sync_with_kv_wake_s": round(s, 4),
                     "best_expand_parts_s": {k: v if isinstance(v, dict) else round(v, 4) for k, v in parts[best].items()},
                 }
