@@ -186,7 +186,7 @@ def cp(ray_cluster: Any) -> Iterator[ControlPlane]:
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from rlix_plugins.tiny_model import build_tiny_qwen2
+    from rlix_plugins.demo.tiny_model import build_tiny_qwen2
 
     return str(build_tiny_qwen2(tmp_path_factory.mktemp("m") / "tiny", seed=0))
 

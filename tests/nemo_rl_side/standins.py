@@ -90,7 +90,7 @@ class StandinMegatronWorker:
         yield from self.params.items()
 
     def train(self, seed: int) -> None:
-        from rlix_plugins.tiny_model import tiny_qwen2_weights
+        from rlix_plugins.demo.tiny_model import tiny_qwen2_weights
 
         self.params = tiny_qwen2_weights(self.model_dir, seed)
 

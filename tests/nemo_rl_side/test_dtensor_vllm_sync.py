@@ -30,7 +30,7 @@ SENDER = (0, 0)
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    from rlix_plugins.tiny_model import build_tiny_qwen2, write_tiny_qwen2_variant
+    from rlix_plugins.demo.tiny_model import build_tiny_qwen2, write_tiny_qwen2_variant
 
     base = build_tiny_qwen2(tmp_path_factory.mktemp("m") / "tiny", seed=0)
     return base, write_tiny_qwen2_variant(base, base.parent / "tiny-seed1", seed=1)

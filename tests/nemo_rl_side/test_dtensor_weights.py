@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from rlix_plugins.tiny_model import build_tiny_qwen2
+    from rlix_plugins.demo.tiny_model import build_tiny_qwen2
 
     return build_tiny_qwen2(tmp_path_factory.mktemp("m") / "tiny", seed=0)
 

