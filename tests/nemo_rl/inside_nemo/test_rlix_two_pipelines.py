@@ -1,7 +1,7 @@
 # ruff: noqa: F811  (pytest fixtures imported from NeMo RL's test_grpo.py are used as arguments)
 """Two time-shared ``async_grpo_train`` runs on one control plane (runs INSIDE a patched NeMo RL copy, copied to
 ``tests/unit/algorithms/`` with :mod:`rlix_grpo_harness` and :mod:`rlix_worker_standins`; driven by rlix-plugins'
-``tests/nemo_rl/test_nemo_rl_two_pipelines.py``; not part of NeMo RL).
+``tests/nemo_rl/drives_nemo/test_nemo_rl_two_pipelines.py``; not part of NeMo RL).
 
 Each pipeline is its own driver PROCESS (``test_driver`` run by NeMo RL's pytest in a subprocess, so it can be
 SIGKILLed): the patched ``async_grpo_train`` on NeMo RL's mocks (``mock_grpo_components``,

@@ -11,7 +11,7 @@
   with the same layout by hand (an HF model, as Automodel loads Qwen2/Llama: no state-dict adapter).
 * :func:`run_ranks` spawns ``world`` processes; each runs the real :func:`worker_ops.build_cache` (version 1), then
   the runtime's offload mark and a refused build (version 2), and writes what it holds to ``out_dir/rank<r>.pt``.
-  ``python tests/nemo_rl_side/dtensor_ranks.py MODEL_DIR OUT_DIR --worker v1`` does the same from another venv.
+  ``python tests/nemo_rl/without_nemo/dtensor_ranks.py MODEL_DIR OUT_DIR --worker v1`` does the same from another venv.
 """
 
 from __future__ import annotations

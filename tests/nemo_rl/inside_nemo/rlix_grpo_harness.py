@@ -1,4 +1,4 @@
-"""Shared by the nemo_side scenarios: runs INSIDE a patched NeMo RL copy (copied next to them into
+"""Shared by the inside_nemo scenarios: runs INSIDE a patched NeMo RL copy (copied next to them into
 ``tests/unit/algorithms/``), imported as ``tests.unit.algorithms.rlix_grpo_harness``. Not a test module.
 
 * fixtures ``init_ray_cluster`` / ``ray_gpu_monitor`` from ``rlix_ray_fixtures`` (import them into a test module
@@ -10,7 +10,7 @@
   with a given collector object (NeMo RL's stub or a real Ray actor), optionally a replay buffer actor and a start
   step (a resumed run), and the real ``ray.get`` for ObjectRefs.
 
-Driven by rlix-plugins' ``tests/nemo_rl/test_nemo_rl_time_sharing.py`` and ``test_nemo_rl_two_pipelines.py``.
+Driven by rlix-plugins' ``tests/nemo_rl/drives_nemo/test_nemo_rl_time_sharing.py`` and ``test_nemo_rl_two_pipelines.py``.
 """
 
 import contextlib

@@ -17,7 +17,7 @@ from rlix_plugins.nemo_rl.runtime_adapter import NemoRuntime
 from rlix_plugins.nemo_rl.topology import DATA_PLANE, SINGLE_CONTROLLER, grpo_loop
 from rlix_plugins.pipeline.publisher import CollectorPublisher, LoopPublishes
 from rlix_plugins.pipeline.versions import VersionLedger
-from tests.nemo_rl_side.standins import StandinRolloutActor, StandinTqController
+from tests.nemo_rl.without_nemo.standins import StandinRolloutActor, StandinTqController
 
 
 def _config(**sections: Any) -> dict[str, Any]:

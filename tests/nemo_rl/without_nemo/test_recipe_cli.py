@@ -148,7 +148,7 @@ _LOAD = ("import json, sys; from omegaconf import OmegaConf; from nemo_rl.utils.
 
 
 def _nemo_load(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
-    from _nemo_checkout import nemo_python, nemo_src
+    from tests.nemo_rl._nemo_checkout import nemo_python, nemo_src
 
     env = {**os.environ, "PYTHONPATH": str(nemo_src())}
     run = subprocess.run([str(nemo_python()), "-c", _LOAD, str(path)], env=env, capture_output=True, text=True,
@@ -162,7 +162,7 @@ def _nemo_load(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
 @pytest.mark.parametrize("gpus", ["0", "0,1"])
 @pytest.mark.parametrize("name", ["grpo_math_1B.yaml", "grpo_math_1B_megatron.yaml"])
 def test_stock_recipes_through_nemo_rls_loader(name: str, gpus: str, tmp_path: Path) -> None:
-    from _nemo_checkout import nemo_src
+    from tests.nemo_rl._nemo_checkout import nemo_src
 
     stock = nemo_src() / "examples" / "configs" / name
     _, stock_raw = _nemo_load(stock)

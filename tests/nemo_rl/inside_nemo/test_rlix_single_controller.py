@@ -4,7 +4,7 @@ helpers) with NeMo RL's own pytest. The SingleController's patched ``run()`` and
 real on NeMo RL's own SC test harness (``_train_pump_controller``: the actor object without Ray, one-group chunks
 from ``_ChunkedSampler``); with ``RLIX_CONTROL_PLANE=rlix`` the hooks are loaded through the real entry point as the
 actor's ``__init__`` does, and the real rlix control plane runs on this session's Ray cluster (4 GPUs).
-Driven by ``tests/nemo_rl/test_nemo_rl_loops.py`` of rlix-plugins; not part of NeMo RL.
+Driven by ``tests/nemo_rl/drives_nemo/test_nemo_rl_loops.py`` of rlix-plugins; not part of NeMo RL.
 
 * standalone: nothing of rlix is imported, NeMo RL's weight synchronizer runs before the pumps and after each step;
 * time-sharing: hook order per step, the training grant held from the step's first chunk (log-prob inference and

@@ -19,7 +19,8 @@ from typing import Any
 
 import pytest
 import ray
-from _nemo_checkout import seam_from_patch
+
+from tests.nemo_rl._nemo_checkout import seam_from_patch
 
 
 def _load_seam(tmp_path: Path) -> ModuleType:

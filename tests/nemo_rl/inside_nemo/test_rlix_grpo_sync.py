@@ -3,7 +3,7 @@
 The TransferQueue loop ``grpo_train_sync`` runs for real on NeMo RL's mocks (``mock_grpo_components``,
 ``mock_sync_grpo_infrastructure``: stub rollout actor and data plane). With ``RLIX_CONTROL_PLANE=rlix`` the hooks are
 loaded through the real entry point and the real rlix control plane runs on this session's Ray cluster (4 GPUs).
-Driven by ``tests/nemo_rl/test_nemo_rl_loops.py`` of rlix-plugins; not part of NeMo RL.
+Driven by ``tests/nemo_rl/drives_nemo/test_nemo_rl_loops.py`` of rlix-plugins; not part of NeMo RL.
 """
 
 import sys

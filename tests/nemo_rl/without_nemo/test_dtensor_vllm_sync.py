@@ -18,7 +18,7 @@ import pytest
 import ray
 
 from rlix_plugins.nemo_rl.weights import PolicyWeightSource
-from tests.nemo_rl_side.dtensor_ranks import BUCKET_BYTES, WORLD, FsdpRankActor, free_port
+from tests.nemo_rl.without_nemo.dtensor_ranks import BUCKET_BYTES, WORLD, FsdpRankActor, free_port
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

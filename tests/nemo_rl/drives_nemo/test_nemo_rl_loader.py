@@ -9,7 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from _nemo_checkout import nemo_env, nemo_python
+
+from tests.nemo_rl._nemo_checkout import nemo_env, nemo_python
 
 pytestmark = pytest.mark.nemo_rl
 

@@ -1,6 +1,6 @@
 """The second patch part (``loops/``) in time-sharing mode on NeMo RL's own mocks: ``grpo_train_sync`` (the
 TransferQueue loop) with the real entry point, real hooks and the real control plane on Ray
-(``nemo_side/test_rlix_grpo_sync.py``, run inside the patched copy with NeMo RL's pytest). Standalone: the same file
+(``inside_nemo/test_rlix_grpo_sync.py``, run inside the patched copy with NeMo RL's pytest). Standalone: the same file
 proves the variable-unset path imports nothing of rlix_plugins and keeps the lazy refit.
 """
 
@@ -9,7 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from _nemo_checkout import NEMO_SIDE_HELPERS, report, run_nemo_side
+
+from tests.nemo_rl._nemo_checkout import INSIDE_NEMO_HELPERS, report, run_inside_nemo
 
 pytestmark = pytest.mark.nemo_rl
 
@@ -18,7 +19,7 @@ EXPECTED = {"test_standalone_loads_nothing_of_rlix", "test_time_sharing_hook_ord
 
 @pytest.mark.timeout(1000)
 def test_grpo_sync_time_sharing_on_nemo_rl_mocks(nemo_copies: dict[str, Path], tmp_path: Path) -> None:
-    run = run_nemo_side(nemo_copies["patched"], "test_rlix_grpo_sync.py", "tests/unit/algorithms",
+    run = run_inside_nemo(nemo_copies["patched"], "test_rlix_grpo_sync.py", "tests/unit/algorithms",
                         tmp_path / "sync.xml", timeout_s=800, num_gpus=4)
     report(f"NeMo RL grpo_train_sync time-sharing scenario: {run.summary()}")
     got = {name.rsplit("::", 1)[-1]: outcome for name, outcome in run.outcomes.items()}
@@ -33,9 +34,9 @@ SC_EXPECTED = {"test_standalone_loads_nothing_of_rlix", "test_time_sharing_hook_
 def test_single_controller_time_sharing_on_nemo_rl_mocks(nemo_copies: dict[str, Path], tmp_path: Path) -> None:
     """The SingleController's patched run() and streaming train pump on NeMo RL's own SC harness (hooks in order
     through the entry point), standalone unchanged, and time-sharing one control plane with ``grpo_train_sync``."""
-    run = run_nemo_side(nemo_copies["patched"], "test_rlix_single_controller.py", "tests/unit/algorithms",
+    run = run_inside_nemo(nemo_copies["patched"], "test_rlix_single_controller.py", "tests/unit/algorithms",
                         tmp_path / "sc.xml", timeout_s=800, num_gpus=4,
-                        helpers=(*NEMO_SIDE_HELPERS, "test_rlix_grpo_sync.py"))
+                        helpers=(*INSIDE_NEMO_HELPERS, "test_rlix_grpo_sync.py"))
     report(f"NeMo RL SingleController time-sharing scenarios: {run.summary()}")
     got = {name.rsplit("::", 1)[-1]: outcome for name, outcome in run.outcomes.items()}
     assert got == dict.fromkeys(SC_EXPECTED, "passed"), f"{got}\noutput tail:\n{run.output_tail}"

@@ -1,4 +1,4 @@
-"""The Ray fixtures every nemo_side scenario uses to override NeMo RL's (runs INSIDE a patched NeMo RL copy, copied
+"""The Ray fixtures every inside_nemo scenario uses to override NeMo RL's (runs INSIDE a patched NeMo RL copy, copied
 next to the scenarios into ``tests/unit/algorithms/``; imported as ``tests.unit.algorithms.rlix_ray_fixtures``).
 Light on purpose: the setup() placement scenario is imported by every worker process NeMo RL starts.
 

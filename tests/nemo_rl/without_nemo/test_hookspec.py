@@ -12,12 +12,12 @@ from typing import Any
 
 import pluggy
 import pytest
-from _nemo_checkout import SEAM_PATCH, seam_from_patch
 
 from rlix_plugins import _seam_patch
 from rlix_plugins.nemo_rl import hookspec
 from rlix_plugins.nemo_rl.hooks import NemoRLHooks
 from rlix_plugins.pipeline.versions import version_after_step
+from tests.nemo_rl._nemo_checkout import SEAM_PATCH, seam_from_patch
 
 impl = pluggy.HookimplMarker(hookspec.PROJECT_NAME)
 

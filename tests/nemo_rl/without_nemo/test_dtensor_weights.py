@@ -1,7 +1,7 @@
 """The DTensor (FSDP2) weight source: the CPU bucket cache built from 2 real FSDP2 ranks on gloo (CPU).
 
 Each rank runs the real :func:`rlix_plugins.nemo_rl.worker_ops.build_cache` on a worker holding a fully_shard'ed
-tiny Qwen2 (:mod:`tests.nemo_rl_side.dtensor_ranks`): a worker shaped like NeMo RL's ``DTensorPolicyWorker`` here,
+tiny Qwen2 (:mod:`tests.nemo_rl.without_nemo.dtensor_ranks`): a worker shaped like NeMo RL's ``DTensorPolicyWorker`` here,
 NeMo RL's own class in the conformance venv (``nemo_rl`` marker). What the cache must hold: exactly the names and
 bytes of the unsharded model's ``state_dict()`` cast to the policy dtype (what NeMo RL's own refit sends vLLM,
 tied ``lm_head.weight`` included), on rank 0 only, with checksums that verify; a build after the offload is refused
@@ -21,9 +21,8 @@ import torch
 from rlix_plugins.errors import RlixConfigError, RlixError
 from rlix_plugins.nemo_rl.config import policy_trainer
 from rlix_plugins.nemo_rl.weights import PolicyWeightSource
-from tests.nemo_rl_side.dtensor_ranks import run_ranks
-
-REPO = Path(__file__).resolve().parents[2]
+from tests._repo import REPO
+from tests.nemo_rl.without_nemo.dtensor_ranks import run_ranks
 
 
 @pytest.fixture(scope="module")

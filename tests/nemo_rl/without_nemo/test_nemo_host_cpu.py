@@ -4,7 +4,7 @@ worker (reached with ``__ray_call__``) + a collector holding its own pickled gen
 
 What is real: Ray, the control plane, the runtime (router, resizer, watchdog), vLLM (dummy-weight start, weights
 loaded by the first expand), the weight transport (same-GPU cpu_serialize to rank 0, gloo broadcast to rank 1),
-checksum verification, the hooks. Stand-ins (tests/nemo_rl_side/standins.py) replace only the NeMo RL classes.
+checksum verification, the hooks. Stand-ins (tests/nemo_rl/without_nemo/standins.py) replace only the NeMo RL classes.
 On CPU vLLM's sleep is a no-op, so "memory dropped" is not measurable here (GPU-only).
 """
 
@@ -20,7 +20,7 @@ import ray
 from rlix_plugins.nemo_rl.generation import NemoVllmFleet, RouterShardSelector
 from rlix_plugins.nemo_rl.hooks import NemoRLHooks
 from rlix_plugins.nemo_rl.runtime_adapter import NemoRuntime
-from tests.nemo_rl_side.standins import (
+from tests.nemo_rl.without_nemo.standins import (
     StandinCollector,
     StandinGeneration,
     StandinMegatronWorker,

@@ -1,7 +1,7 @@
 """Runs INSIDE a patched NeMo RL copy with NeMo RL's pytest: our router-backed fleet selector on the REAL
 ``VllmGeneration`` class, built the way NeMo RL's ``test_vllm_shard_selection.py`` builds it (``object.__new__``
 plus a worker group that records dispatches), with the real router actor on Ray.
-Driven by ``tests/nemo_rl/test_nemo_rl_time_sharing.py`` of rlix-plugins; not part of NeMo RL.
+Driven by ``tests/nemo_rl/drives_nemo/test_nemo_rl_time_sharing.py`` of rlix-plugins; not part of NeMo RL.
 """
 
 import asyncio

@@ -1,6 +1,6 @@
 """Time-sharing mode end to end on NeMo RL's own mocks: real entry point, real hooks, real control plane on Ray.
 
-The scenario lives in ``nemo_side/test_rlix_async_grpo.py`` and runs inside the patched copy with NeMo RL's
+The scenario lives in ``inside_nemo/test_rlix_async_grpo.py`` and runs inside the patched copy with NeMo RL's
 pytest and fixtures (``mock_grpo_components``, ``mock_async_grpo_infrastructure``): 3 steps of
 ``async_grpo_train`` with validation and two checkpoints. It asserts, per step, that the scheduler holds the
 training GPUs from log-prob inference through the publish of the new version, that the cache-build hook runs
@@ -15,7 +15,9 @@ import shutil
 from pathlib import Path
 
 import pytest
-from _nemo_checkout import report, run_nemo_pytest, run_nemo_side
+
+from tests._repo import REPO
+from tests.nemo_rl._nemo_checkout import INSIDE_NEMO, report, run_inside_nemo, run_nemo_pytest
 
 pytestmark = pytest.mark.nemo_rl
 
@@ -28,14 +30,14 @@ EXPECTED = {
 
 @pytest.mark.timeout(1000)
 def test_async_grpo_time_sharing_on_nemo_rl_mocks(nemo_copies: dict[str, Path], tmp_path: Path) -> None:
-    run = run_nemo_side(nemo_copies["patched"], "test_rlix_async_grpo.py", "tests/unit/algorithms",
+    run = run_inside_nemo(nemo_copies["patched"], "test_rlix_async_grpo.py", "tests/unit/algorithms",
                         tmp_path / "ts.xml", timeout_s=800, num_gpus=4)
     report(f"NeMo RL async_grpo_train time-sharing scenario: {run.summary()}")
     got = {name.rsplit("::", 1)[-1]: outcome for name, outcome in run.outcomes.items()}
     assert got == dict.fromkeys(EXPECTED, "passed"), f"{got}\noutput tail:\n{run.output_tail}"
 
 
-ROUTING = Path(__file__).parent / "nemo_side" / "test_rlix_vllm_routing.py"
+ROUTING = INSIDE_NEMO / "test_rlix_vllm_routing.py"
 ROUTING_EXPECTED = {
     "test_routes_over_active_ranks_only",
     "test_pickled_copy_sees_resizes",
@@ -65,8 +67,8 @@ def test_router_selector_on_the_real_vllm_generation(nemo_copies: dict[str, Path
     assert got == dict.fromkeys(ROUTING_EXPECTED, "passed"), f"{got}\noutput tail:\n{run.output_tail}"
 
 
-SETUP = Path(__file__).parent / "nemo_side" / "test_rlix_setup_placement.py"
-RECIPES = Path(__file__).resolve().parents[2] / "recipes" / "nemo_rl"
+SETUP = INSIDE_NEMO / "test_rlix_setup_placement.py"
+RECIPES = REPO / "recipes" / "nemo_rl"
 SETUP_EXPECTED = {
     "test_standalone_setup_builds_its_own_clusters_and_static_world",
     "test_two_pipelines_share_per_gpu_groups_under_unique_names",
@@ -82,7 +84,7 @@ def test_setup_places_two_pipelines_in_shared_groups(nemo_copies: dict[str, Path
     recipes = patched / "examples" / "configs" / "rlix"
     shutil.copytree(RECIPES, recipes)
     try:
-        run = run_nemo_side(patched, SETUP.name, "tests/unit/algorithms", tmp_path / "setup.xml", timeout_s=600,
+        run = run_inside_nemo(patched, SETUP.name, "tests/unit/algorithms", tmp_path / "setup.xml", timeout_s=600,
                             num_gpus=4, helpers=("rlix_ray_fixtures.py",))
     finally:
         shutil.rmtree(recipes)

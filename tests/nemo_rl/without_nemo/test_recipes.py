@@ -16,8 +16,9 @@ import yaml
 
 from rlix_plugins.nemo_rl.config import load_run_config
 from rlix_plugins.nemo_rl.topology import validate_topology
+from tests._repo import REPO
 
-RECIPES = Path(__file__).resolve().parents[2] / "recipes" / "nemo_rl"
+RECIPES = REPO / "recipes" / "nemo_rl"
 PAIRS = [("two_pipelines_2gpu_a", "two_pipelines_2gpu_b"), ("two_pipelines_4gpu_a", "two_pipelines_4gpu_b")]
 #: Every leaf an overlay may set (besides the whole rlix section).
 ALLOWED = {
@@ -56,7 +57,7 @@ def test_overlays_add_only_the_time_sharing_switches(pair: tuple[str, str]) -> N
 @pytest.mark.nemo_rl
 @pytest.mark.parametrize("name", [n for pair in PAIRS for n in pair])
 def test_nemo_rl_loads_and_we_validate(name: str, tmp_path: Path) -> None:
-    from _nemo_checkout import nemo_python, nemo_src
+    from tests.nemo_rl._nemo_checkout import nemo_python, nemo_src
 
     src = nemo_src()
     configs = tmp_path / "configs"
@@ -97,10 +98,9 @@ def test_loops_recipes_are_what_rlix_recipe_writes(name: str, stock: str, flags:
                                                    tmp_path: Path) -> None:
     """`rlix recipe` on NeMo RL's stock recipe writes the checked-in overlay (below its two comment lines); NeMo RL's
     loader resolves it to the loop, and our start-up checks accept it."""
-    from _nemo_checkout import nemo_python, nemo_src
-
     from rlix_plugins.cli import main as rlix_main
     from rlix_plugins.nemo_rl.topology import grpo_loop
+    from tests.nemo_rl._nemo_checkout import nemo_python, nemo_src
 
     configs = tmp_path / "configs"
     shutil.copytree(nemo_src() / "examples" / "configs", configs, ignore=shutil.ignore_patterns("recipes"))

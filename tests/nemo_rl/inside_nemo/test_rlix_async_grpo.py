@@ -4,7 +4,7 @@
 ``async_grpo_train`` runs for real on NeMo RL's mock policy / collector / replay buffer
 (``mock_grpo_components``, ``mock_async_grpo_infrastructure``). In time-sharing mode the hooks are loaded through
 the real entry point, and the real rlix control plane runs on this session's Ray cluster (4 GPUs declared).
-Driven by ``tests/nemo_rl/test_nemo_rl_time_sharing.py`` of rlix-plugins; not part of NeMo RL.
+Driven by ``tests/nemo_rl/drives_nemo/test_nemo_rl_time_sharing.py`` of rlix-plugins; not part of NeMo RL.
 """
 
 import sys

@@ -1,7 +1,7 @@
 """Regression tests named after the reference's failures (rlix_reference.md "debug #NN" / gaps), for the NeMo RL
 host pieces that need no cluster. The cluster-level ones live in ``test_nemo_host_cpu.py`` (stale routing copy
 #33, first expand loads real weights, N vs N+1 #36, version -1 #31, abort unblocks callers bug 7) and in
-``tests/nemo_rl/nemo_side`` (retry after a shrink, pickled copy on the real VllmGeneration)."""
+``tests/nemo_rl/inside_nemo`` (retry after a shrink, pickled copy on the real VllmGeneration)."""
 
 from __future__ import annotations
 

@@ -10,11 +10,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _nemo_checkout import seam_from_patch
 
 from rlix_plugins.errors import RlixConfigError, RlixError
 from rlix_plugins.nemo_rl.config import load_run_config
 from rlix_plugins.nemo_rl.hooks import NemoRLHooks
+from tests.nemo_rl._nemo_checkout import seam_from_patch
 
 
 class FakePolicy:

@@ -1,4 +1,4 @@
-"""Worker stand-ins for the nemo_side scenarios (runs inside a patched NeMo RL copy; not a test module).
+"""Worker stand-ins for the inside_nemo scenarios (runs inside a patched NeMo RL copy; not a test module).
 
 NeMo RL's mocks (``mock_grpo_components``) have no Ray workers, so our hooks would run control-only (GPU grants
 only, no rollout ranks). These stand-ins give the mock ``policy`` / ``policy_generation`` the ``worker_group``

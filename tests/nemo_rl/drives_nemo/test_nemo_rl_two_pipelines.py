@@ -1,7 +1,7 @@
 """Two time-shared NeMo RL runs on one control plane (issue #6 conformance): real ``async_grpo_train`` (patched)
 on NeMo RL's own mocks, our hooks through the real entry point, one real control plane, one Ray cluster.
 
-The scenario lives in ``nemo_side/test_rlix_two_pipelines.py`` and runs inside the patched copy with NeMo RL's
+The scenario lives in ``inside_nemo/test_rlix_two_pipelines.py`` and runs inside the patched copy with NeMo RL's
 pytest and fixtures; it starts each pipeline's driver as its own process (NeMo RL's pytest on ``test_driver``),
 joined to the private Ray head (4 GPUs declared) of this run. Topology = the 2-GPU recipe pair (A trains on
 GPU 0, B on GPU 1, both generate on GPUs 0 and 1). The mocks carry stand-in worker groups (no vLLM / Megatron in
@@ -20,7 +20,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from _nemo_checkout import report, run_nemo_side
+
+from tests.nemo_rl._nemo_checkout import report, run_inside_nemo
 
 pytestmark = [pytest.mark.nemo_rl, pytest.mark.slow]
 
@@ -34,7 +35,7 @@ EXPECTED = {
 @pytest.mark.timeout(1000)
 def test_two_async_grpo_pipelines_share_gpus(nemo_copies: dict[str, Path], tmp_path: Path) -> None:
     measured = tmp_path / "measured.txt"  # the scenarios' one-line summaries (preemptions, recovery times)
-    run = run_nemo_side(nemo_copies["patched"], "test_rlix_two_pipelines.py", "tests/unit/algorithms",
+    run = run_inside_nemo(nemo_copies["patched"], "test_rlix_two_pipelines.py", "tests/unit/algorithms",
                         tmp_path / "two.xml", timeout_s=900, num_gpus=4, extra_env={"RLIX_MEASURED": str(measured)})
     lines = measured.read_text().strip().replace("\n", "; ") if measured.exists() else "no measurements"
     report(f"NeMo RL two time-shared async_grpo_train pipelines: {run.summary()} ({lines})")

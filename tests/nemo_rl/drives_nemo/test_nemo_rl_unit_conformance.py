@@ -9,7 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from _nemo_checkout import report, run_nemo_pytest
+
+from tests.nemo_rl._nemo_checkout import report, run_nemo_pytest
 
 pytestmark = pytest.mark.nemo_rl
 

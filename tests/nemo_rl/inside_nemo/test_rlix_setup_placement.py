@@ -9,7 +9,7 @@ classes (they cannot run here) - by ``PlacedWorker``, a tiny actor that reports 
 worker group under NeMo RL's constructor surface (``name_prefix`` defaults ``lm_policy`` / ``vllm_policy``).
 
 Heavy imports are inside the tests: NeMo RL's worker initializer imports this module in every worker process.
-Driven by ``tests/nemo_rl/test_nemo_rl_time_sharing.py`` of rlix-plugins (it copies the recipes to
+Driven by ``tests/nemo_rl/drives_nemo/test_nemo_rl_time_sharing.py`` of rlix-plugins (it copies the recipes to
 ``examples/configs/rlix/``); not part of NeMo RL.
 """
 

@@ -16,9 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from tests._repo import copy_tracked
+from tests._repo import REPO, copy_tracked
 
-REPO = Path(__file__).resolve().parents[2]
 SEAM_PATCH = REPO / "rlix_plugins/patches/nemo-rl/7ea279a/0001-rlix-hooks-seam.patch"
 BASE_PYTHON = Path(sys.base_prefix) / "bin" / "python3"
 
