@@ -58,7 +58,7 @@ def model_dir(root: Path, shape: str) -> Path:
     """A Qwen2.5-shaped config (dummy weights) with the tiny model's locally trained tokenizer."""
     from transformers import Qwen2Config
 
-    from rlix_plugins.tiny_model import build_tiny_qwen2
+    from rlix_plugins.demo.tiny_model import build_tiny_qwen2
 
     tiny = build_tiny_qwen2(root / "tiny", seed=0) if not (root / "tiny").exists() else root / "tiny"
     out = root / f"qwen2p5-{shape}"

@@ -2,7 +2,8 @@
 
 The seam NeMo RL gets (``nemo_rl/algorithms/rlix_hooks.py``) is the hookspec module with NeMo RL's license header,
 and with the import of :func:`rlix_plugins.pipeline.versions.version_after_step` replaced by that function's source
-(NeMo RL never imports rlix-plugins). ``tests/nemo_rl/test_seam_patch.py`` fails when the shipped patch differs.
+(NeMo RL never imports rlix-plugins). ``tests/nemo_rl/without_nemo/test_hookspec.py`` fails when the shipped
+patch differs.
 
 Regenerate after editing the hookspec (or the version rule)::
 

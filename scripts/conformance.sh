@@ -6,6 +6,7 @@
 # NEMO_RL_SRC: a git checkout of NVIDIA-NeMo/RL at 7ea279abfbeb698b092856d0dab61e7cf39bc909 (left untouched:
 # the suite works on clones of its HEAD). Builds .venv (scripts/setup.sh) and the conformance venv .venv-nemo
 # (scripts/setup_nemo_rl_env.sh) when missing. --quick skips NeMo RL's slow test_async_utils.py (~8 min per run).
+# Runs every NeMo RL test, all three parts of tests/nemo_rl (tests/nemo_rl/README.md), and the patch tool's tests.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 : "${NEMO_RL_SRC:?set NEMO_RL_SRC to a NeMo RL checkout at the pinned commit 7ea279a}"

@@ -237,7 +237,7 @@ class Bench:
 
     def __init__(self, workdir: Path, *, steps: int = 10_000, prompts_per_step: int = 2, group_size: int = 2,
                  max_tokens: int = 6) -> None:
-        from rlix_plugins.tiny_model import build_tiny_qwen2
+        from rlix_plugins.demo.tiny_model import build_tiny_qwen2
 
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)

@@ -293,7 +293,7 @@ def run_demo(pipelines: int = 2, gpus: int = 2, steps: int = 3, out: str | os.Pa
     from rlix_plugins.control import client
     from rlix_plugins.control.capacity.timeline import render_timeline
     from rlix_plugins.demo.pipeline import DemoGate, DemoPipeline, PipelineSpec
-    from rlix_plugins.tiny_model import build_tiny_qwen2
+    from rlix_plugins.demo.tiny_model import build_tiny_qwen2
 
     say = stream or sys.stdout
     t_begin = time.time()

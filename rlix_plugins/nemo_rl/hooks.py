@@ -37,7 +37,8 @@ Version rule: :func:`rlix_plugins.pipeline.versions.version_after_step` (N + 1, 
 would publish); never -1, never bumped twice. A run resumed at step k starts from version k.
 
 pluggy passes an implementation only the arguments it names WITHOUT a default: every hook parameter below has
-none (the seam's ``register`` refuses a defaulted one; ``tests/nemo_rl/test_hook_contract.py``).
+none (the seam's ``register`` refuses a defaulted one;
+``tests/nemo_rl/without_nemo/test_hook_contract.py``).
 """
 
 from __future__ import annotations

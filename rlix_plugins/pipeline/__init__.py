@@ -1,7 +1,9 @@
 """Shared pipeline runtime: time-sharing of one pipeline's GPUs, independent of the host (NeMo RL or the demo).
 
-Imports neither NeMo RL nor vLLM (nor torch). The host supplies three picklable seams
-(:mod:`~rlix_plugins.pipeline.protocols`) and calls the runtime where patched NeMo RL calls its hooks.
+What it must never import: NeMo RL, vLLM or torch. The host supplies three picklable seams
+(:mod:`~rlix_plugins.pipeline.protocols`) and calls the runtime where patched NeMo RL calls its hooks. Importing the
+package imports no Ray either: the names below that need Ray (the runtime, router, resizer, publisher) are imported
+on first use.
 
 Public API
 ----------
@@ -48,9 +50,9 @@ process; with the coordinator they die with it, and the scheduler then frees the
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from rlix_plugins._lazy import lazy_exports
 from rlix_plugins.pipeline.config import RuntimeConfig
 from rlix_plugins.pipeline.protocols import (
     RolloutFleet,
@@ -82,11 +84,7 @@ _RAY_MODULES = {
     "PipelineRuntime": "runtime", "ProgressReporter": "runtime",
 }
 
-
-def __getattr__(name: str) -> Any:
-    if name not in _RAY_MODULES:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f"{__name__}.{_RAY_MODULES[name]}"), name)
+__getattr__ = lazy_exports(__name__, _RAY_MODULES)
 
 
 __all__ = [

@@ -1,6 +1,15 @@
 """vLLM side of weight sync: the receiver worker extension, its general plugin, and the sender-side driver.
 
-Importing this package imports neither vLLM nor NeMo RL (only the qualified names below).
+What it must never import: NeMo RL (NeMo RL's own worker extension is composed with ours by vLLM, see below).
+Importing this package imports nothing (no vLLM, torch or Ray; only the qualified names below are defined):
+vLLM imports it in every process for the general plugin (``tests/vllm/test_vllm_plugin.py`` lists what that
+plugin may import), so the names of the sending side are imported from their modules, not from here.
+
+Modules: :mod:`.receiver` (``RlixReceiverMixin``: the receiver methods every worker composition below carries),
+:mod:`.extension` / :mod:`.gpu_worker` / :mod:`.cpu_worker` (the compositions), :mod:`.loading` and
+:mod:`.replay` (how received weights get into the running model), :mod:`.driver` (the sending side:
+``sync_engines`` over ``RayEngineRpc`` / ``LLMEngineRpc`` handles), :mod:`.engine_actor` (a Ray actor owning one
+``vllm.LLM``), :mod:`.plugin` and :mod:`.amx` (the general plugin).
 
 How an engine gets the receiver
 -------------------------------

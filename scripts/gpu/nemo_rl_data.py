@@ -1,5 +1,5 @@
 """Tiny local inputs for NeMo RL's stock GRPO recipes on a machine without a hub: a random Qwen2 with a locally
-trained tokenizer (rlix_plugins.tiny_model) and a jsonl of arithmetic prompts in ResponseDataset's format.
+trained tokenizer (rlix_plugins.demo.tiny_model) and a jsonl of arithmetic prompts in ResponseDataset's format.
 
     python3 scripts/gpu/nemo_rl_data.py OUT_DIR        -> OUT_DIR/model/, OUT_DIR/train.jsonl
 """
@@ -11,7 +11,7 @@ import random
 import sys
 from pathlib import Path
 
-from rlix_plugins.tiny_model import build_tiny_qwen2
+from rlix_plugins.demo.tiny_model import build_tiny_qwen2
 
 out = Path(sys.argv[1])
 build_tiny_qwen2(out / "model", seed=0, max_position_embeddings=1024)

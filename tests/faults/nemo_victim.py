@@ -15,7 +15,7 @@ import ray
 
 from rlix_plugins.demo.fault_file import FAULT_FILE_ENV
 from rlix_plugins.nemo_rl.hooks import NemoRLHooks
-from tests.nemo_rl_side.standins import (
+from tests.nemo_rl.without_nemo.standins import (
     StandinCollector,
     StandinGeneration,
     StandinMegatronWorker,

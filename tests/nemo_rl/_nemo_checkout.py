@@ -156,22 +156,22 @@ def run_nemo_pytest(
                                 {**(extra_env or {}), "RAY_ADDRESS": address, "RAY_AUTH_MODE": "token"})
 
 
-#: Our files that run inside a patched copy (``nemo_side/``), and the helper modules every scenario imports.
-NEMO_SIDE = Path(__file__).parent / "nemo_side"
-NEMO_SIDE_HELPERS = ("rlix_ray_fixtures.py", "rlix_grpo_harness.py", "rlix_worker_standins.py")
+#: Our files that run inside a patched copy (``inside_nemo/``), and the helper modules every scenario imports.
+INSIDE_NEMO = Path(__file__).parent / "inside_nemo"
+INSIDE_NEMO_HELPERS = ("rlix_ray_fixtures.py", "rlix_grpo_harness.py", "rlix_worker_standins.py")
 
 
-def run_nemo_side(
+def run_inside_nemo(
     copy: Path, scenario: str, dest: str, junit: Path, *, timeout_s: float, num_gpus: int = 0,
-    helpers: tuple[str, ...] = NEMO_SIDE_HELPERS, extra_env: dict[str, str] | None = None,
+    helpers: tuple[str, ...] = INSIDE_NEMO_HELPERS, extra_env: dict[str, str] | None = None,
 ) -> PytestRun:
-    """Copy ``nemo_side/<scenario>`` and the shared ``helpers`` into ``copy/<dest>``, run the scenario with NeMo RL's
+    """Copy ``inside_nemo/<scenario>`` and the shared ``helpers`` into ``copy/<dest>``, run the scenario with NeMo RL's
     pytest (private Ray head, ``num_gpus`` declared), remove the copies."""
     dst = copy / dest
     copied = []
     try:
         for name in (*helpers, scenario):
-            shutil.copyfile(NEMO_SIDE / name, dst / name)
+            shutil.copyfile(INSIDE_NEMO / name, dst / name)
             copied.append(dst / name)
         return run_nemo_pytest(copy, [f"{dest}/{scenario}"], junit, timeout_s=timeout_s, num_gpus=num_gpus,
                                extra_env=extra_env)

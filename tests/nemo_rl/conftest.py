@@ -1,23 +1,4 @@
-"""Fixtures of the NeMo RL conformance suite (marker ``nemo_rl``; skipped when NEMO_RL_SRC is unset)."""
+"""The NeMo RL tests (layout: README.md here)."""
 
-from __future__ import annotations
-
-from collections.abc import Iterator
-from pathlib import Path
-
-import pytest
-from _nemo_checkout import apply_series, clone, nemo_src
-
-#: Runs inside a patched NeMo RL copy with NeMo RL's pytest (see test_nemo_rl_time_sharing.py), never here.
-collect_ignore = ["nemo_side"]
-
-
-@pytest.fixture(scope="session")
-def nemo_copies(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Path]]:
-    """Two clones of NEMO_RL_SRC's HEAD: ``pristine`` and ``patched`` (the series applied by `rlix patch`)."""
-    src = nemo_src()
-    root = tmp_path_factory.mktemp("nemo_rl")
-    pristine = clone(src, root / "pristine")
-    patched = clone(src, root / "patched")
-    apply_series(patched)
-    yield {"pristine": pristine, "patched": patched}
+#: Scenarios copied into a patched NeMo RL checkout and run there by NeMo RL's pytest (``drives_nemo/``), never here.
+collect_ignore = ["inside_nemo"]

@@ -1,0 +1,42 @@
+"""The second patch part (``loops/``) in time-sharing mode on NeMo RL's own mocks: ``grpo_train_sync`` (the
+TransferQueue loop) with the real entry point, real hooks and the real control plane on Ray
+(``inside_nemo/test_rlix_grpo_sync.py``, run inside the patched copy with NeMo RL's pytest). Standalone: the same file
+proves the variable-unset path imports nothing of rlix_plugins and keeps the lazy refit.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.nemo_rl._nemo_checkout import INSIDE_NEMO_HELPERS, report, run_inside_nemo
+
+pytestmark = pytest.mark.nemo_rl
+
+EXPECTED = {"test_standalone_loads_nothing_of_rlix", "test_time_sharing_hook_order_with_real_control_plane"}
+
+
+@pytest.mark.timeout(1000)
+def test_grpo_sync_time_sharing_on_nemo_rl_mocks(nemo_copies: dict[str, Path], tmp_path: Path) -> None:
+    run = run_inside_nemo(nemo_copies["patched"], "test_rlix_grpo_sync.py", "tests/unit/algorithms",
+                        tmp_path / "sync.xml", timeout_s=800, num_gpus=4)
+    report(f"NeMo RL grpo_train_sync time-sharing scenario: {run.summary()}")
+    got = {name.rsplit("::", 1)[-1]: outcome for name, outcome in run.outcomes.items()}
+    assert got == dict.fromkeys(EXPECTED, "passed"), f"{got}\noutput tail:\n{run.output_tail}"
+
+
+SC_EXPECTED = {"test_standalone_loads_nothing_of_rlix", "test_time_sharing_hook_order_with_real_control_plane",
+               "test_single_controller_and_grpo_sync_time_share_one_control_plane"}
+
+
+@pytest.mark.timeout(1000)
+def test_single_controller_time_sharing_on_nemo_rl_mocks(nemo_copies: dict[str, Path], tmp_path: Path) -> None:
+    """The SingleController's patched run() and streaming train pump on NeMo RL's own SC harness (hooks in order
+    through the entry point), standalone unchanged, and time-sharing one control plane with ``grpo_train_sync``."""
+    run = run_inside_nemo(nemo_copies["patched"], "test_rlix_single_controller.py", "tests/unit/algorithms",
+                        tmp_path / "sc.xml", timeout_s=800, num_gpus=4,
+                        helpers=(*INSIDE_NEMO_HELPERS, "test_rlix_grpo_sync.py"))
+    report(f"NeMo RL SingleController time-sharing scenarios: {run.summary()}")
+    got = {name.rsplit("::", 1)[-1]: outcome for name, outcome in run.outcomes.items()}
+    assert got == dict.fromkeys(SC_EXPECTED, "passed"), f"{got}\noutput tail:\n{run.output_tail}"

@@ -1,0 +1,200 @@
+"""Shared by the inside_nemo scenarios: runs INSIDE a patched NeMo RL copy (copied next to them into
+``tests/unit/algorithms/``), imported as ``tests.unit.algorithms.rlix_grpo_harness``. Not a test module.
+
+* fixtures ``init_ray_cluster`` / ``ray_gpu_monitor`` from ``rlix_ray_fixtures`` (import them into a test module
+  to override NeMo RL's);
+* :func:`configure` - NeMo RL's ``mock_grpo_components`` config switched to the time-sharing topology;
+* :func:`record_policy` - the mock policy's phases recorded with a probe of the control plane;
+* :class:`HookCapture` - keeps the hook implementation the seam loaded through the entry point;
+* :func:`run_async_grpo` - ``async_grpo_train`` for real on NeMo RL's mocks (``mock_async_grpo_infrastructure``),
+  with a given collector object (NeMo RL's stub or a real Ray actor), optionally a replay buffer actor and a start
+  step (a resumed run), and the real ``ray.get`` for ObjectRefs.
+
+Driven by rlix-plugins' ``tests/nemo_rl/drives_nemo/test_nemo_rl_time_sharing.py`` and ``test_nemo_rl_two_pipelines.py``.
+"""
+
+import contextlib
+import time
+from typing import Any
+from unittest.mock import MagicMock, patch
+
+import ray
+from nemo_rl.algorithms import rlix_hooks as seam
+from nemo_rl.algorithms.grpo import async_grpo_train
+from tests.unit.algorithms.rlix_ray_fixtures import (  # noqa: F401  (re-exported for the scenarios)
+    init_ray_cluster,
+    ray_gpu_monitor,
+)
+from tests.unit.algorithms.test_grpo import (
+    StubAsyncTrajectoryCollector,
+    StubReplayBuffer,
+    _initial_grpo_save_state,
+    _patched_logprob_phase,
+    mock_async_grpo_infrastructure,
+)
+
+REAL_RAY_GET = ray.get
+
+
+def real_or_stub_get(stub_get):
+    """NeMo RL's fixture patches ray.get for its stubs; control-plane ObjectRefs still need the real one."""
+
+    def get(ref, **kwargs):
+        refs = ref if isinstance(ref, list) else [ref]
+        if refs and all(isinstance(r, ray.ObjectRef) for r in refs):
+            return REAL_RAY_GET(ref, **kwargs)
+        return stub_get(ref, **kwargs)
+
+    return get
+
+
+class RecordingCollector(StubAsyncTrajectoryCollector):
+    """NeMo RL's (in-process) collector stub, plus the published weight versions (and a probe's value)."""
+
+    def __init__(self, events, probe):
+        super().__init__(events=None)
+        self._log, self._probe = events, probe
+
+    def _recording(self, name):
+        mock = MagicMock()
+        mock.remote = MagicMock(side_effect=lambda *a, **k: self._log.append((name, a[0] if a else None, self._probe())))
+        return mock
+
+    @property
+    def set_weight_version(self):
+        return self._recording("set_weight_version")
+
+    @property
+    def start_collection(self):
+        return self._recording("start_collection")
+
+    @property
+    def prepare_for_refit(self):
+        return self._recording("prepare_for_refit")
+
+    @property
+    def resume_after_refit(self):
+        return self._recording("resume_after_refit")
+
+
+class HookCapture:
+    """``with HookCapture() as cap:`` - the seam's ``load_rlix_hooks`` runs for real; ``cap.impl`` is then the
+    implementation registered as "rlix" (our ``NemoRLHooks`` when the entry point resolved), else None."""
+
+    def __init__(self):
+        self.manager = None
+        self._patch = None
+
+    def __enter__(self):
+        real_load = seam.load_rlix_hooks
+
+        def load_and_keep():
+            self.manager = real_load()
+            return self.manager
+
+        self._patch = patch.object(seam, "load_rlix_hooks", side_effect=load_and_keep)
+        self._patch.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._patch.__exit__(*exc)
+
+    @property
+    def impl(self):
+        return None if self.manager is None else self.manager.plugin_manager.get_plugin("rlix")
+
+
+def configure(components, tmp_path, *, steps: int, rlix: dict[str, Any]):
+    """The mock config as a time-shared async GRPO run of ``steps`` steps: non-colocated vLLM, validation at start
+    and every 2 steps, checkpoints at step index 1 (period) and at the last step, the given ``rlix`` section."""
+    cfg = components["master_config"]
+    cfg.policy["generation"]["backend"] = "vllm"
+    cfg.policy["generation"]["colocated"]["enabled"] = False
+    cfg.grpo.max_num_steps = steps
+    cfg.grpo.val_period = 2
+    cfg.grpo.val_at_start = True
+    cfg.grpo.val_at_end = False
+    cfg.checkpointing["enabled"] = True
+    cfg.checkpointing["save_period"] = 2  # step index 1 saves by period, the last step as the last step
+    cfg.checkpointing["metric_name"] = None
+    cfg.grpo.async_grpo.enabled = True  # the topology check requires async GRPO (the mock left it off)
+    cfg.rlix = dict(rlix)
+    components["checkpointer"].init_tmp_checkpoint.return_value = str(tmp_path)
+    components["checkpointer"].checkpoint_dir = tmp_path
+    return cfg
+
+
+def record_policy(policy, events, probe, on_train=None):
+    """Record the mock policy's phases as ``(name, None, probe())``; ``on_train(n)`` runs inside the n-th train."""
+    for name in ("prepare_for_lp_inference", "offload_after_refit", "save_checkpoint"):
+        getattr(policy, name).side_effect = lambda *a, _n=name, **k: events.append((_n, None, probe()))
+    result = policy.train.return_value
+    trains = [0]
+
+    def train(*a, **k):
+        events.append(("train", None, probe()))
+        if on_train is not None:
+            on_train(trains[0])
+        trains[0] += 1
+        return result
+
+    policy.train.side_effect = train
+
+
+def _slow_sample(delay_s):
+    """NeMo RL's stub replay buffer whose ``sample`` takes ``delay_s`` (the wait for a step's rollouts)."""
+    stub_sample = StubReplayBuffer.sample
+
+    def sample(self):
+        mock = stub_sample.fget(self)
+        inner = mock.remote.side_effect
+        mock.remote.side_effect = lambda *a, **k: (time.sleep(delay_s), inner(*a, **k))[1]
+        return mock
+
+    return patch.object(StubReplayBuffer, "sample", property(sample))
+
+
+def _actor_class(handle):
+    cls = MagicMock()
+    cls.options.return_value.remote.return_value = handle
+    return cls
+
+
+def run_async_grpo(components, policy_generation, collector, refits, *, sample_delay_s: float = 0.0,
+                   start_step: int = 0, replay_buffer=None):
+    """``async_grpo_train`` on NeMo RL's mocks; the loop's ``AsyncTrajectoryCollector(...)`` returns ``collector``;
+    ``sample_delay_s``: each step's batch is ready that long after the loop asks (outside the training grant);
+    ``start_step``: the saved state's ``current_step`` (a resumed run); ``replay_buffer``: what the loop's
+    ``ReplayBuffer(...)`` returns instead of NeMo RL's in-process stub (e.g. a :class:`ReplayBufferActor`)."""
+    policy = components["policy"]
+    batch = next(iter(components["train_dataloader"]))
+    stack = mock_async_grpo_infrastructure(
+        batch, {"mean_gen_tokens_per_sample": 2.0}, refit_side_effect=lambda *a, **k: refits.append(a)
+    )
+    save_state = _initial_grpo_save_state()
+    save_state.current_step = start_step
+    with stack, _patched_logprob_phase(policy):
+        stub_get = ray.get  # NeMo RL's patched ray.get
+        with (
+            patch("ray.get", side_effect=real_or_stub_get(stub_get)),
+            patch("nemo_rl.algorithms.async_utils.AsyncTrajectoryCollector", _actor_class(collector)),
+            patch("nemo_rl.algorithms.async_utils.ReplayBuffer", _actor_class(replay_buffer))
+            if replay_buffer is not None else contextlib.nullcontext(),
+            patch("nemo_rl.algorithms.grpo.validate", return_value=({"accuracy": 0.5}, {})),
+            patch("nemo_rl.algorithms.grpo.torch.save"),
+            _slow_sample(sample_delay_s) if sample_delay_s > 0 else contextlib.nullcontext(),
+        ):
+            async_grpo_train(
+                policy,
+                policy_generation,
+                components["train_dataloader"],
+                components["val_dataloader"],
+                components["tokenizer"],
+                components["loss_fn"],
+                components["task_to_env"],
+                components["val_task_to_env"],
+                components["logger"],
+                components["checkpointer"],
+                save_state,
+                components["master_config"],
+            )

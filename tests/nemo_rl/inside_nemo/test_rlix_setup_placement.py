@@ -1,0 +1,240 @@
+"""NeMo RL's patched ``setup()`` and the shared placement (runs inside a patched NeMo RL copy with NeMo RL's pytest).
+
+What is real: NeMo RL's ``setup()`` (patch 0002's placement seam), the seam file (patch 0001) loading our hooks
+through the installed entry point, NeMo RL's config loader on its stock ``grpo_math_1B_megatron.yaml`` and on our
+recipe overlays, ``RayVirtualCluster`` (standalone), NeMo RL's ``RayWorkerGroup`` / ``RayWorkerBuilder`` creating
+named worker actors in placement groups, our placement pool and control plane on Ray (4 GPUs declared). Replaced,
+as in NeMo RL's own ``setup()`` tests: the logger, checkpointer, loss, data loader, and the Megatron / vLLM worker
+classes (they cannot run here) - by ``PlacedWorker``, a tiny actor that reports where Ray put it, built by the real
+worker group under NeMo RL's constructor surface (``name_prefix`` defaults ``lm_policy`` / ``vllm_policy``).
+
+Heavy imports are inside the tests: NeMo RL's worker initializer imports this module in every worker process.
+Driven by ``tests/nemo_rl/drives_nemo/test_nemo_rl_time_sharing.py`` of rlix-plugins (it copies the recipes to
+``examples/configs/rlix/``); not part of NeMo RL.
+"""
+
+import sys
+import threading
+import time
+from pathlib import Path
+
+import ray
+from tests.unit.algorithms.rlix_ray_fixtures import (  # noqa: F401  (fixture import: overrides NeMo RL's)
+    init_ray_cluster,
+    ray_gpu_monitor,
+)
+
+WORKER_FQN = f"{__name__}.PlacedWorker"
+REPO = Path(__file__).resolve().parents[3]
+#: (worker name prefix, stand-in class, time) of every Policy / VllmGeneration setup() built, in order
+CREATED = []
+
+
+@ray.remote
+class PlacedWorker:
+    """Stands in for a Megatron / vLLM worker (Ray's default 1 CPU, like them); reports its placement."""
+
+    def where(self):
+        ctx = ray.get_runtime_context()
+        return {"name": ctx.get_actor_name(), "gpus": [int(g) for g in ray.get_gpu_ids()],
+                "pg": ctx.get_placement_group_id()}
+
+
+class _Recording:
+    def __init__(self, cluster, name_prefix, calls):
+        from nemo_rl.distributed.worker_groups import RayWorkerBuilder, RayWorkerGroup
+
+        self.cluster, self.calls = cluster, calls
+        CREATED.append((name_prefix, type(self).__name__, time.time()))
+        self.worker_group = RayWorkerGroup(cluster, RayWorkerBuilder(WORKER_FQN), name_prefix=name_prefix)
+
+    def init_collective(self, ip, port, world_size, *, train_world_size):
+        self.calls.append(("init_collective", type(self).__name__, world_size))
+        return []
+
+    def placements(self):
+        return ray.get([w.where.remote() for w in self.worker_group.workers], timeout=120)
+
+    def kill(self):
+        for w in self.worker_group.workers:
+            ray.kill(w)
+
+
+class StandinPolicy(_Recording):
+    """``Policy``'s constructor surface (its ``name_prefix`` default) over a real ``RayWorkerGroup``."""
+
+    def __init__(self, cluster, config, tokenizer=None, processor=None, weights_path=None, optimizer_path=None,
+                 init_optimizer=True, init_reference_model=True, name_prefix="lm_policy", calls=None):
+        super().__init__(cluster, name_prefix, calls)
+
+    def print_node_ip_and_gpu_id(self):
+        pass
+
+    def prepare_refit_info(self):
+        return {}
+
+
+class StandinVllmGeneration(_Recording):
+    """``VllmGeneration``'s constructor surface: ``_init_placement_groups`` (PACK, non-colocated), then one worker per
+    bundle (TP 1) under ``name_prefix`` (default ``vllm_policy``)."""
+
+    weight_synchronizer = None
+
+    def __init__(self, cluster, config, name_prefix="vllm_policy", workers_per_node=None, calls=None):
+        cluster._init_placement_groups(strategy="PACK", use_unified_pg=False)
+        super().__init__(cluster, name_prefix, calls)
+
+    def finish_generation(self, *args, **kwargs):
+        return True
+
+    def prepare_refit_info(self, state_dict_info):
+        pass
+
+
+def _master_config(path: Path, **cluster):
+    from unittest.mock import MagicMock
+
+    from nemo_rl.algorithms.grpo import MasterConfig
+    from nemo_rl.models.generation import configure_generation_config
+    from nemo_rl.utils.config import load_config, register_omegaconf_resolvers
+    from omegaconf import OmegaConf
+
+    register_omegaconf_resolvers()
+    config = OmegaConf.to_container(load_config(path), resolve=True)
+    config["cluster"].update(cluster)
+    config["checkpointing"]["enabled"] = False
+    tokenizer = MagicMock(pad_token_id=0, eos_token_id=1)
+    config["policy"]["generation"] = configure_generation_config(config["policy"]["generation"], tokenizer)
+    return MasterConfig.model_validate(config), tokenizer
+
+
+def _setup(monkeypatch, master_config, tokenizer, calls):
+    from unittest.mock import MagicMock
+
+    from nemo_rl.algorithms import grpo as grpo_mod
+    from nemo_rl.distributed.ray_actor_environment_registry import ACTOR_ENVIRONMENT_REGISTRY
+    from nemo_rl.distributed.virtual_cluster import PY_EXECUTABLES
+
+    class Checkpointer:
+        def get_latest_checkpoint_path(self):
+            return None
+
+        def load_training_info(self, _path):
+            return None
+
+        def get_resume_paths(self, _path):
+            return None, None
+
+    class Loader:
+        def __init__(self, *_args, **_kwargs):
+            pass
+
+        def __len__(self):
+            return 1
+
+    monkeypatch.setitem(ACTOR_ENVIRONMENT_REGISTRY, WORKER_FQN, PY_EXECUTABLES.SYSTEM)
+    monkeypatch.setattr(grpo_mod, "Logger", lambda *_a, **_k: MagicMock())
+    monkeypatch.setattr(grpo_mod, "CheckpointManager", lambda *_a, **_k: Checkpointer())
+    monkeypatch.setattr(grpo_mod, "ClippedPGLossFn", lambda *_a, **_k: MagicMock())
+    monkeypatch.setattr(grpo_mod, "StatefulDataLoader", Loader)
+    monkeypatch.setattr(grpo_mod, "Policy", lambda **kw: StandinPolicy(**kw, calls=calls))
+    monkeypatch.setattr(grpo_mod, "VllmGeneration", lambda **kw: StandinVllmGeneration(**kw, calls=calls))
+    dataset = MagicMock()
+    dataset.__len__.return_value = 2
+    result = grpo_mod.setup(master_config, tokenizer, dataset, dataset)  # train and validation data
+    policy, generation, _gym, (train_cluster, inference_cluster) = result[:4]
+    return policy, generation, train_cluster, inference_cluster
+
+
+def test_standalone_setup_builds_its_own_clusters_and_static_world(monkeypatch):
+    """Variable unset: NeMo RL's own RayVirtualClusters (1 GPU train + 1 GPU inference), default actor names, the
+    static refit NCCL world over both, and nothing of rlix_plugins imported (this test runs first in the module)."""
+    from nemo_rl.distributed.virtual_cluster import RayVirtualCluster
+
+    monkeypatch.delenv("RLIX_CONTROL_PLANE", raising=False)
+    master_config, tokenizer = _master_config(REPO / "examples/configs/grpo_math_1B_megatron.yaml", gpus_per_node=2)
+    master_config.policy["generation"]["colocated"] = {"enabled": False,
+                                                       "resources": {"gpus_per_node": 1, "num_nodes": 1}}
+    calls = []
+    policy, generation, train_cluster, inference_cluster = _setup(monkeypatch, master_config, tokenizer, calls)
+    try:
+        assert type(train_cluster) is RayVirtualCluster and type(inference_cluster) is RayVirtualCluster
+        assert [p["name"] for p in policy.placements()] == ["lm_policy-0-0"]
+        assert [p["name"] for p in generation.placements()] == ["vllm_policy-0-0"]
+        assert sorted(calls) == [("init_collective", "StandinPolicy", 2), ("init_collective", "StandinVllmGeneration", 2)]
+        assert "rlix" not in master_config.model_extra
+        assert not [m for m in sys.modules if m.startswith("rlix_plugins")]
+    finally:
+        policy.kill()
+        generation.kill()
+        train_cluster.shutdown()
+        inference_cluster.shutdown()
+
+
+def test_two_pipelines_share_per_gpu_groups_under_unique_names(monkeypatch):
+    """RLIX_CONTROL_PLANE=rlix, our recipes A (trains on GPU 0) and B (GPU 1), both rolling out on GPUs 0-1: two
+    setup() calls in ONE process (one Ray namespace: equal actor names would collide) place every worker in the
+    pool's group of its GPU, fractionally, under per-pipeline names; no static refit world is built. Each setup()
+    holds INITIALIZATION of GPUs 0-1 from before its workers exist: B's setup(), started while A's holds it,
+    creates no worker until A's grant is released (what A's runtime does after its init phases)."""
+    from rlix_plugins.control import client
+    from rlix_plugins.control.types import GENERATION_CLUSTER
+    from rlix_plugins.nemo_rl.placement import placement_pool, take_setup
+
+    monkeypatch.setenv("RLIX_CONTROL_PLANE", "rlix")
+    pool = placement_pool(worker_groups_per_gpu=3)  # 3 workers per GPU here (CPU budget of the private head)
+    cp = client.connect()
+    made, grants, created_before = [], {}, len(CREATED)
+    try:
+        pipelines = {}
+        configs = {n: _master_config(REPO / f"examples/configs/rlix/two_pipelines_2gpu_{n}.yaml") for n in "ab"}
+
+        def run_setup(name):
+            cfg, tokenizer = configs[name]
+            calls = []
+            made.append(_setup(monkeypatch, cfg, tokenizer, calls))
+            pid = made[-1][2].name.removesuffix("-train")  # the train cluster is named after the pipeline
+            pipelines[name] = (pid, *made[-1], calls)
+
+        run_setup("a")
+        a_pid = pipelines["a"][0]
+        held = {c: (a["priority"], a["gpus"]) for c, a in cp.status()["allocations"].items()
+                if a["pipeline_id"] == a_pid}
+        assert held == {f"{a_pid}_actor_infer": ("INITIALIZATION", [0, 1])}, held  # A's setup grant, still held
+        b_thread = threading.Thread(target=run_setup, args=("b",), daemon=True)
+        b_thread.start()
+        b_thread.join(timeout=5)
+        assert b_thread.is_alive() and "b" not in pipelines  # B's setup() waits for the GPUs ...
+        assert [c for c in CREATED[created_before:] if not c[0].startswith(a_pid)] == [], CREATED  # ... no worker
+        grants["a"] = take_setup(configs["a"][0]).pipe
+        t_released = time.time()
+        grants["a"].release_gpus(GENERATION_CLUSTER, step=-1, timeout_s=60)
+        b_thread.join(timeout=120)
+        assert "b" in pipelines, "B's setup() did not finish after A's grant was released"
+        grants["b"] = take_setup(configs["b"][0]).pipe
+        b_created = [t for prefix, _, t in CREATED if prefix.startswith(pipelines["b"][0])]
+        assert len(b_created) == 2 and min(b_created) > t_released, (CREATED, t_released)
+        groups = ray.get(pool.groups.remote([0, 1]), timeout=60)
+        shared = {gpu: pg.id.hex() for gpu, pg in groups.items()}
+        names = []
+        for pid, policy, generation, train_cluster, inference_cluster, calls in pipelines.values():
+            assert type(train_cluster).__name__ == "VirtualClusterAdapter" == type(inference_cluster).__name__
+            assert calls == []  # no static NCCL world (train and rollout ranks share GPUs)
+            trained = [p for p in policy.placements()]
+            rolled = [p for p in generation.placements()]
+            for p in trained + rolled:
+                assert p["pg"] == shared[p["gpus"][0]], p  # inside the shared group of its GPU
+            assert [p["name"] for p in trained] == [f"{pid}-policy-0-0"]
+            assert [(p["name"], p["gpus"]) for p in rolled] == [(f"{pid}-vllm-0-0", [0]), (f"{pid}-vllm-1-0", [1])]
+            names += [p["name"] for p in trained + rolled]
+        (a_pid, a_policy, *_), (b_pid, b_policy, *_) = pipelines["a"], pipelines["b"]
+        assert a_pid != b_pid and len(set(names)) == 6
+        assert a_policy.placements()[0]["gpus"] == [0] and b_policy.placements()[0]["gpus"] == [1]
+    finally:
+        for policy, generation, *_ in made:
+            policy.kill()
+            generation.kill()
+        for pipe in grants.values():
+            pipe.unregister("test over")
+        ray.get(pool.release_all.remote(), timeout=60)
+        ray.kill(pool)

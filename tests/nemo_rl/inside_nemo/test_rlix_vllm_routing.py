@@ -1,0 +1,249 @@
+"""Runs INSIDE a patched NeMo RL copy with NeMo RL's pytest: our router-backed fleet selector on the REAL
+``VllmGeneration`` class, built the way NeMo RL's ``test_vllm_shard_selection.py`` builds it (``object.__new__``
+plus a worker group that records dispatches), with the real router actor on Ray.
+Driven by ``tests/nemo_rl/drives_nemo/test_nemo_rl_time_sharing.py`` of rlix-plugins; not part of NeMo RL.
+"""
+
+import asyncio
+import os
+import sys
+import threading
+import time
+
+import cloudpickle
+import pytest
+import ray
+import torch
+from nemo_rl.distributed.batched_data_dict import BatchedDataDict
+from nemo_rl.models.generation.vllm.vllm_generation import VllmGeneration
+
+from rlix_plugins.nemo_rl.generation import RouterShardSelector, install_routing
+from rlix_plugins.pipeline.router import RolloutRouter, RouterClient
+
+
+@pytest.fixture(scope="session", autouse=True)
+def init_ray_cluster():
+    """Overrides NeMo RL's: join this run's private head (RAY_ADDRESS) or start a small one."""
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(address=os.environ["RAY_ADDRESS"], namespace="rlix_routing")
+    else:
+        ray.init(num_cpus=4, include_dashboard=False, namespace="rlix_routing")
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def ray_gpu_monitor(init_ray_cluster):
+    yield None
+
+
+class _WorkerGroup:
+    """NeMo RL's shard-selection test double, plus an optional 'shrink while serving' on some workers."""
+
+    def __init__(self, dp_size, router=None, shrink_on=()):
+        self.dp_size = dp_size
+        self.router = router
+        self.shrink_on = set(shrink_on)
+        self.dispatched = []
+
+    def get_dp_leader_worker_idx(self, dp_shard_idx):
+        return dp_shard_idx
+
+    def run_single_worker_single_data(self, *, method_name, worker_idx, data, greedy):
+        self.dispatched.append(worker_idx)
+        aborted = worker_idx in self.shrink_on
+        if aborted:  # the scheduler shrinks this shard while the request runs; vLLM finishes it as aborted
+            self.shrink_on.discard(worker_idx)
+            ray.get(self.router.deactivate.remote([worker_idx]))
+        return _one_result(worker_idx, aborted)
+
+
+async def _one_result(worker_idx, aborted):
+    async def _ref():
+        return (0, {"served_by": worker_idx, "aborted": aborted})
+
+    yield _ref()
+
+
+def _make_generation(dp_size, router=None, shrink_on=()):
+    gen = object.__new__(VllmGeneration)
+    gen.worker_group = _WorkerGroup(dp_size, router, shrink_on)
+    gen.current_generate_dp_shard_idx = 0
+    gen.fleet_monitor = None
+    gen.fleet_selector = None
+    gen.cfg = {"vllm_cfg": {"async_engine": True}}
+    return gen
+
+
+def _sample():
+    return BatchedDataDict({"input_ids": torch.tensor([[1, 2]]), "input_lengths": torch.tensor([2], dtype=torch.int32)})
+
+
+def _generate(gen):
+    async def run():
+        return [item async for item in gen._async_generate_base(_sample(), "generate_async", lambda _d: True)]
+
+    [(_, out)] = asyncio.run(run())
+    return out
+
+
+def _router(n, active):
+    router = ray.remote(RolloutRouter).options(max_concurrency=64).remote(n)
+    ray.get(router.activate.remote(active))
+    return router
+
+
+def _routed(n, active, shrink_on=(), timeout_s=30.0):
+    router = _router(n, active)
+    gen = _make_generation(n, router, shrink_on)
+    selector = install_routing(gen, RouterClient(router, n, timeout_s=timeout_s))
+    return gen, router, selector
+
+
+@pytest.fixture
+def rlix_env(monkeypatch):
+    monkeypatch.setenv("RLIX_CONTROL_PLANE", "rlix")
+
+
+def test_routes_over_active_ranks_only(rlix_env):
+    gen, router, _selector = _routed(3, [1, 2])
+    assert isinstance(gen.fleet_selector, RouterShardSelector)
+    served = {_generate(gen)["served_by"] for _ in range(6)}
+    assert served and served <= {1, 2}  # sequential requests: least-outstanding, ties to the lowest active rank
+    assert ray.get(router.in_flight.remote()) == 0  # every ticket returned
+
+
+def test_pickled_copy_sees_resizes(rlix_env):
+    """Debug #33: the collector routes with its own pickled copy; the state lives in the router actor."""
+    gen, router, _ = _routed(2, [0, 1])
+    copy = cloudpickle.loads(cloudpickle.dumps(gen))
+    ray.get(router.deactivate.remote([0]))
+    assert {_generate(copy)["served_by"] for _ in range(4)} == {1}
+    ray.get(router.activate.remote([0]))
+    ray.get(router.deactivate.remote([1]))
+    assert {_generate(copy)["served_by"] for _ in range(4)} == {0}
+
+
+def test_blocks_while_no_rank_is_active(rlix_env):
+    gen, router, _ = _routed(2, [])
+    done = {}
+    t = threading.Thread(target=lambda: done.setdefault("out", _generate(gen)))
+    t.start()
+    time.sleep(1.5)
+    assert "out" not in done and t.is_alive()  # blocked, not failed
+    ray.get(router.activate.remote([1]))
+    t.join(timeout=30)
+    assert done["out"]["served_by"] == 1
+
+
+def test_waiting_for_a_rank_never_blocks_the_event_loop(rlix_env):
+    """Seen on one H100 with two real pipelines: the collector runs every request of a batch on ONE event loop
+    and NeMo RL picks the shard synchronously; a selector that blocked there froze the loop, so a request already
+    on a rank could never return its ticket, and the scheduler's next shrink failed its drain (the pipeline was
+    failed). Here: no rank is active, three requests wait, the loop keeps ticking, and after activation every
+    request is served and every ticket returned."""
+    gen, router, _ = _routed(2, [])
+
+    async def run():
+        ticks = 0
+        stop = asyncio.Event()
+
+        async def ticker():
+            nonlocal ticks
+            while not stop.is_set():
+                ticks += 1
+                await asyncio.sleep(0.05)
+
+        async def one():
+            return [item async for item in gen._async_generate_base(_sample(), "generate_async", lambda _d: True)]
+
+        tick_task = asyncio.create_task(ticker())
+        requests = [asyncio.create_task(one()) for _ in range(3)]
+        await asyncio.sleep(1.5)
+        waiting_ticks = ticks
+        assert not any(r.done() for r in requests)  # waiting for a rank, not failed
+        await asyncio.to_thread(ray.get, router.activate.remote([1]))
+        outs = await asyncio.wait_for(asyncio.gather(*requests), timeout=30)
+        stop.set()
+        await tick_task
+        return waiting_ticks, outs
+
+    waiting_ticks, outs = asyncio.run(run())
+    assert waiting_ticks >= 10  # ~30 expected in 1.5 s; a blocked loop ticks once
+    assert [out["served_by"] for [(_, out)] in outs] == [1, 1, 1]
+    assert ray.get(router.in_flight.remote()) == 0
+
+
+def test_request_aborted_by_a_shrink_is_retried_on_another_active_rank(rlix_env):
+    gen, router, selector = _routed(2, [0, 1], shrink_on={0})
+    out = _generate(gen)
+    assert gen.worker_group.dispatched == [0, 1]  # the shrunk shard first, then the other active one
+    assert (out["served_by"], out["aborted"]) == (1, False)
+    assert selector.preempted_releases == 1
+    stats = ray.get(router.stats.remote())
+    assert stats["preempted"] == 1 and stats["active"] == [1] and sum(stats["in_flight"].values()) == 0
+
+
+def test_without_the_variable_the_seam_is_inert(monkeypatch):
+    """RLIX_CONTROL_PLANE unset: VllmGeneration keeps its own acquire/next/release path (no retry)."""
+    monkeypatch.delenv("RLIX_CONTROL_PLANE", raising=False)
+    gen, _router, selector = _routed(2, [0, 1], shrink_on={0})
+    out = _generate(gen)
+    assert gen.worker_group.dispatched == [0]
+    assert out["aborted"] is True and selector.preempted_releases == 1
+
+
+class _RecordingAsyncLLM:
+    """Stands in for vLLM's ``AsyncLLM`` (vLLM cannot be installed in the conformance venv): records the sleep calls
+    NeMo RL's real ``sleep_async`` makes."""
+
+    def __init__(self):
+        self.calls = []
+
+    async def reset_prefix_cache(self):
+        self.calls.append("reset_prefix_cache")
+
+    async def sleep(self, level):
+        self.calls.append(("sleep", level))
+
+
+def _real_async_worker_cls():
+    from nemo_rl.models.generation.vllm.vllm_worker_async import VllmAsyncGenerationWorkerImpl
+
+    class _Worker(VllmAsyncGenerationWorkerImpl):
+        """NeMo RL's async vLLM worker with its engine start skipped (``sleep_async`` is NeMo RL's, patched)."""
+
+        def __init__(self, sleep_level=None):
+            vllm_cfg = {"async_engine": True}
+            if sleep_level is not None:
+                vllm_cfg["sleep_level"] = sleep_level
+            self.cfg = {"vllm_cfg": vllm_cfg}
+            self.llm = _RecordingAsyncLLM()
+
+        def llm_calls(self):
+            return list(self.llm.calls)
+
+    # This test module is not importable in Ray's workers (no package): ship the class by value.
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    return ray.remote(num_cpus=0)(_Worker)
+
+
+def test_fleet_sleep_passes_the_configured_level_to_the_real_worker():
+    """rlix.sleep_level reaches vLLM: NemoVllmFleet.sleep(level) calls NeMo RL's real (patched) sleep_async with that
+    level, whatever the worker's own vllm_cfg.sleep_level default is; NeMo RL's own level-less call is unchanged."""
+    from rlix_plugins.nemo_rl.generation import NemoVllmFleet
+
+    cls = _real_async_worker_cls()
+    default, configured = cls.remote(), cls.remote(sleep_level=1)
+    try:
+        fleet = NemoVllmFleet([default, configured], {0: [(0, 0)], 1: [(0, 1)]})
+        fleet.sleep([0, 1], 2, 60)
+        fleet.sleep([1], 1, 60)
+        assert ray.get(default.llm_calls.remote()) == ["reset_prefix_cache", ("sleep", 2)]
+        assert ray.get(configured.llm_calls.remote()) == ["reset_prefix_cache", ("sleep", 2),
+                                                          "reset_prefix_cache", ("sleep", 1)]
+        ray.get(default.sleep_async.remote())  # NeMo RL's own call (no level): its config's level, default 1
+        assert ray.get(default.llm_calls.remote())[-1] == ("sleep", 1)
+    finally:
+        ray.kill(default)
+        ray.kill(configured)

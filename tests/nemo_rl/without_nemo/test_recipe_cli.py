@@ -1,0 +1,220 @@
+"""``rlix recipe``: overlays of a stock GRPO recipe, through the CLI, loaded back and checked by the topology check.
+
+A small stock-like recipe (a ``defaults:`` chain with NeMo RL's ``_override_`` marker) runs everywhere; with
+NEMO_RL_SRC, NeMo RL's stock ``grpo_math_1B.yaml`` (DTensor) and ``grpo_math_1B_megatron.yaml`` go through the
+same command and NeMo RL's own ``load_config`` (in the conformance venv) resolves every overlay, and our
+reimplementation of its inheritance must give the same stock config.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from rlix_plugins.cli import main as rlix_main
+from rlix_plugins.nemo_rl.config import load_run_config
+from rlix_plugins.nemo_rl.recipe import _merge, load_stock
+from rlix_plugins.nemo_rl.topology import is_one_gpu_topology, validate_topology
+
+_BASE = """\
+grpo: {num_prompts_per_step: 8, async_grpo: {enabled: false, max_trajectory_age_steps: 1}}
+loss_fn: {use_importance_sampling_correction: false}
+checkpointing: {checkpoint_dir: results/tiny}
+logger: {log_dir: logs}
+policy:
+  model_name: tiny
+  optimizer: {eps: 1e-8}
+  dtensor_cfg: {enabled: true, tensor_parallel_size: 1, context_parallel_size: 1}
+  megatron_cfg: {enabled: false, tensor_model_parallel_size: 4}
+  generation:
+    backend: vllm
+    vllm_cfg: {async_engine: false, tensor_parallel_size: 1, precision: bf16}
+    vllm_kwargs: {}
+    colocated: {enabled: true, resources: {gpus_per_node: null, num_nodes: null}}
+cluster: {gpus_per_node: 1, num_nodes: 1}
+"""
+_CHILD = """\
+defaults: base.yaml
+policy:
+  model_name: tiny-child
+  generation:
+    vllm_cfg: {async_engine: true}   # already what time-sharing needs: must not be written again
+    vllm_kwargs: {_override_: true, enforce_eager: true}
+"""
+
+
+@pytest.fixture
+def stock(tmp_path: Path) -> Path:
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "base.yaml").write_text(_BASE)
+    child = tmp_path / "configs" / "child.yaml"
+    child.write_text(_CHILD)
+    return child
+
+
+def _recipe(stock: Path, out: Path, *args: str) -> tuple[int, list[Path]]:
+    rc = rlix_main(["recipe", str(stock), "--out", str(out), *args])
+    return rc, sorted(out.glob("*.yaml")) if out.exists() else []
+
+
+def _leaves(d: dict[str, Any], prefix: str = "") -> set[str]:
+    out: set[str] = set()
+    for k, v in d.items():
+        out |= _leaves(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}"}
+    return out
+
+
+def test_inheritance_is_nemo_rls() -> None:
+    """Dicts merge, later wins, lists are replaced, ``_override_`` replaces a section, ``???`` never overwrites."""
+    base = {"a": {"x": 1, "y": [1, 2]}, "b": {"k": 1, "l": 2}, "c": 3}
+    over = {"a": {"y": [3]}, "b": {"_override_": True, "m": 9}, "c": "???"}
+    assert _merge(base, over) == {"a": {"x": 1, "y": [3]}, "b": {"m": 9}, "c": 3}
+
+
+def test_one_gpu_overlays_are_the_one_gpu_topology(stock: Path, tmp_path: Path, capsys: Any) -> None:
+    rc, files = _recipe(stock, tmp_path / "out", "--pipelines", "2", "--gpus", "0")
+    assert rc == 0 and [f.name for f in files] == ["child_rlix_a.yaml", "child_rlix_b.yaml"]
+    printed = capsys.readouterr().out
+    assert "switched" in printed and "grpo.async_grpo.enabled = true  # time-sharing drives" in printed
+    dirs = set()
+    for f in files:
+        text = f.read_text()
+        overlay = yaml.safe_load(text)
+        assert overlay["defaults"] == "../configs/child.yaml"
+        # only changed keys, each with its reason
+        assert "policy.generation.vllm_cfg.async_engine" not in _leaves(overlay), "the stock value was re-written"
+        assert "cluster.gpus_per_node" not in _leaves(overlay)
+        for line in text.splitlines():
+            if ":" in line and not line.startswith("#") and not line.rstrip().endswith(":") and "defaults" not in line:
+                assert "  # " in line, f"a changed key without its reason: {line!r}"
+        cfg = load_stock(f)  # NeMo RL's inheritance, relative to the overlay
+        assert cfg["policy"]["optimizer"]["eps"] == 1e-8  # read as OmegaConf reads YAML (PyYAML: the string '1e-8')
+        assert cfg["policy"]["model_name"] == "tiny-child" and cfg["policy"]["generation"]["vllm_kwargs"] == {
+            "enforce_eager": True, "worker_cls": "rlix_plugins.vllm.gpu_worker.RlixGPUWorker"}
+        run = load_run_config(cfg)
+        validate_topology(cfg, run)
+        assert is_one_gpu_topology(run) and run.train_devices == run.infer_devices == (0,)
+        dirs.add((cfg["checkpointing"]["checkpoint_dir"], cfg["logger"]["log_dir"]))
+    assert len(dirs) == 2, "two pipelines would write the same checkpoint and log directories"
+
+
+def test_two_gpus_partial_overlap(stock: Path, tmp_path: Path) -> None:
+    rc, files = _recipe(stock, tmp_path / "out", "--pipelines", "2", "--gpus", "0,1")
+    assert rc == 0 and len(files) == 2
+    runs = []
+    for f in files:
+        cfg = load_stock(f)
+        run = load_run_config(cfg)
+        validate_topology(cfg, run)
+        assert not is_one_gpu_topology(run) and cfg["cluster"]["gpus_per_node"] == 2
+        assert cfg["policy"]["generation"]["colocated"]["resources"]["gpus_per_node"] == 2
+        runs.append(run)
+    assert [r.train_devices for r in runs] == [(0,), (1,)] and all(r.infer_devices == (0, 1) for r in runs)
+
+
+@pytest.mark.parametrize(
+    ("edit", "args", "fix"),
+    [
+        (lambda c: c["policy"]["generation"].update(backend="sglang"), [], "supports vLLM only"),
+        (lambda c: c["policy"]["generation"]["vllm_cfg"].update(tensor_parallel_size=2), [], "vLLM TP 1"),
+        (lambda c: c["policy"]["dtensor_cfg"].update(tensor_parallel_size=2), [], "one GPU cannot hold it"),
+        (lambda c: None, ["--pipelines", "3"], "holds 4 per GPU"),
+        (lambda c: None, ["--pipelines", "3", "--gpus", "0,1"], "home slice of 0 GPU(s)"),
+        (lambda c: c["cluster"].update(num_nodes=2), [], "one node"),
+    ],
+)
+def test_refuses_with_the_fix(edit: Any, args: list[str], fix: str, tmp_path: Path, capsys: Any) -> None:
+    cfg = yaml.safe_load(_BASE)
+    edit(cfg)
+    stock = tmp_path / "stock.yaml"
+    stock.write_text(yaml.safe_dump(cfg))
+    argv = ["--gpus", "0", *args] if "--gpus" not in args else args
+    rc, files = _recipe(stock, tmp_path / "out", *argv)
+    err = capsys.readouterr().err
+    assert rc == 2 and files == [] and fix in err, err
+    assert err.startswith("rlix recipe: ")
+
+
+# ---------------------------------------------------------------- the stock recipes, through NeMo RL's loader
+_LOAD = ("import json, sys; from omegaconf import OmegaConf; from nemo_rl.utils.config import load_config, "
+         "register_omegaconf_resolvers; register_omegaconf_resolvers(); cfg = load_config(sys.argv[1]); "
+         "print(json.dumps([OmegaConf.to_container(cfg, resolve=True), OmegaConf.to_container(cfg, resolve=False)]))")
+
+
+def _nemo_load(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    from tests.nemo_rl._nemo_checkout import nemo_python, nemo_src
+
+    env = {**os.environ, "PYTHONPATH": str(nemo_src())}
+    run = subprocess.run([str(nemo_python()), "-c", _LOAD, str(path)], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    resolved, raw = json.loads(run.stdout.strip().splitlines()[-1])
+    return resolved, raw
+
+
+@pytest.mark.nemo_rl
+@pytest.mark.parametrize("gpus", ["0", "0,1"])
+@pytest.mark.parametrize("name", ["grpo_math_1B.yaml", "grpo_math_1B_megatron.yaml"])
+def test_stock_recipes_through_nemo_rls_loader(name: str, gpus: str, tmp_path: Path) -> None:
+    from tests.nemo_rl._nemo_checkout import nemo_src
+
+    stock = nemo_src() / "examples" / "configs" / name
+    _, stock_raw = _nemo_load(stock)
+    assert load_stock(stock) == stock_raw, "our reimplementation of NeMo RL's inheritance differs from load_config"
+    rc, files = _recipe(stock, tmp_path / "out", "--pipelines", "2", "--gpus", gpus)
+    assert rc == 0 and len(files) == 2
+    for f in files:
+        cfg, raw = _nemo_load(f)
+        assert load_stock(f) == raw
+        assert cfg["policy"]["megatron_cfg"]["enabled"] is name.endswith("_megatron.yaml")  # the stock trainer
+        run = load_run_config(cfg)
+        validate_topology(cfg, run)
+        assert is_one_gpu_topology(run) is (gpus == "0")
+
+
+# ---------------------------------------------------------------- NeMo RL's other GRPO loops
+_SC_CHILD = """\
+defaults: child.yaml
+grpo: {async_grpo: null}
+async_rl: {min_groups_for_streaming_train: 2}
+data_plane: {enabled: true}
+"""
+
+
+def test_single_controller_recipe_keeps_its_loop(stock: Path, tmp_path: Path, capsys: Any) -> None:
+    """A SingleController recipe (``async_rl`` + data plane) is not switched to async GRPO; on one GPU a streamed step
+    becomes one chunk (the rollout sleeps while it trains); on two GPUs streaming stays; its entry point is printed."""
+    from rlix_plugins.nemo_rl.topology import grpo_loop
+
+    sc = stock.parent / "sc.yaml"
+    sc.write_text(_SC_CHILD)
+    for gpus, groups in (("0", "${grpo.num_prompts_per_step}"), ("0,1", 2)):
+        rc, files = _recipe(sc, tmp_path / gpus, "--pipelines", "2", "--gpus", gpus)
+        assert rc == 0 and len(files) == 2
+        assert "examples/run_grpo_single_controller.py" in capsys.readouterr().out
+        for f in files:
+            overlay = yaml.safe_load(f.read_text())
+            assert "grpo.async_grpo.enabled" not in _leaves(overlay) and "loss_fn" not in overlay
+            cfg = load_stock(f)
+            assert grpo_loop(cfg) == "single_controller" and cfg["async_rl"]["min_groups_for_streaming_train"] == groups
+            assert cfg["policy"]["generation"]["colocated"]["enabled"] is False
+
+
+def test_data_plane_flag_switches_to_the_transfer_queue_loop(stock: Path, tmp_path: Path, capsys: Any) -> None:
+    from rlix_plugins.nemo_rl.topology import grpo_loop
+
+    rc, files = _recipe(stock, tmp_path / "out", "--pipelines", "2", "--gpus", "0,1", "--data-plane")
+    assert rc == 0 and len(files) == 2
+    assert "examples/run_grpo.py" in capsys.readouterr().out
+    for f in files:
+        cfg = load_stock(f)
+        assert grpo_loop(cfg) == "grpo_train_sync" and cfg["data_plane"] == {"enabled": True}
+        assert cfg["grpo"]["async_grpo"]["enabled"] is False
+        assert cfg["loss_fn"]["use_importance_sampling_correction"] is False  # on-policy: not switched on
+        validate_topology(cfg, load_run_config(cfg))
