@@ -20,7 +20,8 @@ EngineCore->worker hop cannot pickle tensors; everything is positional so NeMo R
 * ``update_parameter_in_bucket(payload, ipc_local_ranks, sync_id, apply_mode)`` - ``payload`` a
   ``host_pull`` (every bucket of the sync at once: the worker copies from the sender's pinned pages),
   ``cpu_serialize`` or ``cuda_ipc`` dict from :mod:`rlix_plugins.transport`; a worker whose local rank
-  is not in ``ipc_local_ranks`` ignores it (returns 0).
+  is not in ``ipc_local_ranks`` ignores it (returns 0). A ``host_pull`` payload with ``deferred`` set returns
+  once its copies are queued; ``rlix_host_reads_done(sync_id)`` then returns once the host pages were read.
 * ``broadcast_parameter(group_name, meta, broadcast_local_ranks, sync_id, apply_mode)`` - receive one
   bucket (``meta`` = ``BucketMeta.to_wire()``) from group rank 0; a worker whose local rank is not in
   ``broadcast_local_ranks`` returns 0.
@@ -141,10 +142,12 @@ class _State:
 
 
 class RlixReceiverMixin:
-    """The six receiver methods plus two helpers (``rlix_abort_weight_update``, ``rlix_receiver_info``).
+    """The six receiver methods plus helpers (``rlix_host_reads_done``, ``rlix_abort_weight_update``,
+    ``rlix_discard_weight_backup``, ``rlix_receiver_info``).
 
-    Runs on the vLLM worker's own thread; every method returns before the RPC returns (no background
-    work), so the RPC reply is the per-bucket barrier the sender waits on.
+    Runs on the vLLM worker's own thread with no background thread, so the RPC reply is the barrier the sender
+    waits on. The one exception is on the GPU: a deferred host_pull leaves its copies (and their checksums) queued
+    on side streams when it returns; ``rlix_host_reads_done``, finalize and any dropped sync wait for them.
     """
 
     # ---------------------------------------------------------------- state
