@@ -348,8 +348,9 @@ class RlixReceiverMixin:
         (2) every expected parameter that the model stores unchanged (same name, shape and dtype, e.g.
         embeddings and norms; fused or repacked layers are covered by check 1 only) matches live.
         After a direct host_pull both read the parameters: check 1 reads them where the bytes landed, check 2
-        reuses those sums where they cover a whole parameter (the finalize just before this computed them after the
-        last write into the model; nothing writes weights in between) and reads the rest.
+        reuses those sums where they cover a whole parameter and reads the rest. The sums were taken as each bucket
+        landed, before post-processing, which was checked at the layout's first load to leave the loaded bytes as
+        they are; nothing else writes weights between the copies and this call.
         """
         state = self._rlix()
         if state.dirty:
