@@ -21,6 +21,17 @@ for name in dir(virtual_cluster.PY_EXECUTABLES):
     if name.isupper():
         setattr(virtual_cluster.PY_EXECUTABLES, name, sys.executable)
 
+# NeMo RL's TransferQueue adapter gives TQ's controller and storage actors a runtime_env that pip-installs
+# TransferQueue from git (its requirement read from the installed nemo-rl's metadata). Here NeMo RL runs from
+# source, there is no network, and TransferQueue is already importable by every actor: mark that injection done
+# so the actors inherit this interpreter, as NeMo RL's own docstring says they do once the image carries TQ.
+try:
+    from nemo_rl.data_plane.adapters import transfer_queue as _tq_adapter
+except ImportError:  # no TransferQueue here: only the data-plane loop needs it
+    pass
+else:
+    _tq_adapter._TQ_RUNTIME_ENV_PATCHED = True
+
 if os.environ.get("RLIX_CONTROL_PLANE") == "rlix":  # rlix's own INFO lines (grants, expands) in the driver's log
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
