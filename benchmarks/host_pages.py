@@ -1,4 +1,4 @@
-"""Host->device copy speed by where the host pages come from, chunk by chunk (GPU machine; torch only).
+"""Host->device copy speed by where the host pages come from, chunk by chunk (GPU machine).
 
 A host_pull sync copies from the sender's ``memfd`` pages; its copies ran at 20-55 GB/s within one sync while a
 raw copy from ``cudaHostAlloc`` memory ran at 55. This measures, in one process and one run, the same 256 MiB
@@ -29,6 +29,9 @@ from typing import Any
 
 import torch
 
+from rlix_plugins.errors import TransportError
+from rlix_plugins.transport._host_pull import _register, _unregister
+
 CHUNK = 256 << 20
 
 
@@ -48,12 +51,6 @@ def _meminfo(*keys: str) -> dict[str, str]:
     return out
 
 
-def _register(t: torch.Tensor) -> None:
-    rc = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel(), 0)
-    if int(rc[0] if isinstance(rc, tuple) else rc) != 0:
-        raise RuntimeError(f"cudaHostRegister failed: {rc}")
-
-
 def _mapped(nbytes: int, *, memfd: bool, huge: bool) -> tuple[torch.Tensor, mmap.mmap]:
     if memfd:
         fd = os.memfd_create("rlix-host-pages")
@@ -66,7 +63,7 @@ def _mapped(nbytes: int, *, memfd: bool, huge: bool) -> tuple[torch.Tensor, mmap
         m.madvise(mmap.MADV_HUGEPAGE)
     t = torch.frombuffer(m, dtype=torch.uint8)
     t.fill_(1)  # first touch: the pages are placed now
-    _register(t)
+    _register(t, "host_pages buffer")
     return t, m
 
 
@@ -122,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         before = _meminfo("ShmemHugePages", "AnonHugePages")
         try:
             t, m = _mapped(nbytes, memfd=memfd, huge=huge)
-        except (OSError, RuntimeError, AttributeError) as exc:
+        except (OSError, RuntimeError, TransportError, AttributeError) as exc:
             out[name] = {"error": str(exc)}
             continue
         out[name] = {**measure(t, dev, args.passes), "meminfo_before": before,
@@ -130,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         keep.append((t, m))
         print(name, {k: v for k, v in out[name].items() if k != "per_pass"}, flush=True)
     for t, _ in keep:
-        torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+        _unregister(t)
     text = json.dumps(out, indent=1)
     if args.json:
         Path(args.json).write_text(text)

@@ -29,6 +29,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from rlix_plugins.control.capacity.comparison import JobSpec, compare
+from rlix_plugins.control.registration import pipeline_clusters
 from rlix_plugins.control.scheduling.planner import plan_cycle, validate_plan
 from rlix_plugins.control.types import (
     Allocation,
@@ -60,8 +61,7 @@ def make_clusters(pipelines: int, gpus: int, layout: str, rnd: random.Random) ->
             win = min(gpus, 32)
             start = min((lo // win) * win, gpus - win)
             infer = tuple(sorted(set(range(start, start + win)) | set(range(lo, lo + home))))
-        clusters[f"{pid}_actor_train"] = ClusterSpec(f"{pid}_actor_train", pid, "actor_train", train, 1)
-        clusters[f"{pid}_actor_infer"] = ClusterSpec(f"{pid}_actor_infer", pid, "actor_infer", infer, tp)
+        clusters.update(pipeline_clusters(pid, train, infer, tp))
     return clusters
 
 

@@ -88,6 +88,23 @@ def build_cluster_specs(
     return specs
 
 
+def pipeline_clusters(
+    pipeline_id: str, train: Iterable[int] | None, infer: Iterable[int], tp: int = 1
+) -> dict[str, ClusterSpec]:
+    """The clusters of a pipeline that trains on ``train`` (None: rollout only) and rolls out on ``infer`` in
+    bundles of ``tp`` GPUs, by cluster id in registration order (mappings sorted). Unchecked, for the simulator,
+    benchmarks and tests: their placements may break registration rules on purpose (the simulator's baselines
+    train on GPUs their rollout does not use); check with :func:`validate_spec` where the rules must hold."""
+    infer_spec = ClusterSpec(cluster_id(pipeline_id, GENERATION_CLUSTER), pipeline_id, GENERATION_CLUSTER,
+                             tuple(sorted(infer)), tp)
+    out = {infer_spec.cluster_id: infer_spec}
+    if train is not None:
+        train_spec = ClusterSpec(cluster_id(pipeline_id, TRAIN_CLUSTER), pipeline_id, TRAIN_CLUSTER,
+                                 tuple(sorted(train)), 1)
+        out[train_spec.cluster_id] = train_spec
+    return out
+
+
 def _check_tp(pipeline_id: str, name: str, tp: Any) -> int:
     if isinstance(tp, bool) or not isinstance(tp, int) or tp <= 0:
         raise RlixConfigError(

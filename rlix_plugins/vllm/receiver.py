@@ -719,13 +719,9 @@ def live_checksums(tensors: list[Any], batched: bool | None = None) -> Any:
     kernel chain per parameter cost 23-31 ms for a 1.5B model's live check on the H100."""
     if not tensors or not (tensors[0].device.type == "cuda" if batched is None else batched):
         return start_checksums(tensors)
-    return pieces_checksums([[t.detach().contiguous().reshape(-1).view(_uint8())] for t in tensors])
-
-
-def _uint8() -> Any:
     import torch
 
-    return torch.uint8
+    return pieces_checksums([[t.detach().contiguous().reshape(-1).view(torch.uint8)] for t in tensors])
 
 
 def pieces_checksums(items: list[list[Any]]) -> Any:

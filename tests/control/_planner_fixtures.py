@@ -7,6 +7,7 @@ from dataclasses import replace
 
 from hypothesis import strategies as st
 
+from rlix_plugins.control.registration import pipeline_clusters as pipeline
 from rlix_plugins.control.types import (
     Allocation,
     ClusterSpec,
@@ -22,13 +23,6 @@ GEN = Priority.GENERATION
 
 def spec(pid: str, name: str, mapping: Iterable[int], tp: int = 1) -> ClusterSpec:
     return ClusterSpec(f"{pid}_{name}", pid, name, tuple(sorted(mapping)), tp)
-
-
-def pipeline(pid: str, train: Iterable[int] | None, infer: Iterable[int], tp: int = 1) -> dict[str, ClusterSpec]:
-    out = {f"{pid}_actor_infer": spec(pid, "actor_infer", infer, tp)}
-    if train is not None:
-        out[f"{pid}_actor_train"] = spec(pid, "actor_train", train)
-    return out
 
 
 def gen_alloc(s: ClusterSpec, ranks: Iterable[int]) -> Allocation:

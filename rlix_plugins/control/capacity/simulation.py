@@ -30,7 +30,7 @@ import itertools
 import math
 from dataclasses import dataclass, field, replace
 
-from rlix_plugins.control.registration import validate_spec
+from rlix_plugins.control.registration import pipeline_clusters, validate_spec
 from rlix_plugins.control.scheduling.gap_ratio import note_generation_waits
 from rlix_plugins.control.scheduling.planner import plan_cycle, validate_plan
 from rlix_plugins.control.types import (
@@ -143,10 +143,8 @@ class Simulation:
         self.pipes: list[_Pipe] = []
         for job, pl in zip(jobs, placements, strict=True):
             pid = job.name
-            t_cid, i_cid = cluster_id(pid, "actor_train"), cluster_id(pid, "actor_infer")
-            self.clusters[t_cid] = ClusterSpec(t_cid, pid, "actor_train", tuple(sorted(pl.train)), 1)
-            self.clusters[i_cid] = ClusterSpec(i_cid, pid, "actor_infer", tuple(sorted(pl.infer)), job.tp)
-            self.pipes.append(_Pipe(job, pid, t_cid, i_cid))
+            self.clusters.update(pipeline_clusters(pid, pl.train, pl.infer, job.tp))
+            self.pipes.append(_Pipe(job, pid, cluster_id(pid, "actor_train"), cluster_id(pid, "actor_infer")))
         # Registration-time check, as in the scheduler: cycles never re-check the (frozen) specs. Per spec only:
         # the baseline placements (static partition, one after another) train on GPUs their rollout does not use.
         for s in self.clusters.values():
