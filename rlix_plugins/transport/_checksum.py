@@ -239,7 +239,8 @@ class PackChecksums:
         words = self.buffer[start : start + padded].view(_I32).view(-1, ROW_WORDS)
         step_rows = PACK_STEP_BYTES // ROW_BYTES
         rows = _scratch("rows", words.shape[0])[: words.shape[0]]
-        groups = _scratch("groups", -(-words.shape[0] // GROUP_ROWS))
+        full_steps, last_rows = divmod(words.shape[0], step_rows)
+        groups = _scratch("groups", full_steps * -(-step_rows // GROUP_ROWS) + -(-last_rows // GROUP_ROWS))
         group = 0
         for lo in range(0, padded, PACK_STEP_BYTES):
             hi = min(lo + PACK_STEP_BYTES, n)
