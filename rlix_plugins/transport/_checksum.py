@@ -257,7 +257,7 @@ class PackChecksums:
             if rest:
                 torch.sum(block[whole * GROUP_ROWS :], dim=0, dtype=_I32, out=groups[group + whole])
             group += whole + (rest > 0)
-        row_parts = torch.stack([rows.sum(dtype=_I32), (rows * _arange(_CPU, 1, rows.numel())).sum(dtype=_I32)])
+        row_parts = (rows * _row_weights(rows.numel())).sum(dim=1, dtype=_I32)
         self.tensors.append((row_parts, groups[:group].sum(dim=0, dtype=_I32)))
 
     def skip(self) -> None:
@@ -273,6 +273,18 @@ class PackChecksums:
 
 
 _scratches = threading.local()
+_row_weights_cache: dict[int, torch.Tensor] = {}
+
+
+def _row_weights(rows: int) -> torch.Tensor:
+    """``[[1, 1, ..., 1], [1, 2, ..., rows]]`` (int32, cached): a tensor's row sums times this, summed over the
+    rows, are its ``[word_sum, row_weighted]``."""
+    w = _row_weights_cache.get(rows)
+    if w is None:
+        if len(_row_weights_cache) > 64:
+            _row_weights_cache.clear()
+        w = _row_weights_cache[rows] = torch.stack([torch.ones(rows, dtype=_I32), torch.arange(1, rows + 1, dtype=_I32)])
+    return w
 
 
 def _scratch(name: str, rows: int) -> torch.Tensor:
