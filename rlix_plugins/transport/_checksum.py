@@ -238,6 +238,13 @@ class PackChecksums:
         n = src.numel()
         padded = -(-n // ROW_BYTES) * ROW_BYTES
         words = self.buffer[start : start + padded].view(_I32).view(-1, ROW_WORDS)
+        if padded <= GROUP_ROWS * ROW_BYTES:  # one group at most (norms, biases): fewest calls, no scratch
+            self.buffer[start : start + n].copy_(src)
+            if n < padded:
+                self.buffer[start + n : start + padded].zero_()
+            rows = words.sum(dim=1, dtype=_I32)
+            self.tensors.append(((rows * _row_weights(rows.numel())).sum(dim=1, dtype=_I32), words.sum(dim=0, dtype=_I32)))
+            return
         step_rows = PACK_STEP_BYTES // ROW_BYTES
         rows = _scratch("rows", words.shape[0])[: words.shape[0]]
         full_steps, last_rows = divmod(words.shape[0], step_rows)
