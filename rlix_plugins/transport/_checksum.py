@@ -281,18 +281,16 @@ class PackChecksums:
 
 
 _scratches = threading.local()
-_row_weights_cache: dict[int, torch.Tensor] = {}
+_row_weights_all = torch.ones(2, 0, dtype=_I32)
 
 
 def _row_weights(rows: int) -> torch.Tensor:
-    """``[[1, 1, ..., 1], [1, 2, ..., rows]]`` (int32, cached): a tensor's row sums times this, summed over the
-    rows, are its ``[word_sum, row_weighted]``."""
-    w = _row_weights_cache.get(rows)
-    if w is None:
-        if len(_row_weights_cache) > 64:
-            _row_weights_cache.clear()
-        w = _row_weights_cache[rows] = torch.stack([torch.ones(rows, dtype=_I32), torch.arange(1, rows + 1, dtype=_I32)])
-    return w
+    """``[[1, 1, ..., 1], [1, 2, ..., rows]]`` (int32; views of one buffer grown to the most rows asked for): a
+    tensor's row sums times this, summed over the rows, are its ``[word_sum, row_weighted]``."""
+    global _row_weights_all
+    if _row_weights_all.shape[1] < rows:
+        _row_weights_all = torch.stack([torch.ones(rows, dtype=_I32), torch.arange(1, rows + 1, dtype=_I32)])
+    return _row_weights_all[:, :rows]
 
 
 def _scratch(name: str, rows: int) -> torch.Tensor:
