@@ -27,6 +27,7 @@ from typing import Any, Final, final
 import torch
 
 from rlix_plugins.errors import RlixConfigError, TransportError
+from rlix_plugins.transport._checksum import PackChecksums, bucket_checksums
 
 #: Every tensor in a bucket starts at a multiple of this many bytes.
 ALIGN_BYTES: Final = 512
@@ -137,6 +138,9 @@ class BucketRecord:
     buffer: torch.Tensor
     #: how another process on this machine opens ``buffer`` (``host_pull``); None when not shared
     host: dict[str, Any] | None = None
+    #: ``iter_buckets(checksum_cpu=True)``: the ``(n, 3)`` partial checksums (read with ``finish_checksums``) of the
+    #: packed bytes, valid for the tensors that came from CPU memory; None when not asked for or none came from there
+    sums: torch.Tensor | None = None
 
     @property
     def payload(self) -> torch.Tensor:
@@ -189,14 +193,26 @@ def plan_layout(items: Iterable[tuple[str, torch.Tensor]]) -> tuple[list[int], i
     return offsets, end
 
 
-def _fill(index: int, items: list[tuple[str, torch.Tensor]], buffer: torch.Tensor) -> BucketRecord:
+def _fill(index: int, items: list[tuple[str, torch.Tensor]], buffer: torch.Tensor, checksum_cpu: bool = False) -> BucketRecord:
     offsets, used = plan_layout(items)
     if buffer.numel() < used:
         raise TransportError(f"bucket {index}: buffer of {buffer.numel()} bytes cannot hold {used} bytes")
     needs_sync = False
+    # checksums of CPU sources while packing (one read of the bytes); a buffer that ends inside the last row is
+    # checksummed after packing instead
+    sums = PackChecksums(buffer) if checksum_cpu and buffer.device.type == "cpu" else None
+    if sums is not None and not sums.fits(offsets[-1], used - offsets[-1]):
+        sums = None
+    fused = 0
     ends = [*offsets[1:], min(align_up(used), buffer.numel())][: len(items)]
     for (_, tensor), start, next_start in zip(items, offsets, ends, strict=True):
         src = _as_bytes(tensor)
+        if sums is not None and src.device.type == "cpu":
+            sums.copy(start, src)  # writes the zero padding up to next_start too (rows end where tensors start)
+            fused += 1
+            continue
+        if sums is not None:
+            sums.skip()
         if src.numel():
             non_blocking = src.device.type == "cuda" and buffer.is_pinned()
             buffer[start : start + src.numel()].copy_(src, non_blocking=non_blocking)
@@ -213,6 +229,11 @@ def _fill(index: int, items: list[tuple[str, torch.Tensor]], buffer: torch.Tenso
         used_bytes=used,
         index=index,
     )
+    if sums is not None and fused:
+        return BucketRecord(meta=meta, buffer=buffer, sums=sums.finish())
+    if checksum_cpu and any(t.device.type == "cpu" for _, t in items):
+        nbytes = [t.numel() * t.element_size() for _, t in items]
+        return BucketRecord(meta=meta, buffer=buffer, sums=bucket_checksums(buffer, offsets, nbytes))
     return BucketRecord(meta=meta, buffer=buffer)
 
 
@@ -221,12 +242,15 @@ def iter_buckets(
     bucket_size_bytes: int,
     buffer_for: Callable[[int], torch.Tensor] | None = None,
     on_tensor: Callable[[str, torch.Tensor], None] | None = None,
+    checksum_cpu: bool = False,
 ) -> Iterator[BucketRecord]:
     """Greedy packing in iteration order: a bucket closes when the next tensor would not fit.
 
     ``buffer_for(i)`` returns the uint8 buffer for bucket ``i`` (capacity >= ``bucket_size_bytes``);
     by default a fresh CPU buffer of exactly the packed size. ``on_tensor(name, tensor)`` sees every
     tensor once before it is copied (checksums are computed there, on the tensor's own device).
+    ``checksum_cpu``: each record's ``sums`` holds the checksums of its CPU-sourced tensors, taken from the
+    packed bytes step by step while the copy has them in cache (``PackChecksums``).
 
     Lockstep: the source iterator is consumed strictly in order and only once. Buffer reuse: a
     buffer handed out by ``buffer_for(i)`` is written while bucket ``i`` is packed; the caller must
@@ -244,7 +268,7 @@ def iter_buckets(
         nonlocal pending, end, index
         _, used = plan_layout(pending)
         buffer = buffer_for(index) if buffer_for else torch.empty(used, dtype=torch.uint8)
-        record = _fill(index, pending, buffer)
+        record = _fill(index, pending, buffer, checksum_cpu)
         pending, end, index = [], 0, index + 1
         return record
 

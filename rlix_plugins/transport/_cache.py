@@ -21,7 +21,6 @@ import os
 import threading
 import time
 from collections.abc import Iterable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import final
@@ -30,7 +29,7 @@ import torch
 
 from rlix_plugins.errors import RlixConfigError, RlixTimeoutError, TransportError
 from rlix_plugins.transport._bucket import BucketRecord, iter_buckets
-from rlix_plugins.transport._checksum import bucket_checksums, finish_checksums, start_checksums
+from rlix_plugins.transport._checksum import finish_checksums, start_checksums
 from rlix_plugins.transport._host_pull import SharedHostBuffer
 from rlix_plugins.transport._memory import HOST_FRACTION, check_host_capacity
 
@@ -153,7 +152,7 @@ class VersionedBucketCache:
         Every rank must call this with its iterator. On the owner the lock is taken BEFORE the
         iterator is first advanced, so peers wait in their first collective, not mid-model.
         Checksums: a GPU tensor's on its GPU (launched as it is packed, read once at the end); CPU tensors'
-        from the packed bucket, on a second thread while the next bucket is packed.
+        from the packed bytes, step by step while the copy has them in cache (``PackChecksums``).
         On error no version is published (the old bytes are already partly overwritten).
         """
         if not self.is_owner:
@@ -167,7 +166,7 @@ class VersionedBucketCache:
             sums = _BuildChecksums(version) if checksums else None
             records = []
             for record in iter_buckets(named_tensors, self.bucket_size_bytes, self._buffer_for,
-                                       sums.on_tensor if sums else None):
+                                       sums.on_tensor if sums else None, checksum_cpu=sums is not None):
                 if self.shared:
                     record = dataclasses.replace(record, host=self._shared[record.meta.index].handle)
                 records.append(record)
@@ -210,15 +209,14 @@ class VersionedBucketCache:
 
 
 class _BuildChecksums:
-    """The checksums of one build, computed off the packing path (see ``VersionedBucketCache.build``)."""
+    """The checksums of one build (see ``VersionedBucketCache.build``)."""
 
     def __init__(self, version: int) -> None:
         self.version = version
         self.order: list[str] = []
         self.nbytes: dict[str, int] = {}
         self.on_gpu: dict[str, torch.Tensor] = {}
-        self.pool: ThreadPoolExecutor | None = None
-        self.pending: list[tuple[tuple[str, ...], list[int], Future[torch.Tensor]]] = []
+        self.packed: list[tuple[tuple[str, ...], list[int], torch.Tensor]] = []
 
     def on_tensor(self, name: str, tensor: torch.Tensor) -> None:
         if name in self.nbytes:
@@ -229,24 +227,13 @@ class _BuildChecksums:
             self.on_gpu[name] = start_checksums([tensor])[0]
 
     def on_bucket(self, record: BucketRecord) -> None:
-        names = [n for n in record.meta.names if n not in self.on_gpu]
-        if not names:
-            return
-        if self.pool is None:
-            self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlix-checksum")
-        meta = record.meta
-        nbytes = [self.nbytes[n] for n in meta.names]
-        future = self.pool.submit(bucket_checksums, record.buffer, list(meta.offsets), nbytes)
-        self.pending.append((meta.names, nbytes, future))
+        if record.sums is not None:  # taken while packing; rows of GPU-sourced tensors are dropped in finish
+            self.packed.append((record.meta.names, [self.nbytes[n] for n in record.meta.names], record.sums))
 
     def finish(self) -> dict[str, list[int]]:
         out: dict[str, list[int]] = {}
-        try:
-            for names, nbytes, future in self.pending:
-                out.update(zip(names, finish_checksums(nbytes, future.result()), strict=True))
-        finally:
-            if self.pool is not None:
-                self.pool.shutdown(wait=True)
+        for names, nbytes, partial in self.packed:
+            out.update((n, s) for n, s in zip(names, finish_checksums(nbytes, partial), strict=True) if n not in self.on_gpu)
         if self.on_gpu:
             gpu_names = list(self.on_gpu)
             sums = finish_checksums([self.nbytes[n] for n in gpu_names], torch.stack(list(self.on_gpu.values())))

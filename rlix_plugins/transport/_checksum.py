@@ -17,11 +17,13 @@ starts on a row; :func:`bucket_checksums` checksums all tensors of a received bu
 kernels and no host sync per tensor (``weighted = 129 * sum_k (k + 1) * rowsum_k + sum_k rowdot_k``,
 segment sums by prefix sums over rows; a GPU reads the bytes about three times). On a CPU the per-tensor
 form reads the bytes twice (row sums, then column sums over 4096-word rows: 1.9 + 2.3 ms for 256 MiB on the
-H100 host, where a memcpy takes 6.1 ms).
+H100 host, where a memcpy takes 6.1 ms); the cache build uses :class:`PackChecksums` instead, which takes
+both sums of each 8 MiB step of the copy while the step is still in cache, so memory is read only by the copy.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Final
 
@@ -35,8 +37,16 @@ ROW_WORDS: Final = 128
 WIDE_WORDS: Final = 32 * ROW_WORDS
 #: rows per GPU step of the batched form (bounds the int32 product scratch to 64 MiB).
 GPU_CHUNK_ROWS: Final = 1 << 17
+#: bytes of one row (the bucket alignment).
+ROW_BYTES: Final = 4 * ROW_WORDS
+#: bytes per step of :class:`PackChecksums` (whole rows): small enough that both sums read a step's bytes from
+#: the caches right after the copy wrote them, large enough that per-step dispatch stays a few percent.
+PACK_STEP_BYTES: Final = 8 << 20
+#: rows per column-sum group of :class:`PackChecksums`.
+GROUP_ROWS: Final = 64
 _MASK32: Final = (1 << 32) - 1
 _I32 = torch.int32
+_CPU = torch.device("cpu")
 
 
 def _words(tensor: torch.Tensor) -> torch.Tensor:
@@ -201,6 +211,96 @@ def segment_checksums(buffer: torch.Tensor, offsets: Sequence[int], nbytes: Sequ
     # sum over the tensor's rows of (local_row + 1) * row_sum = sum(global_row * row_sum) - (first - 1) * sum(row_sum)
     row_weighted = seg[1] - (first.to(_I32) - 1) * seg[0]
     return torch.stack([seg[0], row_weighted, seg[2]], dim=1)
+
+
+class PackChecksums:
+    """Checksums of a CPU bucket taken while it is packed: :meth:`copy` writes a tensor into the bucket step by
+    step (:data:`PACK_STEP_BYTES`) and takes each step's row sums and column sums while its bytes are still in
+    the caches, so memory is read once (by the copy) instead of once more per reduction; :meth:`finish` returns
+    the numbers of :func:`start_checksums` for the bucket's tensors.
+
+    Column sums are taken per group of :data:`GROUP_ROWS` rows (a ``[groups, 64, 128]`` view summed over its
+    middle dimension): torch splits such a reduction across threads by group, the same contiguous ranges its
+    copy gave each thread, where a plain column sum would split 128 columns over at most 4 threads.
+    """
+
+    def __init__(self, buffer: torch.Tensor) -> None:
+        self.buffer = buffer
+        #: per tensor in bucket order: [word_sum, row_weighted] and its 128 column sums; None: copied elsewhere
+        self.tensors: list[tuple[torch.Tensor, torch.Tensor] | None] = []
+
+    def fits(self, start: int, nbytes: int) -> bool:
+        """Whether the buffer holds the tensor's last row whole (the sums read whole rows)."""
+        return start % ROW_BYTES == 0 and start + -(-nbytes // ROW_BYTES) * ROW_BYTES <= self.buffer.numel()
+
+    def copy(self, start: int, src: torch.Tensor) -> None:
+        """Copy the uint8 CPU tensor ``src`` to ``buffer[start:]`` (see :meth:`fits`), zero the rest of its last row."""
+        n = src.numel()
+        padded = -(-n // ROW_BYTES) * ROW_BYTES
+        words = self.buffer[start : start + padded].view(_I32).view(-1, ROW_WORDS)
+        if padded <= GROUP_ROWS * ROW_BYTES:  # one group at most (norms, biases): fewest calls, no scratch
+            self.buffer[start : start + n].copy_(src)
+            if n < padded:
+                self.buffer[start + n : start + padded].zero_()
+            rows = words.sum(dim=1, dtype=_I32)
+            self.tensors.append(((rows * _row_weights(rows.numel())).sum(dim=1, dtype=_I32), words.sum(dim=0, dtype=_I32)))
+            return
+        step_rows = PACK_STEP_BYTES // ROW_BYTES
+        rows = _scratch("rows", words.shape[0])[: words.shape[0]]
+        full_steps, last_rows = divmod(words.shape[0], step_rows)
+        groups = _scratch("groups", full_steps * -(-step_rows // GROUP_ROWS) + -(-last_rows // GROUP_ROWS))
+        group = 0
+        for lo in range(0, padded, PACK_STEP_BYTES):
+            hi = min(lo + PACK_STEP_BYTES, n)
+            self.buffer[start + lo : start + hi].copy_(src[lo:hi])
+            if hi == n and n < padded:
+                self.buffer[start + n : start + padded].zero_()
+            row = lo // ROW_BYTES
+            block = words[row : row + step_rows]
+            torch.sum(block, dim=1, dtype=_I32, out=rows[row : row + block.shape[0]])
+            whole, rest = divmod(block.shape[0], GROUP_ROWS)
+            if whole:
+                grouped = block[: whole * GROUP_ROWS].view(whole, GROUP_ROWS, ROW_WORDS)
+                torch.sum(grouped, dim=1, dtype=_I32, out=groups[group : group + whole])
+            if rest:
+                torch.sum(block[whole * GROUP_ROWS :], dim=0, dtype=_I32, out=groups[group + whole])
+            group += whole + (rest > 0)
+        row_parts = (rows * _row_weights(rows.numel())).sum(dim=1, dtype=_I32)
+        self.tensors.append((row_parts, groups[:group].sum(dim=0, dtype=_I32)))
+
+    def skip(self) -> None:
+        """The next tensor of the bucket is copied elsewhere (a GPU source); its row of :meth:`finish` is meaningless."""
+        self.tensors.append(None)
+
+    def finish(self) -> torch.Tensor:
+        """The ``(n, 3)`` partial sums of the bucket's tensors, for :func:`finish_checksums`."""
+        zeros = (torch.zeros(2, dtype=_I32), torch.zeros(ROW_WORDS, dtype=_I32))
+        row_parts, cols = zip(*(t if t is not None else zeros for t in self.tensors), strict=True)
+        col_weighted = (torch.stack(cols) * _arange(_CPU, 1, ROW_WORDS)).sum(dim=1, dtype=_I32)
+        return torch.cat([torch.stack(row_parts), col_weighted.view(-1, 1)], dim=1)
+
+
+_scratches = threading.local()
+_row_weights_all = torch.ones(2, 0, dtype=_I32)
+
+
+def _row_weights(rows: int) -> torch.Tensor:
+    """``[[1, 1, ..., 1], [1, 2, ..., rows]]`` (int32; views of one buffer grown to the most rows asked for): a
+    tensor's row sums times this, summed over the rows, are its ``[word_sum, row_weighted]``."""
+    global _row_weights_all
+    if _row_weights_all.shape[1] < rows:
+        _row_weights_all = torch.stack([torch.ones(rows, dtype=_I32), torch.arange(1, rows + 1, dtype=_I32)])
+    return _row_weights_all[:, :rows]
+
+
+def _scratch(name: str, rows: int) -> torch.Tensor:
+    """A per-thread int32 scratch reused by every tensor (a fresh allocation of this size would fault its pages
+    in again each time): at least ``rows`` x 128 words for ``"groups"``, at least ``rows`` words otherwise."""
+    have: torch.Tensor | None = getattr(_scratches, name, None)
+    if have is None or have.shape[0] < rows:
+        have = torch.empty((rows, ROW_WORDS) if name == "groups" else (rows,), dtype=_I32)
+        setattr(_scratches, name, have)
+    return have
 
 
 def compute_checksums(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, list[int]]:

@@ -10,8 +10,11 @@ from hypothesis import strategies as st
 from rlix_plugins.errors import RlixConfigError, WeightVerificationError
 from rlix_plugins.transport import (
     DeviceRef,
+    _checksum,
+    bucket_checksums,
     build_comm_plan,
     compute_checksums,
+    iter_buckets,
     tensor_checksum,
     verify_checksums,
 )
@@ -156,3 +159,36 @@ def test_comm_plan_rejects_bad_input() -> None:
         build_comm_plan((0,), {0: [(0, 0)]})
     with pytest.raises(RlixConfigError, match="not a target"):
         build_comm_plan((0, 0), {0: [(0, 0)]}).target(5)
+
+
+@pytest.mark.parametrize("step_rows", [3, 64 * 2, 1 << 14])
+@settings(max_examples=8, deadline=None)
+@given(sizes=st.lists(st.sampled_from([0, 1, 5, 512, 4096, 64 * 512, 64 * 512 * 2 + 700, 64 * 512 * 3 - 4]),
+                      min_size=1, max_size=4), seed=st.integers(0, 2**16))
+def test_checksums_taken_while_packing_match_the_definition(step_rows: int, sizes: list[int], seed: int) -> None:
+    """The CPU pack path (copy step by step, sums of each step from cache) gives the definition's numbers for
+    tensors of one row or many, several steps, partial column groups and partial last rows, and packs the bytes
+    with zero padding."""
+    g = torch.Generator().manual_seed(seed)
+    blobs = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g) for n in sizes]
+    capacity = sum(-(-n // 512) * 512 for n in sizes) or 512
+    buffer = torch.full((capacity,), 0xAB, dtype=torch.uint8)  # stale bytes: padding must be rewritten
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_checksum, "PACK_STEP_BYTES", step_rows * _checksum.ROW_BYTES)
+        (record,) = iter_buckets([(f"t{i}", b) for i, b in enumerate(blobs)], capacity, lambda _: buffer,
+                                 checksum_cpu=True)
+    assert record.sums is not None
+    want = [_reference(bytes(b.tolist())) for b in blobs]
+    assert finish_checksums(sizes, record.sums) == want
+    assert finish_checksums(sizes, bucket_checksums(buffer, list(record.meta.offsets), sizes)) == want
+    for b, start in zip(blobs, record.meta.offsets, strict=True):
+        assert torch.equal(buffer[start : start + b.numel()], b)
+
+
+def test_pack_checksums_fall_back_when_the_buffer_ends_inside_a_row() -> None:
+    """A buffer too short for the last tensor's whole row is checksummed after packing, with the same numbers."""
+    blobs = [torch.arange(701, dtype=torch.int32).view(torch.uint8)[:2801], torch.ones(90, dtype=torch.uint8)]
+    buffer = torch.zeros(3072 + 100, dtype=torch.uint8)  # the second tensor's row [3072, 3584) does not fit
+    (record,) = iter_buckets([("a", blobs[0]), ("b", blobs[1])], buffer.numel(), lambda _: buffer, checksum_cpu=True)
+    assert record.meta.offsets == (0, 3072) and record.sums is not None
+    assert finish_checksums([2801, 90], record.sums) == [_reference(bytes(b.tolist())) for b in blobs]
