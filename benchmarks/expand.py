@@ -37,6 +37,7 @@ from typing import Any
 os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # this process uses CUDA (the sender)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # the copy probe is a function sent to the worker
+os.environ.setdefault("RLIX_CONTROL_PLANE", "rlix")  # as in production: EngineCore resets the prefix cache in the finish call
 
 import torch
 
@@ -247,7 +248,8 @@ def bench_shape(shape: str, root: Path, repeats: int) -> dict[str, Any]:
                     load.append(t2 - t1)
                     parts.append({"wake_weights_s": t1 - t0, "sync_with_kv_wake_s": t2 - t1,
                                   "transfer_and_kv_wake_s": report.transport.transfer_seconds,
-                                  "finalize_s": report.finalize_seconds, "verify_s": report.verify_seconds})
+                                  "finish_s(finalize+verify+prefix reset)": report.finalize_seconds,
+                                  "separate_reset": bool(report.separate_reset_dp_ranks)})
                     parts[-1]["receiver"] = llm.collective_rpc("rlix_receiver_info")[0]["timing"]
                     assert all(v for per in report.verified.values() for v in per), "an expand was not verified"
                     llm.reset_prefix_cache()

@@ -105,7 +105,8 @@ def engine_kwargs(spec: PipelineSpec) -> tuple[dict[str, Any], dict[str, str]]:
         "enforce_eager": True, "seed": spec.seed, "kv_cache_memory_bytes": spec.kv_cache_bytes if spec.kv_cache_bytes is not None else (1 << 30 if spec.on_gpu else 64 << 20),
     }
     env = {"HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "TOKENIZERS_PARALLELISM": "false",
-           "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+           "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+           "RLIX_CONTROL_PLANE": "rlix"}  # the entry point's EngineCore hook: a sync's finish resets the prefix cache
     if spec.on_gpu:
         kwargs.update(worker_cls=GPU_WORKER_CLS, enable_sleep_mode=True,
                       gpu_memory_utilization=spec.gpu_memory_utilization)

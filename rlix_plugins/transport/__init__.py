@@ -46,11 +46,15 @@ and one line in ``_registry``. The sender branches on the two shapes, never on a
 
 Sender
 ------
-``sync_weights(cache, plan, endpoints, staging_device=..., timeout_s=..., verify=...) -> SyncReport``::
+``sync_weights(cache, plan, endpoints, staging_device=..., timeout_s=..., verify=..., finish=...) -> SyncReport``::
 
     lock cache -> setup group (only if broadcast targets) -> per bucket: stage -> send -> barrier
     -> destroy (failure: sender first, then receivers; success: all ranks at once, each teardown
-    is local) -> unlock -> [verify_model on every target]
+    is local) -> [finish on every target] -> unlock -> [verify_model on every target, without finish]
+
+``finish=True`` (endpoints are ``FinishingEndpoint``): one last call per target, still under the lock, makes
+the weights served and verifies them (one round trip instead of finalize + verify); a host_pull then returns
+once its copies are queued and the finish call is the barrier on the host pages.
 
 ``endpoints`` maps dp rank -> an object satisfying ``ReceiverEndpoint`` (a ``typing.Protocol``;
 methods return a ``PendingCall`` i.e. anything with ``.result(timeout)`` such as a
@@ -133,7 +137,7 @@ from rlix_plugins.transport._receiver import receive_bucket
 from rlix_plugins.transport._registry import registered_transports, same_gpu_transport
 from rlix_plugins.transport._same_gpu import BucketTransport, SameGpuTransport, SyncTransport
 from rlix_plugins.transport._sender import (
-    DeferredReadsEndpoint,
+    FinishingEndpoint,
     PendingCall,
     ReceiverEndpoint,
     SyncReport,
@@ -149,8 +153,8 @@ __all__ = [
     "BucketTransport",
     "CacheSnapshot",
     "CommPlan",
-    "DeferredReadsEndpoint",
     "DeviceRef",
+    "FinishingEndpoint",
     "GroupHost",
     "PendingCall",
     "ReceiverEndpoint",

@@ -106,7 +106,7 @@ class SharedHostBuffer:
 
 def make_host_pull_payload(records: list[BucketRecord], *, deferred: bool = False) -> dict[str, Any]:
     """Sender side: the metadata of every bucket (each record's buffer must be a shared host buffer). ``deferred``:
-    a receiver may return once its copies are queued; the sender then waits on ``host_reads_done`` before it lets
+    a receiver may return once its copies are queued; the sender then waits on its ``finish`` call before it lets
     go of the pages."""
     missing = [r.meta.index for r in records if r.host is None]
     if missing:

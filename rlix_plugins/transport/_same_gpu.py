@@ -51,4 +51,4 @@ class SyncTransport(SameGpuTransport):
     @abstractmethod
     def payload(self, records: Sequence[BucketRecord], *, deferred: bool = False) -> dict[str, Any]:
         """Sender side: the payload naming every bucket of the sync. ``deferred``: receivers may return once their
-        reads are queued; the sender then waits on their ``host_reads_done`` (``sync_weights(after_issue=...)``)."""
+        reads are queued; the sender then waits on their ``finish`` call (``sync_weights(finish=True)``)."""

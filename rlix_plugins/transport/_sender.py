@@ -2,9 +2,9 @@
 
 ``sync_weights``: lock cache -> [setup group] -> per bucket: stage -> send (IPC payloads and/or
 broadcast) -> barrier -> destroy (after a failure: sender first, then receivers; after success all
-ranks concurrently, each teardown being local) -> unlock -> [verify].
+ranks concurrently, each teardown being local) -> [finish] -> unlock -> [verify].
 
-Every wait is bounded by ``timeout_s`` (per phase: setup, each bucket, teardown, verify). After any
+Every wait is bounded by ``timeout_s`` (per phase: setup, each bucket, teardown, finish, verify). After any
 failure the sender's group, its TCPStore port and its staging buffer are released, receivers are
 asked to destroy the group (bounded, errors only logged), and ``TransportError`` is raised; the
 next sync builds a fresh group under a fresh name and port.
@@ -17,7 +17,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, final, runtime_checkable
 
 import torch
@@ -94,11 +94,14 @@ class ReceiverEndpoint(Protocol):
 
 
 @runtime_checkable
-class DeferredReadsEndpoint(ReceiverEndpoint, Protocol):
-    """An endpoint that can take a deferred host_pull (``sync_weights(after_issue=...)``)."""
+class FinishingEndpoint(ReceiverEndpoint, Protocol):
+    """An endpoint whose receivers end a sync in one call (``sync_weights(finish=True)``)."""
 
-    def host_reads_done(self) -> PendingCall:
-        """Every worker: return once it read every host page of this sync (a deferred pull's barrier)."""
+    def finish(self, expected_checksums: Mapping[str, list[int]] | None) -> PendingCall:
+        """Every worker: once it read every host page of this sync, make the sync's weights the served ones and,
+        with ``expected_checksums``, verify them as ``verify_model`` does (same ``WeightVerificationError``).
+        The sender's last call of a sync, made under the cache lock: a host_pull may return before its reads
+        land (``deferred``), this call is their barrier."""
         ...
 
 
@@ -124,14 +127,20 @@ class SyncReport:
     verified: bool
     #: the sender's checksums of the version sent (``{name: [nbytes, word_sum, weighted_sum]}``)
     checksums: Mapping[str, list[int]]
+    #: ``finish=True``: seconds of the finish calls (a deferred host_pull's last copies land in them) and their
+    #: results by dp rank
+    finish_seconds: float = 0.0
+    finished: Mapping[int, Any] = field(default_factory=dict)
 
 
-def wait_all(calls: Mapping[int, PendingCall], timeout_s: float, what: str) -> dict[int, Any]:
+def wait_all(calls: Mapping[int, PendingCall], timeout_s: float, what: str, *,
+             verification: str | None = None) -> dict[int, Any]:
     """Bounded barrier over started calls (one deadline for all); their results by dp rank.
 
     Every error names the dp rank. A receiver's ``WeightVerificationError`` stays one, with its fields, also
-    through Ray (``RayTaskError``) and vLLM's ``collective_rpc`` (its text, see ``errors.carried_in_text``);
-    any other failure is a ``TransportError``.
+    through Ray (``RayTaskError``) and vLLM's ``collective_rpc`` (its text, see ``errors.carried_in_text``),
+    named ``verification`` (default ``what``: a call that also does other work reports its verification
+    as the verification alone); any other failure is a ``TransportError``.
     """
     deadline = time.monotonic() + timeout_s
     out: dict[int, Any] = {}
@@ -146,7 +155,7 @@ def wait_all(calls: Mapping[int, PendingCall], timeout_s: float, what: str) -> d
             typed = typed_error(exc)
             if isinstance(typed, WeightVerificationError):
                 raise WeightVerificationError(
-                    f"{what}: dp rank {dp_rank}: {typed}", parameter=typed.parameter, dp_rank=dp_rank
+                    f"{verification or what}: dp rank {dp_rank}: {typed}", parameter=typed.parameter, dp_rank=dp_rank
                 ) from exc
             raise TransportError(f"{what}: dp rank {dp_rank} failed: {exc!r}") from exc
     return out
@@ -166,17 +175,19 @@ def _failed_calls(calls: Mapping[int, PendingCall], grace_s: float) -> str:
     return "; ".join(failed)
 
 
-def _deferred(endpoint: ReceiverEndpoint) -> DeferredReadsEndpoint:
-    if not isinstance(endpoint, DeferredReadsEndpoint):
-        raise RlixConfigError(f"{type(endpoint).__name__} has no host_reads_done: it cannot take a deferred host_pull "
-                              "(sync_weights(after_issue=...)); sync without after_issue")
-    return endpoint
-
-
-def _check_endpoints(plan: CommPlan, endpoints: Mapping[int, ReceiverEndpoint]) -> None:
+def _check_endpoints(plan: CommPlan, endpoints: Mapping[int, ReceiverEndpoint], *, finish: bool,
+                     after_issue: Callable[[], None] | None) -> None:
     missing = [t.dp_rank for t in plan.targets if t.dp_rank not in endpoints]
     if missing:
         raise RlixConfigError(f"no receiver endpoint for target dp ranks {missing}; endpoints given: {sorted(endpoints)}")
+    if after_issue is not None and not finish:
+        raise RlixConfigError("sync_weights(after_issue=...) needs finish=True: the finish call is the barrier on the "
+                              "host pages that a deferred host_pull still reads")
+    if finish:
+        lacking = [t.dp_rank for t in plan.targets if not isinstance(endpoints[t.dp_rank], FinishingEndpoint)]
+        if lacking:
+            raise RlixConfigError(f"finish=True needs endpoints with a finish method; dp ranks {lacking} have none: "
+                                  "give FinishingEndpoints or sync with finish=False")
 
 
 def sync_weights(
@@ -191,6 +202,7 @@ def sync_weights(
     verify: bool = False,
     group_prefix: str = "rlix_sync",
     after_issue: Callable[[], None] | None = None,
+    finish: bool = False,
 ) -> SyncReport:
     """Send the cache's published version to every target of ``plan``; see the module docstring.
 
@@ -198,12 +210,15 @@ def sync_weights(
         allocated per sync and freed after it); ``"cpu"`` sends from the pinned cache directly
         (gloo broadcast and cpu_serialize only).
     :param backend: broadcast backend; default ``nccl`` for a CUDA staging device, else ``gloo``.
-    :param verify: after teardown, ask every target to verify against the version's checksums.
+    :param verify: ask every target to verify against the version's checksums: in the finish call, else after
+        the unlock (``verify_model``).
+    :param finish: end the sync with one ``FinishingEndpoint.finish`` call per target, after the teardown and
+        still under the cache lock (results in ``SyncReport.finished``). host_pull receivers then return as soon
+        as their copies are queued (``deferred``); the finish call is the barrier on the host pages.
     :param after_issue: work to overlap with the transfer (an expand wakes the KV cache here), called under the
-        cache lock once every receiver call was answered. host_pull receivers then return as soon as their copies
-        are queued (``deferred``), and their ``host_reads_done`` after this call is the barrier on the host pages.
+        cache lock once every receiver call was answered; needs ``finish``.
     """
-    _check_endpoints(plan, endpoints)
+    _check_endpoints(plan, endpoints, finish=finish, after_issue=after_issue)
     staging_dev = torch.device(staging_device)
     backend = backend or ("nccl" if staging_dev.type == "cuda" else "gloo")
     same_gpu = same_gpu_transport(plan.same_gpu_transport)
@@ -233,7 +248,8 @@ def sync_weights(
                 host.join(plan.broadcast_world_size)
                 wait_all(calls, timeout_s, f"setup_collective_group({group_name})")
             setup_s = time.perf_counter() - t0
-            wire_s, copy_s = _send_buckets(snap, plan, endpoints, host, group_name, staging_dev, timeout_s, after_issue)
+            wire_s, copy_s = _send_buckets(snap, plan, endpoints, host, group_name, staging_dev, timeout_s, after_issue,
+                                           deferred=finish)
             transfer_s = time.perf_counter() - t0 - setup_s
             ok = True
         except (TransportError, RlixConfigError):
@@ -245,7 +261,15 @@ def sync_weights(
             _teardown(host, group_name, bcast_targets, endpoints, staging_dev, timeout_s, ok=ok)
             teardown_s = time.perf_counter() - t1
         version, checksums, num_buckets, payload = snap.version, snap.checksums, len(snap.buckets), snap.used_bytes
-    if verify:
+        finished: dict[int, Any] = {}
+        t2 = time.perf_counter()
+        if finish:  # under the lock: it waits for any host page a deferred pull still reads
+            calls = {t.dp_rank: _finishing(endpoints[t.dp_rank]).finish(checksums if verify else None)
+                     for t in plan.targets}
+            finished = wait_all(calls, timeout_s, f"finish of version {version}",
+                                verification=f"verify_model(version {version})")
+        finish_s = time.perf_counter() - t2
+    if verify and not finish:
         calls = {t.dp_rank: endpoints[t.dp_rank].verify_model(checksums) for t in plan.targets}
         wait_all(calls, timeout_s, f"verify_model(version {version})")
     return SyncReport(
@@ -262,7 +286,14 @@ def sync_weights(
         teardown_seconds=teardown_s,
         verified=verify,
         checksums=checksums,
+        finish_seconds=finish_s,
+        finished=finished,
     )
+
+
+def _finishing(endpoint: ReceiverEndpoint) -> FinishingEndpoint:
+    assert isinstance(endpoint, FinishingEndpoint)  # checked by _check_endpoints
+    return endpoint
 
 
 def _send_buckets(
@@ -274,6 +305,8 @@ def _send_buckets(
     staging_dev: torch.device,
     timeout_s: float,
     after_issue: Callable[[], None] | None = None,
+    *,
+    deferred: bool = False,
 ) -> tuple[float, float]:
     """Per bucket i: [staged] -> start receiver calls -> stage bucket i+1 -> sender broadcast -> barrier.
     Returns (seconds from each bucket's send to its barrier, summed: wire + load time; GPU seconds of
@@ -297,8 +330,7 @@ def _send_buckets(
     pulls: dict[int, PendingCall] = {}
     if ipc_targets and isinstance(same_gpu, SyncTransport):
         # one call per target with every bucket: the receiver pipelines its own copies, no per-bucket barrier
-        deferred = {t.dp_rank: _deferred(endpoints[t.dp_rank]) for t in ipc_targets} if after_issue else {}
-        payload = same_gpu.payload(buckets, deferred=bool(deferred))
+        payload = same_gpu.payload(buckets, deferred=deferred)
         t_send = time.perf_counter()
         pulls = {t.dp_rank: endpoints[t.dp_rank].update_parameter_in_bucket(payload, list(t.ipc_local_ranks))
                  for t in ipc_targets}
@@ -358,9 +390,6 @@ def _send_buckets(
             wait_all(pulls, timeout_s, f"host_pull of version {snap.version} ({len(buckets)} buckets)")
         if after_issue is not None:
             after_issue()
-            if pulls:
-                reads = {dp: deferred[dp].host_reads_done() for dp in pulls}
-                wait_all(reads, timeout_s, f"host_pull reads of version {snap.version}")
         if pulls:
             wire_s = max(wire_s, time.perf_counter() - t_send)
     finally:

@@ -9,7 +9,7 @@ Modules: :mod:`.receiver` (``RlixReceiverMixin``: the receiver methods every wor
 :mod:`.extension` / :mod:`.gpu_worker` / :mod:`.cpu_worker` (the compositions), :mod:`.loading` and
 :mod:`.replay` (how received weights get into the running model), :mod:`.driver` (the sending side:
 ``sync_engines`` over ``RayEngineRpc`` / ``LLMEngineRpc`` handles), :mod:`.engine_actor` (a Ray actor owning one
-``vllm.LLM``), :mod:`.plugin` and :mod:`.amx` (the general plugin).
+``vllm.LLM``), :mod:`.plugin`, :mod:`.amx` and :mod:`.engine_hook` (the general plugin).
 
 How an engine gets the receiver
 -------------------------------
@@ -46,8 +46,10 @@ the receiver.
 
 Receiver methods (unprefixed names as in DESIGN.md §6; none collides with vLLM 0.25/0.32 workers or
 NeMo's extension): ``setup_collective_group``, ``update_parameter_in_bucket``, ``broadcast_parameter``,
-``destroy_collective_group``, ``finalize_weight_update``, ``verify_model``; helpers ``rlix_abort_weight_update``
-and ``rlix_receiver_info``. Wire contract: :mod:`rlix_plugins.vllm.receiver`.
+``destroy_collective_group``, ``finalize_weight_update``, ``verify_model``; helpers ``rlix_finish_weight_update``
+(a sync's one last call: finalize + verify, with the prefix-cache reset that :mod:`.engine_hook` adds in
+``EngineCore``), ``rlix_abort_weight_update`` and ``rlix_receiver_info``. Wire contract:
+:mod:`rlix_plugins.vllm.receiver`.
 """
 
 from __future__ import annotations

@@ -2,8 +2,13 @@
 
 ``sync_engines(cache, plan, engines)``::
 
-    transport.sync_weights (setup -> buckets -> destroy, cache lock held) -> finalize_weight_update
-    on the targets -> reset_prefix_cache where weights changed -> verify_model
+    transport.sync_weights (setup -> buckets -> destroy -> rlix_finish_weight_update, cache lock held)
+
+Engine round trips per sync and target: the buckets (one host_pull call for all of them; per bucket otherwise),
+the group's setup and teardown (broadcast targets only), and ONE finish call: finalize, verify and - through
+``EngineCore`` (:mod:`.engine_hook`) - the prefix-cache reset, answered with the verification's result. An
+engine without the hook (``RLIX_CONTROL_PLANE`` not ``rlix`` in its process) gets one more call,
+``reset_prefix_cache``, where weights changed.
 
 An engine is reached through an :class:`EngineRpc` - ``collective_rpc`` on every worker of the engine:
 
@@ -16,7 +21,9 @@ An engine is reached through an :class:`EngineRpc` - ``collective_rpc`` on every
 
 Failure: any error or timeout aborts the sync on every target (staged tensors dropped, groups destroyed by
 the transport), nothing is finalized, and the error is raised; engines keep serving the weights they
-had (staged mode) or are reported ``dirty`` (eager mode) and must not be routed to until a later sync.
+had (staged mode) or are reported ``dirty`` (eager mode) and must not be routed to until a later sync. A
+verification that fails in the finish call (after its finalize) raises ``WeightVerificationError``; the prefix
+cache of every engine whose finish call ran is reset either way.
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ from rlix_plugins.transport import (
     sync_weights,
     wait_all,
 )
+from rlix_plugins.vllm.engine_hook import FINISH_METHOD
 
 __all__ = ["EngineRpc", "EngineSyncReport", "LLMEngineRpc", "RayEngineRpc", "sync_engines"]
 
@@ -122,6 +130,8 @@ class _SyncEndpoint:
 
     def __init__(self, rpc: EngineRpc, sync_id: str, apply_mode: str) -> None:
         self.rpc, self.sync_id, self.apply_mode = rpc, sync_id, apply_mode
+        #: the finish call was started (the weights may have changed: a failed sync still resets the prefix cache)
+        self.finishing = False
 
     def setup_collective_group(
         self, group_name: str, master_addr: str, master_port: int, ranks_by_local_rank: dict[int, int],
@@ -151,8 +161,10 @@ class _SyncEndpoint:
     def verify_model(self, expected_checksums: dict[str, list[int]]) -> PendingCall:
         return self.rpc.call("verify_model", (expected_checksums,))
 
-    def host_reads_done(self) -> PendingCall:
-        return self.rpc.call("rlix_host_reads_done", (self.sync_id,))
+    def finish(self, expected_checksums: Mapping[str, list[int]] | None) -> PendingCall:
+        self.finishing = True
+        expected = None if expected_checksums is None else dict(expected_checksums)
+        return self.rpc.call(FINISH_METHOD, (self.sync_id, expected))
 
 
 @final
@@ -164,10 +176,13 @@ class EngineSyncReport:
     transport: SyncReport
     #: dp ranks where at least one worker finalized new weights (prefix cache reset there)
     finalized_dp_ranks: tuple[int, ...]
+    #: the finish call (finalize + verify + prefix-cache reset; a deferred pull's last copies land in it), plus a
+    #: separate ``reset_prefix_cache`` where an engine had no hook
     finalize_seconds: float
-    verify_seconds: float
     #: dp rank -> per-worker ``verify_model`` results (empty when ``verify=False``)
     verified: dict[int, list[dict[str, int]]]
+    #: dp ranks that needed the separate ``reset_prefix_cache`` call (no :mod:`.engine_hook` in their EngineCore)
+    separate_reset_dp_ranks: tuple[int, ...] = ()
 
 
 def _bounded(fn: Callable[[], _T], deadline_s: float, what: str) -> _T:
@@ -195,10 +210,14 @@ def _bounded(fn: Callable[[], _T], deadline_s: float, what: str) -> _T:
     return value
 
 
-def _abort(engines: Mapping[int, EngineRpc], dp_ranks: list[int], sync_id: str, timeout_s: float) -> None:
+def _abort(engines: Mapping[int, EngineRpc], dp_ranks: list[int], sync_id: str, timeout_s: float,
+           reset: list[int]) -> None:
+    """Drop the sync on ``dp_ranks``; reset the prefix cache of ``reset`` (their finish call ran: weights may have
+    changed before it failed; the hook resets too, a second reset is harmless)."""
     try:
         calls = {dp: engines[dp].call("rlix_abort_weight_update", (sync_id,)) for dp in dp_ranks}
         wait_all(calls, timeout_s, f"abort of sync {sync_id}")
+        wait_all({dp: engines[dp].reset_prefix_cache() for dp in reset}, timeout_s, "reset_prefix_cache")
     except Exception as exc:  # never mask the error that caused the abort
         log.warning("rlix: abort of sync %s failed on some engine: %s", sync_id, exc)
 
@@ -220,9 +239,9 @@ def sync_engines(
     """Push the cache's published version to the plan's target engines; see the module docstring.
 
     ``engines`` maps dp rank -> :class:`EngineRpc`; only ``plan``'s targets are touched. ``timeout_s``
-    bounds each phase (setup, each bucket, teardown, finalize, verify). ``apply_mode``: ``"auto"``,
+    bounds each phase (setup, each bucket, teardown, the finish call). ``apply_mode``: ``"auto"``,
     ``"staged"`` (atomic) or ``"eager"`` (see :mod:`rlix_plugins.vllm.receiver`).
-    ``overall_timeout_s`` (default ``timeout_s * (buckets + 4)``) bounds the transport phase as a whole:
+    ``overall_timeout_s`` (default ``timeout_s * (buckets + 4)``) bounds the sync as a whole (finish included):
     some blocking calls cannot honour a timeout (NCCL communicator init blocks in the calling thread), so
     the transport runs on a helper thread; past the deadline ``RlixTimeoutError`` is raised and the thread
     is abandoned (it keeps the cache lock until its call returns, so later syncs fail fast on the lock).
@@ -255,16 +274,13 @@ def sync_engines(
         report = _bounded(
             lambda: sync_weights(
                 cache, plan, endpoints, staging_device=staging_device, master_addr=master_addr,
-                backend=backend, timeout_s=timeout_s, verify=False, group_prefix=f"rlix_{sync_id}",
-                after_issue=wake if wake_tags else None,
+                backend=backend, timeout_s=timeout_s, verify=verify, group_prefix=f"rlix_{sync_id}",
+                after_issue=wake if wake_tags else None, finish=True,
             ),
             deadline_s, f"weight sync {sync_id} (up to {num_buckets} buckets)",
         )
-        t0 = time.perf_counter()
-        done = wait_all({dp: engines[dp].call("finalize_weight_update", (sync_id,)) for dp in targets},
-                       timeout_s, f"finalize_weight_update(sync {sync_id})")
     except BaseException:
-        _abort(engines, targets, sync_id, timeout_s)
+        _abort(engines, targets, sync_id, timeout_s, [dp for dp in targets if endpoints[dp].finishing])
         if wake_tags and not woken.is_set():
             try:
                 wake()
@@ -272,17 +288,14 @@ def sync_engines(
                 log.warning("rlix: waking %s of dp ranks %s after failed sync %s failed: %s", wake_tags, targets,
                             sync_id, exc)
         raise
-    changed = [dp for dp in targets if any(done[dp])]
-    wait_all({dp: engines[dp].reset_prefix_cache() for dp in changed}, timeout_s, "reset_prefix_cache")
-    finalize_s = time.perf_counter() - t0
-    verified: dict[int, list[dict[str, int]]] = {}
-    t1 = time.perf_counter()
-    if verify:
-        expected = dict(report.checksums)  # of the version this sync sent (read under the same cache lock)
-        results = wait_all({dp: engines[dp].call("verify_model", (expected,)) for dp in targets},
-                          timeout_s, f"verify_model(version {report.version})")
-        verified = {dp: list(r) for dp, r in results.items()}
+    t0 = time.perf_counter()
+    finished: dict[int, list[dict[str, Any]]] = {dp: list(r) for dp, r in report.finished.items()}
+    changed = [dp for dp in targets if any(w["finalized"] for w in finished[dp])]
+    unhooked = [dp for dp in changed if any(w["prefix_cache_reset"] is None for w in finished[dp])]
+    wait_all({dp: engines[dp].reset_prefix_cache() for dp in unhooked}, timeout_s, "reset_prefix_cache")
+    verified = {dp: [w["verified"] for w in per] for dp, per in finished.items()} if verify else {}
     return EngineSyncReport(
-        sync_id=sync_id, transport=report, finalized_dp_ranks=tuple(changed), finalize_seconds=finalize_s,
-        verify_seconds=time.perf_counter() - t1, verified=verified,
+        sync_id=sync_id, transport=report, finalized_dp_ranks=tuple(changed),
+        finalize_seconds=report.finish_seconds + time.perf_counter() - t0, verified=verified,
+        separate_reset_dp_ranks=tuple(unhooked),
     )

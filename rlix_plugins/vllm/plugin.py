@@ -14,6 +14,8 @@ worker, the model-registry probe subprocess), possibly several times; it must be
 * ``RLIX_CONTROL_PLANE=rlix``: imports the receiver module once per process, so a broken install fails
   at engine start (vLLM logs the exception and names the plugin) instead of at the first weight sync,
   and records that the plugin ran here (``rlix_receiver_info()["plugin_loaded"]`` reports it per worker).
+  Where vLLM's ``EngineCore`` is imported (vLLM loads plugins in its ``__init__``), it lets a sync's finish
+  call reset the prefix cache (:mod:`rlix_plugins.vllm.engine_hook`; only that rlix method is affected).
 
 The entry point does not inject the receiver into engines: an engine gets it from its construction
 arguments (see :mod:`rlix_plugins.vllm`), because vLLM resolves ``worker_extension_cls`` /
@@ -49,7 +51,12 @@ def register() -> None:
     from rlix_plugins.vllm.amx import request_amx_permission
 
     request_amx_permission()  # before any model code of this process runs (see rlix_plugins.vllm.amx)
-    if _loaded or not enabled():
+    if not enabled():
+        return
+    from rlix_plugins.vllm import engine_hook
+
+    engine_hook.install()  # each call: an in-process EngineCore is imported after the driver's first call
+    if _loaded:
         return
     from rlix_plugins.vllm import receiver  # fail at engine start, not mid-sync
 

@@ -8,8 +8,8 @@ created lazily by :meth:`RlixReceiverMixin._rlix` and every method is safe to ca
 One sync, as the sender drives it (:mod:`rlix_plugins.vllm.driver`)::
 
     setup_collective_group (broadcast targets only) -> per bucket: update_parameter_in_bucket (same-GPU
-    targets) | broadcast_parameter (broadcast targets) -> destroy_collective_group -> finalize_weight_update
-    -> verify_model
+    targets) | broadcast_parameter (broadcast targets) -> destroy_collective_group -> rlix_finish_weight_update
+    (= finalize_weight_update -> verify_model, and EngineCore's prefix-cache reset, in one call)
 
 Wire contract (every argument is a plain type; vLLM's msgpack hop rejects ``torch.dtype`` and the
 EngineCore->worker hop cannot pickle tensors; everything is positional so NeMo RL's
@@ -21,7 +21,7 @@ EngineCore->worker hop cannot pickle tensors; everything is positional so NeMo R
   ``host_pull`` (every bucket of the sync at once: the worker copies from the sender's pinned pages),
   ``cpu_serialize`` or ``cuda_ipc`` dict from :mod:`rlix_plugins.transport`; a worker whose local rank
   is not in ``ipc_local_ranks`` ignores it (returns 0). A ``host_pull`` payload with ``deferred`` set returns
-  once its copies are queued; ``rlix_host_reads_done(sync_id)`` then returns once the host pages were read.
+  once its copies are queued; ``rlix_finish_weight_update`` then waits until the host pages were read.
 * ``broadcast_parameter(group_name, meta, broadcast_local_ranks, sync_id, apply_mode)`` - receive one
   bucket (``meta`` = ``BucketMeta.to_wire()``) from group rank 0; a worker whose local rank is not in
   ``broadcast_local_ranks`` returns 0.
@@ -30,6 +30,8 @@ EngineCore->worker hop cannot pickle tensors; everything is positional so NeMo R
   received nothing in ``sync_id`` or already finalized it.
 * ``verify_model(expected)`` - ``{name: checksum}`` recorded by the sender with the cache version;
   raises ``WeightVerificationError`` naming the first differing parameter.
+* ``rlix_finish_weight_update(sync_id, expected)`` - both of the above in one call (``expected`` None: no
+  verification), after the sync's host reads; ``{"finalized", "verified", "prefix_cache_reset"}``.
 
 Apply modes (``apply_mode``; ``"auto"`` = staged on CPU, eager elsewhere):
 
@@ -142,12 +144,12 @@ class _State:
 
 
 class RlixReceiverMixin:
-    """The six receiver methods plus helpers (``rlix_host_reads_done``, ``rlix_abort_weight_update``,
+    """The six receiver methods plus helpers (``rlix_finish_weight_update``, ``rlix_abort_weight_update``,
     ``rlix_discard_weight_backup``, ``rlix_receiver_info``).
 
     Runs on the vLLM worker's own thread with no background thread, so the RPC reply is the barrier the sender
     waits on. The one exception is on the GPU: a deferred host_pull leaves its copies (and their checksums) queued
-    on side streams when it returns; ``rlix_host_reads_done``, finalize and any dropped sync wait for them.
+    on side streams when it returns; ``rlix_finish_weight_update``, finalize and any dropped sync wait for them.
     """
 
     # ---------------------------------------------------------------- state
@@ -341,6 +343,22 @@ class RlixReceiverMixin:
                     time.perf_counter() - started)
         return True
 
+    def rlix_finish_weight_update(self, sync_id: str, expected: dict[str, list[int]] | None) -> dict[str, Any]:
+        """A sync's last call (``sync_weights(finish=True)``): wait until this worker read every host page of
+        ``sync_id`` (a deferred host_pull's barrier), :meth:`finalize_weight_update`, then, with ``expected``,
+        :meth:`verify_model` (raising as it does). One round trip instead of three: ``EngineCore`` resets the
+        prefix cache in the same call (:mod:`rlix_plugins.vllm.engine_hook`, which fills in
+        ``"prefix_cache_reset"``; None: no hook ran, the sender resets). Returns ``{"finalized": bool, "verified":
+        verify_model's result or None, "prefix_cache_reset": None}``."""
+        sync = self._rlix().sync
+        if sync is not None and sync.sync_id == sync_id:
+            t0 = time.perf_counter()
+            sync.wait_reads()  # before anything can fail: the sender lets go of the pages when this returns
+            self._rlix().timing["finish_wait_reads_s"] = time.perf_counter() - t0
+        finalized = self.finalize_weight_update(sync_id)
+        verified = None if expected is None else self.verify_model(expected)
+        return {"finalized": finalized, "verified": verified, "prefix_cache_reset": None}
+
     def verify_model(self, expected: dict[str, list[int]]) -> dict[str, int]:
         """Compare the sender's checksums with what this worker loaded; raise naming the first mismatch.
 
@@ -499,7 +517,7 @@ class RlixReceiverMixin:
         """Every bucket straight from the sender's pinned pages into the parameters: one host->device copy per
         recorded range, on the side stream, ordered after the work already queued on the model. ``deferred``: return
         once the copies are queued (the sender's ``after_issue`` work - the KV cache's wake - overlaps them, and
-        ``rlix_host_reads_done`` is the barrier); otherwise return after the last host read. Verified at finalize,
+        ``rlix_finish_weight_update`` is the barrier); otherwise return after the last host read. Verified at finalize,
         on the parameters themselves."""
         import torch
 
@@ -581,17 +599,6 @@ class RlixReceiverMixin:
                 logger.info("rlix: bucket %d stays on the receive-buffer path: the parameters differ from the received "
                             "bytes after post-processing", meta.index)
         return landed
-
-    def rlix_host_reads_done(self, sync_id: str) -> bool:
-        """The barrier of a deferred host_pull: return once this worker read every host page of ``sync_id`` (False:
-        nothing of that sync was pending here)."""
-        sync = self._rlix().sync
-        if sync is None or sync.sync_id != sync_id:
-            return False
-        t0 = time.perf_counter()
-        sync.wait_reads()
-        self._rlix().timing["reads_done_wait_s"] = time.perf_counter() - t0
-        return True
 
     def rlix_discard_weight_backup(self) -> int:
         """Level 1: drop the CPU copy of the sleeping weights so that the next wake only allocates (a sync

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from rlix_plugins.errors import RlixConfigError, TransportError
+from rlix_plugins.errors import RlixConfigError, RlixTimeoutError, TransportError, WeightVerificationError
 from rlix_plugins.transport import (
     BucketMeta,
     BucketRecord,
@@ -142,3 +142,54 @@ def test_a_registered_transport_carries_a_sync_bit_exact(registered: None, name:
     assert report.verified and report.ipc_dp_ranks == (0,) and report.num_buckets > 1
     assert endpoint.calls == (report.num_buckets if calls == "one per bucket" else 1)
     assert all(torch.equal(endpoint.loaded[key], tensor) for key, tensor in MODEL)
+
+
+class _FinishingEndpoint(_InProcessEndpoint):
+    """Also ends a sync in one call (``sync_weights(finish=True)``), noting whether the cache was still locked."""
+
+    def __init__(self, cache: VersionedBucketCache) -> None:
+        super().__init__()
+        self.cache = cache
+        self.finishes: list[tuple[bool, bool]] = []  # (cache locked, verified)
+
+    def finish(self, expected_checksums: Any) -> Future[Any]:
+        try:
+            with self.cache.read(timeout_s=0.05):
+                locked = False
+        except RlixTimeoutError:
+            locked = True
+        self.finishes.append((locked, expected_checksums is not None))
+        if expected_checksums is not None:
+            try:
+                verify_checksums(expected_checksums, compute_checksums(list(self.loaded.items())))
+            except WeightVerificationError as exc:  # the receiver's error arrives with the reply
+                failed: Future[Any] = Future()
+                failed.set_exception(exc)
+                return failed
+        return self._done({"finalized": True})
+
+
+def test_finish_ends_each_target_in_one_call_under_the_cache_lock(registered: None) -> None:
+    """``finish=True``: one call per target after the transfer, while the cache lock still guards the pages (a
+    deferred host_pull reads them until it returns); verification happens in it, never a second time; its errors
+    keep the verification's name. ``after_issue`` needs it (it is the barrier), and so do endpoints."""
+    cache = VersionedBucketCache(4096, shared=False)
+    cache.build(5, iter(MODEL))
+    plan = build_comm_plan((0, 0), {0: [(0, 0)]}, _WholeSyncCopy.name)
+    endpoint = _FinishingEndpoint(cache)
+    woken: list[bool] = []
+    report = sync_weights(cache, plan, {0: endpoint}, timeout_s=10, verify=True, finish=True,
+                          after_issue=lambda: woken.append(True))
+    assert endpoint.finishes == [(True, True)] and woken == [True] and endpoint.calls == 1
+    assert report.finished == {0: {"finalized": True}} and report.verified
+    sync_weights(cache, plan, {0: endpoint}, timeout_s=10, verify=False, finish=True)
+    assert endpoint.finishes[-1] == (True, False)
+    endpoint.loaded["n"] = endpoint.loaded["n"] + 1  # what the next finish verifies differs
+    endpoint.update_parameter_in_bucket = lambda *a: endpoint._done(0)  # type: ignore[method-assign]
+    with pytest.raises(WeightVerificationError, match=r"^verify_model\(version 5\): dp rank 0: parameter 'n'") as err:
+        sync_weights(cache, plan, {0: endpoint}, timeout_s=10, verify=True, finish=True)
+    assert (err.value.parameter, err.value.dp_rank) == ("n", 0)
+    with pytest.raises(RlixConfigError, match="needs finish=True"):
+        sync_weights(cache, plan, {0: endpoint}, timeout_s=10, after_issue=lambda: None)
+    with pytest.raises(RlixConfigError, match="dp ranks \\[0\\] have none"):
+        sync_weights(cache, plan, {0: _InProcessEndpoint()}, timeout_s=10, finish=True)

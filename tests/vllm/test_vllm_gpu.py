@@ -51,8 +51,16 @@ def _engine(model: Path, util: float, **extra: Any) -> Any:
     from vllm import LLM
 
     t0 = time.perf_counter()
-    llm = LLM(model=str(model), dtype="bfloat16", max_model_len=256, enforce_eager=True, seed=0,
-              gpu_memory_utilization=util, enable_sleep_mode=True, worker_extension_cls=EXTENSION_CLS, **extra)
+    old = os.environ.get("RLIX_CONTROL_PLANE")
+    os.environ["RLIX_CONTROL_PLANE"] = "rlix"  # as in production: EngineCore resets the prefix cache in the finish call
+    try:
+        llm = LLM(model=str(model), dtype="bfloat16", max_model_len=256, enforce_eager=True, seed=0,
+                  gpu_memory_utilization=util, enable_sleep_mode=True, worker_extension_cls=EXTENSION_CLS, **extra)
+    finally:
+        if old is None:
+            os.environ.pop("RLIX_CONTROL_PLANE", None)
+        else:
+            os.environ["RLIX_CONTROL_PLANE"] = old
     _record(f"startup_s[{Path(model).name}]", round(time.perf_counter() - t0, 2))
     return llm
 
@@ -301,6 +309,7 @@ def test_gpu_expand_time_1p5b(gpus: int, tiny_model_dir: Path) -> None:
             expand = time.perf_counter() - t0
             timing = _info(rpc[0])["timing"]
             assert timing.get("pull_direct_copies", 0) > 0 and timing["pull_deferred"], timing
+            assert report.separate_reset_dp_ranks == (), "EngineCore did not reset the prefix cache in the finish call"
             out = [list(o.outputs[0].token_ids) for o in
                    llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)]
             assert out == ref, f"level {level}: output after expand differs from the synced reference"

@@ -136,7 +136,7 @@ class StandinVllmLeader:
     def checkpoint_engine_rpc_async(self, checkpoint_method: str, method_args: tuple[Any, ...] = ()) -> list[Any]:
         """NeMo RL's pass-through to ``collective_rpc`` over this engine's (one) worker."""
         result = getattr(self.worker, checkpoint_method)(*method_args)
-        if checkpoint_method == "finalize_weight_update" and result:
+        if checkpoint_method == "rlix_finish_weight_update" and result["finalized"]:  # a sync's one finish call
             self._note("finalize", self.worker.finalized)
         return [result]
 

@@ -98,7 +98,7 @@ def test_time_shared_steps_with_real_vllm(engines: Any) -> None:
         for w in leaders:
             calls = ray.get(w.calls.remote())
             slept = calls.index(("sleep", 2))
-            assert calls[0] == ("wake_up", None) and ("rpc", "finalize_weight_update") in calls[1:slept], calls
+            assert calls[0] == ("wake_up", None) and ("rpc", "rlix_finish_weight_update") in calls[1:slept], calls
             assert all(c[0] == "rpc" for c in calls[1:slept]), calls
         assert ray.get(rt.rt.router.active.remote()) == []
 
