@@ -143,6 +143,18 @@ class _State:
     landed: dict[str, tuple[list[int], int | None]] = field(default_factory=dict)
 
 
+def _install_engine_hook() -> None:
+    """Let this engine's ``EngineCore`` reset the prefix cache inside a sync's finish call
+    (:mod:`rlix_plugins.vllm.engine_hook`). The plugin installs it where it loads after ``EngineCore`` is imported
+    (an engine process); an in-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) loads plugins before that and
+    only once, so its worker, built inside ``EngineCore``, installs it at its first receiver call, before the
+    first finish call. A no-op without the control plane, or where no ``EngineCore`` runs (a TP worker process)."""
+    from rlix_plugins.vllm import engine_hook, plugin
+
+    if plugin.enabled():
+        engine_hook.install()
+
+
 class RlixReceiverMixin:
     """The six receiver methods plus helpers (``rlix_finish_weight_update``, ``rlix_abort_weight_update``,
     ``rlix_discard_weight_backup``, ``rlix_receiver_info``).
@@ -158,6 +170,7 @@ class RlixReceiverMixin:
         if state is None:
             state = _State(loader=select_loader(self))
             self._rlix_state = state
+            _install_engine_hook()
         return state
 
     def _rlix_local_rank(self) -> int:

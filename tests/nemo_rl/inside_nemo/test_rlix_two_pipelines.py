@@ -144,15 +144,15 @@ def test_driver(mock_grpo_components, tmp_path, monkeypatch):
     syncs = [e for e in history if e["op"] in ("expand", "refresh")]
     assert syncs and all(e["verified"] for e in syncs), syncs
     assert all(e["asleep"] for e in engines), engines  # the planned shrink to zero left no rank awake
-    # Each engine holds exactly the weights of the last version synced to it (real bytes through the transport).
+    # Each engine holds exactly the weights of the last version synced to it (real bytes through the transport):
+    # the start-up prewarm syncs the start-up cache into every rank once, expands and refreshes the later versions.
     for rank, engine in enumerate(engines):
-        synced = [e["version"] for e in syncs if rank in e["ranks"]]
-        expect = tiny_params(seed * 100 + max(synced[-1], 0)) if synced else {n: 0 * t for n, t in tiny_params(0).items()}
+        loads = [e for e in history if e["op"] in ("prewarm", "expand", "refresh") and rank in e["ranks"]]
+        expect = (tiny_params(seed * 100 + max(loads[-1]["version"], 0)) if loads
+                  else {n: 0 * t for n, t in tiny_params(0).items()})
         assert set(engine["params"]) == set(expect), rank
-        assert all(bool((engine["params"][n] == t).all()) for n, t in expect.items()), (rank, synced)
-        # once per sync per target, the start-up prewarm's sync of the start-up cache included
-        loads = [e for e in history if e["op"] == "prewarm" and rank in e["ranks"]] + syncs
-        assert engine["finalized"] == len([e for e in loads if rank in e["ranks"]]), (rank, engine["finalized"], loads)
+        assert all(bool((engine["params"][n] == t).all()) for n, t in expect.items()), (rank, loads)
+        assert engine["finalized"] == len(loads), (rank, engine["finalized"], loads)  # once per sync per target
 
 
 # ---------------------------------------------------------------------------------------------- the conductor
