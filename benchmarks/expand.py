@@ -154,7 +154,39 @@ def greedy(llm: Any) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
-def bench_shape(shape: str, root: Path, repeats: int) -> dict[str, Any]:
+def _profiler_start(worker: Any) -> bool:
+    """In the engine's worker (``collective_rpc``): start a torch profiler that outlives this call."""
+    from torch.profiler import ProfilerActivity, profile
+
+    worker._rlix_wake_profiler = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+    worker._rlix_wake_profiler.start()
+    return True
+
+
+def _profiler_stop(worker: Any, out: str, shape: str) -> str:
+    """In the engine's worker: stop the profiler; write its Chrome trace and a table sorted by CUDA time."""
+    prof = worker._rlix_wake_profiler
+    prof.stop()
+    prof.export_chrome_trace(str(Path(out) / f"wake_{shape}.trace.json"))
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40)
+    (Path(out) / f"wake_{shape}.txt").write_text(table)
+    return table
+
+
+def trace_wake(llm: Any, payload: dict[str, Any], out: Path, shape: str) -> None:
+    """torch-profile, inside the engine's worker, a level-2 wake and the raw copies right after it and 0.5 s later:
+    which GPU work runs while a freshly woken engine's copies are slow (trace + table in ``out``)."""
+    llm.sleep(level=2)
+    llm.collective_rpc(_profiler_start)
+    llm.wake_up()
+    now = llm.collective_rpc(copy_probe, args=(payload, 1, True))[0]["scratch_GBps"]
+    time.sleep(0.5)
+    later = llm.collective_rpc(copy_probe, args=(payload, 1, True))[0]["scratch_GBps"]
+    progress(f"{shape} traced wake: copy {now} GB/s at once, {later} GB/s 0.5 s later")
+    print(llm.collective_rpc(_profiler_stop, args=(str(out), shape))[0])
+
+
+def bench_shape(shape: str, root: Path, repeats: int, wake_trace: Path | None = None) -> dict[str, Any]:
     from vllm import LLM
 
     from rlix_plugins.transport import VersionedBucketCache, build_comm_plan
@@ -213,6 +245,9 @@ def bench_shape(shape: str, root: Path, repeats: int) -> dict[str, Any]:
             later = llm.collective_rpc(copy_probe, args=(payload, 1, True))[0]["scratch_GBps"]
             row[f"copy_after_wake_level{level}_GBps"] = {"at_once": now, "after_0.5s": later}
             progress(f"{shape} copy after a level-{level} wake: {now} GB/s at once, {later} GB/s 0.5 s later")
+        if wake_trace is not None:
+            trace_wake(llm, payload, wake_trace, shape)
+            return row
         sync("host_pull")  # level 2 dropped the weights
         sync("cuda_ipc")  # warm the previous path too (staging, IPC open)
         for transport in ("host_pull", "cuda_ipc"):
@@ -284,6 +319,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default=None)
     parser.add_argument("--profile-pull", type=int, default=5,
                         help="torch-profile the engine worker's N-th host_pull (0: off); table next to --json")
+    parser.add_argument("--trace-wake", default=None, metavar="DIR",
+                        help="only: profile a level-2 wake and the copies after it (trace + table in DIR), then stop")
     args = parser.parse_args(argv)
     if args.profile_pull:
         os.environ["RLIX_PROFILE_PULL"] = str(args.profile_pull)  # the engine processes inherit it
@@ -295,7 +332,8 @@ def main(argv: list[str] | None = None) -> int:
                                "bucket_bytes": BUCKET_BYTES}
     with tempfile.TemporaryDirectory(prefix="rlix-expand-") as tmp:
         for shape in args.shapes:
-            results[shape] = bench_shape(shape, Path(tmp), args.repeats)
+            results[shape] = bench_shape(shape, Path(tmp), args.repeats,
+                                         Path(args.trace_wake) if args.trace_wake else None)
             text = json.dumps(results, indent=1)
             if args.json:
                 Path(args.json).write_text(text)
