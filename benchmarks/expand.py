@@ -173,9 +173,36 @@ def _profiler_stop(worker: Any, out: str, shape: str) -> str:
     return table
 
 
-def trace_wake(llm: Any, payload: dict[str, Any], out: Path, shape: str) -> None:
+def _keep_buffer(worker: Any, nbytes: int) -> bool:
+    """In the engine's worker: a device buffer allocated now and kept (outside vLLM's sleep pool)."""
+    worker._rlix_kept = torch.empty(nbytes, dtype=torch.uint8, device=worker.device)
+    worker._rlix_kept.fill_(0)
+    torch.cuda.synchronize()
+    return True
+
+
+def _copy_into_kept(worker: Any, payload: dict[str, Any]) -> float:
+    """In the engine's worker: GB/s of the cache's pages copied into the kept buffer (CUDA events)."""
+    from rlix_plugins.transport import open_host_pull
+
+    opened = open_host_pull(payload, pin=True)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    at = 0
+    for meta, host in opened:
+        worker._rlix_kept[at : at + meta.used_bytes].copy_(host, non_blocking=True)
+        at += meta.used_bytes
+    end.record()
+    end.synchronize()
+    return round(at / (start.elapsed_time(end) / 1000) / 1e9, 1)
+
+
+def trace_wake(llm: Any, payload: dict[str, Any], out: Path, shape: str) -> dict[str, Any]:
     """torch-profile, inside the engine's worker, a level-2 wake and the raw copies right after it and 0.5 s later:
-    which GPU work runs while a freshly woken engine's copies are slow (trace + table in ``out``)."""
+    which GPU work runs while a freshly woken engine's copies are slow (trace + table in ``out``). Then two more
+    level-2 wakes, each followed at once by a copy into a buffer allocated before the sleep or into a fresh one:
+    whether the destination's freshness or the time since the wake makes the copy slow."""
     llm.sleep(level=2)
     llm.collective_rpc(_profiler_start)
     llm.wake_up()
@@ -184,6 +211,19 @@ def trace_wake(llm: Any, payload: dict[str, Any], out: Path, shape: str) -> None
     later = llm.collective_rpc(copy_probe, args=(payload, 1, True))[0]["scratch_GBps"]
     progress(f"{shape} traced wake: copy {now} GB/s at once, {later} GB/s 0.5 s later")
     print(llm.collective_rpc(_profiler_stop, args=(str(out), shape))[0])
+    nbytes = sum(b["meta"]["used_bytes"] for b in payload["buckets"])
+    llm.collective_rpc(_keep_buffer, args=(nbytes,))
+    result: dict[str, Any] = {"traced_at_once_GBps": now, "traced_after_0.5s_GBps": later}
+    for attempt in range(2):
+        llm.sleep(level=2)
+        llm.wake_up()
+        result[f"kept_buffer_at_once_GBps_{attempt}"] = llm.collective_rpc(_copy_into_kept, args=(payload,))[0]
+        llm.sleep(level=2)
+        llm.wake_up()
+        result[f"fresh_buffer_at_once_GBps_{attempt}"] = llm.collective_rpc(copy_probe, args=(payload, 1, True))[0][
+            "scratch_GBps"]
+    progress(f"{shape} right after a level-2 wake: {result}")
+    return result
 
 
 def bench_shape(shape: str, root: Path, repeats: int, wake_trace: Path | None = None) -> dict[str, Any]:
@@ -246,7 +286,7 @@ def bench_shape(shape: str, root: Path, repeats: int, wake_trace: Path | None = 
             row[f"copy_after_wake_level{level}_GBps"] = {"at_once": now, "after_0.5s": later}
             progress(f"{shape} copy after a level-{level} wake: {now} GB/s at once, {later} GB/s 0.5 s later")
         if wake_trace is not None:
-            trace_wake(llm, payload, wake_trace, shape)
+            row["wake_trace"] = trace_wake(llm, payload, wake_trace, shape)
             return row
         sync("host_pull")  # level 2 dropped the weights
         sync("cuda_ipc")  # warm the previous path too (staging, IPC open)
