@@ -102,10 +102,12 @@ def raw_h2d_s(nbytes: int, repeats: int) -> float:
     return best
 
 
-def copy_probe(worker: Any, payload: dict[str, Any], repeats: int, scratch_only: bool = False) -> dict[str, Any]:
+def copy_probe(worker: Any, payload: dict[str, Any], repeats: int, scratch_only: bool = False,
+               kept: bool = False) -> dict[str, Any]:
     """Runs inside the engine's worker (``collective_rpc`` with a function): where host_pull's copies lose speed.
-    The cache's pages copied, with CUDA events, (a) into one fresh device buffer in bucket order, (b) into the
-    parameters as a direct sync does (no checksums, no finalize), (c) (a) again; best of ``repeats`` each."""
+    The cache's pages copied, with CUDA events, (a) into one fresh device buffer in bucket order (``kept``: into
+    the buffer :func:`_keep_buffer` allocated earlier), (b) into the parameters as a direct sync does (no
+    checksums, no finalize), (c) (a) again; best of ``repeats`` each."""
     from rlix_plugins.transport import open_host_pull
     from rlix_plugins.vllm.receiver import layout_key
 
@@ -113,7 +115,7 @@ def copy_probe(worker: Any, payload: dict[str, Any], repeats: int, scratch_only:
     total = sum(m.used_bytes for m, _ in opened)
     state = worker._rlix()
     direct = [state.direct.get(layout_key(m)) for m, _ in opened]
-    scratch = torch.empty(total, dtype=torch.uint8, device=worker.device)
+    scratch = worker._rlix_kept[:total] if kept else torch.empty(total, dtype=torch.uint8, device=worker.device)
 
     def timed(fn: Any) -> float:
         best = float("inf")
@@ -181,23 +183,6 @@ def _keep_buffer(worker: Any, nbytes: int) -> bool:
     return True
 
 
-def _copy_into_kept(worker: Any, payload: dict[str, Any]) -> float:
-    """In the engine's worker: GB/s of the cache's pages copied into the kept buffer (CUDA events)."""
-    from rlix_plugins.transport import open_host_pull
-
-    opened = open_host_pull(payload, pin=True)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    at = 0
-    for meta, host in opened:
-        worker._rlix_kept[at : at + meta.used_bytes].copy_(host, non_blocking=True)
-        at += meta.used_bytes
-    end.record()
-    end.synchronize()
-    return round(at / (start.elapsed_time(end) / 1000) / 1e9, 1)
-
-
 def trace_wake(llm: Any, payload: dict[str, Any], out: Path, shape: str) -> dict[str, Any]:
     """torch-profile, inside the engine's worker, a level-2 wake and the raw copies right after it and 0.5 s later:
     which GPU work runs while a freshly woken engine's copies are slow (trace + table in ``out``). Then two more
@@ -217,7 +202,8 @@ def trace_wake(llm: Any, payload: dict[str, Any], out: Path, shape: str) -> dict
     for attempt in range(2):
         llm.sleep(level=2)
         llm.wake_up()
-        result[f"kept_buffer_at_once_GBps_{attempt}"] = llm.collective_rpc(_copy_into_kept, args=(payload,))[0]
+        result[f"kept_buffer_at_once_GBps_{attempt}"] = llm.collective_rpc(copy_probe, args=(payload, 1, True, True))[0][
+            "scratch_GBps"]
         llm.sleep(level=2)
         llm.wake_up()
         result[f"fresh_buffer_at_once_GBps_{attempt}"] = llm.collective_rpc(copy_probe, args=(payload, 1, True))[0][
