@@ -364,11 +364,15 @@ class RlixReceiverMixin:
         ``"prefix_cache_reset"``; None: no hook ran, the sender resets). Returns ``{"finalized": bool, "verified":
         verify_model's result or None, "prefix_cache_reset": None}``."""
         sync = self._rlix().sync
-        if sync is not None and sync.sync_id == sync_id:
-            t0 = time.perf_counter()
-            sync.wait_reads()  # before anything can fail: the sender lets go of the pages when this returns
-            self._rlix().timing["finish_wait_reads_s"] = time.perf_counter() - t0
-        finalized = self.finalize_weight_update(sync_id)
+        t0 = time.perf_counter()
+        try:
+            # Finalize first: its post-processing is queued behind the copies on the GPU (finalize waits on their
+            # events), so its host time overlaps the copies' tail instead of following it.
+            finalized = self.finalize_weight_update(sync_id)
+        finally:
+            if sync is not None and sync.sync_id == sync_id:
+                sync.wait_reads()  # even when finalize failed: the sender lets go of the pages when this returns
+        self._rlix().timing["finish_finalize_and_reads_s"] = time.perf_counter() - t0
         verified = None if expected is None else self.verify_model(expected)
         return {"finalized": finalized, "verified": verified, "prefix_cache_reset": None}
 
