@@ -16,11 +16,16 @@ route vLLM's sleep-mode allocator takes). Run each route in its own process:
 
     python benchmarks/after_free.py --route malloc --gib 16 --out malloc.json
     python benchmarks/after_free.py --route vmm --gib 16 --out vmm.json
+
+``--route map`` instead calls the driver as vLLM's sleep-mode allocator does at a wake and a sleep (cuMemCreate,
+Map, SetAccess / Unmap, Release) for a 2 MiB and a ``--gib`` block, with and without ``gpuDirectRDMACapable``, and
+times copies right after each call.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import sys
@@ -55,9 +60,70 @@ def summary(points: list[tuple[float, float]]) -> dict[str, float]:
             "0.6-1s": mean(0.6, 1.0), "1-2s": mean(1.0, 2.0)}
 
 
+class _Prop(ctypes.Structure):  # CUmemAllocationProp (CUDA 12/13 driver API)
+    _fields_ = [("type", ctypes.c_int), ("handle_types", ctypes.c_int), ("loc_type", ctypes.c_int),
+                ("loc_id", ctypes.c_int), ("win32", ctypes.c_void_p), ("compression", ctypes.c_ubyte),
+                ("rdma", ctypes.c_ubyte), ("usage", ctypes.c_ushort), ("reserved", ctypes.c_ubyte * 4)]
+
+
+class _Access(ctypes.Structure):  # CUmemAccessDesc
+    _fields_ = [("loc_type", ctypes.c_int), ("loc_id", ctypes.c_int), ("flags", ctypes.c_int)]
+
+
+class DriverMapping:
+    """cuMemCreate + cuMemAddressReserve + cuMemMap + cuMemSetAccess of ``nbytes`` on device 0, as vLLM's sleep-mode
+    allocator maps memory at a wake (``rdma``: with ``gpuDirectRDMACapable``, which vLLM sets when the device
+    supports GPUDirect RDMA with VMM); ``release`` unmaps and frees it, as a sleep does."""
+
+    def __init__(self, nbytes: int, *, rdma: bool) -> None:
+        self.cu = ctypes.CDLL("libcuda.so.1")
+        self.nbytes = nbytes
+        prop = _Prop(type=1, handle_types=0, loc_type=1, loc_id=0, rdma=1 if rdma else 0)
+        self.handle = ctypes.c_ulonglong()
+        self.ptr = ctypes.c_ulonglong()
+        self._check("cuMemCreate", self.cu.cuMemCreate(ctypes.byref(self.handle), ctypes.c_size_t(nbytes),
+                                                       ctypes.byref(prop), ctypes.c_ulonglong(0)))
+        self._check("cuMemAddressReserve", self.cu.cuMemAddressReserve(
+            ctypes.byref(self.ptr), ctypes.c_size_t(nbytes), ctypes.c_size_t(0), ctypes.c_ulonglong(0),
+            ctypes.c_ulonglong(0)))
+        self._check("cuMemMap", self.cu.cuMemMap(self.ptr, ctypes.c_size_t(nbytes), ctypes.c_size_t(0), self.handle,
+                                                 ctypes.c_ulonglong(0)))
+        access = _Access(loc_type=1, loc_id=0, flags=3)
+        self._check("cuMemSetAccess", self.cu.cuMemSetAccess(self.ptr, ctypes.c_size_t(nbytes), ctypes.byref(access),
+                                                             ctypes.c_size_t(1)))
+
+    @staticmethod
+    def _check(what: str, rc: int) -> None:
+        if rc != 0:
+            raise RuntimeError(f"{what} failed with CUDA driver error {rc}")
+
+    def release(self) -> None:
+        self._check("cuMemUnmap", self.cu.cuMemUnmap(self.ptr, ctypes.c_size_t(self.nbytes)))
+        self._check("cuMemRelease", self.cu.cuMemRelease(self.handle))
+        self._check("cuMemAddressFree", self.cu.cuMemAddressFree(self.ptr, ctypes.c_size_t(self.nbytes)))
+
+
+def map_route(torch: Any, src: Any, dst: Any, chunk: int, seconds: float, gib: float) -> dict[str, Any]:
+    """Copy speed right after the driver calls of a vLLM wake / sleep, by size and by the RDMA flag."""
+    out: dict[str, Any] = {}
+    for size_name, nbytes in (("2MiB", 2 << 20), (f"{gib:g}GiB", int(gib * (1 << 30)))):
+        for rdma in (False, True):
+            time.sleep(1.0)
+            t = time.perf_counter()
+            mapping = DriverMapping(nbytes, rdma=rdma)
+            took = time.perf_counter() - t
+            name = f"map_{size_name}_{'rdma' if rdma else 'plain'}"
+            out[name] = series(torch, src, dst, chunk, seconds)
+            out[name + "_s"] = round(took, 4)
+            time.sleep(1.0)
+            mapping.release()
+            out[name.replace("map_", "release_")] = series(torch, src, dst, chunk, seconds)
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--route", choices=("malloc", "vmm"), required=True)
+    ap.add_argument("--route", choices=("malloc", "vmm", "map"), required=True)
     ap.add_argument("--gib", type=float, default=16.0, help="size of the block freed / allocated")
     ap.add_argument("--copy-mib", type=int, default=64, help="one timed copy")
     ap.add_argument("--seconds", type=float, default=1.5)
@@ -79,6 +145,15 @@ def main() -> int:
                                "device": torch.cuda.get_device_name()}
     series(torch, src, dst, chunk, 0.3)  # warm-up
     results["idle"] = series(torch, src, dst, chunk, args.seconds)
+    if args.route == "map":
+        results.update(map_route(torch, src, dst, chunk, args.seconds, args.gib))
+        for key, value in results.items():
+            if isinstance(value, list):
+                print(f"map    {key:24s} GB/s {summary(value)}")
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(results, f)
+        return 0
 
     block = torch.empty(big, dtype=torch.uint8, device="cuda")
     block.fill_(1)

@@ -10,8 +10,11 @@ For each model shape (Qwen2.5-0.5B and -1.5B shaped, ``load_format="dummy"``) an
   straight into the parameters, the KV cache wakes while they run, then finalize and verify - every time);
   ``expand_over_wake`` is the ratio the target is set on;
 * ``expand_over_wake_then_raw_copy``: expand over the wake plus a raw copy of the same bytes at the bandwidth the
-  engine's worker measured right after a wake (``copy_after_wake_levelN_GBps``: for about half a second after a
-  wake the GPU gives a copy ~30 GB/s instead of ~54), the floor of any sync into a woken engine;
+  engine's worker measured right after a wake (``copy_after_wake_levelN_GBps``: for about 100 ms after a wake
+  host->device copies in the engine run at 20-30 GB/s instead of ~54), the floor of any sync into a woken engine;
+* ``*_settled_1s`` (``--settle``): the resizer's expand with 1 s between the sleep and the wake (a training step
+  sits between a shrink and the next expand); ``copy_after_wake_level2_by_sleep_gap_GBps``: the post-wake copy by
+  that gap;
 * ``load_vs_raw_h2d``: weight bytes per second into an awake engine during a sync (send to verified, finalize
   included; ``awake_sync``) over a raw pinned host->device copy of the same bytes in this process;
 * the same sync by ``cuda_ipc`` (the previous path: sender GPU staging + IPC handle per bucket) for comparison;
@@ -49,6 +52,7 @@ SHAPES: dict[str, dict[str, Any]] = {
 }
 PROMPTS = ["the model weight", "sleep wake gpu", "hello world token", "fast slow update"]
 BUCKET_BYTES = 512 << 20
+SLEEP_GAPS_S = (0.0, 0.1, 0.25, 0.5, 1.0, 2.0)
 
 
 def progress(msg: str) -> None:
@@ -183,6 +187,66 @@ def _keep_buffer(worker: Any, nbytes: int) -> bool:
     return True
 
 
+def copy_series(worker: Any, payload: dict[str, Any], seconds: float, wait: float = 0.0,
+                streams: int = 1) -> list[tuple[float, float]]:
+    """In the engine's worker: after ``wait`` seconds, back-to-back 64 MiB copies from the cache's pinned pages into
+    a buffer kept from before the sleep for ``seconds``, each split over ``streams`` side streams: (seconds since
+    the call, GB/s) each."""
+    from rlix_plugins.transport import open_host_pull
+
+    chunk = 64 << 20
+    part = chunk // streams
+    pages = [host for _, host in open_host_pull(payload, pin=True)]
+    chunks = [p[i:i + chunk] for p in pages for i in range(0, p.numel() - chunk + 1, chunk)]
+    dst = worker._rlix_kept[:chunk]
+    side = [torch.cuda.Stream() for _ in range(streams)]
+    start = time.perf_counter()
+    time.sleep(wait)
+    out, i = [], 0
+    while time.perf_counter() - start < wait + seconds:
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        src = chunks[i % len(chunks)]
+        for k, stream in enumerate(side):
+            stream.wait_event(a)
+            with torch.cuda.stream(stream):
+                dst[k * part:(k + 1) * part].copy_(src[k * part:(k + 1) * part], non_blocking=True)
+            torch.cuda.current_stream().wait_stream(stream)
+        b.record()
+        b.synchronize()
+        out.append((round(time.perf_counter() - start, 4), round(chunk / (a.elapsed_time(b) / 1e3) / 1e9, 1)))
+        i += 1
+    return out
+
+
+def _windows(points: list[tuple[float, float]]) -> dict[str, float]:
+    def mean(lo: float, hi: float) -> float:
+        xs = [g for t, g in points if lo <= t < hi]
+        return round(sum(xs) / len(xs), 1) if xs else 0.0
+    t0 = points[0][0] if points else 0.0
+    return {f"{lo}-{hi}s": mean(t0 + lo, t0 + hi) for lo, hi in ((0, 0.1), (0.1, 0.2), (0.2, 0.4), (0.4, 0.7), (0.7, 1.0),
+                                                              (1.0, 1.5))}
+
+
+def wake_series(llm: Any, payload: dict[str, Any]) -> dict[str, Any]:
+    """64 MiB copy speed over 1.5 s after several kinds of wake (each after a level-2 sleep): which part of a wake
+    slows copies, and whether time or traffic ends it."""
+    cases: dict[str, Any] = {}
+    for name, tags, wait, streams in (("no sleep", None, 0.0, 1), ("no sleep, 2 streams", None, 0.0, 2),
+                                      ("full wake", None, 0.0, 1), ("weights only", ["weights"], 0.0, 1),
+                                      ("full wake, 2 streams", None, 0.0, 2), ("full wake, 4 streams", None, 0.0, 4),
+                                      ("full wake, copies 0.5 s later", None, 0.5, 1)):
+        if not name.startswith("no sleep"):
+            llm.sleep(level=2)
+            llm.wake_up(tags=tags)
+        points = llm.collective_rpc(copy_series, args=(payload, 1.5, wait, streams))[0]
+        if tags is not None:  # vLLM maps a tag again if asked to wake it twice: wake only the one still asleep
+            llm.wake_up(tags=[t for t in ("weights", "kv_cache") if t not in tags])
+        cases[name] = {"windows_GBps": _windows(points), "first_12": points[:12]}
+        progress(f"after '{name}': {cases[name]['windows_GBps']} first: {points[:12]}")
+    return cases
+
+
 def trace_wake(llm: Any, payload: dict[str, Any], out: Path, shape: str) -> dict[str, Any]:
     """torch-profile, inside the engine's worker, a level-2 wake and the raw copies right after it and 0.5 s later:
     which GPU work runs while a freshly woken engine's copies are slow (trace + table in ``out``). Then two more
@@ -209,10 +273,12 @@ def trace_wake(llm: Any, payload: dict[str, Any], out: Path, shape: str) -> dict
         result[f"fresh_buffer_at_once_GBps_{attempt}"] = llm.collective_rpc(copy_probe, args=(payload, 1, True))[0][
             "scratch_GBps"]
     progress(f"{shape} right after a level-2 wake: {result}")
+    result["copy_series_after_wakes"] = wake_series(llm, payload)
     return result
 
 
-def bench_shape(shape: str, root: Path, repeats: int, wake_trace: Path | None = None) -> dict[str, Any]:
+def bench_shape(shape: str, root: Path, repeats: int, wake_trace: Path | None = None,
+                settle: float = 0.0) -> dict[str, Any]:
     from vllm import LLM
 
     from rlix_plugins.transport import VersionedBucketCache, build_comm_plan
@@ -271,6 +337,15 @@ def bench_shape(shape: str, root: Path, repeats: int, wake_trace: Path | None = 
             later = llm.collective_rpc(copy_probe, args=(payload, 1, True))[0]["scratch_GBps"]
             row[f"copy_after_wake_level{level}_GBps"] = {"at_once": now, "after_0.5s": later}
             progress(f"{shape} copy after a level-{level} wake: {now} GB/s at once, {later} GB/s 0.5 s later")
+        # the same copy right after a level-2 wake, by the time between the sleep and the wake: a sleep hands ~40 GB
+        # back to the driver, and if the driver's work on freed memory is what slows copies, a gap fixes it
+        row["copy_after_wake_level2_by_sleep_gap_GBps"] = gaps = {}
+        for gap in SLEEP_GAPS_S:
+            llm.sleep(level=2)
+            time.sleep(gap)
+            llm.wake_up()
+            gaps[str(gap)] = llm.collective_rpc(copy_probe, args=(payload, 1, True))[0]["scratch_GBps"]
+        progress(f"{shape} copy right after a level-2 wake, by seconds between sleep and wake: {gaps}")
         if wake_trace is not None:
             row["wake_trace"] = trace_wake(llm, payload, wake_trace, shape)
             return row
@@ -288,16 +363,23 @@ def bench_shape(shape: str, root: Path, repeats: int, wake_trace: Path | None = 
                 "receiver": llm.collective_rpc("rlix_receiver_info")[0]["timing"]}
             progress(f"{shape} {transport} awake sync: {row[f'{transport}_awake_sync']}")
         # overlap: what the resizer does (weights woken, the KV cache woken while the bytes move); sequential: the
-        # whole engine woken first, then the sync (the comparison that says whether the overlap pays here)
-        for transport, mode in (("host_pull", "overlap"), ("host_pull", "sequential"), ("cuda_ipc", "overlap")):
+        # whole engine woken first, then the sync (the comparison that says whether the overlap pays here).
+        # settle: seconds between the sleep and the wake. 0 is a sleep followed at once by a wake (one rank's GPU
+        # handed straight to another pipeline's rollout); in a training handover the training step sits between.
+        modes = [("host_pull", "overlap", 0.0), ("host_pull", "sequential", 0.0), ("cuda_ipc", "overlap", 0.0)]
+        if settle:
+            modes.append(("host_pull", "overlap", settle))
+        for transport, mode, gap in modes:
             for level in (1, 2):
                 wake, expand, load, parts = [], [], [], []
                 for _ in range(repeats):
                     llm.sleep(level=level)
+                    time.sleep(gap)
                     t0 = time.perf_counter()
                     llm.wake_up()
                     wake.append(time.perf_counter() - t0)
                     llm.sleep(level=level)
+                    time.sleep(gap)
                     t0 = time.perf_counter()
                     if level == 1 and transport == "host_pull":
                         llm.collective_rpc("rlix_discard_weight_backup")
@@ -317,9 +399,12 @@ def bench_shape(shape: str, root: Path, repeats: int, wake_trace: Path | None = 
                     assert greedy(llm) == ref, f"{shape} level {level} {transport}: output differs after expand"
                 w, e, s = statistics.median(wake), statistics.median(expand), statistics.median(load)
                 best = min(range(repeats), key=lambda i: expand[i])
-                name = f"{transport}_level{level}" + ("_sequential" if mode == "sequential" else "")
+                name = f"{transport}_level{level}" + ("_sequential" if mode == "sequential" else "") + (
+                    f"_settled_{gap:g}s" if gap else "")
                 # the floor of any sync into a woken engine: the wake, then a raw copy at the bandwidth a woken GPU gives
-                floor = w + nbytes / (row[f"copy_after_wake_level{level}_GBps"]["at_once"] * 1e9)
+                after = row[f"copy_after_wake_level{level}_GBps"]["at_once"] if not gap else row[
+                    "engine_copy_probe"]["scratch_GBps"]
+                floor = w + nbytes / (after * 1e9)
                 row[name] = {
                     "wake_only_s": round(w, 4), "expand_s": round(e, 4), "expand_over_wake": round(e / w, 2),
                     "expand_over_wake_then_raw_copy": round(e / floor, 2),
@@ -345,6 +430,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default=None)
     parser.add_argument("--profile-pull", type=int, default=5,
                         help="torch-profile the engine worker's N-th host_pull (0: off); table next to --json")
+    parser.add_argument("--settle", type=float, default=1.0,
+                        help="also measure the resizer's host_pull expand with this many seconds between sleep and "
+                             "wake (0: off)")
     parser.add_argument("--trace-wake", default=None, metavar="DIR",
                         help="only: profile a level-2 wake and the copies after it (trace + table in DIR), then stop")
     args = parser.parse_args(argv)
@@ -359,7 +447,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="rlix-expand-") as tmp:
         for shape in args.shapes:
             results[shape] = bench_shape(shape, Path(tmp), args.repeats,
-                                         Path(args.trace_wake) if args.trace_wake else None)
+                                         Path(args.trace_wake) if args.trace_wake else None, args.settle)
             text = json.dumps(results, indent=1)
             if args.json:
                 Path(args.json).write_text(text)
