@@ -118,6 +118,17 @@ def map_route(torch: Any, src: Any, dst: Any, chunk: int, seconds: float, gib: f
             time.sleep(1.0)
             mapping.release()
             out[name.replace("map_", "release_")] = series(torch, src, dst, chunk, seconds)
+    for rdma in (False, True):  # a vLLM wake maps one block per allocation: ~340 for a 1.5B model's weights
+        time.sleep(1.0)
+        t = time.perf_counter()
+        mappings = [DriverMapping(10 << 20, rdma=rdma) for _ in range(340)]
+        name = f"map_340x10MiB_{'rdma' if rdma else 'plain'}"
+        out[name + "_s"] = round(time.perf_counter() - t, 4)
+        out[name] = series(torch, src, dst, chunk, seconds)
+        time.sleep(1.0)
+        for m in mappings:
+            m.release()
+        out[name.replace("map_", "release_")] = series(torch, src, dst, chunk, seconds)
     return out
 
 
