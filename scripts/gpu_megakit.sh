@@ -7,8 +7,9 @@
 #    environment they are started with);
 # 2. installs the carried wheels (transformer-engine, -cu13 trimmed to sm_90, nvidia-modelopt, pulp);
 # 3. installs transformer-engine-torch 2.15.0: the wheel in .gpukit/megakit/prebuilt/ if there is one (also as
-#    *.whl.part-* pieces), else builds it from the carried sdist (g++ only, ~16 jobs, $TE_BUILD_TIMEOUT_S) and copies
-#    the wheel to $OUT: put those files into .gpukit/megakit/prebuilt/ here and later machines skip the build;
+#    *.whl.part-* pieces), else builds it from the carried sdist (g++ only, 16 jobs, at most $TE_BUILD_TIMEOUT_S = 360 s
+#    a call; a build cut short resumes in the next call on the same machine) and copies the wheel to $OUT (in 15 MiB
+#    pieces if larger): put those files into .gpukit/megakit/prebuilt/ here and later machines skip the build;
 # 4. smoke-tests TE (scripts/gpukit/te_smoke.py: bf16 Linear and attention forward+backward); if attention fails
 #    with TE's defaults, retries with NVTE_FUSED_ATTN=0 and NVTE_FLASH_ATTN=0 (the unfused path) and, if that passes,
 #    writes those settings to /tmp/megatron/nvte.env, which scripts/gpu_nemo_rl_loops.sh sources;
@@ -62,9 +63,14 @@ print(":".join(sorted(set(glob.glob(site + "/nvidia/*/include") + glob.glob(site
   export CPATH="$CPATH${CPATH:+:}${CUDA_HOME}/include"
   echo "megakit: building transformer-engine-torch (CUDA_HOME=$CUDA_HOME, $(nproc) cores)"
   b0=$SECONDS
-  NVTE_PYTORCH_FORCE_BUILD=TRUE MAX_JOBS=${MAX_JOBS:-16} timeout -k 10 "${TE_BUILD_TIMEOUT_S:-420}" \
+  # Built in place from a source tree kept in /tmp: a build cut short by the timeout resumes (ninja keeps the objects
+  # made) when the next call on this machine runs this step again.
+  src=/tmp/te-torch-build
+  [ -d "$src"/transformer_engine_torch-*/csrc ] || { mkdir -p "$src" &&
+    tar -xzf "$KIT"/transformer_engine_torch-*.tar.gz -C "$src"; } || fail 2 "unpack the TE torch sdist"
+  NVTE_PYTORCH_FORCE_BUILD=TRUE MAX_JOBS=${MAX_JOBS:-16} timeout -k 10 "${TE_BUILD_TIMEOUT_S:-360}" \
     python3 -m pip wheel -v --no-index --no-deps --no-build-isolation -w "$wheel_dir" \
-    "$KIT"/transformer_engine_torch-*.tar.gz >"$OUT/te_torch_build.log" 2>&1
+    "$src"/transformer_engine_torch-*/ >"$OUT/te_torch_build.log" 2>&1
   rc=$?
   echo "megakit: TE torch build rc=$rc in $((SECONDS - b0)) s (log: \$OUT/te_torch_build.log)"
   [ $rc -eq 0 ] || { grep -E "error|Error" "$OUT/te_torch_build.log" | head -20; tail -n 20 "$OUT/te_torch_build.log"
