@@ -11,7 +11,7 @@
 #   megatron_lm.tar.xz      Megatron-LM's megatron/ (+ setup.py, pyproject, LICENSE): PYTHONPATH=<x>/Megatron-LM
 #   wheels/                 transformer-engine 2.15.0 (pure Python), transformer-engine-cu13 2.15.0 trimmed to sm_90
 #                           (scripts/gpukit/wheel_trim.py: 177 -> ~20 MiB; H100/H200 only), nvidia-modelopt 0.46.0,
-#                           pulp 3.3.2 without its bundled solver binaries (Megatron-LM imports pulp, never runs CBC)
+#                           pulp 3.3.2 without its bundled solver binaries (modelopt.torch imports it, nothing here runs CBC)
 #   transformer_engine_torch-2.15.0.tar.gz  the PyTorch extension, PyPI has it only as source: built on the GPU
 #                           machine by scripts/gpu_megakit.sh build (a prebuilt wheel dropped into prebuilt/ skips that)
 # Then it installs each wheel into a scratch --target (pip --no-deps) and imports the trees as far as a CPU allows.
@@ -68,6 +68,9 @@ if not target.exists() or hashlib.sha256(target.read_bytes()).hexdigest() != wan
 assert hashlib.sha256(target.read_bytes()).hexdigest() == want, f"{target}: sha256 differs from PyPI's"
 PYEOF
 cp "$DL/transformer_engine-$TE_VERSION-py3-none-any.whl" "$DL"/nvidia_modelopt-0.46.0-*.whl "$KIT/wheels/"
+# A module the GPU machine turns out to lack (scripts/gpu_megakit.sh's import check names it): MEGAKIT_EXTRA="x==1 y==2"
+# shellcheck disable=SC2086
+[ -z "${MEGAKIT_EXTRA:-}" ] || pipdl --only-binary=:all: -d "$KIT/wheels" $MEGAKIT_EXTRA
 cp "$DL/transformer_engine_torch-$TE_VERSION.tar.gz" "$KIT/"
 "$PY" scripts/gpukit/wheel_trim.py "$DL"/transformer_engine_cu13-"$TE_VERSION"-*.whl "$KIT/wheels" --arch 90
 "$PY" scripts/gpukit/wheel_trim.py "$DL"/pulp-3.3.2-*.whl "$KIT/wheels" --drop pulp/solverdir/

@@ -5,7 +5,7 @@ one device call carries at most 64 MiB. The CUDA runtime picks the cubin (or PTX
 from each fat binary and never reads the others, so their payloads are zeroed in place (the layout, the offsets
 and every header stay as they were) and the wheel is re-deflated: zeros compress to almost nothing. Kept: every
 entry of the kept architecture and PTX of an older one (JIT fallback). ``--drop PREFIX`` leaves out the members
-under PREFIX (pulp's bundled CBC solver binaries, 15 MiB that Megatron-Bridge's import of pulp never runs). The
+under PREFIX (pulp's bundled CBC solver binaries: 15 MiB that modelopt's import of pulp never runs). The
 wheel keeps its name; RECORD is rewritten. A GPU-kit tool:
 
     python3 scripts/gpukit/wheel_trim.py IN.whl OUTDIR [--arch 90] [--drop pulp/solverdir/ ...]
