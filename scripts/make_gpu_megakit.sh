@@ -34,7 +34,7 @@ sub=$(git -C "$MB_MIRROR" ls-tree "$MB_COMMIT" 3rdparty/Megatron-LM | awk '{prin
 prebuilt=$(mktemp -d)
 [ -d "$KIT/prebuilt" ] && cp -a "$KIT/prebuilt/." "$prebuilt/"  # a TE torch wheel built on the GPU machine stays
 rm -rf "$KIT" && mkdir -p "$KIT/wheels" "$KIT/prebuilt" "$DL"
-cp -a "$prebuilt/." "$KIT/prebuilt/" && rm -rf "$prebuilt"
+cp -a "$prebuilt/." "$KIT/prebuilt/" && chmod 755 "$KIT/prebuilt" && rm -rf "$prebuilt"
 
 # The source trees, one folder and a few files each (`git archive COMMIT PATHS` reads the whole tree, and the Bridge
 # mirror lacks two blobs under docs/).
