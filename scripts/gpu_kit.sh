@@ -18,7 +18,7 @@ groups)
   echo "call 2: .gpukit/raykit/ray.tar.xz .gpukit/nemokit/w1                                   (bash scripts/gpu_kit.sh stash)"
   echo "call 3: .gpukit/p2 .gpukit/deps .gpukit/setup.sh .gpukit/nemokit/w2                    (bash scripts/gpu_kit.sh stash)"
   echo "call 4: .gpukit/nemokit/w3 .gpukit/loopskit .gpukit/megakit                           (bash scripts/gpu_kit.sh run ...)"
-  echo "        (.gpukit/loopskit, .gpukit/megakit: only for scripts/gpu_nemo_rl_loops.sh; those present are listed below)"
+  echo "        (.gpukit/loopskit and .gpukit/megakit: needed only by scripts/gpu_nemo_rl_loops.sh; sizes below count what exists)"
   # Each call carries the repository too: the working tree's files count against the same 64 MiB.
   repo=$(git ls-files -co --exclude-standard -z | du -cb --files0-from=- 2>/dev/null | tail -1 | cut -f1)
   n=0
