@@ -2,7 +2,9 @@
 # Carry the GPU kits to the device machine over several calls of <= 64 MiB each, on ONE warm machine (it goes back
 # 30 s after a call: make the calls back to back). Kits (all under .gpukit/, built here once):
 #   vLLM  (docs/gpu.md: .gpukit/p1 p2 deps stash.sh setup.sh)   Ray (scripts/make_gpu_raykit.sh: .gpukit/raykit)
-#   NeMo RL (scripts/make_gpu_nemokit.sh: .gpukit/nemokit/w1 w2)
+#   NeMo RL (scripts/make_gpu_nemokit.sh: .gpukit/nemokit/w1 w2 w3)   NeMo RL's other loops (scripts/make_gpu_loopskit.sh:
+#   .gpukit/loopskit)   Megatron for the SingleController (scripts/make_gpu_megakit.sh: .gpukit/megakit; installed by
+#   scripts/gpu_megakit.sh build, which scripts/gpu_nemo_rl_loops.sh single_controller runs when TE is missing)
 #   bash scripts/gpu_kit.sh groups           here: the carry lists, one per call (each under the limit)
 #   bash scripts/gpu_kit.sh stash            device, every call but the last: park the carried kit parts in /tmp/gpukit
 #   bash scripts/gpu_kit.sh run CMD...       device, last call: restore the parked parts, install what is missing
@@ -15,9 +17,21 @@ groups)
   echo "call 1: .gpukit/p1 .gpukit/stash.sh .gpukit/raykit/deps .gpukit/raykit/ray_setup.sh   (bash scripts/gpu_kit.sh stash)"
   echo "call 2: .gpukit/raykit/ray.tar.xz .gpukit/nemokit/w1                                   (bash scripts/gpu_kit.sh stash)"
   echo "call 3: .gpukit/p2 .gpukit/deps .gpukit/setup.sh .gpukit/nemokit/w2                    (bash scripts/gpu_kit.sh stash)"
-  echo "call 4: .gpukit/nemokit/w3                                                             (bash scripts/gpu_kit.sh run ...)"
-  du -shc .gpukit/p1 .gpukit/raykit/deps | tail -1; du -shc .gpukit/raykit/ray.tar.xz .gpukit/nemokit/w1 | tail -1
-  du -shc .gpukit/p2 .gpukit/deps .gpukit/nemokit/w2 | tail -1; du -shc .gpukit/nemokit/w3 | tail -1 ;;
+  echo "call 4: .gpukit/nemokit/w3 .gpukit/loopskit .gpukit/megakit                           (bash scripts/gpu_kit.sh run ...)"
+  echo "        (.gpukit/loopskit and .gpukit/megakit: needed only by scripts/gpu_nemo_rl_loops.sh; sizes below count what exists)"
+  # Each call carries the repository too: the working tree's files count against the same 64 MiB.
+  repo=$(git ls-files -co --exclude-standard -z | du -cb --files0-from=- 2>/dev/null | tail -1 | cut -f1)
+  n=0
+  for parts in ".gpukit/p1 .gpukit/stash.sh .gpukit/raykit/deps .gpukit/raykit/ray_setup.sh" \
+    ".gpukit/raykit/ray.tar.xz .gpukit/nemokit/w1" ".gpukit/p2 .gpukit/deps .gpukit/setup.sh .gpukit/nemokit/w2" \
+    ".gpukit/nemokit/w3 .gpukit/loopskit .gpukit/megakit"; do
+    n=$((n + 1))
+    # shellcheck disable=SC2086
+    kit=$(du -cbL $parts 2>/dev/null | tail -1 | cut -f1)
+    total=$((kit + repo))
+    echo "call $n: $((total / 1048576)) MiB with the repository ($((repo / 1048576)) MiB)$([ $total -gt 67108864 ] &&
+      echo ": OVER the 64 MiB limit")"
+  done ;;
 stash)
   mkdir -p "$STASH" && cp -a .gpukit/. "$STASH/" && du -sh "$STASH" ;;
 run)

@@ -13,9 +13,12 @@
 #   Python) and msgspec (its one dependency not in the kits). mooncake-transfer-engine-cuda13 (PyPI, NeMo RL pins
 #   0.3.11.post1) only for data_plane.backend=mooncake_cpu; these runs keep the stock backend "simple".
 # * single_controller: the Megatron stack - the SC's streaming train step (begin_train_step /
-#   train_microbatch_from_meta / finish_train_step) exists only in NeMo RL's Megatron policy worker: megatron-core,
-#   Megatron-Bridge (NeMo RL's 3rdparty submodule, not in the kit's nemo_rl.tar.xz) and transformer-engine (NeMo RL
-#   builds it from git v2.14.1). No kit carries them yet: the part stops with exit 5 naming what is missing.
+#   train_microbatch_from_meta / finish_train_step) exists only in NeMo RL's Megatron policy worker: Megatron-LM and
+#   Megatron-Bridge at NeMo RL's submodule commits and Transformer Engine 2.15 with its PyTorch extension, carried as
+#   .gpukit/megakit (scripts/make_gpu_megakit.sh) and installed once per machine by `scripts/gpu_megakit.sh build`,
+#   which this part runs first (it returns at once when done; building the TE extension takes minutes, so on a fresh
+#   machine run that step in a call of its own, or carry the wheel it left in $OUT: docs/loops.md). Without the kit
+#   the part stops with exit 5 naming what is missing.
 set -u
 REPO=$PWD
 OUT=${OUT:-/tmp/rlix_gpu_out}
@@ -65,9 +68,13 @@ loop_run() {  # loop_run PART: async GRPO (a) + the PART loop (b), both drivers 
   case $part in
   data_plane) stock=grpo_math_1B.yaml entry=examples/run_grpo.py extra=(--data-plane) b_tiny=("${DTENSOR_V1[@]}") ;;
   single_controller)
-    python3 -c "import megatron.bridge, megatron.core, transformer_engine" 2>/dev/null || {
-      echo "=== $name: the SingleController trains with Megatron only; missing on this machine: megatron-core," \
-           "Megatron-Bridge, transformer-engine (see the header)"; return 5; }
+    [ -d "$REPO/.gpukit/megakit" ] || [ -f /tmp/megatron/.ready ] || {
+      echo "=== $name: the SingleController trains with Megatron only: carry .gpukit/megakit" \
+           "(bash scripts/make_gpu_megakit.sh; see the header)"; return 5; }
+    bash "$REPO/scripts/gpu_megakit.sh" build || { echo "=== $name: the Megatron kit did not install"; return 5; }
+    # shellcheck disable=SC1091
+    [ -f /tmp/megatron/nvte.env ] && source /tmp/megatron/nvte.env  # TE attention fallbacks the kit's smoke test chose
+    export NRL_MEGATRON_CHECKPOINT_DIR=$WORK/mcore_from_hf  # the HF -> Megatron conversion of the tiny model
     stock=grpo_math_1B_megatron_single_controller.yaml entry=examples/run_grpo_single_controller.py ;;
   *) echo "unknown part $part"; return 1 ;;
   esac
