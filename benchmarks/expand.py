@@ -187,12 +187,43 @@ def _keep_buffer(worker: Any, nbytes: int) -> bool:
     return True
 
 
+def _before_copies(worker: Any, what: str) -> None:
+    """One step of vLLM's wake on its own (``copy_series(before=...)``)."""
+    import gc
+
+    if what == "gc":
+        gc.collect()
+    elif what == "empty_cache":
+        torch.accelerator.empty_cache()
+    elif what == "free_1GiB":  # a cached block handed back to the driver (cudaFree)
+        block = torch.empty(1 << 30, dtype=torch.uint8, device=worker.device)
+        del block
+        torch.accelerator.empty_cache()
+    elif what == "synchronize":
+        torch.accelerator.synchronize()
+    elif what:
+        raise ValueError(what)
+
+
+def _wake_without_empty_cache(worker: Any, on: bool) -> bool:
+    """In the engine's worker: make ``torch.accelerator.empty_cache`` a no-op (``on``) or restore it - vLLM's
+    allocator calls it at the start of every wake."""
+    if on:
+        worker._rlix_empty_cache = torch.accelerator.empty_cache
+        torch.accelerator.empty_cache = lambda: None
+    else:
+        torch.accelerator.empty_cache = worker._rlix_empty_cache
+    return True
+
+
 def copy_series(worker: Any, payload: dict[str, Any], seconds: float, wait: float = 0.0,
-                streams: int = 1) -> list[tuple[float, float]]:
-    """In the engine's worker: after ``wait`` seconds, back-to-back 64 MiB copies from the cache's pinned pages into
-    a buffer kept from before the sleep for ``seconds``, each split over ``streams`` side streams: (seconds since
-    the call, GB/s) each."""
+                streams: int = 1, before: str = "") -> list[tuple[float, float]]:
+    """In the engine's worker: after ``before`` (:func:`_before_copies`) and ``wait`` seconds, back-to-back 64 MiB
+    copies from the cache's pinned pages into a buffer kept from before the sleep for ``seconds``, each split over
+    ``streams`` side streams: (seconds since the call, GB/s) each."""
     from rlix_plugins.transport import open_host_pull
+
+    _before_copies(worker, before)
 
     chunk = 64 << 20
     part = chunk // streams
@@ -235,11 +266,23 @@ def wake_series(llm: Any, payload: dict[str, Any]) -> dict[str, Any]:
     for name, tags, wait, streams in (("no sleep", None, 0.0, 1), ("no sleep, 2 streams", None, 0.0, 2),
                                       ("full wake", None, 0.0, 1), ("weights only", ["weights"], 0.0, 1),
                                       ("full wake, 2 streams", None, 0.0, 2), ("full wake, 4 streams", None, 0.0, 4),
-                                      ("full wake, copies 0.5 s later", None, 0.5, 1)):
+                                      ("full wake, copies 0.5 s later", None, 0.5, 1),
+                                      ("no sleep: gc.collect()", None, 0.0, 1),
+                                      ("no sleep: empty_cache()", None, 0.0, 1),
+                                      ("no sleep: free 1 GiB + empty_cache()", None, 0.0, 1),
+                                      ("no sleep: synchronize()", None, 0.0, 1),
+                                      ("full wake without its empty_cache()", None, 0.0, 1)):
+        before = {"gc.collect()": "gc", "empty_cache()": "empty_cache", "free 1 GiB + empty_cache()": "free_1GiB",
+                  "synchronize()": "synchronize"}.get(name.partition(": ")[2], "")
         if not name.startswith("no sleep"):
             llm.sleep(level=2)
+            patched = "without its empty_cache" in name
+            if patched:
+                llm.collective_rpc(_wake_without_empty_cache, args=(True,))
             llm.wake_up(tags=tags)
-        points = llm.collective_rpc(copy_series, args=(payload, 1.5, wait, streams))[0]
+            if patched:
+                llm.collective_rpc(_wake_without_empty_cache, args=(False,))
+        points = llm.collective_rpc(copy_series, args=(payload, 1.5, wait, streams, before))[0]
         if tags is not None:  # vLLM maps a tag again if asked to wake it twice: wake only the one still asleep
             llm.wake_up(tags=[t for t in ("weights", "kv_cache") if t not in tags])
         cases[name] = {"windows_GBps": _windows(points), "first_12": points[:12]}
