@@ -320,13 +320,55 @@ def trace_wake(llm: Any, payload: dict[str, Any], out: Path, shape: str) -> dict
     return result
 
 
+class TimedRpc:
+    """:class:`~rlix_plugins.vllm.driver.LLMEngineRpc`'s calls, each logged: (what, submitted, started, done) on this
+    process's ``perf_counter`` - where a sync's time goes outside the worker (queueing, round trips, the driver's
+    own work)."""
+
+    def __init__(self, llm: Any, rpc_timeout_s: float = 300.0) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.llm, self.rpc_timeout_s = llm, rpc_timeout_s
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlix-engine-rpc")
+        self.log: list[tuple[str, float, float, float]] = []
+
+    def _timed(self, what: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        submitted = time.perf_counter()
+
+        def run() -> Any:
+            started = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.log.append((what, submitted, started, time.perf_counter()))
+        return self._pool.submit(run)
+
+    def call(self, method: str, args: tuple[Any, ...]) -> Any:
+        return self._timed(method, self.llm.collective_rpc, method, timeout=self.rpc_timeout_s, args=args)
+
+    def reset_prefix_cache(self) -> Any:
+        return self._timed("reset_prefix_cache", self.llm.reset_prefix_cache)
+
+    def wake_up(self, tags: list[str]) -> Any:
+        return self._timed("wake_up", self.llm.wake_up, tags=tags)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def rpc_timeline(log: list[tuple[str, float, float, float]], t0: float, t1: float) -> list[Any]:
+    """A sync's engine calls in ms from its start: [what, submitted, started, done], then the sync's end."""
+    ms = [[what, *(round((t - t0) * 1e3, 2) for t in times)] for what, *times in log if t0 <= times[0] <= t1]
+    return [*ms, ["sync returned", round((t1 - t0) * 1e3, 2)]]
+
+
 def bench_shape(shape: str, root: Path, repeats: int, wake_trace: Path | None = None,
                 settle: float = 0.0) -> dict[str, Any]:
     from vllm import LLM
 
     from rlix_plugins.transport import VersionedBucketCache, build_comm_plan
     from rlix_plugins.vllm import EXTENSION_CLS
-    from rlix_plugins.vllm.driver import LLMEngineRpc, sync_engines
+    from rlix_plugins.vllm.driver import sync_engines
 
     path = model_dir(root, shape)
     weights = random_weights(path)
@@ -347,7 +389,7 @@ def bench_shape(shape: str, root: Path, repeats: int, wake_trace: Path | None = 
     progress(f"{shape}: starting the engine")
     llm = LLM(model=str(path), dtype="bfloat16", max_model_len=512, enforce_eager=True, seed=0, load_format="dummy",
               gpu_memory_utilization=0.45, enable_sleep_mode=True, worker_extension_cls=EXTENSION_CLS)
-    rpc = {0: LLMEngineRpc(llm)}
+    rpc = {0: TimedRpc(llm)}
     plans = {t: build_comm_plan((0, 0), {0: [(0, 0)]}, t) for t in ("host_pull", "cuda_ipc")}
 
     def sync(transport: str, wake_tags: list[str] | None = None) -> Any:
@@ -403,7 +445,8 @@ def bench_shape(shape: str, root: Path, repeats: int, wake_trace: Path | None = 
             s = statistics.median(took)
             row[f"{transport}_awake_sync"] = {
                 "sync_s": round(s, 4), "load_GBps": round(nbytes / s / 1e9, 1), "load_vs_raw_h2d": round(raw / s, 2),
-                "receiver": llm.collective_rpc("rlix_receiver_info")[0]["timing"]}
+                "receiver": llm.collective_rpc("rlix_receiver_info")[0]["timing"],
+                "last_sync_engine_calls_ms": rpc_timeline(rpc[0].log, t0, t0 + took[-1])}
             progress(f"{shape} {transport} awake sync: {row[f'{transport}_awake_sync']}")
         # overlap: what the resizer does (weights woken, the KV cache woken while the bytes move); sequential: the
         # whole engine woken first, then the sync (the comparison that says whether the overlap pays here).
@@ -436,6 +479,7 @@ def bench_shape(shape: str, root: Path, repeats: int, wake_trace: Path | None = 
                                   "transfer_and_kv_wake_s": report.transport.transfer_seconds,
                                   "finish_s(finalize+verify+prefix reset)": report.finalize_seconds,
                                   "separate_reset": bool(report.separate_reset_dp_ranks)})
+                    parts[-1]["engine_calls_ms"] = rpc_timeline(rpc[0].log, t0, t2)
                     parts[-1]["receiver"] = llm.collective_rpc("rlix_receiver_info")[0]["timing"]
                     assert all(v for per in report.verified.values() for v in per), "an expand was not verified"
                     llm.reset_prefix_cache()
