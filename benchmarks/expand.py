@@ -496,7 +496,7 @@ def bench_shape(shape: str, root: Path, repeats: int, wake_trace: Path | None = 
                     "wake_only_s": round(w, 4), "expand_s": round(e, 4), "expand_over_wake": round(e / w, 2),
                     "expand_over_wake_then_raw_copy": round(e / floor, 2),
                     "sync_with_kv_wake_s": round(s, 4),
-                    "best_expand_parts_s": {k: v if isinstance(v, dict) else round(v, 4) for k, v in parts[best].items()},
+                    "best_expand_parts_s": {k: v if isinstance(v, (dict, list)) else round(v, 4) for k, v in parts[best].items()},
                 }
                 progress(f"{shape} {name}: {row[name]}")
     finally:
