@@ -440,13 +440,14 @@ def bench_shape(shape: str, root: Path, repeats: int, wake_trace: Path | None = 
             took = []
             for _ in range(repeats):
                 t0 = time.perf_counter()
-                sync(transport)
+                last = sync(transport)
                 took.append(time.perf_counter() - t0)
             s = statistics.median(took)
             row[f"{transport}_awake_sync"] = {
                 "sync_s": round(s, 4), "load_GBps": round(nbytes / s / 1e9, 1), "load_vs_raw_h2d": round(raw / s, 2),
                 "receiver": llm.collective_rpc("rlix_receiver_info")[0]["timing"],
-                "last_sync_engine_calls_ms": rpc_timeline(rpc[0].log, t0, t0 + took[-1])}
+                "last_sync_engine_calls_ms": rpc_timeline(rpc[0].log, t0, t0 + took[-1]),
+                "last_sync_finish_results": last.transport.finished}
             progress(f"{shape} {transport} awake sync: {row[f'{transport}_awake_sync']}")
         # overlap: what the resizer does (weights woken, the KV cache woken while the bytes move); sequential: the
         # whole engine woken first, then the sync (the comparison that says whether the overlap pays here).

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import time
 from typing import Any
 
 __all__ = ["FINISH_METHOD", "install"]
@@ -43,8 +44,10 @@ def install() -> bool:
         except BaseException:
             self.reset_prefix_cache()  # a worker may have finalized before another one (or its check) failed
             raise
+        started = time.perf_counter()
         reset = bool(self.reset_prefix_cache()) if any(r.get("finalized") for r in results) else False
-        return [{**r, "prefix_cache_reset": reset} for r in results]
+        took = time.perf_counter() - started
+        return [{**r, "prefix_cache_reset": reset, "prefix_cache_reset_s": took} for r in results]
 
     collective_rpc._rlix_finish = True  # type: ignore[attr-defined]
     engine_core.collective_rpc = collective_rpc

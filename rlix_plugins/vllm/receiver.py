@@ -372,8 +372,10 @@ class RlixReceiverMixin:
         finally:
             if sync is not None and sync.sync_id == sync_id:
                 sync.wait_reads()  # even when finalize failed: the sender lets go of the pages when this returns
-        self._rlix().timing["finish_finalize_and_reads_s"] = time.perf_counter() - t0
+        t_verify = time.perf_counter()
         verified = None if expected is None else self.verify_model(expected)
+        self._rlix().timing.update(finish_finalize_and_reads_s=t_verify - t0,
+                                   finish_verify_s=time.perf_counter() - t_verify)
         return {"finalized": finalized, "verified": verified, "prefix_cache_reset": None}
 
     def verify_model(self, expected: dict[str, list[int]]) -> dict[str, int]:
