@@ -139,6 +139,8 @@ def main() -> int:
     ap.add_argument("--copy-mib", type=int, default=64, help="one timed copy")
     ap.add_argument("--seconds", type=float, default=1.5)
     ap.add_argument("--out", default="")
+    ap.add_argument("--src", choices=("pinned", "memfd"), default="pinned",
+                    help="copy source: cudaHostAlloc memory, or a registered memfd mapping as host_pull reads")
     args = ap.parse_args()
     if args.route == "vmm":
         os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
@@ -147,12 +149,18 @@ def main() -> int:
         print("needs a GPU", file=sys.stderr)
         return 2
     chunk = args.copy_mib << 20
-    src = torch.empty(16 * chunk, dtype=torch.uint8).pin_memory()
+    if args.src == "memfd":  # as host_pull reads the cache: shared memory registered with cudaHostRegister
+        from rlix_plugins.transport._host_pull import SharedHostBuffer
+
+        shared = SharedHostBuffer(16 * chunk, pin=True)
+        src = shared.tensor
+    else:
+        src = torch.empty(16 * chunk, dtype=torch.uint8).pin_memory()
     src.fill_(7)
     dst = torch.empty(16 * chunk, dtype=torch.uint8, device="cuda")
     dst.fill_(0)
     big = int(args.gib * (1 << 30))
-    results: dict[str, Any] = {"route": args.route, "gib": args.gib, "copy_mib": args.copy_mib,
+    results: dict[str, Any] = {"route": args.route, "src": args.src, "gib": args.gib, "copy_mib": args.copy_mib,
                                "device": torch.cuda.get_device_name()}
     series(torch, src, dst, chunk, 0.3)  # warm-up
     results["idle"] = series(torch, src, dst, chunk, args.seconds)
