@@ -217,10 +217,11 @@ def _wake_without_empty_cache(worker: Any, on: bool) -> bool:
 
 
 def copy_series(worker: Any, payload: dict[str, Any], seconds: float, wait: float = 0.0,
-                streams: int = 1, before: str = "") -> list[tuple[float, float]]:
+                streams: int = 1, before: str = "") -> list[tuple[float, float, float]]:
     """In the engine's worker: after ``before`` (:func:`_before_copies`) and ``wait`` seconds, back-to-back 64 MiB
     copies from the cache's pinned pages into a buffer kept from before the sleep for ``seconds``, each split over
-    ``streams`` side streams: (seconds since the call, GB/s) each."""
+    ``streams`` side streams: (seconds since the call, GB/s, ms the host took to queue the copy between its two
+    events) each."""
     from rlix_plugins.transport import open_host_pull
 
     _before_copies(worker, before)
@@ -236,6 +237,7 @@ def copy_series(worker: Any, payload: dict[str, Any], seconds: float, wait: floa
     out, i = [], 0
     while time.perf_counter() - start < wait + seconds:
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t_host = time.perf_counter()
         a.record()
         src = chunks[i % len(chunks)]
         for k, stream in enumerate(side):
@@ -244,19 +246,45 @@ def copy_series(worker: Any, payload: dict[str, Any], seconds: float, wait: floa
                 dst[k * part:(k + 1) * part].copy_(src[k * part:(k + 1) * part], non_blocking=True)
             torch.cuda.current_stream().wait_stream(stream)
         b.record()
+        enqueue_ms = (time.perf_counter() - t_host) * 1e3  # host time between the events: in the GPU's time too
         b.synchronize()
-        out.append((round(time.perf_counter() - start, 4), round(chunk / (a.elapsed_time(b) / 1e3) / 1e9, 1)))
+        out.append((round(time.perf_counter() - start, 4), round(chunk / (a.elapsed_time(b) / 1e3) / 1e9, 1),
+                    round(enqueue_ms, 3)))
         i += 1
     return out
 
 
-def _windows(points: list[tuple[float, float]]) -> dict[str, float]:
+def _windows(points: list[tuple[float, float, float]]) -> dict[str, float]:
     def mean(lo: float, hi: float) -> float:
-        xs = [g for t, g in points if lo <= t < hi]
+        xs = [g for t, g, _ in points if lo <= t < hi]
         return round(sum(xs) / len(xs), 1) if xs else 0.0
     t0 = points[0][0] if points else 0.0
     return {f"{lo}-{hi}s": mean(t0 + lo, t0 + hi) for lo, hi in ((0, 0.1), (0.1, 0.2), (0.2, 0.4), (0.4, 0.7), (0.7, 1.0),
                                                               (1.0, 1.5))}
+
+
+def thread_stacks(worker: Any, seconds: float = 0.2, every: float = 0.005) -> list[tuple[str, int]]:
+    """In the engine's worker: what every other thread of the process runs, sampled every ``every`` s for
+    ``seconds`` (``sys._current_frames``): the most frequent (thread, innermost frames) with their sample counts."""
+    import collections
+    import threading
+
+    names = {t.ident: t.name for t in threading.enumerate()}
+    me = threading.get_ident()
+    seen: collections.Counter[str] = collections.Counter()
+    stop = time.perf_counter() + seconds
+    while time.perf_counter() < stop:
+        for ident, frame in sys._current_frames().items():
+            if ident == me:
+                continue
+            where: list[str] = []
+            f: Any = frame
+            while f is not None and len(where) < 3:
+                where.append(f"{Path(f.f_code.co_filename).name}:{f.f_lineno}:{f.f_code.co_name}")
+                f = f.f_back
+            seen[f"{names.get(ident, ident)} | {' < '.join(where)}"] += 1
+        time.sleep(every)
+    return seen.most_common(12)
 
 
 def wake_series(llm: Any, payload: dict[str, Any]) -> dict[str, Any]:
@@ -317,6 +345,11 @@ def trace_wake(llm: Any, payload: dict[str, Any], out: Path, shape: str) -> dict
             "scratch_GBps"]
     progress(f"{shape} right after a level-2 wake: {result}")
     result["copy_series_after_wakes"] = wake_series(llm, payload)
+    result["threads_idle"] = llm.collective_rpc(thread_stacks)[0]
+    llm.sleep(level=2)
+    llm.wake_up()
+    result["threads_after_wake"] = llm.collective_rpc(thread_stacks)[0]
+    progress(f"threads right after a wake: {result['threads_after_wake']}")
     return result
 
 
