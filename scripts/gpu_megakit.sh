@@ -6,10 +6,11 @@
 #    file in the image's site-packages (Ray's workers and NeMo RL's Megatron policy actors included, whatever
 #    environment they are started with);
 # 2. installs the carried wheels (transformer-engine, -cu13 trimmed to sm_90, nvidia-modelopt, pulp);
-# 3. installs transformer-engine-torch 2.15.0: the wheel in .gpukit/megakit/prebuilt/ if there is one (also as
-#    *.whl.part-* pieces), else builds it from the carried sdist (g++ only, 16 jobs, at most $TE_BUILD_TIMEOUT_S = 360 s
-#    a call; a build cut short resumes in the next call on the same machine) and copies the wheel to $OUT (in 15 MiB
-#    pieces if larger): put those files into .gpukit/megakit/prebuilt/ here and later machines skip the build;
+# 3. installs transformer-engine-torch of the kit's TE version (its sdist's name): the wheel of that version in
+#    .gpukit/megakit/prebuilt/ if there is one (also as *.whl.part-* pieces; another version's is ignored), else
+#    builds it from the carried sdist (g++ only, 16 jobs, at most $TE_BUILD_TIMEOUT_S = 360 s a call; a build cut
+#    short resumes in the next call on the same machine) and copies the wheel to $OUT (in 15 MiB pieces if larger):
+#    put those files into .gpukit/megakit/prebuilt/ here and later machines skip the build;
 # 4. smoke-tests TE (scripts/gpukit/te_smoke.py: bf16 Linear and attention forward+backward); if attention fails
 #    with TE's defaults, retries with NVTE_FUSED_ATTN=0 and NVTE_FLASH_ATTN=0 (the unfused path) and, if that passes,
 #    writes those settings to /tmp/megatron/nvte.env, which scripts/gpu_nemo_rl_loops.sh sources;
@@ -40,14 +41,17 @@ export PIP_BREAK_SYSTEM_PACKAGES=1
 python3 -m pip install -q --no-index --no-deps --no-compile "$KIT"/wheels/*.whl || fail 3 "pip install $KIT/wheels"
 python3 -m pip list 2>/dev/null | grep -iE '^(nvidia-cudnn|transformer.engine|nvidia-modelopt|pulp) '
 
-# 3. transformer-engine-torch: the carried wheel, or a build from the sdist
+# 3. transformer-engine-torch: the carried wheel of the kit's TE version, or a build from the sdist
+sdist=$(ls "$KIT"/transformer_engine_torch-*.tar.gz 2>/dev/null | head -1)
+[ -n "$sdist" ] || fail 2 "no transformer_engine_torch-*.tar.gz in $KIT (bash scripts/make_gpu_megakit.sh)"
+TE_VERSION=$(basename "$sdist" .tar.gz) && TE_VERSION=${TE_VERSION#transformer_engine_torch-}
 wheel_dir=/tmp/te-torch-wheel
 rm -rf "$wheel_dir" && mkdir -p "$wheel_dir"
-for part0 in "$KIT"/prebuilt/*.whl.part-00; do
+for part0 in "$KIT"/prebuilt/transformer_engine_torch-"$TE_VERSION"-*.whl.part-00; do
   [ -e "$part0" ] && cat "${part0%-00}"-* >"$wheel_dir/$(basename "${part0%.part-00}")"
 done
-cp "$KIT"/prebuilt/*.whl "$wheel_dir/" 2>/dev/null
-if ls "$wheel_dir"/transformer_engine_torch-*.whl >/dev/null 2>&1; then
+cp "$KIT"/prebuilt/transformer_engine_torch-"$TE_VERSION"-*.whl "$wheel_dir/" 2>/dev/null
+if ls "$wheel_dir"/transformer_engine_torch-"$TE_VERSION"-*.whl >/dev/null 2>&1; then
   echo "megakit: TE torch from the carried wheel $(ls "$wheel_dir")"
 else
   command -v g++ >/dev/null || fail 2 "no g++: the extension cannot be built here"
@@ -66,11 +70,11 @@ print(":".join(sorted(set(glob.glob(site + "/nvidia/*/include") + glob.glob(site
   # Built in place from a source tree kept in /tmp: a build cut short by the timeout resumes (ninja keeps the objects
   # made) when the next call on this machine runs this step again.
   src=/tmp/te-torch-build
-  [ -d "$src"/transformer_engine_torch-*/csrc ] || { mkdir -p "$src" &&
-    tar -xzf "$KIT"/transformer_engine_torch-*.tar.gz -C "$src"; } || fail 2 "unpack the TE torch sdist"
+  [ -d "$src/transformer_engine_torch-$TE_VERSION/csrc" ] || { mkdir -p "$src" &&
+    tar -xzf "$sdist" -C "$src"; } || fail 2 "unpack the TE torch sdist"
   NVTE_PYTORCH_FORCE_BUILD=TRUE MAX_JOBS=${MAX_JOBS:-16} timeout -k 10 "${TE_BUILD_TIMEOUT_S:-360}" \
     python3 -m pip wheel -v --no-index --no-deps --no-build-isolation -w "$wheel_dir" \
-    "$src"/transformer_engine_torch-*/ >"$OUT/te_torch_build.log" 2>&1
+    "$src/transformer_engine_torch-$TE_VERSION/" >"$OUT/te_torch_build.log" 2>&1
   rc=$?
   echo "megakit: TE torch build rc=$rc in $((SECONDS - b0)) s (log: \$OUT/te_torch_build.log)"
   [ $rc -eq 0 ] || { grep -E "error|Error" "$OUT/te_torch_build.log" | head -20; tail -n 20 "$OUT/te_torch_build.log"

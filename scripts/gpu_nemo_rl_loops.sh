@@ -14,7 +14,7 @@
 #   0.3.11.post1) only for data_plane.backend=mooncake_cpu; these runs keep the stock backend "simple".
 # * single_controller: the Megatron stack - the SC's streaming train step (begin_train_step /
 #   train_microbatch_from_meta / finish_train_step) exists only in NeMo RL's Megatron policy worker: Megatron-LM and
-#   Megatron-Bridge at NeMo RL's submodule commits and Transformer Engine 2.15 with its PyTorch extension, carried as
+#   Megatron-Bridge at NeMo RL's submodule commits and Transformer Engine 2.12 with its PyTorch extension, carried as
 #   .gpukit/megakit (scripts/make_gpu_megakit.sh) and installed once per machine by `scripts/gpu_megakit.sh build`,
 #   which this part runs first (it returns at once when done; building the TE extension takes minutes, so on a fresh
 #   machine run that step in a call of its own, or carry the wheel it left in $OUT: docs/loops.md). Without the kit

@@ -67,24 +67,34 @@ def _payloads(elf: bytes) -> list[tuple[int, int, bytes]]:
     return out
 
 
-def test_zero_other_archs_keeps_sm90_and_older_ptx_only() -> None:
+def test_zero_other_archs_keeps_sm90_and_older_ptx_only_where_no_sm90_cubin() -> None:
     trim = _load()
-    first = [(ELF, 80, b"\xaa" * 40), (ELF, 90, b"\xbb" * 24), (PTX, 80, b"\xcc" * 16)]
+    first = [
+        (ELF, 80, b"\xaa" * 40),
+        (ELF, 90, b"\xbb" * 24),
+        (PTX, 80, b"\xcc" * 16),
+        (PTX, 90, b"\x33" * 6),
+    ]
     second = [(PTX, 100, b"\xdd" * 32), (ELF, 120, b"\xee" * 8)]
-    # 8 bytes of padding between the two fat binaries, as the linker leaves them
-    data = bytearray(_elf(_fatbin(first) + bytes(8) + _fatbin(second)))
+    third = [(PTX, 80, b"\x11" * 12), (PTX, 90, b"\x44" * 2), (ELF, 100, b"\x22" * 4)]
+    # 8 bytes of padding between the fat binaries, as the linker leaves them
+    data = bytearray(_elf(_fatbin(first) + bytes(8) + _fatbin(second) + bytes(8) + _fatbin(third)))
     size = len(data)
 
     kept, zeroed = trim.zero_other_archs(data, 90)
 
-    assert (kept, zeroed) == (2, 40 + 32 + 8)
+    assert (kept, zeroed) == (3, 40 + 16 + 6 + 32 + 8 + 4)
     assert len(data) == size
     assert _payloads(bytes(data)) == [
         (ELF, 80, bytes(40)),
         (ELF, 90, b"\xbb" * 24),
-        (PTX, 80, b"\xcc" * 16),
+        (PTX, 80, bytes(16)),  # the sm_90 cubin beside them is what the runtime loads
+        (PTX, 90, bytes(6)),
         (PTX, 100, bytes(32)),
         (ELF, 120, bytes(8)),
+        (PTX, 80, b"\x11" * 12),  # no sm_90 cubin here: the JIT fallbacks stay
+        (PTX, 90, b"\x44" * 2),
+        (ELF, 100, bytes(4)),
     ]
 
 

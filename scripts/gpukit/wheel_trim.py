@@ -4,8 +4,9 @@ transformer-engine-cu13's libtransformer_engine.so is 559 MB, nearly all of it c
 one device call carries at most 64 MiB. The CUDA runtime picks the cubin (or PTX) of the device's own architecture
 from each fat binary and never reads the others, so their payloads are zeroed in place (the layout, the offsets
 and every header stay as they were) and the wheel is re-deflated: zeros compress to almost nothing. Kept: every
-entry of the kept architecture and PTX of an older one (JIT fallback). ``--drop PREFIX`` leaves out the members
-under PREFIX (pulp's bundled CBC solver binaries: 15 MiB that modelopt's import of pulp never runs). The
+cubin of the kept architecture, and PTX of it or an older one (JIT fallback) only in a fat binary with no such cubin
+(where there is one the runtime never JITs the PTX: TE 2.12's PTX would add ~65 MiB). ``--drop PREFIX`` leaves out
+the members under PREFIX (pulp's bundled CBC solver binaries: 15 MiB that modelopt's import of pulp never runs). The
 wheel keeps its name; RECORD is rewritten. A GPU-kit tool:
 
     python3 scripts/gpukit/wheel_trim.py IN.whl OUTDIR [--arch 90] [--drop pulp/solverdir/ ...]
@@ -57,16 +58,20 @@ def zero_other_archs(data: bytearray, arch: int) -> tuple[int, int]:
             return kept, zeroed
         _magic, _version, header_size, fat_size = struct.unpack_from("<IHHQ", data, pos)
         entry, stop = pos + header_size, pos + header_size + fat_size
+        entries = []  # (kind, arch, payload offset, payload size)
         while entry < stop:
             kind, _version, entry_header, payload = struct.unpack_from("<HHIQ", data, entry)
             entry_arch = struct.unpack_from("<I", data, entry + 28)[0]
-            body = entry + entry_header
-            if entry_arch == arch or (kind == ENTRY_PTX and entry_arch <= arch):
+            entries.append((kind, entry_arch, entry + entry_header, payload))
+            entry += entry_header + payload
+        has_cubin = any(kind != ENTRY_PTX and entry_arch == arch for kind, entry_arch, _, _ in entries)
+        for kind, entry_arch, body, payload in entries:
+            ptx_fallback = kind == ENTRY_PTX and entry_arch <= arch and not has_cubin
+            if ptx_fallback or (kind != ENTRY_PTX and entry_arch == arch):
                 kept += 1
             else:
                 data[body : body + payload] = bytes(payload)
                 zeroed += payload
-            entry = body + payload
         pos = stop
 
 
