@@ -97,6 +97,22 @@ class DriverMapping:
         if rc != 0:
             raise RuntimeError(f"{what} failed with CUDA driver error {rc}")
 
+    def unmap_keep_address(self) -> None:
+        """Unmap and free the memory but keep the address range, as vLLM's sleep does."""
+        self._check("cuMemUnmap", self.cu.cuMemUnmap(self.ptr, ctypes.c_size_t(self.nbytes)))
+        self._check("cuMemRelease", self.cu.cuMemRelease(self.handle))
+
+    def remap(self, *, rdma: bool) -> None:
+        """New memory into the kept address range, as vLLM's wake does."""
+        prop = _Prop(type=1, handle_types=0, loc_type=1, loc_id=0, rdma=1 if rdma else 0)
+        self._check("cuMemCreate", self.cu.cuMemCreate(ctypes.byref(self.handle), ctypes.c_size_t(self.nbytes),
+                                                       ctypes.byref(prop), ctypes.c_ulonglong(0)))
+        self._check("cuMemMap", self.cu.cuMemMap(self.ptr, ctypes.c_size_t(self.nbytes), ctypes.c_size_t(0),
+                                                 self.handle, ctypes.c_ulonglong(0)))
+        access = _Access(loc_type=1, loc_id=0, flags=3)
+        self._check("cuMemSetAccess", self.cu.cuMemSetAccess(self.ptr, ctypes.c_size_t(self.nbytes),
+                                                             ctypes.byref(access), ctypes.c_size_t(1)))
+
     def release(self) -> None:
         self._check("cuMemUnmap", self.cu.cuMemUnmap(self.ptr, ctypes.c_size_t(self.nbytes)))
         self._check("cuMemRelease", self.cu.cuMemRelease(self.handle))
@@ -118,6 +134,17 @@ def map_route(torch: Any, src: Any, dst: Any, chunk: int, seconds: float, gib: f
             time.sleep(1.0)
             mapping.release()
             out[name.replace("map_", "release_")] = series(torch, src, dst, chunk, seconds)
+    for rdma in (False, True):  # vLLM keeps each allocation's address range over a sleep and maps new memory into it
+        mappings = [DriverMapping(10 << 20, rdma=rdma) for _ in range(340)] + [DriverMapping(16 << 30, rdma=rdma)]
+        for m in mappings:
+            m.unmap_keep_address()
+        time.sleep(1.0)
+        for m in mappings:
+            m.remap(rdma=rdma)
+        name = f"remap_340x10MiB_16GiB_{'rdma' if rdma else 'plain'}"
+        out[name] = series(torch, src, dst, chunk, seconds)
+        for m in mappings:
+            m.release()
     for rdma in (False, True):  # a vLLM wake maps one block per allocation: ~340 for a 1.5B model's weights
         time.sleep(1.0)
         t = time.perf_counter()
