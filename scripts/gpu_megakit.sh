@@ -13,7 +13,8 @@
 #    put those files into .gpukit/megakit/prebuilt/ here and later machines skip the build;
 # 4. smoke-tests TE (scripts/gpukit/te_smoke.py: bf16 Linear and attention forward+backward); if attention fails
 #    with TE's defaults, retries with NVTE_FUSED_ATTN=0 and NVTE_FLASH_ATTN=0 (the unfused path) and, if that passes,
-#    writes those settings to /tmp/megatron/nvte.env, which scripts/gpu_nemo_rl_loops.sh sources;
+#    writes those settings to /tmp/megatron/nvte.env, which scripts/gpu_nemo_rl_loops.sh sources (with CUDNN_HOME:
+#    torch's own cuDNN, which TE must load instead of the toolkit's older one);
 # 5. builds Megatron's dataset helpers (what megatron.core.datasets.utils.compile_helpers runs at start-up);
 # 6. imports NeMo RL's Megatron policy worker (scripts/gpukit/megakit_import_check.py).
 # Exit codes: 2 kit or machine missing a part, 3 install, 4 TE torch build, 5 TE smoke, 6 dataset helpers, 7 imports.
@@ -91,14 +92,22 @@ fi
 python3 -m pip install -q --no-index --no-deps --no-compile "$wheel_dir"/transformer_engine_torch-*.whl ||
   fail 3 "pip install the TE torch wheel"
 
-# 4. TE on the GPU, with the attention fallbacks if TE's defaults fail
-rm -f "$TREES/nvte.env"
+# 4. TE on the GPU, with the attention fallbacks if TE's defaults fail.
+# TE loads cuDNN from the toolkit before the Python packages (CUDNN_HOME first): the image's /usr/local/cuda has an
+# older cuDNN (9.14) than the one torch is built against (9.19, the nvidia-cudnn-cu13 wheel), and whichever loads
+# first wins ("cuDNN version incompatibility"). Point TE at torch's own cuDNN, for every process of the runs.
+cudnn_lib=$(python3 -c 'import torch; torch.backends.cudnn.version()
+print(next(l.split()[-1] for l in open("/proc/self/maps") if "/libcudnn.so" in l))') ||
+  fail 5 "torch cannot load its cuDNN"
+export CUDNN_HOME=$(dirname "$(dirname "$cudnn_lib")")
+echo "export CUDNN_HOME=$CUDNN_HOME" >"$TREES/nvte.env"
+echo "megakit: torch's cuDNN is $cudnn_lib"
 NVTE_DEBUG=1 NVTE_DEBUG_LEVEL=1 python3 scripts/gpukit/te_smoke.py
 rc=$?
 if [ $rc -eq 2 ]; then
   echo "megakit: attention failed with TE's defaults; retrying on the unfused path"
   NVTE_FUSED_ATTN=0 NVTE_FLASH_ATTN=0 python3 scripts/gpukit/te_smoke.py || fail 5 "TE attention fails also unfused"
-  echo "export NVTE_FUSED_ATTN=0 NVTE_FLASH_ATTN=0" >"$TREES/nvte.env"
+  echo "export NVTE_FUSED_ATTN=0 NVTE_FLASH_ATTN=0" >>"$TREES/nvte.env"
 elif [ $rc -ne 0 ]; then
   fail 5 "TE smoke test (trimmed libtransformer_engine.so or the extension)"
 fi
