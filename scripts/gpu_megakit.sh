@@ -100,7 +100,9 @@ cudnn_lib=$(python3 -c 'import torch; torch.backends.cudnn.version()
 print(next(l.split()[-1] for l in open("/proc/self/maps") if "/libcudnn.so" in l))') ||
   fail 5 "torch cannot load its cuDNN"
 export CUDNN_HOME=$(dirname "$(dirname "$cudnn_lib")")
-echo "export CUDNN_HOME=$CUDNN_HOME" >"$TREES/nvte.env"
+# and for libraries that load libcudnn.so.9 by name (LD_LIBRARY_PATH has the toolkit's lib64 first)
+export LD_LIBRARY_PATH="$(dirname "$cudnn_lib")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+printf 'export CUDNN_HOME=%s\nexport LD_LIBRARY_PATH=%s\n' "$CUDNN_HOME" "$LD_LIBRARY_PATH" >"$TREES/nvte.env"
 echo "megakit: torch's cuDNN is $cudnn_lib"
 NVTE_DEBUG=1 NVTE_DEBUG_LEVEL=1 python3 scripts/gpukit/te_smoke.py
 rc=$?

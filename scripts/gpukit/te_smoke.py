@@ -63,6 +63,9 @@ def main() -> int:
         f"torch {torch.__version__} (CUDA {torch.version.cuda}), {torch.cuda.get_device_name()}, "
         f"sm_{''.join(map(str, torch.cuda.get_device_capability()))}"
     )
+    with open("/proc/self/maps") as maps:
+        cudnn = sorted({line.split()[-1] for line in maps if "libcudnn" in line})
+    print(f"cuDNN libraries loaded: {cudnn}")
     print(
         f"transformer_engine {transformer_engine.__version__}; cuDNN: torch {torch.backends.cudnn.version()}, "
         f"TE {te.get_cudnn_version()} (NeMo RL pins nvidia-cudnn-cu13 9.20.0.48)"
