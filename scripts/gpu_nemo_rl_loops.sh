@@ -75,6 +75,9 @@ loop_run() {  # loop_run PART: async GRPO (a) + the PART loop (b), both drivers 
     # shellcheck disable=SC1091
     [ -f /tmp/megatron/nvte.env ] && source /tmp/megatron/nvte.env  # TE attention fallbacks the kit's smoke test chose
     export NRL_MEGATRON_CHECKPOINT_DIR=$WORK/mcore_from_hf  # the HF -> Megatron conversion of the tiny model
+    # The stock recipe saves Megatron checkpoints asynchronously through nvidia-resiliency-ext (not in the image or
+    # the kits); these runs save no checkpoints, so the synchronous default is kept.
+    b_tiny=(policy.megatron_cfg.checkpoint.async_save=false)
     stock=grpo_math_1B_megatron_single_controller.yaml entry=examples/run_grpo_single_controller.py ;;
   *) echo "unknown part $part"; return 1 ;;
   esac
