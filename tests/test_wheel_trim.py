@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import importlib.util
 import struct
 import zipfile
 from email.parser import Parser
@@ -13,17 +12,15 @@ from types import ModuleType
 
 import pytest
 
+from tests._repo import load_script
+
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpukit" / "wheel_trim.py"
 ELF, PTX = 2, 1
 ENTRY_HEADER = 64
 
 
 def _load() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("wheel_trim", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(SCRIPT, "wheel_trim")
 
 
 def _fatbin(entries: list[tuple[int, int, bytes]]) -> bytes:

@@ -3,12 +3,12 @@ declared GPUs; no hang, no invariant violation, no GPU leaked, every weight sync
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests._repo import load_script
 from tests.control._ray_helpers import kill_control_plane
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -17,11 +17,7 @@ _SOAK = Path(__file__).resolve().parents[2] / "benchmarks" / "soak.py"
 
 
 def _soak_module() -> Any:
-    spec = importlib.util.spec_from_file_location("rlix_soak", _SOAK)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(_SOAK, "rlix_soak")
 
 
 def test_two_minute_soak_has_no_hang_violation_or_leak(ray_cluster: Any, tmp_path: Path) -> None:
