@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import re
 from typing import Any
 
@@ -36,6 +37,30 @@ def ray_get(
         return ray.get(refs, timeout=timeout_s)
     except ray.exceptions.GetTimeoutError:
         raise RlixTimeoutError(f"{what}: no answer within {timeout_s:.0f} s{hint}") from None
+    except ray.exceptions.RayActorError as exc:
+        raise ActorDeadError(f"{what}: {dead} ({actor_death_reason(exc)})") from None
+    except ray.exceptions.RayTaskError as exc:
+        if isinstance(exc.cause, unwrap):
+            raise exc.cause from None
+        raise
+
+
+async def ray_aget(
+    ref: Any,
+    what: str,
+    timeout_s: float,
+    *,
+    dead: str = "the actor serving it is dead",
+    unwrap: type[BaseException] | tuple[type[BaseException], ...] = Exception,
+) -> Any:
+    """:func:`ray_get` for code running on an event loop: awaits ``ref`` without blocking the loop and without a
+    thread of the loop's default executor (code that waits for a rank or a grant there can fill that pool; a
+    request that needs a thread to return its router ticket would then never return it). Cancelling the caller
+    does not cancel the remote call."""
+    try:
+        return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(ref.future())), timeout_s)
+    except TimeoutError:
+        raise RlixTimeoutError(f"{what}: no answer within {timeout_s:.0f} s") from None
     except ray.exceptions.RayActorError as exc:
         raise ActorDeadError(f"{what}: {dead} ({actor_death_reason(exc)})") from None
     except ray.exceptions.RayTaskError as exc:

@@ -249,8 +249,8 @@ class DemoFleet:
 
         return RayEngineRpc(self.engines[dp_rank], rpc_method="rlix_rpc", reset_method="reset_prefix_cache")
 
-    def abort(self, dp_ranks: list[int], timeout_s: float) -> None:
-        _get_all({r: self.engines[r].abort_all.remote(timeout_s) for r in dp_ranks}, timeout_s + 10, "abort")
+    def abort(self, dp_ranks: list[int], timeout_s: float) -> dict[int, int]:
+        return _get_all({r: self.engines[r].abort_all.remote(timeout_s) for r in dp_ranks}, timeout_s + 10, "abort")
 
     def sleep(self, dp_ranks: list[int], level: int, timeout_s: float) -> None:
         _get_all({r: self.engines[r].sleep.remote(level, timeout_s) for r in dp_ranks}, timeout_s + 10, "sleep")

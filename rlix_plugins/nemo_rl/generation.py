@@ -10,7 +10,8 @@
 * :class:`RouterShardSelector` + :class:`RouterFleetMonitor` - installed with NeMo RL's existing seam
   ``policy_generation.attach_fleet_health(monitor, selector)`` BEFORE the generation object is pickled into
   the trajectory collector. The routing state lives in the runtime's router actor (debug #33), so every copy
-  (driver, collector) routes over the same active ranks. ``next_shard()`` blocks while no rank is active.
+  (driver, collector) routes over the same active ranks. ``next_shard()`` never blocks; while no rank is active
+  the request waits in ``rlix_dispatch`` (awaited on the loop).
   ``release`` ends the ticket and says whether a shrink took the shard meanwhile. Retry: patch 0004 lets
   :meth:`RouterShardSelector.rlix_dispatch` run the request, so one aborted by a shrink (vLLM finishes it with
   ``finish_reason="abort"``) is re-run on another active shard (completed results are kept).
@@ -19,7 +20,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import threading
 from collections import defaultdict, deque
 from collections.abc import AsyncIterator
@@ -79,9 +79,10 @@ class NemoVllmFleet:
         return RayEngineRpc(self.leaders[dp_rank], "checkpoint_engine_rpc_async", "reset_prefix_cache_async",
                             "wake_up_async")
 
-    def abort(self, dp_ranks: list[int], timeout_s: float) -> None:
-        _get([self.leaders[r].__ray_call__.remote(worker_ops.vllm_abort_all) for r in dp_ranks],
-             f"abort on dp ranks {dp_ranks}", timeout_s)
+    def abort(self, dp_ranks: list[int], timeout_s: float) -> dict[int, int]:
+        counts = _get([self.leaders[r].__ray_call__.remote(worker_ops.vllm_abort_all) for r in dp_ranks],
+                      f"abort on dp ranks {dp_ranks}", timeout_s)
+        return {r: int(n) for r, n in zip(dp_ranks, counts, strict=True)}
 
     def sleep(self, dp_ranks: list[int], level: int, timeout_s: float) -> None:
         """``sleep_async(level=level)`` on the ranks' DP leaders: the scheduler's configured level (``rlix.sleep_level``)
@@ -108,7 +109,7 @@ class RouterShardSelector:
     on a rank could then never return their tickets, and the next shrink's drain timed out and failed the
     pipeline (seen on one H100 with two real NeMo RL pipelines). With no active rank it returns shard 0 and
     marks this thread's call deferred; :meth:`rlix_dispatch`, which patch 0004 runs next on the same thread
-    with no ``await`` in between, then waits for a rank off the event loop. ``release(shard)`` returns the
+    with no ``await`` in between, then awaits a rank without blocking the loop. ``release(shard)`` returns the
     oldest ticket this process holds on that shard. Threads of one process share the ticket table.
     """
 
@@ -135,11 +136,8 @@ class RouterShardSelector:
         # shard 0 is a placeholder when no rank is active: rlix_dispatch takes the real ticket once one is
         return 0 if got is None else self._keep(*got)
 
-    def _take(self, exclude: list[int] | None = None) -> int:
-        """A router ticket on an active rank (skipping ``exclude`` when another is active), kept for ``release``."""
-        return self._keep(*self.client.acquire(exclude=exclude))
-
     def _keep(self, rank: int, ticket: int) -> int:
+        """Remember a router ticket for :meth:`release` (oldest first per shard); returns the rank."""
         with self._lock:
             self._tickets[rank].append(ticket)
         return rank
@@ -149,9 +147,7 @@ class RouterShardSelector:
 
     def release(self, shard_idx: int) -> bool:
         """End this process's oldest ticket on the shard; True when a shrink took the shard meanwhile."""
-        with self._lock:
-            queue = self._tickets.get(shard_idx)
-            ticket = queue.popleft() if queue else None
+        ticket = self._pop_ticket(shard_idx)
         preempted = ticket is not None and self.client.release(ticket)
         if preempted:
             with self._lock:
@@ -164,11 +160,16 @@ class RouterShardSelector:
         request on ``dp_shard_idx`` (already acquired by ``next_shard``); if a shrink took that shard while it ran
         (vLLM finished it as aborted, or the call failed), run it again on another active shard, at most
         ``client.max_attempts`` times. A failure on a shard that was NOT shrunk is re-raised unchanged. Results
-        are yielded only from the attempt that completed (one sample per call, so buffering costs nothing)."""
+        are yielded only from the attempt that completed (one sample per call, so buffering costs nothing).
+
+        Every wait here is awaited on the caller's loop, never in an executor thread: the SingleController runs its
+        rollouts, its training-grant wait and its environment steps on ONE loop and one default thread pool, and a
+        ticket that needed a free thread to go back could wait behind the very grant its shrink is draining for.
+        A cancelled request (a failed sibling, a deadline, a stale-rollout abort) hands its ticket back at once."""
         shard = dp_shard_idx
         if getattr(self._deferred, "pending", False):  # no rank was active in next_shard: wait off the loop
             self._deferred.pending = False
-            shard = await asyncio.to_thread(self._take)
+            shard = self._keep(*await self.client.acquire_async())
         tried: list[int] = []
         for _attempt in range(self.client.max_attempts):
             leader = generation.worker_group.get_dp_leader_worker_idx(shard)
@@ -179,16 +180,38 @@ class RouterShardSelector:
                         leader_worker_idx=leader):
                     results.append(result)
             except Exception:
-                if not await asyncio.to_thread(self.release, shard):
+                if not await self._release_async(shard, ok=False):
                     raise
+            except BaseException:  # cancelled / closed: nobody retries this request
+                self._release_nowait(shard)
+                raise
             else:
-                if not await asyncio.to_thread(self.release, shard):
+                if not await self._release_async(shard):
                     for result in results:
                         yield result
                     return
             tried.append(shard)
-            shard = await asyncio.to_thread(self._take, tried)
+            shard = self._keep(*await self.client.acquire_async(exclude=tried))
         raise ShardPreemptedError(shard, f"aborted by shrinks on {self.client.max_attempts} attempts (ranks {tried})")
+
+    def _pop_ticket(self, shard_idx: int) -> int | None:
+        with self._lock:
+            queue = self._tickets.get(shard_idx)
+            return queue.popleft() if queue else None
+
+    async def _release_async(self, shard_idx: int, ok: bool = True) -> bool:
+        """:meth:`release` awaited on the loop."""
+        ticket = self._pop_ticket(shard_idx)
+        preempted = ticket is not None and await self.client.release_async(ticket, ok)
+        if preempted:
+            with self._lock:
+                self.preempted_releases += 1
+        return preempted
+
+    def _release_nowait(self, shard_idx: int) -> None:
+        ticket = self._pop_ticket(shard_idx)
+        if ticket is not None:
+            self.client.release_nowait(ticket)
 
     def active_ranks(self) -> list[int]:
         """The DP ranks the scheduler left active (the SingleController pushes only their URLs to NeMo-Gym's

@@ -47,8 +47,9 @@ class RolloutFleet(Protocol):
         """A picklable ``rlix_plugins.vllm.driver.EngineRpc`` reaching the rank's engine (for ``sync_engines``)."""
         ...
 
-    def abort(self, dp_ranks: list[int], timeout_s: float) -> None:
-        """Abort every in-flight request on the ranks; the aborted callers must return (not hang, bug 7)."""
+    def abort(self, dp_ranks: list[int], timeout_s: float) -> dict[int, int] | None:
+        """Abort every in-flight request on the ranks; the aborted callers must return (not hang, bug 7). Returns
+        how many requests each rank's engine held (None where the fleet cannot count them)."""
         ...
 
     def sleep(self, dp_ranks: list[int], level: int, timeout_s: float) -> None:

@@ -37,6 +37,8 @@ from rlix_plugins.transport import wait_all
 __all__ = ["FleetResizer", "resizer_name"]
 
 _RPC_S: Final = 30.0
+#: A shrink re-aborts its ranks this often while their tickets are still out (see ``_abort_and_drain``).
+ABORT_REPEAT_S: Final = 1.0
 
 
 def resizer_name(pipeline_id: str) -> str:
@@ -116,20 +118,49 @@ class FleetResizer:
                 self._expand(sorted(dp_ranks_to_add))
 
     # ------------------------------------------------------------------ shrink
+    def _abort_and_drain(self, ranks: list[int]) -> dict[int, int] | None:
+        """Abort, then wait for the router's tickets on ``ranks``; abort again every ``ABORT_REPEAT_S`` until they
+        are back or ``drain_timeout_s`` is spent. Again, because a request that took its ticket just before the
+        deactivation can reach the engine just after an abort: it would otherwise run to its full length. Returns
+        the first abort's per-rank count of requests the engines held. The timeout error says which side kept
+        them: requests still in the engine, or an engine that holds none while tickets are out (the caller's
+        process did not return them: a blocked event loop, or a request that never reached the engine)."""
+        cfg = self._cfg
+        deadline = time.monotonic() + cfg.drain_timeout_s
+        first: dict[int, int] | None = None
+        while True:
+            held = self._fleet.abort(ranks, cfg.drain_timeout_s)
+            first = held if first is None else first
+            wait_s = min(ABORT_REPEAT_S, max(deadline - time.monotonic(), 0.0))
+            try:
+                self._router_call("wait_drained", ranks, wait_s, timeout_s=wait_s + _RPC_S)
+                return first
+            except RlixTimeoutError:
+                if time.monotonic() < deadline:
+                    continue
+                out = self._router_call("stats")["in_flight"]
+                where = ("the engines held no request at the last abort: the callers did not return their tickets "
+                         "(their process is blocked, or the requests never reached the engine)"
+                         if held is not None and not any(held.values()) else
+                         f"the engines still held {held} request(s) at the last abort: vLLM did not finish them"
+                         if held is not None else "this fleet cannot count the engines' requests")
+                raise RlixTimeoutError(
+                    f"dp ranks did not drain within {cfg.drain_timeout_s:.0f} s, router tickets still out: "
+                    f"{ {r: out[r] for r in ranks if out.get(r)} }; the first abort found {first}; {where}") from None
+
     def _shrink(self, ranks: list[int], reason: str) -> dict[str, Any]:
         cfg = self._cfg
         t0 = time.perf_counter()
         self._router_call("deactivate", ranks)
         t_route = time.perf_counter()
-        self._fleet.abort(ranks, cfg.drain_timeout_s)
-        self._router_call("wait_drained", ranks, cfg.drain_timeout_s, timeout_s=cfg.drain_timeout_s + _RPC_S)
+        aborted = self._abort_and_drain(ranks)
         t_drain = time.perf_counter()
         self._fleet.sleep(ranks, cfg.sleep_level, cfg.drain_timeout_s)
         t_sleep = time.perf_counter()
         # Only AFTER the sleep: it is what the next tenant gets (checked below, reported per shrink). A probe
         # before the sleep would only feed the history, on the critical path of every preemption.
         after = self._fleet.memory_in_use(ranks, cfg.drain_timeout_s)
-        event = self._record(op="shrink", ranks=ranks, reason=reason, seconds=t_sleep - t0,
+        event = self._record(op="shrink", ranks=ranks, reason=reason, seconds=t_sleep - t0, aborted=aborted,
                              drain_s=t_drain - t_route, sleep_s=t_sleep - t_drain, level=cfg.sleep_level,
                              memory_after=after, memory_s=time.perf_counter() - t_sleep)
         limit = cfg.post_sleep_max_bytes

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final, TypeVar
 
-from rlix_plugins.control.rpc import ray_get
+from rlix_plugins.control.rpc import ray_aget, ray_get
 from rlix_plugins.errors import PipelineUnregisteredError, RlixConfigError, RlixTimeoutError
 from rlix_plugins.pipeline.protocols import ShardPreemptedError
 
@@ -170,8 +170,7 @@ class RolloutRouter:
                 if left <= 0:
                     busy = {r: self._inflight[r] for r in ranks if self._inflight[r]}
                     raise RlixTimeoutError(
-                        f"dp ranks did not drain within {timeout_s:.0f} s, requests still in flight: {busy}; the "
-                        "engine did not return aborted requests (vLLM abort must finish the caller's request)"
+                        f"dp ranks did not drain within {timeout_s:.0f} s, requests still in flight: {busy}"
                     )
                 self._cond.wait(min(left, 1.0))
 
@@ -206,6 +205,31 @@ class RouterClient:
 
     def release(self, ticket: int, ok: bool = True) -> bool:
         return bool(self._get(self.router.release.remote(ticket, ok), "release", _RPC_S))
+
+    # Event-loop variants (a collector's ``async`` dispatch): no thread is held while they wait.
+    async def acquire_async(self, exclude: list[int] | None = None) -> tuple[int, int]:
+        """:meth:`acquire` awaited on the caller's loop. If the caller is cancelled (or times out) while the router
+        still waits for an active rank, the ticket it grants later is handed straight back (never leaked)."""
+        ref = self.router.acquire.remote(self.timeout_s, exclude)
+        try:
+            rank, ticket = await ray_aget(ref, "router: acquire", self.timeout_s + _RPC_S,
+                                          dead="the router actor is dead; the pipeline ended or crashed")
+        except BaseException:
+            ref.future().add_done_callback(self._give_back_granted)
+            raise
+        return int(rank), int(ticket)
+
+    def _give_back_granted(self, future: Any) -> None:
+        if not future.cancelled() and future.exception() is None:
+            self.router.release.remote(int(future.result()[1]), False)
+
+    async def release_async(self, ticket: int, ok: bool = True) -> bool:
+        return bool(await ray_aget(self.router.release.remote(ticket, ok), "router: release", _RPC_S,
+                                   dead="the router actor is dead; the pipeline ended or crashed"))
+
+    def release_nowait(self, ticket: int) -> None:
+        """End a ticket without waiting for the answer (a cancelled request: nobody retries it)."""
+        self.router.release.remote(ticket, False)
 
     def route(self, call: Callable[[int], T], *, is_aborted: Callable[[T], bool] | None = None) -> T:
         """Run ``call(dp_rank)`` on an active rank; retry a request a shrink aborted on another active rank.

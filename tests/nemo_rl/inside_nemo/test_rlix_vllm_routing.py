@@ -184,6 +184,112 @@ def test_request_aborted_by_a_shrink_is_retried_on_another_active_rank(rlix_env)
     assert stats["preempted"] == 1 and stats["active"] == [1] and sum(stats["in_flight"].values()) == 0
 
 
+class _HoldingEngine:
+    """A Ray actor serving NeMo RL's streaming ``generate_async`` call shape: the first ``hold`` requests stay in
+    the engine until ``abort()`` (then end as aborted, as vLLM's abort ends them); later ones are served at once."""
+
+    def __init__(self, hold):
+        self.hold, self.calls, self.aborted = hold, 0, False
+
+    @ray.method(num_returns="streaming")
+    async def generate_async(self, worker_idx):
+        self.calls += 1
+        held = self.calls <= self.hold
+        while held and not self.aborted:
+            await asyncio.sleep(0.01)
+        yield (0, {"served_by": worker_idx, "aborted": held})
+
+    def abort(self):
+        self.aborted = True
+
+
+class _HoldingWorkerGroup(_WorkerGroup):
+    """Dispatches to a real Ray actor (an ``ObjectRefGenerator``, so NeMo RL's cancel path runs as in production)."""
+
+    def __init__(self, dp_size, hold):
+        super().__init__(dp_size)
+        ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # not importable in Ray's workers
+        self.engine = ray.remote(num_cpus=0)(_HoldingEngine).remote(hold)
+
+    def run_single_worker_single_data(self, *, method_name, worker_idx, data, greedy):
+        self.dispatched.append(worker_idx)
+        return self.engine.generate_async.remote(worker_idx)
+
+
+def _holding(n, active, hold):
+    router = _router(n, active)
+    gen = object.__new__(VllmGeneration)
+    gen.worker_group = _HoldingWorkerGroup(n, hold)
+    gen.current_generate_dp_shard_idx = 0
+    gen.fleet_monitor = gen.fleet_selector = None
+    gen.cfg = {"vllm_cfg": {"async_engine": True}}
+    selector = install_routing(gen, RouterClient(router, n, timeout_s=30))
+    return gen, router, selector
+
+
+def test_a_shrink_drains_while_every_executor_thread_waits_for_its_grant(rlix_env):
+    """The SingleController's first GPU shrink (one H100): its train pump waits for the training grant in a thread
+    of the loop's default executor while its rollouts run on the same loop; the grant shrinks the rollout rank and
+    drains it. Here the pool has ONE thread and the grant holds it for the whole drain: the aborted requests must
+    hand their tickets back without a thread (the drain finishes), then wait for the rank without one, and are run
+    again once it is back."""
+    gen, router, selector = _holding(1, [0], hold=3)
+
+    def grant():  # what the scheduler does for the training grant: shrink (deactivate, abort, drain), then expand
+        ray.get(router.deactivate.remote([0]))
+        ray.get(gen.worker_group.engine.abort.remote())
+        ray.get(router.wait_drained.remote([0], 20.0))
+        ray.get(router.activate.remote([0]))
+
+    async def run():
+        from concurrent.futures import ThreadPoolExecutor
+
+        asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(max_workers=1))
+
+        async def one():
+            return [item async for item in gen._async_generate_base(_sample(), "generate_async", lambda _d: True)]
+
+        requests = [asyncio.create_task(one()) for _ in range(3)]
+        while len(gen.worker_group.dispatched) < 3:
+            await asyncio.sleep(0.01)
+        await asyncio.to_thread(grant)  # the train pump's hook call: it takes the pool's only thread
+        return await asyncio.wait_for(asyncio.gather(*requests), timeout=30)
+
+    outs = asyncio.run(run())
+    assert [(out["served_by"], out["aborted"]) for [(_, out)] in outs] == [(0, False)] * 3  # re-run after the drain
+    assert gen.worker_group.dispatched == [0] * 6 and selector.preempted_releases == 3
+    assert ray.get(router.in_flight.remote()) == 0
+
+
+def test_a_cancelled_request_hands_its_ticket_back(rlix_env):
+    """NeMo RL cancels rollouts (a failed sibling of the group, a deadline, the SingleController's stale-rollout
+    abort): the ticket of a request cancelled in its engine, or while it waits for a rank, goes back to the router
+    (else the next shrink's drain waits for a request that no longer exists)."""
+    gen, router, _ = _holding(2, [0], hold=1)
+
+    async def run():
+        async def one():
+            return [item async for item in gen._async_generate_base(_sample(), "generate_async", lambda _d: True)]
+
+        in_engine = asyncio.create_task(one())
+        while not gen.worker_group.dispatched:
+            await asyncio.sleep(0.01)
+        await asyncio.to_thread(ray.get, router.deactivate.remote([0]))
+        waiting = asyncio.create_task(one())  # no active rank: waits in rlix_dispatch
+        await asyncio.sleep(0.5)
+        in_flight = await asyncio.to_thread(ray.get, router.in_flight.remote())
+        in_engine.cancel()
+        waiting.cancel()
+        await asyncio.gather(in_engine, waiting, return_exceptions=True)
+        return in_flight
+
+    assert asyncio.run(run()) == 1  # the request in the engine held a ticket; the waiting one none yet
+    ray.get(router.wait_drained.remote([0, 1], 10.0))  # both tickets are back (none was granted later)
+    ray.get(router.activate.remote([1]))  # a rank for the waiter's acquire, had it not been given back
+    time.sleep(0.5)
+    assert ray.get(router.in_flight.remote()) == 0
+
+
 def test_without_the_variable_the_seam_is_inert(monkeypatch):
     """RLIX_CONTROL_PLANE unset: VllmGeneration keeps its own acquire/next/release path (no retry)."""
     monkeypatch.delenv("RLIX_CONTROL_PLANE", raising=False)

@@ -185,6 +185,58 @@ def test_bug7_abort_finishes_callers_and_partial_sleep_wake(engines: Any) -> Non
     assert ray.get(leaders[0].calls.remote()) == []
 
 
+def test_shrink_aborts_a_request_that_reaches_vllm_after_its_first_abort(engines: Any,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The race behind the SingleController's first GPU shrink: a request took its router ticket on rank 1 just
+    before the shrink deactivated the rank, and reaches vLLM just AFTER the shrink's abort. The resizer (entered as
+    the scheduler enters it, ``resize_infer``) aborts again while tickets are out, so the request ends as aborted
+    (its caller retries elsewhere) instead of running to its full length inside the drain."""
+    import threading
+
+    from rlix_plugins.pipeline import resizer as resizer_mod
+    from rlix_plugins.pipeline.config import RuntimeConfig
+    from rlix_plugins.pipeline.router import RolloutRouter, RouterClient
+
+    _model, leaders = engines
+    monkeypatch.setattr(resizer_mod, "ABORT_REPEAT_S", 0.2)  # in-process resizer: re-abort sooner than 1 s
+
+    class FirstAbortSignal(NemoVllmFleet):  # the real fleet; only says when its first abort returned
+        first_done = threading.Event()
+
+        def abort(self, dp_ranks: list[int], timeout_s: float) -> dict[int, int]:
+            held = super().abort(dp_ranks, timeout_s)
+            self.first_done.set()
+            return held
+
+    router = ray.remote(RolloutRouter).options(num_cpus=0, max_concurrency=8).remote(2)
+    try:
+        ray.get(router.activate.remote([0, 1]))
+        client = RouterClient(router, 2, timeout_s=30)
+        fleet = FirstAbortSignal([leaders[0], leaders[1]], {0: [(0, 0)], 1: [(0, 1)]})
+        resizer = resizer_mod.FleetResizer("late", fleet, None, router,  # type: ignore[arg-type]
+                                           RuntimeConfig(drain_timeout_s=60, post_sleep_max_bytes=None))
+        rank, ticket = client.acquire(exclude=[0])
+        assert rank == 1
+        out: dict[str, Any] = {}
+
+        def late_request() -> None:  # dispatched only once the shrink's first abort found the engine empty
+            assert fleet.first_done.wait(30)
+            out["result"] = ray.get(leaders[1].generate_async.remote([4, 5, 6], 480), timeout=120)
+            out["preempted"] = client.release(ticket)
+
+        thread = threading.Thread(target=late_request)
+        thread.start()
+        resizer.resize_infer([1], [])
+        thread.join(timeout=120)
+        shrink = resizer.history()[-1]
+        assert shrink["op"] == "shrink" and shrink["aborted"] == {1: 0}  # the first abort saw nothing
+        assert out["result"]["finish_reason"] == "abort" and len(out["result"]["tokens"]) < 480, out
+        assert out["preempted"] is True  # the caller knows to run it again elsewhere
+        fleet.wake_up([1], None, 60)
+    finally:
+        ray.kill(router)
+
+
 _OTHER_DRIVER = """
 import sys, time
 from rlix_plugins.nemo_rl.hooks import NemoRLHooks
