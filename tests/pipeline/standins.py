@@ -113,3 +113,32 @@ class SlowStartCollector:
 def ops(rec: Any, *, memory: bool = False) -> list[tuple[str, Any]]:
     """The recorded calls in order; memory probes only with ``memory=True``."""
     return [(what, arg) for _, what, arg in ray.get(rec.get.remote()) if memory or what != "memory"]
+
+
+class LoopRouterCaller:
+    """An async Ray actor (Ray runs it on uvloop, as NeMo RL's collector and SingleController actors): awaits the
+    client's event-loop calls with its default thread pool held by blocking calls."""
+
+    def __init__(self, client: Any) -> None:
+        self.client = client
+
+    async def acquire_release_with_a_busy_pool(self, n: int) -> list[bool]:
+        import asyncio
+
+        loop = asyncio.get_running_loop()
+        gate = threading.Event()
+        blockers = [loop.run_in_executor(None, gate.wait, 30) for _ in range(64)]  # more than the pool's threads
+        got = [await self.client.acquire_async() for _ in range(n)]
+        out = [await self.client.release_async(ticket) for _rank, ticket in got]
+        gate.set()
+        await asyncio.gather(*blockers)
+        return out
+
+    async def cancelled_while_waiting(self) -> None:
+        import asyncio
+
+        waiter = asyncio.ensure_future(self.client.acquire_async())
+        await asyncio.sleep(0.3)
+        waiter.cancel()
+        await asyncio.gather(waiter, return_exceptions=True)
+
