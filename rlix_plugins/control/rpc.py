@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
+from collections.abc import Iterator
 from typing import Any
 
 import ray
@@ -21,6 +23,25 @@ def actor_death_reason(exc: BaseException) -> str:
     return (text.splitlines()[0] if text else type(exc).__name__)[:200]
 
 
+_Unwrap = type[BaseException] | tuple[type[BaseException], ...]
+
+
+@contextlib.contextmanager
+def _as_rlix_errors(what: str, timeout_s: float, dead: str, hint: str, unwrap: _Unwrap) -> Iterator[None]:
+    """The one mapping of Ray's failures (see :func:`ray_get`). A remote exception is checked first: Ray makes a
+    remote ``TimeoutError`` an instance of ``TimeoutError`` too, and it is not ours."""
+    try:
+        yield
+    except ray.exceptions.RayTaskError as exc:
+        if isinstance(exc.cause, unwrap):
+            raise exc.cause from None
+        raise
+    except ray.exceptions.RayActorError as exc:
+        raise ActorDeadError(f"{what}: {dead} ({actor_death_reason(exc)})") from None
+    except (ray.exceptions.GetTimeoutError, TimeoutError):
+        raise RlixTimeoutError(f"{what}: no answer within {timeout_s:.0f} s{hint}") from None
+
+
 def ray_get(
     refs: Any,
     what: str,
@@ -28,21 +49,13 @@ def ray_get(
     *,
     dead: str = "the actor serving it is dead",
     hint: str = "",
-    unwrap: type[BaseException] | tuple[type[BaseException], ...] = Exception,
+    unwrap: _Unwrap = Exception,
 ) -> Any:
     """``ray.get(refs, timeout=timeout_s)``. A timeout raises ``RlixTimeoutError`` ("<what>: no answer within N s
     <hint>"), a dead actor ``ActorDeadError`` (a ``SchedulerError``) ("<what>: <dead> (<reason>)"); an exception raised by the remote call
     is re-raised as itself when it is an ``unwrap`` instance (else Ray's ``RayTaskError`` propagates)."""
-    try:
+    with _as_rlix_errors(what, timeout_s, dead, hint, unwrap):
         return ray.get(refs, timeout=timeout_s)
-    except ray.exceptions.GetTimeoutError:
-        raise RlixTimeoutError(f"{what}: no answer within {timeout_s:.0f} s{hint}") from None
-    except ray.exceptions.RayActorError as exc:
-        raise ActorDeadError(f"{what}: {dead} ({actor_death_reason(exc)})") from None
-    except ray.exceptions.RayTaskError as exc:
-        if isinstance(exc.cause, unwrap):
-            raise exc.cause from None
-        raise
 
 
 async def ray_aget(
@@ -51,19 +64,12 @@ async def ray_aget(
     timeout_s: float,
     *,
     dead: str = "the actor serving it is dead",
-    unwrap: type[BaseException] | tuple[type[BaseException], ...] = Exception,
+    hint: str = "",
+    unwrap: _Unwrap = Exception,
 ) -> Any:
     """:func:`ray_get` for code running on an event loop: awaits ``ref`` without blocking the loop and without a
     thread of the loop's default executor (code that waits for a rank or a grant there can fill that pool; a
     request that needs a thread to return its router ticket would then never return it). Cancelling the caller
     does not cancel the remote call."""
-    try:
+    with _as_rlix_errors(what, timeout_s, dead, hint, unwrap):
         return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(ref.future())), timeout_s)
-    except TimeoutError:
-        raise RlixTimeoutError(f"{what}: no answer within {timeout_s:.0f} s") from None
-    except ray.exceptions.RayActorError as exc:
-        raise ActorDeadError(f"{what}: {dead} ({actor_death_reason(exc)})") from None
-    except ray.exceptions.RayTaskError as exc:
-        if isinstance(exc.cause, unwrap):
-            raise exc.cause from None
-        raise
