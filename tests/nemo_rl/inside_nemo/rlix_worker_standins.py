@@ -30,6 +30,8 @@ import time
 import types
 from typing import Any
 
+import ray
+
 from rlix_plugins.vllm.receiver import RlixReceiverMixin
 
 PARAM_SHAPES = {"model.embed_tokens.weight": (64, 16), "model.layers.0.mlp.up_proj.weight": (32, 16),
@@ -144,6 +146,41 @@ class StandinVllmLeader:
         return {"asleep": self.asleep, "finalized": self.worker.finalized, "log": list(self.log),
                 "params": {n: t.detach().clone() for n, t in self.worker.model_runner.model.named_parameters()}}
 
+
+class _ServingEngine(_Engine):
+    """``_Engine`` whose requests are real entries of ``request_states``: ``abort`` ends them (as vLLM's does)."""
+
+    def abort(self, request_ids: list[str], internal: bool = False) -> None:
+        super().abort(request_ids, internal)
+        for rid in request_ids:
+            self.output_processor.request_states.pop(rid, None)
+
+
+class ServingVllmLeader(StandinVllmLeader):
+    """A leader that also serves NeMo RL's streaming ``generate_async`` (run it threaded: ``max_concurrency``). A
+    request's prompt index is its first token. Until the first abort, prompts below ``quick`` are answered at once
+    and the others stay in the engine (as long generations do) until an abort ends them; after an abort every
+    request is answered at once. The log records ``("served", (prompt, "stop" | "abort"))``."""
+
+    def __init__(self, sleep_level: int, quick: int) -> None:
+        super().__init__(sleep_level)
+        self.llm = _ServingEngine()
+        self.quick, self.requests = quick, 0
+
+    @ray.method(num_returns="streaming")  # as NeMo RL's worker declares it
+    def generate_async(self, data: Any, greedy: bool = False) -> Any:
+        self.requests += 1
+        prompt = int(data["input_ids"][0][0])
+        rid, states = f"req-{self.requests}", self.llm.output_processor.request_states
+        held = prompt >= self.quick and not self.llm.aborted
+        states[rid] = prompt
+        deadline = time.monotonic() + 120
+        while held and rid in states and time.monotonic() < deadline:
+            time.sleep(0.01)
+        how = "abort" if rid not in states else "stop"
+        states.pop(rid, None)
+        self._note("served", (prompt, how))
+        yield (0, {"finish_reason": how})
 
 def _stub_megatron() -> None:
     """``megatron.core.parallel_state`` for a one-process trainer: model parallel never initialized."""

@@ -18,12 +18,15 @@ import asyncio
 import sys
 import threading
 import time
+import types
+from collections import deque
 from unittest.mock import AsyncMock, MagicMock
 
 import nemo_rl.algorithms.single_controller as single_controller
 import ray
 from nemo_rl.algorithms import rlix_hooks as seam
 from nemo_rl.data_plane import KVBatchMeta
+from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from tests.unit.algorithms.rlix_grpo_harness import (  # noqa: F401  (fixture import: overrides NeMo RL's)
     REAL_RAY_GET,
     HookCapture,
@@ -228,3 +231,164 @@ def test_single_controller_and_grpo_sync_time_share_one_control_plane(mock_grpo_
     sc_times, sync_times = [t for t, _ in sc_phases], [t for t, _ in sync_phases]
     assert min(sc_times) < max(sync_times) and min(sync_times) < max(sc_times)  # the two runs interleaved
     assert not cp.status()["allocations"]
+
+
+class _Buffer:
+    """What the pumps and our progress thread read of the replay buffer (committed groups, none left unselected)."""
+
+    def __init__(self):
+        self.start_weight_list, self.ready_list = [], []
+
+    def __len__(self):
+        return 0
+
+
+class _StreamSampler:
+    """The SingleController's sampler for both pumps over the groups the rollout manager committed: ``admit``
+    stamps nothing, ``select`` hands out ``min_prompt_groups`` committed groups at once; ``_buffer`` and
+    ``_eviction_window`` are what our progress thread reads."""
+
+    def __init__(self, meta):
+        self.meta, self.taken = meta, 0
+        self._buffer = _Buffer()
+
+    async def admit(self, *, trainer_version_fn):
+        return None
+
+    async def evict(self, *, current_train_weight):
+        return 0
+
+    async def select(self, *, current_train_weight, min_prompt_groups, max_prompt_groups):
+        if len(self._buffer.ready_list) - self.taken < min_prompt_groups:
+            return None, 0
+        self.taken += min_prompt_groups
+        return self.meta, min_prompt_groups
+
+    def should_abort_inflight(self, **kwargs):
+        return False
+
+    def _eviction_window(self):
+        return 1
+
+
+class _GeneratingRolloutManager:
+    """NeMo RL's rollout manager shape: a prompt group is ``generations`` requests through the REAL (patched)
+    ``VllmGeneration.generate_async``, gathered as NeMo RL gathers them (a failure cancels the siblings), then
+    committed to the sampler's buffer."""
+
+    def __init__(self, gen, sampler, generations):
+        self.gen, self.sampler, self.generations = gen, sampler, generations
+        self.versions = []
+
+    def set_weight_version(self, version):
+        self.versions.append(version)
+
+    async def _one(self, index):
+        return [out async for _, out in self.gen.generate_async(_sample(index))]
+
+    async def generate_and_push(self, prompt, *, target_step=None, inflight_registry=None):
+        index = int(prompt["message_log"][0]["content"])
+        tasks = [asyncio.ensure_future(self._one(index)) for _ in range(self.generations)]
+        try:
+            await asyncio.gather(*tasks)
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            raise
+        self.sampler._buffer.start_weight_list.append(self.versions[-1])
+        self.sampler._buffer.ready_list.append(True)
+        return single_controller.RolloutOutcome.COMMITTED
+
+
+def _sample(index):
+    import torch
+
+    return BatchedDataDict({"input_ids": torch.tensor([[index, 1]]),
+                            "input_lengths": torch.tensor([2], dtype=torch.int32)})
+
+
+def test_one_gpu_shrink_while_rollouts_run_drains_on_a_full_thread_pool(monkeypatch):
+    """The SingleController's first GPU run, on CPU: ONE GPU (training and its one rollout rank share GPU 0), the
+    REAL rollout pump and train pump, requests through NeMo RL's patched ``VllmGeneration`` to a threaded leader
+    actor, our hooks in full mode (router, resizer, weight cache, receiver) on the real control plane. The step's
+    training grant shrinks the SC's own rollout rank while later groups' requests are still in the engine, and the
+    loop's default thread pool has two threads (the grant wait holds one): the drain must finish (the H100 run's
+    drain timed out with 11 requests in flight), the aborted requests run again after the re-expand, both steps
+    train and publish, and the run ends with nothing held."""
+    monkeypatch.setenv("RLIX_CONTROL_PLANE", "rlix")
+    _no_gym(monkeypatch)
+    from concurrent.futures import ThreadPoolExecutor
+
+    from nemo_rl.models.generation.vllm.vllm_generation import VllmGeneration
+    from tests.unit.algorithms.rlix_worker_standins import (
+        ServingVllmLeader,
+        StandinMegatronWorker,
+        StandinWorkerGroup,
+    )
+
+    from rlix_plugins.control import client
+
+    class _DispatchingGroup(StandinWorkerGroup):  # RayWorkerGroup.run_single_worker_single_data's call shape
+        def run_single_worker_single_data(self, *, method_name, worker_idx, data, greedy):
+            return getattr(self.workers[worker_idx], method_name).remote(data, greedy)
+
+    cp = client.connect()
+    actor = {"num_cpus": 0}
+    leader = ray.remote(ServingVllmLeader).options(max_concurrency=32, **actor).remote(2, 2)  # prompts 0, 1 at once
+    megatron = ray.remote(StandinMegatronWorker).options(**actor).remote(7)
+    gen = object.__new__(VllmGeneration)
+    gen.worker_group = _DispatchingGroup([leader])
+    gen.current_generate_dp_shard_idx = 0
+    gen.fleet_monitor = gen.fleet_selector = None
+    gen.cfg = {"vllm_cfg": {"async_engine": True}}
+
+    events = []
+    capture = HookCapture()
+    with capture:
+        ctrl = _controller(events, lambda: None, rlix={"train_devices": [0], "infer_devices": [0],
+                                                        "request_timeout_s": 120, "drain_timeout_s": 30})
+    cfg = ctrl._master_config
+    cfg.grpo.num_prompts_per_step = 2
+    cfg.grpo.max_num_epochs = 1
+    cfg.async_rl = {"min_groups_for_streaming_train": 2}  # one GPU: one chunk per step (topology check)
+    ctrl._async_cfg.min_groups_for_streaming_train = 2
+    ctrl._async_cfg.max_inflight_prompts = 3
+    ctrl._async_cfg.diagnostics = False
+    ctrl._async_cfg.rollout_failure = types.SimpleNamespace(
+        on_dropped_prompt="shrink", max_replacement_attempts=0, replacement_reserve_prompts=0,
+        min_step_batch_fraction=0.9)
+    meta = KVBatchMeta(partition_id="rollout_data", task_name="train", sample_ids=["sample-0"], fields=[],
+                       sequence_lengths=[1], tags=[{"weight_version": 0}])
+    ctrl._sampler = _StreamSampler(meta)
+    ctrl._buffer = ctrl._sampler._buffer
+    ctrl._gen = gen
+    ctrl._rollout_manager = _GeneratingRolloutManager(gen, ctrl._sampler, generations=2)
+    ctrl._trainer.worker_group = StandinWorkerGroup([megatron])
+    ctrl._dataloader = [BatchedDataDict({"message_log": [[{"role": "user", "content": str(2 * b + i)}]
+                                                         for i in range(2)]}) for b in range(4)]
+    ctrl._buffer_capacity = asyncio.Semaphore(8)
+    ctrl._rollout_permitted.set()
+    ctrl._inflight_rollouts = 0
+    ctrl._inflight_by_group_id = {}
+    ctrl._dispatched_rollouts = set()
+    ctrl._current_epoch = 0
+    ctrl._replacement_reserve = deque()
+    ctrl._sampler_stamps_target_steps = False
+    del ctrl._rollout_pump  # the real one (the harness mocks it)
+
+    async def main():
+        asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(max_workers=2))
+        return await asyncio.wait_for(ctrl.run(), timeout=240)
+
+    assert asyncio.run(main()) == {"train_steps": STEPS, "trainer_version": STEPS}
+    hooks = capture.impl
+    assert type(hooks.runtime).__name__ == "NemoRuntime", "not in full mode: the stand-in worker groups were not seen"
+    history = hooks.runtime.rt.resize_history()
+    shrinks = [e for e in history if e["op"] == "shrink"]
+    # Step 0's grant shrank rank 0 with prompt 2's two requests (at least) still in the engine.
+    assert shrinks and shrinks[0]["aborted"][0] >= 2, shrinks
+    served = [d for what, d, _ in REAL_RAY_GET(leader.state.remote(), timeout=30)["log"] if what == "served"]
+    assert served.count((2, "abort")) == 2 and served.count((2, "stop")) == 2, served  # aborted, then run again
+    assert {p for p, how in served if how == "stop"} >= {0, 1, 2, 3}, served  # the two steps' groups
+    assert ctrl._rollout_manager.versions[0] == 0 and max(ctrl._rollout_manager.versions) == STEPS
+    assert hooks.history[-1].name == "ended" and hooks.pipeline_id is None and not cp.status()["allocations"]
