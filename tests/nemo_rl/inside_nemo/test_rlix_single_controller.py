@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 import types
-from collections import deque
+from collections import Counter, deque
 from unittest.mock import AsyncMock, MagicMock
 
 import nemo_rl.algorithms.single_controller as single_controller
@@ -388,7 +388,9 @@ def test_one_gpu_shrink_while_rollouts_run_drains_on_a_full_thread_pool(monkeypa
     # Step 0's grant shrank rank 0 with prompt 2's two requests (at least) still in the engine.
     assert shrinks and shrinks[0]["aborted"][0] >= 2, shrinks
     served = [d for what, d, _ in REAL_RAY_GET(leader.state.remote(), timeout=30)["log"] if what == "served"]
-    assert served.count((2, "abort")) == 2 and served.count((2, "stop")) == 2, served  # aborted, then run again
-    assert {p for p, how in served if how == "stop"} >= {0, 1, 2, 3}, served  # the two steps' groups
+    stops = Counter(p for p, how in served if how == "stop")
+    assert served.count((2, "abort")) == 2, served  # prompt 2's requests were in the engine at the shrink
+    assert stops[0] == stops[1] == 2, served  # step 0's groups
+    assert sum(1 for p, n in stops.items() if p >= 2 and n == 2) >= 2, served  # step 1's, served after the re-expand
     assert ctrl._rollout_manager.versions[0] == 0 and max(ctrl._rollout_manager.versions) == STEPS
     assert hooks.history[-1].name == "ended" and hooks.pipeline_id is None and not cp.status()["allocations"]
