@@ -167,7 +167,7 @@ class RouterShardSelector:
         ticket that needed a free thread to go back could wait behind the very grant its shrink is draining for.
         A cancelled request (a failed sibling, a deadline, a stale-rollout abort) hands its ticket back at once."""
         shard = dp_shard_idx
-        if getattr(self._deferred, "pending", False):  # no rank was active in next_shard: wait off the loop
+        if getattr(self._deferred, "pending", False):  # no rank was active in next_shard: await one here
             self._deferred.pending = False
             shard = self._keep(*await self.client.acquire_async())
         tried: list[int] = []
