@@ -7,6 +7,7 @@ implementations are exercised end to end by tests/demo.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from typing import Any
@@ -123,8 +124,6 @@ class LoopRouterCaller:
         self.client = client
 
     async def acquire_release_with_a_busy_pool(self, n: int) -> list[bool]:
-        import asyncio
-
         loop = asyncio.get_running_loop()
         gate = threading.Event()
         blockers = [loop.run_in_executor(None, gate.wait, 30) for _ in range(64)]  # more than the pool's threads
@@ -135,10 +134,7 @@ class LoopRouterCaller:
         return out
 
     async def cancelled_while_waiting(self) -> None:
-        import asyncio
-
         waiter = asyncio.ensure_future(self.client.acquire_async())
         await asyncio.sleep(0.3)
         waiter.cancel()
         await asyncio.gather(waiter, return_exceptions=True)
-

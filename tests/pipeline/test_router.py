@@ -167,16 +167,16 @@ def test_close_fails_waiting_and_new_acquires_at_once(router: Any) -> None:
 
 
 def test_loop_calls_need_no_thread_and_a_cancelled_wait_leaks_no_ticket(router: Any) -> None:
-    ray.get(router.activate.remote([0]))
+    ray.get(router.activate.remote([0]), timeout=30)
     caller = ray.remote(LoopRouterCaller).options(num_cpus=0).remote(RouterClient(router, 3, timeout_s=10))
     try:
         assert ray.get(caller.acquire_release_with_a_busy_pool.remote(3), timeout=60) == [False] * 3
-        ray.get(router.deactivate.remote([0]))
+        ray.get(router.deactivate.remote([0]), timeout=30)
         ray.get(caller.cancelled_while_waiting.remote(), timeout=30)
-        ray.get(router.activate.remote([1]))  # the abandoned acquire is granted now: its ticket goes straight back
+        ray.get(router.activate.remote([1]), timeout=30)  # the abandoned acquire is granted now: its ticket goes back
         deadline = time.monotonic() + 10
-        while ray.get(router.in_flight.remote()) and time.monotonic() < deadline:
+        while ray.get(router.in_flight.remote(), timeout=30) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert ray.get(router.in_flight.remote()) == 0
+        assert ray.get(router.in_flight.remote(), timeout=30) == 0
     finally:
         ray.kill(caller)

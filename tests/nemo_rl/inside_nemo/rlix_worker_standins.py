@@ -182,6 +182,7 @@ class ServingVllmLeader(StandinVllmLeader):
         self._note("served", (prompt, how))
         yield (0, {"finish_reason": how})
 
+
 def _stub_megatron() -> None:
     """``megatron.core.parallel_state`` for a one-process trainer: model parallel never initialized."""
     if "megatron.core.parallel_state" in sys.modules:

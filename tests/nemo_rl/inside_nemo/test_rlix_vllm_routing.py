@@ -218,11 +218,8 @@ class _HoldingWorkerGroup(_WorkerGroup):
 
 def _holding(n, active, hold):
     router = _router(n, active)
-    gen = object.__new__(VllmGeneration)
+    gen = _make_generation(n)
     gen.worker_group = _HoldingWorkerGroup(n, hold)
-    gen.current_generate_dp_shard_idx = 0
-    gen.fleet_monitor = gen.fleet_selector = None
-    gen.cfg = {"vllm_cfg": {"async_engine": True}}
     selector = install_routing(gen, RouterClient(router, n, timeout_s=30))
     return gen, router, selector
 
@@ -236,10 +233,10 @@ def test_a_shrink_drains_while_every_executor_thread_waits_for_its_grant(rlix_en
     gen, router, selector = _holding(1, [0], hold=3)
 
     def grant():  # what the scheduler does for the training grant: shrink (deactivate, abort, drain), then expand
-        ray.get(router.deactivate.remote([0]))
-        ray.get(gen.worker_group.engine.abort.remote())
-        ray.get(router.wait_drained.remote([0], 20.0))
-        ray.get(router.activate.remote([0]))
+        ray.get(router.deactivate.remote([0]), timeout=30)
+        ray.get(gen.worker_group.engine.abort.remote(), timeout=30)
+        ray.get(router.wait_drained.remote([0], 20.0), timeout=30)
+        ray.get(router.activate.remote([0]), timeout=30)
 
     async def run():
         from concurrent.futures import ThreadPoolExecutor
@@ -258,7 +255,7 @@ def test_a_shrink_drains_while_every_executor_thread_waits_for_its_grant(rlix_en
     outs = asyncio.run(run())
     assert [(out["served_by"], out["aborted"]) for [(_, out)] in outs] == [(0, False)] * 3  # re-run after the drain
     assert gen.worker_group.dispatched == [0] * 6 and selector.preempted_releases == 3
-    assert ray.get(router.in_flight.remote()) == 0
+    assert ray.get(router.in_flight.remote(), timeout=30) == 0
 
 
 def test_a_cancelled_request_hands_its_ticket_back(rlix_env):
@@ -274,20 +271,20 @@ def test_a_cancelled_request_hands_its_ticket_back(rlix_env):
         in_engine = asyncio.create_task(one())
         while not gen.worker_group.dispatched:
             await asyncio.sleep(0.01)
-        await asyncio.to_thread(ray.get, router.deactivate.remote([0]))
+        await asyncio.to_thread(ray.get, router.deactivate.remote([0]), timeout=30)
         waiting = asyncio.create_task(one())  # no active rank: waits in rlix_dispatch
         await asyncio.sleep(0.5)
-        in_flight = await asyncio.to_thread(ray.get, router.in_flight.remote())
+        in_flight = await asyncio.to_thread(ray.get, router.in_flight.remote(), timeout=30)
         in_engine.cancel()
         waiting.cancel()
         await asyncio.gather(in_engine, waiting, return_exceptions=True)
         return in_flight
 
     assert asyncio.run(run()) == 1  # the request in the engine held a ticket; the waiting one none yet
-    ray.get(router.wait_drained.remote([0, 1], 10.0))  # both tickets are back (none was granted later)
-    ray.get(router.activate.remote([1]))  # a rank for the waiter's acquire, had it not been given back
+    ray.get(router.wait_drained.remote([0, 1], 10.0), timeout=30)  # both tickets are back (none was granted later)
+    ray.get(router.activate.remote([1]), timeout=30)  # a rank for the waiter's acquire, had it not been given back
     time.sleep(0.5)
-    assert ray.get(router.in_flight.remote()) == 0
+    assert ray.get(router.in_flight.remote(), timeout=30) == 0
 
 
 def test_without_the_variable_the_seam_is_inert(monkeypatch):

@@ -210,7 +210,7 @@ def test_shrink_aborts_a_request_that_reaches_vllm_after_its_first_abort(engines
 
     router = ray.remote(RolloutRouter).options(num_cpus=0, max_concurrency=8).remote(2)
     try:
-        ray.get(router.activate.remote([0, 1]))
+        ray.get(router.activate.remote([0, 1]), timeout=30)
         client = RouterClient(router, 2, timeout_s=30)
         fleet = FirstAbortSignal([leaders[0], leaders[1]], {0: [(0, 0)], 1: [(0, 1)]})
         resizer = resizer_mod.FleetResizer("late", fleet, None, router,  # type: ignore[arg-type]
