@@ -23,12 +23,13 @@ PIP=("$VENV/bin/pip" install -q)
 "${PIP[@]}" "torch==2.13.0"
 
 # The CPU-importable subset of NeMo RL's dependencies + its test group. GPU-only packages (nccl4py,
-# cuda-bindings, nixl, flash-attn, TransferQueue from git, mooncake, nvidia-*) are left out on purpose.
+# cuda-bindings, nixl, flash-attn, mooncake, nvidia-*) are left out on purpose. TransferQueue: NeMo RL pins git
+# c516143, the commit of PyPI's 0.1.9.
 "${PIP[@]}" \
   "ray[default]>=2.55" wandb numpy datasets rich math-verify accelerate tensorboard omegaconf torchdata \
   nvidia-ml-py hydra-core tiktoken sentencepiece blobfile sympy pillow "transformers==5.8.1" pyzmq pybase64 \
   zstandard tensordict pydantic matplotlib plotly uvicorn fastapi soundfile scipy swanlab mlflow \
-  "colored==2.2.3" pytest pytest-timeout pytest-asyncio pluggy typing_extensions
+  "colored==2.2.3" pytest pytest-timeout pytest-asyncio pluggy typing_extensions "transferqueue==0.1.9"
 
 # PyPI's torchvision/torchaudio/torchcodec are CUDA builds that break `transformers` model imports on CPU.
 "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true

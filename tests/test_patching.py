@@ -195,7 +195,7 @@ def test_real_series_shape() -> None:
 
 def test_real_loops_part_shape() -> None:
     """The second part (``loops/``: the TransferQueue and SingleController GRPO loops) follows the first, touches
-    only those loops' files, and has its own cap (210 changed lines in 2026-11)."""
+    only those loops' files, and has its own cap (221 changed lines since the pickled TQ client's scope, 2026-11-25)."""
     [series] = discover_series(DEFAULT_SERIES_ROOT)
     loops = series.part("loops")
     assert [p.name[:4] for p in loops] == ["0005", "0006", "0007"]
@@ -205,7 +205,7 @@ def test_real_loops_part_shape() -> None:
                        "nemo_rl/algorithms/single_controller_utils/setup.py",
                        "nemo_rl/data_plane/adapters/transfer_queue.py"}, touched
     changed = sum(p.changed_lines for p in loops)
-    assert 0 < changed <= 220, changed
+    assert 0 < changed <= 225, changed
 
 
 def test_revert_after_the_series_changed_uses_the_recorded_copy(fake_nemo: tuple[Path, Path, str]) -> None:

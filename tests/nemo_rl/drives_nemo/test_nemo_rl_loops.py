@@ -41,3 +41,15 @@ def test_single_controller_time_sharing_on_nemo_rl_mocks(nemo_copies: dict[str, 
     report(f"NeMo RL SingleController time-sharing scenarios: {run.summary()}")
     got = {name.rsplit("::", 1)[-1]: outcome for name, outcome in run.outcomes.items()}
     assert got == dict.fromkeys(SC_EXPECTED, "passed"), f"{got}\noutput tail:\n{run.output_tail}"
+
+
+@pytest.mark.timeout(600)
+def test_transfer_queue_client_handed_to_an_actor(nemo_copies: dict[str, Path], tmp_path: Path) -> None:
+    """The real TransferQueue: a connect-only client built in the driver and pickled into an actor (the
+    SingleController's hand-over) reaches its pipeline's controller in the pipeline's namespace."""
+    run = run_inside_nemo(nemo_copies["patched"], "test_rlix_transfer_queue.py", "tests/unit/algorithms",
+                        tmp_path / "tq.xml", timeout_s=400, num_gpus=4)
+    report(f"NeMo RL TransferQueue hand-over scenario: {run.summary()}")
+    got = {name.rsplit("::", 1)[-1]: outcome for name, outcome in run.outcomes.items()}
+    assert got == {"test_a_client_handed_to_an_actor_reaches_its_pipelines_controller": "passed"}, \
+        f"{got}\noutput tail:\n{run.output_tail}"
