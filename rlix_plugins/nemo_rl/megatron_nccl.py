@@ -9,7 +9,9 @@ use :func:`rebuild_groups` re-runs ``initialize_model_parallel`` with the sizes 
 * Destroy: every DISTINCT process group held by a ``parallel_state`` global whose backend is in ``backends``
   (default: NCCL only; Gloo groups are CPU-only and stay) is destroyed once, then ``destroy_model_parallel``
   resets the globals. Idempotent; a no-op when model parallel is not initialized.
-* Rebuild: ``initialize_model_parallel(**snapshot)`` with the recorded sizes. Lockstep: every rank of the
+* Rebuild: ``initialize_model_parallel(**snapshot.sizes)`` with the recorded sizes and whether Megatron's own gloo
+  groups existed (NeMo RL's ``megatron_cfg.use_gloo_process_groups``, off in its recipes: Megatron's default, on,
+  would add groups the first layout never had and the old-to-new matching below would fail). Lockstep: every rank of the
   default process group must call each of these together (group creation is collective).
 * Refresh (:func:`refresh_group_handles`): ``parallel_state`` is not the only holder of the groups. Megatron
   modules keep ``pg_collection`` (a ``ProcessGroupCollection``, what NeMo RL's worker reads with
@@ -41,6 +43,7 @@ _SIZE_GETTERS = {
     "pipeline_model_parallel_size": "get_pipeline_model_parallel_world_size",
     "context_parallel_size": "get_context_parallel_world_size",
     "expert_model_parallel_size": "get_expert_model_parallel_world_size",
+    "expert_tensor_parallel_size": "get_expert_tensor_parallel_world_size",
 }
 #: Bound of one refresh walk (objects visited); a worker's model, optimizer and config are far below it.
 MAX_WALK: Final = 5_000_000
@@ -51,7 +54,8 @@ _LEAVES: Final = (str, bytes, bytearray, int, float, complex, bool, type(None), 
 @dataclass
 class NcclSnapshot:
     initialized_before: bool
-    sizes: dict[str, int] = field(default_factory=dict)
+    #: ``initialize_model_parallel``'s arguments that reproduce the layout (sizes, and the gloo switch)
+    sizes: dict[str, int | bool] = field(default_factory=dict)
     groups_destroyed: int = 0
     backends_destroyed: list[str] = field(default_factory=list)
     #: every ``parallel_state`` global that held groups, with its value before the destroy (kept alive until the
@@ -83,6 +87,8 @@ def destroy_groups(backends: tuple[str, ...] = ("nccl",)) -> NcclSnapshot:
     if not ps.model_parallel_is_initialized():
         return NcclSnapshot(initialized_before=False)
     sizes = {k: int(getattr(ps, g)()) for k, g in _SIZE_GETTERS.items()}
+    # Megatron creates its data-parallel gloo groups only when asked; rebuild the same way.
+    sizes["create_gloo_process_groups"] = getattr(ps, "_DATA_PARALLEL_GROUP_GLOO", None) is not None
     seen: set[int] = set()
     snap = NcclSnapshot(initialized_before=True, sizes=sizes)
     world = dist.group.WORLD

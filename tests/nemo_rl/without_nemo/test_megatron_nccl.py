@@ -75,6 +75,44 @@ def test_destroy_rebuild_cycles_on_gloo() -> None:
         assert cycles[3][0] == 3.0 and cycles[3][2]
 
 
+def _worker_without_gloo_groups(rank: int, port: int, out: dict) -> None:  # runs in a spawned process
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from rlix_plugins.nemo_rl.megatron_nccl import destroy_groups, rebuild_groups
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    # NeMo RL's recipes: megatron_cfg.use_gloo_process_groups=false (Megatron-Bridge passes it on as this switch)
+    ps.initialize_model_parallel(tensor_model_parallel_size=2, create_gloo_process_groups=False)
+    registered = len(ps._global_process_group_list)
+    snap = destroy_groups(backends=("gloo",))
+    try:
+        rebuilt = rebuild_groups(snap)
+    except RuntimeError as e:
+        out[rank] = repr(e)
+        return
+    t = torch.tensor([float(rank + 1)])
+    dist.all_reduce(t, group=ps.get_tensor_model_parallel_group())
+    out[rank] = (rebuilt, registered, len(ps._global_process_group_list), ps._DATA_PARALLEL_GROUP_GLOO is None,
+                 float(t.item()))
+    dist.destroy_process_group()
+
+
+def test_rebuild_reproduces_a_layout_made_without_megatrons_gloo_groups() -> None:
+    """Seen on the H200: a Megatron worker set up without gloo groups got them at the rebuild (Megatron's default),
+    20 groups became 23 and the rebuild failed. The rebuild now asks for the layout it found."""
+    results = _spawn(_worker_without_gloo_groups)
+    for rank in (0, 1):
+        assert not isinstance(results[rank], str), results[rank]
+        rebuilt, before, after, no_gloo, total = results[rank]
+        assert rebuilt and after == before and no_gloo and total == 3.0
+
+
 class _PolicyWorker:
     """The members of NeMo RL's ``MegatronPolicyWorker`` that hold group handles: ``model`` (a Megatron module; its
     config carries Megatron-Bridge's bound ``finalize_model_grads_func``) and the saved copy of that callable in
