@@ -71,5 +71,14 @@ async def ray_aget(
     thread of the loop's default executor (code that waits for a rank or a grant there can fill that pool; a
     request that needs a thread to return its router ticket would then never return it). Cancelling the caller
     does not cancel the remote call."""
+    inner = asyncio.wrap_future(ref.future())
+    # A cancelled caller leaves the call running (shield); if it fails later, nobody would read its exception and
+    # asyncio would log "Future exception was never retrieved" for it (every abandoned router call at a teardown).
+    inner.add_done_callback(_read_outcome)
     with _as_rlix_errors(what, timeout_s, dead, hint, unwrap):
-        return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(ref.future())), timeout_s)
+        return await asyncio.wait_for(asyncio.shield(inner), timeout_s)
+
+
+def _read_outcome(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()

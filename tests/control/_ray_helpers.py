@@ -206,3 +206,11 @@ def wait_for(predicate: Any, timeout_s: float = 10.0, what: str = "condition") -
             return value
         time.sleep(0.05)
     raise AssertionError(f"{what} not reached within {timeout_s} s")
+
+
+class Sleeper:
+    """An actor whose one call blocks for as long as asked (a remote call that is still running)."""
+
+    def sleep(self, seconds: float) -> float:
+        time.sleep(seconds)
+        return seconds
