@@ -20,11 +20,15 @@ from typing import Any
 STEP = re.compile(r"^(\d+\.\d+) .*=+ Step (\d+)/(\d+) =+")
 REWARD = re.compile(r"^(\d+\.\d+) .*Avg Reward: ([-\d.]+)")
 STAMP = re.compile(r"^(\d+\.\d+) ")
+# The SingleController logs a finished step as its own metrics line, then "train step N/M  trainer_v=V".
+SC_METRICS = re.compile(r"^(\d+\.\d+) .*step_metrics=\{.*'reward': ([-\d.e]+|nan)")
+SC_STEP = re.compile(r"^(\d+\.\d+) .*train step (\d+)/(\d+)\s+trainer_v=")
 
 
 def console(path: Path) -> dict[str, Any]:
     steps: list[tuple[float, int]] = []
     rewards: list[float] = []
+    sc_steps = 0
     first = last = None
     for line in path.read_text(errors="replace").splitlines():
         m = STAMP.match(line)
@@ -35,10 +39,12 @@ def console(path: Path) -> dict[str, Any]:
         last = t
         if s := STEP.match(line):
             steps.append((t, int(s.group(2))))
-        elif r := REWARD.match(line):
+        elif r := REWARD.match(line) or SC_METRICS.match(line):
             rewards.append(float(r.group(2)))
+        elif s := SC_STEP.match(line):
+            sc_steps += 1
     return {"started": first, "ended": last, "step_starts": steps, "rewards": rewards,
-            "steps_done": len(rewards)}
+            "steps_done": max(len(rewards), sc_steps)}
 
 
 def rlix_metrics(logdir: Path) -> dict[str, list[float]]:
