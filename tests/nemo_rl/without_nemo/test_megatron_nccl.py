@@ -26,19 +26,27 @@ def _port() -> int:
         return int(s.getsockname()[1])
 
 
-def _worker(rank: int, port: int, out: dict) -> None:  # runs in a spawned process
+def _start_tp2(rank: int, port: int, **init: object) -> None:
+    """A spawned worker's start: Megatron's fallback warnings off, the 2-process gloo world, model parallel TP 2."""
     import warnings
 
     warnings.filterwarnings("ignore")
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    ps.initialize_model_parallel(tensor_model_parallel_size=2, **init)
+
+
+def _worker(rank: int, port: int, out: dict) -> None:  # runs in a spawned process
+    _start_tp2(rank, port)
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
     from rlix_plugins.nemo_rl.megatron_nccl import destroy_groups, rebuild_groups
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    ps.initialize_model_parallel(tensor_model_parallel_size=2)
     results = []
     for _cycle in range(3):
         t = torch.tensor([float(rank + 1)])
@@ -76,19 +84,14 @@ def test_destroy_rebuild_cycles_on_gloo() -> None:
 
 
 def _worker_without_gloo_groups(rank: int, port: int, out: dict) -> None:  # runs in a spawned process
-    import warnings
-
-    warnings.filterwarnings("ignore")
+    # NeMo RL's recipes: megatron_cfg.use_gloo_process_groups=false (Megatron-Bridge passes it on as this switch)
+    _start_tp2(rank, port, create_gloo_process_groups=False)
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
     from rlix_plugins.nemo_rl.megatron_nccl import destroy_groups, rebuild_groups
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    # NeMo RL's recipes: megatron_cfg.use_gloo_process_groups=false (Megatron-Bridge passes it on as this switch)
-    ps.initialize_model_parallel(tensor_model_parallel_size=2, create_gloo_process_groups=False)
     registered = len(ps._global_process_group_list)
     snap = destroy_groups(backends=("gloo",))
     try:
@@ -124,13 +127,11 @@ class _PolicyWorker:
 
 
 def _model_worker(rank: int, port: int, out: dict) -> None:  # runs in a spawned process
+    _start_tp2(rank, port)
     import functools
-    import warnings
 
-    warnings.filterwarnings("ignore")
     import torch
     import torch.distributed as dist
-    from megatron.core import parallel_state as ps
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.process_groups_config import ProcessGroupCollection
@@ -139,9 +140,6 @@ def _model_worker(rank: int, port: int, out: dict) -> None:  # runs in a spawned
 
     from rlix_plugins.nemo_rl.megatron_nccl import destroy_groups, rebuild_groups
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    ps.initialize_model_parallel(tensor_model_parallel_size=2)
     cfg = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2, use_cpu_initialization=True,
                             tensor_model_parallel_size=2, params_dtype=torch.float32)
     model = GPTModel(cfg, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=32, max_sequence_length=8,
