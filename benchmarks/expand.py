@@ -10,8 +10,10 @@ For each model shape (Qwen2.5-0.5B and -1.5B shaped, ``load_format="dummy"``) an
   straight into the parameters, the KV cache wakes while they run, then finalize and verify - every time);
   ``expand_over_wake`` is the ratio the target is set on;
 * ``expand_over_wake_then_raw_copy``: expand over the wake plus a raw copy of the same bytes at the bandwidth the
-  engine's worker measured right after a wake (``copy_after_wake_levelN_GBps``: for about 100 ms after a wake
-  host->device copies in the engine run at 20-30 GB/s instead of ~54), the floor of any sync into a woken engine;
+  engine's worker measured right after a wake (``copy_after_wake_levelN_GBps``: for 0.1-0.3 s after a wake
+  copy-engine host->device copies run at about half the link, the driver's work on the memory the wake mapped
+  sharing the copy engines; ``..._sm_reads``: the same bytes read by a copy kernel, as an expand's host_pull does),
+  the floor of any sync into a woken engine;
 * ``*_settled_1s`` (``--settle``): the resizer's expand with 1 s between the sleep and the wake (a training step
   sits between a shrink and the next expand); ``copy_after_wake_level2_by_sleep_gap_GBps``: the post-wake copy by
   that gap;
@@ -107,12 +109,13 @@ def raw_h2d_s(nbytes: int, repeats: int) -> float:
 
 
 def copy_probe(worker: Any, payload: dict[str, Any], repeats: int, scratch_only: bool = False,
-               kept: bool = False) -> dict[str, Any]:
+               kept: bool = False, sm: bool = False) -> dict[str, Any]:
     """Runs inside the engine's worker (``collective_rpc`` with a function): where host_pull's copies lose speed.
     The cache's pages copied, with CUDA events, (a) into one fresh device buffer in bucket order (``kept``: into
-    the buffer :func:`_keep_buffer` allocated earlier), (b) into the parameters as a direct sync does (no
-    checksums, no finalize), (c) (a) again; best of ``repeats`` each."""
-    from rlix_plugins.transport import open_host_pull
+    the buffer :func:`_keep_buffer` allocated earlier; ``sm``: read by a copy kernel through the pages' device
+    address instead of a copy engine), (b) into the parameters as a direct sync does (no checksums, no finalize),
+    by a copy engine and (``params_sm_GBps``) by the SMs as an expand does, (c) (a) again; best of ``repeats``."""
+    from rlix_plugins.transport import device_view, open_host_pull
     from rlix_plugins.vllm.receiver import layout_key
 
     opened = open_host_pull(payload, pin=True)
@@ -136,7 +139,10 @@ def copy_probe(worker: Any, payload: dict[str, Any], repeats: int, scratch_only:
     def to_scratch() -> None:
         at = 0
         for meta, host in opened:
-            scratch[at : at + meta.used_bytes].copy_(host, non_blocking=True)
+            if sm:
+                torch._foreach_copy_([scratch[at : at + meta.used_bytes]], [device_view(host, worker.device)])
+            else:
+                scratch[at : at + meta.used_bytes].copy_(host, non_blocking=True)
             at += meta.used_bytes
 
     def to_params() -> None:
@@ -149,6 +155,11 @@ def copy_probe(worker: Any, payload: dict[str, Any], repeats: int, scratch_only:
         return {k: round(v, 1) if isinstance(v, float) else v for k, v in out.items()}
     if all(direct):
         out["params_GBps"] = total / timed(to_params) / 1e9
+
+        def to_params_sm() -> None:
+            for (_, host), layout in zip(opened, direct, strict=True):
+                torch._foreach_copy_(*layout.word_copies(device_view(host, worker.device)), non_blocking=True)
+        out["params_sm_GBps"] = total / timed(to_params_sm) / 1e9
     out["scratch_again_GBps"] = total / timed(to_scratch) / 1e9
     return {k: round(v, 1) if isinstance(v, float) else v for k, v in out.items()}
 
@@ -448,13 +459,15 @@ def bench_shape(shape: str, root: Path, repeats: int, wake_trace: Path | None = 
         progress(f"{shape} copy probe in the engine: {row['engine_copy_probe']}")
         # the same copy right after a wake, and half a second later: what a freshly woken GPU gives a copy
         for level in (1, 2):
-            llm.sleep(level=level)
-            llm.wake_up()
-            now = llm.collective_rpc(copy_probe, args=(payload, 1, True))[0]["scratch_GBps"]
-            time.sleep(0.5)
-            later = llm.collective_rpc(copy_probe, args=(payload, 1, True))[0]["scratch_GBps"]
-            row[f"copy_after_wake_level{level}_GBps"] = {"at_once": now, "after_0.5s": later}
-            progress(f"{shape} copy after a level-{level} wake: {now} GB/s at once, {later} GB/s 0.5 s later")
+            for sm in (False, True):
+                llm.sleep(level=level)
+                llm.wake_up()
+                now = llm.collective_rpc(copy_probe, args=(payload, 1, True, False, sm))[0]["scratch_GBps"]
+                time.sleep(0.5)
+                later = llm.collective_rpc(copy_probe, args=(payload, 1, True, False, sm))[0]["scratch_GBps"]
+                key = f"copy_after_wake_level{level}_GBps" + ("_sm_reads" if sm else "")
+                row[key] = {"at_once": now, "after_0.5s": later}
+                progress(f"{shape} {key}: {now} GB/s at once, {later} GB/s 0.5 s later")
         # the same copy right after a level-2 wake, by the time between the sleep and the wake: a sleep hands ~40 GB
         # back to the driver, and if the driver's work on freed memory is what slows copies, a gap fixes it
         row["copy_after_wake_level2_by_sleep_gap_GBps"] = gaps = {}
@@ -523,8 +536,9 @@ def bench_shape(shape: str, root: Path, repeats: int, wake_trace: Path | None = 
                 name = f"{transport}_level{level}" + ("_sequential" if mode == "sequential" else "") + (
                     f"_settled_{gap:g}s" if gap else "")
                 # the floor of any sync into a woken engine: the wake, then a raw copy at the bandwidth a woken GPU gives
-                after = row[f"copy_after_wake_level{level}_GBps"]["at_once"] if not gap else row[
-                    "engine_copy_probe"]["scratch_GBps"]
+                sm = transport == "host_pull" and mode == "overlap"  # an expand's copies read with the SMs
+                after = row[f"copy_after_wake_level{level}_GBps" + ("_sm_reads" if sm else "")]["at_once"] if not gap \
+                    else row["engine_copy_probe"]["scratch_GBps"]
                 floor = w + nbytes / (after * 1e9)
                 row[name] = {
                     "wake_only_s": round(w, 4), "expand_s": round(e, 4), "expand_over_wake": round(e / w, 2),

@@ -72,6 +72,8 @@ their local rank is listed (``ipc_local_ranks`` / ``broadcast_local_ranks`` / ``
 * ``open_host_pull(bucket, pin=)`` -> ``(meta, host_view)`` for each entry of a ``host_pull`` payload's
   ``"buckets"`` (all buckets of a sync in one ``update_parameter_in_bucket`` call): a CPU view of the
   sender's pinned cache pages, mapped once per process; copy from it before the RPC returns.
+  ``device_view(host_view, device)``: the same pages as a CUDA tensor, for kernels that read them with the SMs
+  (the payload's ``"overlaps_wake"`` asks for that: a wake keeps the copy engines busy).
 * ``receive_bucket(payload, device)`` -> ``[(name, tensor)]`` for an ``update_parameter_in_bucket``
   payload (``payload["transport"]`` is ``"cpu_serialize"`` or ``"cuda_ipc"``). cuda_ipc tensors are
   views of the sender's staging buffer: load, ``torch.cuda.current_stream().synchronize()``, drop them
@@ -127,6 +129,7 @@ from rlix_plugins.transport._cpu_serialize import make_cpu_serialize_payload, re
 from rlix_plugins.transport._cuda_ipc import make_cuda_ipc_payload, open_cuda_ipc
 from rlix_plugins.transport._host_pull import (
     SharedHostBuffer,
+    device_view,
     make_host_pull_payload,
     map_host_buffer,
     open_host_pull,
@@ -172,6 +175,7 @@ __all__ = [
     "check_host_capacity",
     "compute_checksums",
     "destroy_collective_group",
+    "device_view",
     "dtype_to_str",
     "finish_checksums",
     "group_names",

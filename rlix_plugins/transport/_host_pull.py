@@ -104,10 +104,12 @@ class SharedHostBuffer:
         os.close(self.fd)
 
 
-def make_host_pull_payload(records: list[BucketRecord], *, deferred: bool = False) -> dict[str, Any]:
+def make_host_pull_payload(records: list[BucketRecord], *, deferred: bool = False,
+                           overlaps_wake: bool = False) -> dict[str, Any]:
     """Sender side: the metadata of every bucket (each record's buffer must be a shared host buffer). ``deferred``:
     a receiver may return once its copies are queued; the sender then waits on its ``finish`` call before it lets
-    go of the pages."""
+    go of the pages. ``overlaps_wake``: the receiving engine wakes memory while the reads run (an expand), so a
+    receiver reads with its SMs rather than a copy engine (:func:`device_view`)."""
     missing = [r.meta.index for r in records if r.host is None]
     if missing:
         raise TransportError(
@@ -115,7 +117,21 @@ def make_host_pull_payload(records: list[BucketRecord], *, deferred: bool = Fals
             "shared=True (the default on Linux) or use same_gpu_transport='cuda_ipc'"
         )
     return {"transport": TRANSPORT, "buckets": [{"meta": r.meta.to_wire(), "host": r.host} for r in records],
-            "deferred": deferred}
+            "deferred": deferred, "overlaps_wake": overlaps_wake}
+
+
+def device_view(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A CUDA tensor over pinned host pages (their unified virtual address, no copy): a kernel reading it pulls the
+    bytes over PCIe with the SMs instead of a copy engine. Why: for ~0.1-0.3 s after GPU memory is released or mapped
+    (a sleep, a wake) the driver's own work on that memory shares the copy engines, and copy-engine host->device
+    copies from any process run at half the link (H200: 29.5 vs 55 GB/s) while SM reads keep ~50 GB/s
+    (``benchmarks/results/h200-2026-11-26-wake-window/``). ``host`` must stay mapped and pinned while it is read."""
+
+    class _Pages:
+        __cuda_array_interface__ = {"shape": (host.numel(),), "typestr": "|u1", "data": (host.data_ptr(), False),
+                                    "version": 3, "strides": None}
+
+    return torch.as_tensor(_Pages(), device=device)
 
 
 class _Mapped:
@@ -214,5 +230,6 @@ class HostPull(SyncTransport):
 
     name = TRANSPORT
 
-    def payload(self, records: Sequence[BucketRecord], *, deferred: bool = False) -> dict[str, Any]:
-        return make_host_pull_payload(list(records), deferred=deferred)
+    def payload(self, records: Sequence[BucketRecord], *, deferred: bool = False,
+                overlaps_wake: bool = False) -> dict[str, Any]:
+        return make_host_pull_payload(list(records), deferred=deferred, overlaps_wake=overlaps_wake)

@@ -49,6 +49,8 @@ class SyncTransport(SameGpuTransport):
     after the last; the receiver pipelines its own copies (no per-bucket barrier)."""
 
     @abstractmethod
-    def payload(self, records: Sequence[BucketRecord], *, deferred: bool = False) -> dict[str, Any]:
+    def payload(self, records: Sequence[BucketRecord], *, deferred: bool = False,
+                overlaps_wake: bool = False) -> dict[str, Any]:
         """Sender side: the payload naming every bucket of the sync. ``deferred``: receivers may return once their
-        reads are queued; the sender then waits on their ``finish`` call (``sync_weights(finish=True)``)."""
+        reads are queued; the sender then waits on their ``finish`` call (``sync_weights(finish=True)``).
+        ``overlaps_wake``: the receivers' engines wake memory while they read (``sync_weights(after_issue=...)``)."""

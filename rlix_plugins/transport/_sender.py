@@ -330,7 +330,7 @@ def _send_buckets(
     pulls: dict[int, PendingCall] = {}
     if ipc_targets and isinstance(same_gpu, SyncTransport):
         # one call per target with every bucket: the receiver pipelines its own copies, no per-bucket barrier
-        payload = same_gpu.payload(buckets, deferred=deferred)
+        payload = same_gpu.payload(buckets, deferred=deferred, overlaps_wake=after_issue is not None)
         t_send = time.perf_counter()
         pulls = {t.dp_rank: endpoints[t.dp_rank].update_parameter_in_bucket(payload, list(t.ipc_local_ranks))
                  for t in ipc_targets}

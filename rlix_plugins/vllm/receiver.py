@@ -444,7 +444,8 @@ class RlixReceiverMixin:
         if sync.mode == "eager":
             direct = [state.direct.get(layout_key(m)) for m, _ in opened]
             if all(d is not None and d.valid(params) for d in direct):
-                return self._rlix_pull_direct(sync, opened, direct, deferred=bool(payload.get("deferred")))  # type: ignore[arg-type]
+                return self._rlix_pull_direct(sync, opened, direct, deferred=bool(payload.get("deferred")),  # type: ignore[arg-type]
+                                              sm_reads=bool(payload.get("overlaps_wake")))
         copy_stream, main = state.copy_stream, torch.cuda.current_stream(device)
         capacity = max((transport.align_up(m.used_bytes) for m, _ in opened), default=0)
         count = min(2, len(opened))
@@ -532,12 +533,14 @@ class RlixReceiverMixin:
         return tensors
 
     def _rlix_pull_direct(self, sync: _Sync, opened: list[tuple[BucketMeta, Any]], direct: list[DirectCopies],
-                          *, deferred: bool) -> int:
+                          *, deferred: bool, sm_reads: bool = False) -> int:
         """Every bucket straight from the sender's pinned pages into the parameters: one host->device copy per
         recorded range, on the side stream, ordered after the work already queued on the model. ``deferred``: return
         once the copies are queued (the sender's ``after_issue`` work - the KV cache's wake - overlaps them, and
-        ``rlix_finish_weight_update`` is the barrier); otherwise return after the last host read. Verified at finalize,
-        on the parameters themselves."""
+        ``rlix_finish_weight_update`` is the barrier); otherwise return after the last host read. ``sm_reads`` (an
+        expand: memory is being mapped): one copy kernel per bucket reads the pages through their device address,
+        since the driver's work on the memory a wake maps halves copy-engine throughput. Verified at finalize, on
+        the parameters themselves."""
         import torch
 
         state = self._rlix()
@@ -549,8 +552,11 @@ class RlixReceiverMixin:
         landed = []
         with torch.cuda.stream(stream):
             for (_, host), layout in zip(opened, direct, strict=True):
-                torch._foreach_copy_([dst for dst, _, _ in layout.copies],
-                                     [host[lo:hi] for _, lo, hi in layout.copies], non_blocking=True)
+                if sm_reads:
+                    dsts, srcs = layout.word_copies(transport.device_view(host, self._rlix_device()))
+                else:
+                    dsts, srcs = [dst for dst, _, _ in layout.copies], [host[lo:hi] for _, lo, hi in layout.copies]
+                torch._foreach_copy_(dsts, srcs, non_blocking=True)
                 landed.append(torch.cuda.Event())
                 landed[-1].record(stream)
             sync.reads_done = torch.cuda.Event()
@@ -577,6 +583,7 @@ class RlixReceiverMixin:
             sync.wait_reads()
         state.timing = {"pull_issue_s": t_issued - t0, "pull_issue_checksums_s": t_issued - t_copies,
                         "pull_direct_copies": sum(len(d.copies) for d in direct), "pull_deferred": deferred,
+                        "pull_sm_reads": sm_reads,
                         "pull_wait_copies_s": time.perf_counter() - t_issued}
         return sum(len(m.names) for m, _ in opened)
 

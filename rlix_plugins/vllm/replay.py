@@ -110,6 +110,8 @@ class DirectCopies:
     copies: list[tuple[torch.Tensor, int, int]]
     pieces: list[list[torch.Tensor]]
     storages: set[int]
+    #: ``copies``' destinations as the widest integer words every range allows, and that word's size (built once)
+    _words: tuple[list[torch.Tensor], int] | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def from_replay(cls, replay: BucketReplay, offsets: Sequence[int], nbytes: Sequence[int]) -> DirectCopies | str:
@@ -141,6 +143,23 @@ class DirectCopies:
 
     def valid(self, params: set[int]) -> bool:
         return self.storages <= params
+
+    def word_copies(self, source: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """``(destinations, sources)`` for one ``torch._foreach_copy_`` from ``source`` (the bucket's bytes, e.g. a
+        :func:`~rlix_plugins.transport.device_view` of its pages) into the parameters, both as the widest integer
+        words all ranges and addresses allow: a copy kernel then moves whole words per load."""
+        if self._words is None:
+            ranges = [(dst.data_ptr(), lo, hi) for dst, lo, hi in self.copies]
+            size = next(w for w in (8, 4, 2, 1) if all(p % w == 0 and lo % w == 0 and hi % w == 0 for p, lo, hi in ranges))
+            self._words = ([dst.view(_WORDS[size]) for dst, _, _ in self.copies], size)
+        dsts, size = self._words
+        if source.data_ptr() % size:
+            size, dsts = 1, [dst for dst, _, _ in self.copies]
+        src = source.view(_WORDS[size])
+        return dsts, [src[lo // size : hi // size] for _, lo, hi in self.copies]
+
+
+_WORDS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 
 
 def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:

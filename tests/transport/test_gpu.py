@@ -109,3 +109,24 @@ def test_nccl_per_sync_broadcast_two_gpus(same_gpu_receiver: SubprocessReceiver)
         _cycles(cache, {0: [(0, 0)], 1: [(0, 1)]}, {0: same_gpu_receiver, 1: other}, "cuda_ipc", [0, 1])
     finally:
         other.close()
+
+
+def test_device_view_reads_pinned_pages_with_a_kernel() -> None:
+    """``device_view``: the mapped, pinned cache pages as a CUDA tensor (no copy); a copy kernel reading it lands the
+    pages' bytes, and the view follows later writes to the pages (it is the pages, not a snapshot)."""
+    from rlix_plugins.transport import SharedHostBuffer, device_view, map_host_buffer
+
+    buf = SharedHostBuffer(8 << 20, pin=True)
+    try:
+        buf.tensor.copy_(torch.randint(0, 256, (8 << 20,), dtype=torch.uint8))
+        pages = map_host_buffer(buf.handle, pin=True)
+        view = device_view(pages, torch.device("cuda", 0))
+        assert view.is_cuda and view.data_ptr() == pages.data_ptr() and view.numel() == pages.numel()
+        out = torch.empty(1 << 20, dtype=torch.int64, device="cuda:0")
+        torch._foreach_copy_([out], [view.view(torch.int64)])
+        assert torch.equal(out.view(torch.uint8).cpu(), buf.tensor)
+        buf.tensor[:8].fill_(7)
+        torch._foreach_copy_([out[:1]], [view.view(torch.int64)[:1]])
+        assert out.view(torch.uint8)[:8].cpu().tolist() == [7] * 8
+    finally:
+        buf.close()

@@ -87,7 +87,8 @@ class _WholeSyncCopy(SyncTransport):
 
     name = "test_whole_sync_copy"
 
-    def payload(self, records: Sequence[BucketRecord], *, deferred: bool = False) -> dict[str, Any]:
+    def payload(self, records: Sequence[BucketRecord], *, deferred: bool = False,
+                overlaps_wake: bool = False) -> dict[str, Any]:
         return {"transport": self.name,
                 "buckets": [{"meta": r.meta.to_wire(), "data": r.payload.numpy().tobytes()} for r in records]}
 

@@ -247,10 +247,19 @@ def test_direct_copies_tile_each_tensor_and_land_its_bytes() -> None:
     direct = DirectCopies.from_replay(record(named, first.buffer), meta.offsets, nbytes)
     assert isinstance(direct, DirectCopies), direct
     second, named2 = bucket(1)
-    for dst, lo, hi in direct.copies:
-        dst.copy_(second.buffer[lo:hi])
+    dsts, srcs = direct.word_copies(second.buffer)  # as an expand's copy kernel reads them: whole words
+    assert {t.dtype for t in dsts + srcs} == {torch.int32}, "norm's 20 bytes allow 4-byte words, not 8"
+    torch._foreach_copy_(dsts, srcs)
     landed = (model.qkv.clone(), model.norm.clone())
     loader(named2)
+    assert torch.equal(landed[0], model.qkv) and torch.equal(landed[1], model.norm)
+    model.qkv.data.zero_()
+    model.norm.data.zero_()
+    shifted = torch.empty(second.buffer.numel() + 1, dtype=torch.uint8)[1:]  # pages at an odd address: bytes
+    shifted.copy_(second.buffer)
+    dsts, srcs = direct.word_copies(shifted)
+    assert {t.dtype for t in dsts + srcs} == {torch.uint8}
+    torch._foreach_copy_(dsts, srcs)
     assert torch.equal(landed[0], model.qkv) and torch.equal(landed[1], model.norm)
     sums = finish_checksums([sum(p.numel() for p in pieces) for pieces in direct.pieces],
                             receiver.pieces_checksums(direct.pieces))
