@@ -14,6 +14,8 @@ For each model shape (Qwen2.5-0.5B and -1.5B shaped, ``load_format="dummy"``) an
   copy-engine host->device copies run at about half the link, the driver's work on the memory the wake mapped
   sharing the copy engines; ``..._sm_reads``: the same bytes read by a copy kernel, as an expand's host_pull does),
   the floor of any sync into a woken engine;
+* ``--serve`` (0.5 s): the engine runs that long after each wake before it sleeps again, before the wake alone and
+  before the expand alike (a rank serves between an expand and the next shrink);
 * ``*_settled_1s`` (``--settle``): the resizer's expand with 1 s between the sleep and the wake (a training step
   sits between a shrink and the next expand); ``copy_after_wake_level2_by_sleep_gap_GBps``: the post-wake copy by
   that gap;
@@ -407,7 +409,7 @@ def rpc_timeline(log: list[tuple[str, float, float, float]], t0: float, t1: floa
 
 
 def bench_shape(shape: str, root: Path, repeats: int, wake_trace: Path | None = None,
-                settle: float = 0.0) -> dict[str, Any]:
+                settle: float = 0.0, serve: float = 0.0) -> dict[str, Any]:
     from vllm import LLM
 
     from rlix_plugins.transport import VersionedBucketCache, build_comm_plan
@@ -497,6 +499,9 @@ def bench_shape(shape: str, root: Path, repeats: int, wake_trace: Path | None = 
             progress(f"{shape} {transport} awake sync: {row[f'{transport}_awake_sync']}")
         # overlap: what the resizer does (weights woken, the KV cache woken while the bytes move); sequential: the
         # whole engine woken first, then the sync (the comparison that says whether the overlap pays here).
+        # serve: seconds an engine runs between a wake and the next sleep, before the wake alone and before the
+        # expand alike (a rank serves rollouts before it is shrunk; the driver's work on the memory the previous wake
+        # mapped - copy engines busy for ~0.25 s - must not fall on one of the two measurements and not the other).
         # settle: seconds between the sleep and the wake. 0 is a sleep followed at once by a wake (one rank's GPU
         # handed straight to another pipeline's rollout); in a training handover the training step sits between.
         modes = [("host_pull", "overlap", 0.0), ("host_pull", "sequential", 0.0), ("cuda_ipc", "overlap", 0.0)]
@@ -506,11 +511,13 @@ def bench_shape(shape: str, root: Path, repeats: int, wake_trace: Path | None = 
             for level in (1, 2):
                 wake, expand, load, parts = [], [], [], []
                 for _ in range(repeats):
+                    time.sleep(serve)
                     llm.sleep(level=level)
                     time.sleep(gap)
                     t0 = time.perf_counter()
                     llm.wake_up()
                     wake.append(time.perf_counter() - t0)
+                    time.sleep(serve)
                     llm.sleep(level=level)
                     time.sleep(gap)
                     t0 = time.perf_counter()
@@ -565,6 +572,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default=None)
     parser.add_argument("--profile-pull", type=int, default=5,
                         help="torch-profile the engine worker's N-th host_pull (0: off); table next to --json")
+    parser.add_argument("--serve", type=float, default=0.5,
+                        help="seconds between a wake and the next sleep (the wake alone and the expand alike)")
     parser.add_argument("--settle", type=float, default=1.0,
                         help="also measure the resizer's host_pull expand with this many seconds between sleep and "
                              "wake (0: off)")
@@ -578,11 +587,12 @@ def main(argv: list[str] | None = None) -> int:
         print("expand benchmark: needs a GPU and vLLM (see docs/gpu.md)", file=sys.stderr)
         return 2
     results: dict[str, Any] = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
-                               "bucket_bytes": BUCKET_BYTES}
+                               "bucket_bytes": BUCKET_BYTES, "serve_s": args.serve, "settle_s": args.settle}
     with tempfile.TemporaryDirectory(prefix="rlix-expand-") as tmp:
         for shape in args.shapes:
             results[shape] = bench_shape(shape, Path(tmp), args.repeats,
-                                         Path(args.trace_wake) if args.trace_wake else None, args.settle)
+                                         Path(args.trace_wake) if args.trace_wake else None, args.settle,
+                                         args.serve)
             text = json.dumps(results, indent=1)
             if args.json:
                 Path(args.json).write_text(text)
