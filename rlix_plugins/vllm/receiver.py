@@ -57,6 +57,7 @@ from rlix_plugins import transport
 from rlix_plugins.errors import RlixConfigError, TransportError, WeightVerificationError, carried_in_text
 from rlix_plugins.transport import finish_checksums, start_checksums, verify_checksums
 from rlix_plugins.transport._checksum import segment_checksums
+from rlix_plugins.transport._checksum_kernel import KernelChecksums, kernel_checksums, self_check
 from rlix_plugins.vllm.loading import WeightLoader, refresh_cpu_packed_copies, select_loader
 from rlix_plugins.vllm.replay import BucketReplay, CopyRecorder, DirectCopies, parameter_storages
 
@@ -137,7 +138,7 @@ class _State:
     #: side stream for the checksums of a direct pull (they follow each bucket's copies)
     check_stream: Any = None
     #: direct layout (``id`` of a ``direct`` value) -> its landed-bytes checksum plan
-    landed_plans: dict[int, PiecesChecksums] = field(default_factory=dict)
+    landed_plans: dict[int, PiecesChecksums | KernelChecksums] = field(default_factory=dict)
     #: checksums of parameter bytes as the last finalize left them, with the address of the one piece holding them
     #: (None: several pieces); one use: that sync's ``verify_model``
     landed: dict[str, tuple[list[int], int | None]] = field(default_factory=dict)
@@ -569,8 +570,9 @@ class RlixReceiverMixin:
             for (meta, _), layout, event in zip(opened, direct, landed, strict=True):
                 check.wait_event(event)
                 plan = state.landed_plans.get(id(layout))
-                if plan is None:
-                    plan = state.landed_plans[id(layout)] = PiecesChecksums(layout.pieces)
+                if plan is None:  # one kernel launch when it passed its self-check, else ~40 torch ops per 256 MiB
+                    plan = kernel_checksums(layout.pieces) or PiecesChecksums(layout.pieces)
+                    state.landed_plans[id(layout)] = plan
                 sync.landed_sums.append((meta.names, layout.pieces, plan.start()))
             sync.landed_done = torch.cuda.Event()
             sync.landed_done.record(check)
@@ -584,6 +586,8 @@ class RlixReceiverMixin:
         state.timing = {"pull_issue_s": t_issued - t0, "pull_issue_checksums_s": t_issued - t_copies,
                         "pull_direct_copies": sum(len(d.copies) for d in direct), "pull_deferred": deferred,
                         "pull_sm_reads": sm_reads,
+                        "pull_checksum_kernel": all(isinstance(state.landed_plans.get(id(d)), KernelChecksums)
+                                                    for d in direct),
                         "pull_wait_copies_s": time.perf_counter() - t_issued}
         return sum(len(m.names) for m, _ in opened)
 
@@ -614,6 +618,8 @@ class RlixReceiverMixin:
         t0 = time.perf_counter()
         plan = PiecesChecksums([pieces for _, pieces in items])  # a first load: once per layout
         sums = finish_checksums(plan.nbytes, plan.start())
+        if self._rlix_device().type == "cuda":  # the checksum kernel's one comparison (and compile) per process
+            self_check([pieces for _, pieces in items], sums)
         landed.update((name, (sum_, pieces[0].data_ptr() if len(pieces) == 1 else None))
                       for (name, pieces), sum_ in zip(items, sums, strict=True))
         state.timing["finalize_candidate_checksums_s"] = time.perf_counter() - t0

@@ -192,3 +192,20 @@ def test_pack_checksums_fall_back_when_the_buffer_ends_inside_a_row() -> None:
     (record,) = iter_buckets([("a", blobs[0]), ("b", blobs[1])], buffer.numel(), lambda _: buffer, checksum_cpu=True)
     assert record.meta.offsets == (0, 3072) and record.sums is not None
     assert finish_checksums([2801, 90], record.sums) == [_reference(bytes(b.tolist())) for b in blobs]
+
+
+def test_checksum_kernel_table_spans_and_the_torch_fallback() -> None:
+    """The kernel's table (``_checksum_kernel.table_for``): each piece in spans of whole words with the index of
+    its first word in its item; pieces with trailing bytes or at an address not a multiple of 4 get no table
+    (the torch form), and before its self-check the kernel is never used."""
+    from rlix_plugins.transport import _checksum_kernel as kernel
+
+    span = kernel.SPAN_WORDS
+    a = torch.zeros(4 * span + 8, dtype=torch.uint8)
+    b = torch.zeros(64, dtype=torch.uint8)
+    table = kernel.table_for([[a, b], [], [b]])
+    assert table == [(a.data_ptr(), span, 0, 0), (a.data_ptr() + 4 * span, 2, span, 0), (b.data_ptr(), 16, span + 2, 0),
+                     (b.data_ptr(), 16, 0, 2)]
+    assert kernel.table_for([[a[:6]]]) is None and kernel.table_for([[a[1:9]]]) is None
+    kernel._matched = None
+    assert kernel.kernel_checksums([[a]]) is None

@@ -130,3 +130,31 @@ def test_device_view_reads_pinned_pages_with_a_kernel() -> None:
         assert out.view(torch.uint8)[:8].cpu().tolist() == [7] * 8
     finally:
         buf.close()
+
+
+def test_checksum_kernel_matches_the_definition() -> None:
+    """The triton checksum kernel (one launch over the pieces where they lie) gives the torch form's numbers:
+    items of one and of several pieces, one longer than a span, an empty one, words with the top bit set (the
+    products and sums wrap modulo 2**32); after its self-check a direct pull gets it, and a piece with trailing
+    bytes keeps the torch form."""
+    pytest.importorskip("triton")
+    from rlix_plugins.transport import _checksum_kernel as kernel
+    from rlix_plugins.transport import finish_checksums, start_checksums
+
+    g = torch.Generator(device="cuda:0").manual_seed(3)
+
+    def blob(nbytes: int) -> torch.Tensor:
+        return torch.randint(0, 256, (nbytes,), generator=g, dtype=torch.uint8, device="cuda:0")
+
+    big = blob(4 * kernel.SPAN_WORDS * 2 + 4 * 700)  # two spans and a partial one
+    parts = [blob(512 * 3), blob(4 * 129), blob(4 * 1000)]
+    items = [[big], parts, [], [blob(4)], [torch.full((4096,), 255, dtype=torch.uint8, device="cuda:0")]]
+    want = finish_checksums([sum(p.numel() for p in it) for it in items],
+                            start_checksums([torch.cat(it) if it else big[:0] for it in items]))
+    table = kernel.table_for(items)
+    assert table is not None and len([r for r in table if r[3] == 0]) == 3
+    got = finish_checksums(kernel.KernelChecksums(items, table).nbytes, kernel.KernelChecksums(items, table).start())
+    assert got == want
+    assert kernel.self_check(items, want)
+    assert isinstance(kernel.kernel_checksums(items), kernel.KernelChecksums)
+    assert kernel.kernel_checksums([[blob(6)]]) is None  # 1-3 trailing bytes: the torch form

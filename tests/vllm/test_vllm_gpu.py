@@ -310,6 +310,7 @@ def test_gpu_expand_time_1p5b(gpus: int, tiny_model_dir: Path) -> None:
             timing = _info(rpc[0])["timing"]
             assert timing.get("pull_direct_copies", 0) > 0 and timing["pull_deferred"], timing
             assert timing["pull_sm_reads"], f"an expand read the pages with a copy engine: {timing}"
+            assert timing["pull_checksum_kernel"], f"the checksum kernel failed its self-check: {timing}"
             assert report.separate_reset_dp_ranks == (), "EngineCore did not reset the prefix cache in the finish call"
             out = [list(o.outputs[0].token_ids) for o in
                    llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)]
