@@ -31,7 +31,7 @@ if [[ " $want " == *" transport "* ]]; then
   part transport-bench 150 python3 benchmarks/transport.py --json "$OUT/transport.json"
 fi
 if [[ " $want " == *" expand "* ]]; then  # issue 13's ratios on a real vLLM engine (0.5B and 1.5B shapes)
-  part expand-bench 400 python3 benchmarks/expand.py --json "$OUT/expand.json"
+  part expand-bench 450 python3 benchmarks/expand.py --repeats 5 --json "$OUT/expand.json"
 fi
 if [[ " $want " == *" vllm "* ]]; then
   part vllm-tests 300 python3 -m pytest -v -s -m gpu tests/vllm/test_vllm_gpu.py -o addopts="" -p no:cacheprovider
