@@ -63,6 +63,15 @@ def progress(msg: str) -> None:
     print(f"[expand-bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
+def emit(result: dict[str, Any], path: str | None) -> int:
+    """Print the result as JSON and write it to ``path`` (if given); the exit code."""
+    text = json.dumps(result, indent=1)
+    if path:
+        Path(path).write_text(text)
+    print(text)
+    return 0
+
+
 def model_dir(root: Path, shape: str) -> Path:
     """A Qwen2.5-shaped config (dummy weights) with the tiny model's locally trained tokenizer."""
     from transformers import Qwen2Config
@@ -593,11 +602,9 @@ def main(argv: list[str] | None = None) -> int:
             results[shape] = bench_shape(shape, Path(tmp), args.repeats,
                                          Path(args.trace_wake) if args.trace_wake else None, args.settle,
                                          args.serve)
-            text = json.dumps(results, indent=1)
-            if args.json:
-                Path(args.json).write_text(text)
-    print(text)
-    return 0
+            if args.json:  # after each shape: a later one may run out of time
+                Path(args.json).write_text(json.dumps(results, indent=1))
+    return emit(results, args.json)
 
 
 if __name__ == "__main__":

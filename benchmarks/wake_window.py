@@ -16,7 +16,6 @@ Usage (GPU machine, vLLM kit): ``python benchmarks/wake_window.py [--json out.js
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -33,7 +32,7 @@ os.environ.setdefault("RLIX_CONTROL_PLANE", "rlix")
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from expand import BUCKET_BYTES, model_dir, progress, random_weights
+from expand import BUCKET_BYTES, emit, model_dir, progress, random_weights
 
 CHUNK = 64 << 20
 OPS = ("ce_h2d", "sm_h2d", "sm_h2d_triton", "ce_d2d", "matmul")
@@ -214,11 +213,7 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as exc:
             result["nvidia_smi_apps"] = repr(exc)
         cache.close()
-    text = json.dumps(result, indent=1)
-    if args.json:
-        Path(args.json).write_text(text)
-    print(text)
-    return 0
+    return emit(result, args.json)
 
 
 if __name__ == "__main__":
