@@ -569,11 +569,7 @@ class RlixReceiverMixin:
         with torch.cuda.stream(check):
             for (meta, _), layout, event in zip(opened, direct, landed, strict=True):
                 check.wait_event(event)
-                plan = state.landed_plans.get(id(layout))
-                if plan is None:  # one kernel launch when it passed its self-check, else ~40 torch ops per 256 MiB
-                    plan = kernel_checksums(layout.pieces) or PiecesChecksums(layout.pieces)
-                    state.landed_plans[id(layout)] = plan
-                sync.landed_sums.append((meta.names, layout.pieces, plan.start()))
+                sync.landed_sums.append((meta.names, layout.pieces, self._rlix_landed_plan(layout).start()))
             sync.landed_done = torch.cuda.Event()
             sync.landed_done.record(check)
         sync.direct.extend((meta, layout) for (meta, _), layout in zip(opened, direct, strict=True))
@@ -630,7 +626,19 @@ class RlixReceiverMixin:
             else:
                 logger.info("rlix: bucket %d stays on the receive-buffer path: the parameters differ from the received "
                             "bytes after post-processing", meta.index)
+        if self._rlix_device().type == "cuda":  # the plans now, not in the next pull: building one is a blocking copy
+            for layout in state.direct.values():
+                self._rlix_landed_plan(layout)
         return landed
+
+    def _rlix_landed_plan(self, layout: DirectCopies) -> PiecesChecksums | KernelChecksums:
+        """The landed-bytes checksum plan of a direct layout, built once: one kernel launch when the kernel passed
+        its self-check (:mod:`rlix_plugins.transport._checksum_kernel`), else ~40 torch ops per 256 MiB."""
+        plans = self._rlix().landed_plans
+        plan = plans.get(id(layout))
+        if plan is None:
+            plan = plans[id(layout)] = kernel_checksums(layout.pieces) or PiecesChecksums(layout.pieces)
+        return plan
 
     def rlix_discard_weight_backup(self) -> int:
         """Level 1: drop the CPU copy of the sleeping weights so that the next wake only allocates (a sync
@@ -684,6 +692,9 @@ class RlixReceiverMixin:
             "finalized": list(state.finalized),
             "dirty": state.dirty,
             "buckets_total": state.buckets_total,
+            "direct_layouts": len(state.direct),
+            #: direct layouts whose checksum plan is built (all, after the sync that made them direct), by kind
+            "landed_plans": sorted(type(p).__name__ for p in state.landed_plans.values()),
             "timing": dict(state.timing),
         }
 

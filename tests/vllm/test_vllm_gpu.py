@@ -291,6 +291,8 @@ def test_gpu_expand_time_1p5b(gpus: int, tiny_model_dir: Path) -> None:
     rpc = {0: LLMEngineRpc(llm)}
     try:
         _sync(cache, {0: [ENGINE_GPU]}, rpc, via="host_pull", verify=False)  # warm-up (mapping, pinning, allocator)
+        info = _info(rpc[0])  # the warm-up made every layout direct and built its checksum plan: none in an expand
+        assert info["landed_plans"] == ["KernelChecksums"] * info["direct_layouts"] and info["direct_layouts"] > 0, info
         from vllm import SamplingParams
 
         ref = [list(o.outputs[0].token_ids) for o in
