@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # The GPU checks of the project, batched for the device tool (after the vLLM carry kit is set up; see README "GPU").
-#   bash .gpukit/setup.sh bash scripts/gpu_suite.sh [transport] [expand] [vllm|vllm-nccl] [demo]   (default: transport vllm demo)
+#   bash .gpukit/setup.sh bash scripts/gpu_suite.sh [transport] [expand] [wake-window] [vllm|vllm-nccl] [demo]
+#   (default: transport vllm demo)
 # One device command may run 10 minutes: run "transport vllm" in one call and "demo" in the next.
 # Runs under .gpukit/setup.sh (vLLM + deps on PYTHONPATH), installs the trimmed Ray kit, then:
 #   1. transport GPU tests + benchmarks/transport.py           -> $OUT/transport.json
 #   1b. benchmarks/expand.py (expand vs wake on real vLLM)      -> $OUT/expand.json
+#   1c. benchmarks/wake_window.py (what a wake does to copies)   -> $OUT/wake_window.json
 #   2. vLLM receiver GPU tests (cuda_ipc, NCCL, sleep/wake)     -> $OUT/vllm_gpu_results.json
 #   3. rlix demo on 1 GPU and, when there are 2, on 2 GPUs      -> $OUT/g1/, $OUT/g2/ (summary.json, timeline.png)
 #   4. real NeMo RL (parts nemo-standalone, nemo-shared, nemo-sequential; scripts/gpu_nemo_rl.sh)
@@ -32,6 +34,9 @@ if [[ " $want " == *" transport "* ]]; then
 fi
 if [[ " $want " == *" expand "* ]]; then  # issue 13's ratios on a real vLLM engine (0.5B and 1.5B shapes)
   part expand-bench 450 python3 benchmarks/expand.py --repeats 5 --json "$OUT/expand.json"
+fi
+if [[ " $want " == *" wake-window "* ]]; then  # copy engine vs SM reads right after a sleep / wake
+  part wake-window 200 python3 benchmarks/wake_window.py --json "$OUT/wake_window.json"
 fi
 if [[ " $want " == *" vllm "* ]]; then
   part vllm-tests 300 python3 -m pytest -v -s -m gpu tests/vllm/test_vllm_gpu.py -o addopts="" -p no:cacheprovider
