@@ -197,7 +197,7 @@ def test_pack_checksums_fall_back_when_the_buffer_ends_inside_a_row() -> None:
 def test_checksum_kernel_table_spans_and_the_torch_fallback() -> None:
     """The kernel's table (``_checksum_kernel.table_for``): each piece in spans of whole words with the index of
     its first word in its item; pieces with trailing bytes or at an address not a multiple of 4 get no table
-    (the torch form), and before its self-check the kernel is never used."""
+    (the torch form); before its self-check, and where it cannot run, the kernel is never used."""
     from rlix_plugins.transport import _checksum_kernel as kernel
 
     span = kernel.SPAN_WORDS
@@ -209,3 +209,9 @@ def test_checksum_kernel_table_spans_and_the_torch_fallback() -> None:
     assert kernel.table_for([[a[:6]]]) is None and kernel.table_for([[a[1:9]]]) is None
     kernel._matched = None
     assert kernel.kernel_checksums([[a]]) is None
+    try:
+        assert kernel.self_check([[], []], [[0, 0, 0], [0, 0, 0]]) is False and kernel._matched is None  # nothing read
+        assert kernel.self_check([[b]], [[64, 0, 0]]) is False  # no kernel here (no triton, or no GPU to run it)
+        assert kernel._matched is False and kernel.kernel_checksums([[a]]) is None
+    finally:
+        kernel._matched = None
