@@ -131,7 +131,11 @@ def device_view(host: torch.Tensor, device: torch.device) -> torch.Tensor:
         __cuda_array_interface__ = {"shape": (host.numel(),), "typestr": "|u1", "data": (host.data_ptr(), False),
                                     "version": 3, "strides": None}
 
-    return torch.as_tensor(_Pages(), device=device)
+    view = torch.as_tensor(_Pages(), device=device)
+    if view.data_ptr() != host.data_ptr():  # torch copied them: pages registered while another device was current
+        raise TransportError(f"device_view: the pinned pages at {host.data_ptr():#x} are not addressable from "
+                             f"{device} in place; register them with {device} current, or copy with a copy engine")
+    return view
 
 
 class _Mapped:
