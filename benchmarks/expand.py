@@ -119,6 +119,20 @@ def raw_h2d_s(nbytes: int, repeats: int) -> float:
     return best
 
 
+def best_gpu_seconds(fn: Any, runs: int) -> float:
+    """The fastest of ``runs`` calls of ``fn``, each timed on the GPU with CUDA events (the device idle before)."""
+    best = float("inf")
+    for _ in range(runs):
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1000)
+    return best
+
+
 def copy_probe(worker: Any, payload: dict[str, Any], repeats: int, scratch_only: bool = False,
                kept: bool = False, sm: bool = False) -> dict[str, Any]:
     """Runs inside the engine's worker (``collective_rpc`` with a function): where host_pull's copies lose speed.
@@ -136,16 +150,7 @@ def copy_probe(worker: Any, payload: dict[str, Any], repeats: int, scratch_only:
     scratch = worker._rlix_kept[:total] if kept else torch.empty(total, dtype=torch.uint8, device=worker.device)
 
     def timed(fn: Any) -> float:
-        best = float("inf")
-        for _ in range(repeats):
-            torch.cuda.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            best = min(best, start.elapsed_time(end) / 1000)
-        return best
+        return best_gpu_seconds(fn, repeats)
 
     def to_scratch() -> None:
         at = 0

@@ -21,16 +21,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 
 def timed(fn: Any, repeats: int) -> float:
-    best = float("inf")
-    for _ in range(repeats + 1):
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) / 1e3)
-    return best
+    from expand import best_gpu_seconds
+
+    return best_gpu_seconds(fn, repeats + 1)
 
 
 def main(argv: list[str] | None = None) -> int:
