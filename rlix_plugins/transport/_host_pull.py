@@ -124,9 +124,9 @@ def device_view(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A CUDA tensor over pinned host pages (their unified virtual address, no copy): a kernel reading it pulls the
     bytes over PCIe with the SMs instead of a copy engine. Why: for ~0.1-0.3 s after GPU memory is released or mapped
     (a sleep, a wake) something outside every process - most likely the driver's work on that memory - shares the copy
-    engines, and copy-engine host->device
-    copies from any process run at half the link (H200: 29.5 vs 55 GB/s) while SM reads keep ~50 GB/s
-    (``benchmarks/results/h200-2026-11-26-sm-reads/``). ``host`` must stay mapped and pinned while it is read."""
+    engines: copy-engine host->device copies from any process run at half the link (H200: 29.5 vs 55 GB/s) while SM
+    reads keep ~50 GB/s (``benchmarks/results/h200-2026-11-26-sm-reads/``). ``host`` must stay mapped and pinned
+    while it is read."""
 
     class _Pages:
         __cuda_array_interface__ = {"shape": (host.numel(),), "typestr": "|u1", "data": (host.data_ptr(), False),
