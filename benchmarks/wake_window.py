@@ -75,20 +75,10 @@ class _Ptr:
         return self.ptr
 
 
-def device_view(host: torch.Tensor) -> torch.Tensor:
-    """A CUDA tensor over pinned host memory (its UVA address): kernels reading it pull the bytes over PCIe."""
-
-    class _Iface:
-        __cuda_array_interface__ = {"shape": (host.numel(),), "typestr": "|u1", "data": (host.data_ptr(), False),
-                                    "version": 3, "strides": None}
-
-    return torch.as_tensor(_Iface(), device=torch.device("cuda", torch.cuda.current_device()))
-
-
 def op_series(worker: Any, payload: dict[str, Any] | None, op: str, seconds: float) -> dict[str, Any]:
     """``op`` back to back for ``seconds`` (in the engine's worker, or here with ``worker=None``): per op
     (seconds since the call, GB/s or TFLOP/s)."""
-    from rlix_plugins.transport import open_host_pull
+    from rlix_plugins.transport import device_view, open_host_pull
 
     dev = torch.device("cuda", torch.cuda.current_device())
     if payload is not None:
@@ -100,7 +90,7 @@ def op_series(worker: Any, payload: dict[str, Any] | None, op: str, seconds: flo
     note = ""
     if op == "sm_h2d":
         try:
-            view = device_view(src).view(torch.int32)
+            view = device_view(src, dev).view(torch.int32)
         except Exception as exc:
             return {"error": f"{type(exc).__name__}: {exc}"}
         out32 = dst.view(torch.int32)
@@ -201,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
             t_wake = time.perf_counter()
             llm.wake_up()
             got["wake_s"] = round(time.perf_counter() - t_wake, 3)
-            t.join()
+            t.join(timeout=60)
             result["driver copies across a wake (wake starts at 0.2 s)"] = got
             progress(f"driver copies across a wake: {got}")
         try:

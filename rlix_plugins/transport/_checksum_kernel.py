@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from rlix_plugins.transport._checksum import finish_checksums
+
 log = logging.getLogger(__name__)
 
 #: words per table entry (a span of one piece): 256 KiB, so a 1.5B model's 3 GB is ~12k programs
@@ -114,8 +116,6 @@ def self_check(items: Sequence[Sequence[torch.Tensor]], expected: Sequence[Seque
     global _matched
     if _matched is not None:
         return _matched
-    from rlix_plugins.transport._checksum import finish_checksums
-
     table = table_for(items)
     if not table:
         return False  # nothing the kernel would read: ask again with the next layout
