@@ -58,6 +58,7 @@ from rlix_plugins.errors import RlixConfigError, TransportError, WeightVerificat
 from rlix_plugins.transport import finish_checksums, start_checksums, verify_checksums
 from rlix_plugins.transport._checksum import segment_checksums
 from rlix_plugins.transport._checksum_kernel import KernelChecksums, kernel_checksums, self_check
+from rlix_plugins.transport._copy_kernel import KernelCopies, kernel_copies
 from rlix_plugins.vllm.loading import WeightLoader, refresh_cpu_packed_copies, select_loader
 from rlix_plugins.vllm.replay import BucketReplay, CopyRecorder, DirectCopies, parameter_storages
 
@@ -101,6 +102,8 @@ class _Sync:
     landed_done: Any = None
     #: layouts first recorded in this sync: (meta, key, replay) - checked for the direct form at finalize
     recorded: list[tuple[BucketMeta, tuple[Any, ...], BucketReplay]] = field(default_factory=list)
+    #: host_pull: per layout key, the address of the pages this sync read it from (a new direct layout's copy plan)
+    sources: dict[tuple[Any, ...], int] = field(default_factory=dict)
 
     def wait_reads(self) -> None:
         """Block until every host page read of this sync landed (the sender may then rebuild its cache)."""
@@ -130,6 +133,7 @@ class _State:
     #: where the last sync's time went on this worker (seconds per phase; ``rlix_receiver_info``)
     timing: dict[str, float] = field(default_factory=dict)
     pulls: int = 0
+    finishes: int = 0
     #: host_pull: per bucket layout, the loader's copies recorded at its first load (:mod:`.replay`)
     replays: dict[tuple[Any, ...], BucketReplay] = field(default_factory=dict)
     no_replay: set[tuple[Any, ...]] = field(default_factory=set)
@@ -139,6 +143,8 @@ class _State:
     check_stream: Any = None
     #: direct layout (``id`` of a ``direct`` value) -> its landed-bytes checksum plan
     landed_plans: dict[int, PiecesChecksums | KernelChecksums] = field(default_factory=dict)
+    #: direct layout (``id``) -> its SM copy plan from the pages it was last read from (an expand's copies)
+    copy_plans: dict[int, KernelCopies] = field(default_factory=dict)
     #: checksums of parameter bytes as the last finalize left them, with the address of the one piece holding them
     #: (None: several pieces); one use: that sync's ``verify_model``
     landed: dict[str, tuple[list[int], int | None]] = field(default_factory=dict)
@@ -364,6 +370,12 @@ class RlixReceiverMixin:
         prefix cache in the same call (:mod:`rlix_plugins.vllm.engine_hook`, which fills in
         ``"prefix_cache_reset"``; None: no hook ran, the sender resets). Returns ``{"finalized": bool, "verified":
         verify_model's result or None, "prefix_cache_reset": None}``."""
+        state = self._rlix()
+        state.finishes += 1
+        with python_profiled(f"finish{state.finishes}", _PROFILE_CALLS):
+            return self._rlix_finish(sync_id, expected)
+
+    def _rlix_finish(self, sync_id: str, expected: dict[str, list[int]] | None) -> dict[str, Any]:
         sync = self._rlix().sync
         t0 = time.perf_counter()
         try:
@@ -375,8 +387,9 @@ class RlixReceiverMixin:
                 sync.wait_reads()  # even when finalize failed: the sender lets go of the pages when this returns
         t_verify = time.perf_counter()
         verified = None if expected is None else self.verify_model(expected)
-        self._rlix().timing.update(finish_finalize_and_reads_s=t_verify - t0,
-                                   finish_verify_s=time.perf_counter() - t_verify)
+        done = time.perf_counter()
+        self._rlix().timing.update(finish_finalize_and_reads_s=t_verify - t0, finish_verify_s=done - t_verify,
+                                   finish_call_s=done - t0)
         return {"finalized": finalized, "verified": verified, "prefix_cache_reset": None}
 
     def verify_model(self, expected: dict[str, list[int]]) -> dict[str, int]:
@@ -423,8 +436,12 @@ class RlixReceiverMixin:
     def _rlix_pull(self, sync: _Sync, payload: dict[str, Any]) -> int:
         state = self._rlix()
         state.pulls += 1
-        with profiled(f"pull{state.pulls}", state.pulls == _PROFILE_PULL):
-            return self._rlix_pull_buckets(sync, payload)
+        t0 = time.perf_counter()
+        with profiled(f"pull{state.pulls}", state.pulls == _PROFILE_PULL), \
+                python_profiled(f"pullcall{state.pulls}", _PROFILE_CALLS):
+            count = self._rlix_pull_buckets(sync, payload)
+        state.timing["pull_call_s"] = time.perf_counter() - t0  # the whole call on this worker (RPC aside)
+        return count
 
     def _rlix_pull_buckets(self, sync: _Sync, payload: dict[str, Any]) -> int:
         """Every bucket of a ``host_pull`` sync, in one call: map the sender's pinned pages (once per
@@ -435,7 +452,9 @@ class RlixReceiverMixin:
         import torch
 
         device = self._rlix_device()
+        t0 = time.perf_counter()
         opened = transport.open_host_pull(payload, pin=device.type == "cuda")
+        t_opened = time.perf_counter()
         if device.type != "cuda":  # vLLM-CPU: the mapped pages are the tensors (staged mode clones them)
             return sum(self._rlix_accept(sync, transport.unpack_bucket(m, h), borrowed=True) for m, h in opened)
         state = self._rlix()
@@ -445,8 +464,11 @@ class RlixReceiverMixin:
         if sync.mode == "eager":
             direct = [state.direct.get(layout_key(m)) for m, _ in opened]
             if all(d is not None and d.valid(params) for d in direct):
-                return self._rlix_pull_direct(sync, opened, direct, deferred=bool(payload.get("deferred")),  # type: ignore[arg-type]
-                                              sm_reads=bool(payload.get("overlaps_wake")))
+                t_checked = time.perf_counter()
+                count = self._rlix_pull_direct(sync, opened, direct, deferred=bool(payload.get("deferred")),  # type: ignore[arg-type]
+                                               sm_reads=bool(payload.get("overlaps_wake")))
+                state.timing.update(pull_open_s=t_opened - t0, pull_check_layouts_s=t_checked - t_opened)
+                return count
         copy_stream, main = state.copy_stream, torch.cuda.current_stream(device)
         capacity = max((transport.align_up(m.used_bytes) for m, _ in opened), default=0)
         count = min(2, len(opened))
@@ -475,16 +497,18 @@ class RlixReceiverMixin:
         load_s = 0.0
         for i in range(count):
             copy_in(i)
-        for i, (meta, _) in enumerate(opened):
+        for i, (meta, host) in enumerate(opened):
             buf = receive[i % count]
             views = transport.unpack_bucket(meta, buf)
             key = layout_key(meta)
+            sync.sources[key] = host.data_ptr()
             replay = state.replays.get(key) if sync.mode == "eager" else None
             if replay is not None and not replay.valid(params):
                 logger.warning("rlix: parameters moved since bucket %d's load was recorded: loading it again", meta.index)
                 state.replays.pop(key, None)
                 state.direct.pop(key, None)
                 state.landed_plans.clear()
+                state.copy_plans.clear()
                 replay = None
             record = sync.mode == "eager" and replay is None and key not in state.no_replay
             recorders: list[CopyRecorder] = []
@@ -540,8 +564,9 @@ class RlixReceiverMixin:
         once the copies are queued (the sender's ``after_issue`` work - the KV cache's wake - overlaps them, and
         ``rlix_finish_weight_update`` is the barrier); otherwise return after the last host read. ``sm_reads`` (an
         expand: memory is being mapped): one copy kernel per bucket reads the pages through their device address,
-        since the driver's work on the memory a wake maps halves copy-engine throughput. Verified at finalize, on
-        the parameters themselves."""
+        since the driver's work on the memory a wake maps halves copy-engine throughput - a triton kernel of few
+        programs (:mod:`rlix_plugins.transport._copy_kernel`: a shallow PCIe read queue does not hold the KV wake
+        back), torch's foreach copy where it is unavailable. Verified at finalize, on the parameters themselves."""
         import torch
 
         state = self._rlix()
@@ -551,10 +576,19 @@ class RlixReceiverMixin:
         t0 = time.perf_counter()
         stream.wait_stream(torch.cuda.current_stream(self._rlix_device()))
         landed = []
+        kernel = 0
         with torch.cuda.stream(stream):
             for (_, host), layout in zip(opened, direct, strict=True):
                 if sm_reads:
-                    dsts, srcs = layout.word_copies(transport.device_view(host, self._rlix_device()))
+                    view = transport.device_view(host, self._rlix_device())
+                    plan = self._rlix_copy_plan(layout, view.data_ptr())
+                    if plan is not None:
+                        plan.launch()
+                        kernel += 1
+                        landed.append(torch.cuda.Event())
+                        landed[-1].record(stream)
+                        continue
+                    dsts, srcs = layout.word_copies(view)
                 else:
                     dsts, srcs = [dst for dst, _, _ in layout.copies], [host[lo:hi] for _, lo, hi in layout.copies]
                 torch._foreach_copy_(dsts, srcs, non_blocking=True)
@@ -581,7 +615,7 @@ class RlixReceiverMixin:
             sync.wait_reads()
         state.timing = {"pull_issue_s": t_issued - t0, "pull_issue_checksums_s": t_issued - t_copies,
                         "pull_direct_copies": sum(len(d.copies) for d in direct), "pull_deferred": deferred,
-                        "pull_sm_reads": sm_reads,
+                        "pull_sm_reads": sm_reads, "pull_copy_kernel_buckets": kernel,
                         "pull_checksum_kernel": all(isinstance(state.landed_plans.get(id(d)), KernelChecksums)
                                                     for d in direct),
                         "pull_wait_copies_s": time.perf_counter() - t_issued}
@@ -623,13 +657,29 @@ class RlixReceiverMixin:
             if all(landed[n][0] == received.get(n) for n in meta.names):
                 state.direct[key] = found
                 state.landed_plans.clear()
+                state.copy_plans.clear()
             else:
                 logger.info("rlix: bucket %d stays on the receive-buffer path: the parameters differ from the received "
                             "bytes after post-processing", meta.index)
         if self._rlix_device().type == "cuda":  # the plans now, not in the next pull: building one is a blocking copy
-            for layout in state.direct.values():
+            for key, layout in state.direct.items():
                 self._rlix_landed_plan(layout)
+                if key in sync.sources:
+                    self._rlix_copy_plan(layout, sync.sources[key])
         return landed
+
+    def _rlix_copy_plan(self, layout: DirectCopies, source: int) -> KernelCopies | None:
+        """The SM copy plan of a direct layout from the pages at ``source`` (built when the layout became direct, again
+        if the pages moved); None where the copy kernel is unavailable (:mod:`rlix_plugins.transport._copy_kernel`)."""
+        plans = self._rlix().copy_plans
+        plan = plans.get(id(layout))
+        if plan is None or plan.source != source:
+            built = kernel_copies(source, [(dst.data_ptr(), lo, hi) for dst, lo, hi in layout.copies],
+                                  self._rlix_device())
+            if built is None:
+                return None
+            plan = plans[id(layout)] = built
+        return plan
 
     def _rlix_landed_plan(self, layout: DirectCopies) -> PiecesChecksums | KernelChecksums:
         """The landed-bytes checksum plan of a direct layout, built once: one kernel launch when the kernel passed
@@ -695,6 +745,7 @@ class RlixReceiverMixin:
             "direct_layouts": len(state.direct),
             #: direct layouts whose checksum plan is built (all, after the sync that made them direct), by kind
             "landed_plans": sorted(type(p).__name__ for p in state.landed_plans.values()),
+            "copy_plans": len(state.copy_plans),
             "timing": dict(state.timing),
         }
 
@@ -737,6 +788,32 @@ def group_ranges(meta: Any) -> list[tuple[list[int], int, int]]:
 
 #: ``RLIX_PROFILE_PULL=N``: profile this worker's N-th host_pull with the torch profiler (where a sync's time goes)
 _PROFILE_PULL = int(os.environ.get("RLIX_PROFILE_PULL", "0") or 0)
+#: ``RLIX_PROFILE_CALLS=1``: profile the host Python of every pull and finish call (cProfile, to ``RLIX_PROFILE_DIR``)
+_PROFILE_CALLS = os.environ.get("RLIX_PROFILE_CALLS", "") not in ("", "0")
+
+
+@contextlib.contextmanager
+def python_profiled(name: str, active: bool) -> Iterator[None]:
+    """When ``active`` and ``RLIX_PROFILE_DIR`` is set: cProfile around the block, the 40 costliest calls by
+    cumulative time to ``<dir>/<name>_<pid>.txt`` (where host time goes in Python: the torch profiler sees ops)."""
+    out = os.environ.get("RLIX_PROFILE_DIR")
+    if not (active and out):
+        yield
+        return
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    try:
+        yield
+    finally:
+        prof.disable()
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(40)
+        with open(os.path.join(out, f"{name}_{os.getpid()}.txt"), "w", encoding="utf-8") as fh:
+            fh.write(text.getvalue())
 
 
 @contextlib.contextmanager

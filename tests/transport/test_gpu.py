@@ -132,6 +132,40 @@ def test_device_view_reads_pinned_pages_with_a_kernel() -> None:
         buf.close()
 
 
+def test_copy_kernel_lands_pinned_pages_in_every_word_size() -> None:
+    """The SM copy kernel (an expand's reads): rows from the device view of pinned pages into scattered destinations,
+    longer than a span and in each word size the addresses allow, land exactly those bytes and nothing else."""
+    pytest.importorskip("triton")
+    from rlix_plugins.transport import SharedHostBuffer, device_view, map_host_buffer
+    from rlix_plugins.transport import _copy_kernel as kernel
+
+    dev = torch.device("cuda", 0)
+    assert kernel.copy_kernel_ok(dev)
+    size = 3 * kernel.SPAN_BYTES + 64
+    buf = SharedHostBuffer(size, pin=True)
+    try:
+        buf.tensor.copy_(torch.randint(0, 256, (size,), dtype=torch.uint8))
+        source = device_view(map_host_buffer(buf.handle, pin=True), dev).data_ptr()
+        out = torch.zeros(2 * size, dtype=torch.uint8, device=dev)
+        base = out.data_ptr()
+        for copies, word in (
+            ([(base + size, 0, size)], 8),  # several spans
+            ([(base + 8, 64, 2 * kernel.SPAN_BYTES + 128), (base + size + 4, 4, 12)], 4),  # two copies, out of order
+            ([(base + 2, 6, 10)], 2),
+            ([(base + 3, 5, 6)], 1),
+        ):
+            out.zero_()
+            plan = kernel.kernel_copies(source, copies, dev)
+            assert plan is not None and plan.word == word
+            plan.launch()
+            want = torch.zeros(2 * size, dtype=torch.uint8)
+            for dst, lo, hi in copies:
+                want[dst - base : dst - base + hi - lo] = buf.tensor[lo:hi]
+            assert torch.equal(out.cpu(), want), copies
+    finally:
+        buf.close()
+
+
 def test_checksum_kernel_matches_the_definition() -> None:
     """The triton checksum kernel (one launch over the pieces where they lie) gives the torch form's numbers:
     items of one and of several pieces, one longer than a span, an empty one, words with the top bit set (the

@@ -293,6 +293,7 @@ def test_gpu_expand_time_1p5b(gpus: int, tiny_model_dir: Path) -> None:
         _sync(cache, {0: [ENGINE_GPU]}, rpc, via="host_pull", verify=False)  # warm-up (mapping, pinning, allocator)
         info = _info(rpc[0])  # the warm-up made every layout direct and built its checksum plan: none in an expand
         assert info["landed_plans"] == ["KernelChecksums"] * info["direct_layouts"] and info["direct_layouts"] > 0, info
+        assert info["copy_plans"] == info["direct_layouts"], info  # and its SM copy plan, for the expands
         from vllm import SamplingParams
 
         ref = [list(o.outputs[0].token_ids) for o in
@@ -312,6 +313,7 @@ def test_gpu_expand_time_1p5b(gpus: int, tiny_model_dir: Path) -> None:
             timing = _info(rpc[0])["timing"]
             assert timing.get("pull_direct_copies", 0) > 0 and timing["pull_deferred"], timing
             assert timing["pull_sm_reads"], f"an expand read the pages with a copy engine: {timing}"
+            assert timing["pull_copy_kernel_buckets"] == info["direct_layouts"], f"torch's copy, not the SM kernel: {timing}"
             assert timing["pull_checksum_kernel"], f"the checksum kernel failed its self-check: {timing}"
             assert report.separate_reset_dp_ranks == (), "EngineCore did not reset the prefix cache in the finish call"
             out = [list(o.outputs[0].token_ids) for o in
