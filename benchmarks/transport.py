@@ -1,9 +1,11 @@
 """Weight-transport benchmark: every number is a ratio against the raw primitive, measured in the same run.
 
 * CPU: cache build (pack into reused buffers) vs a raw memcpy of the same bytes.
-* GPU (>= 1 GPU): cache -> GPU push to a receiver process on the same GPU (it copies every tensor into its
-  own parameters, as vLLM's load does) vs a raw pinned host->device copy: by ``host_pull`` (the receiver
-  copies from the sender's pinned pages; the default) and by ``cuda_ipc`` (sender GPU staging + IPC handle).
+* GPU (>= 1 GPU): cache -> GPU push to a receiver process on the same GPU vs a raw pinned host->device copy: by
+  ``host_pull`` (the receiver copies from the sender's pinned pages; the default: a bucket lands in one copy, the
+  stand-in receiver's parameters being views of one buffer per bucket layout - the vLLM receiver's per-parameter
+  copies are measured by ``expand.py``) and by ``cuda_ipc`` (sender GPU staging + IPC handle; the receiver copies
+  every tensor into its own parameters, as vLLM's load does).
 * GPU (>= 2 GPUs): NCCL per-sync broadcast (group created + destroyed per sync) from the pinned cache
   to a receiver process on GPU 1 vs a raw NCCL broadcast of one flat GPU buffer; and group
   setup+teardown time.

@@ -3,6 +3,9 @@
 The reference endpoint for tests and benchmarks (the vLLM extension is the production one; no product API,
 see :mod:`rlix_plugins.testing`): one process per local rank, each a tiny "model" that loads received tensors
 into persistent parameters (``param.copy_(received)``, like vLLM's ``load_weights``) and records their checksums.
+A host_pull bucket lands in one copy instead: this model owns its parameter storage, so the parameters of a bucket
+layout are views of one buffer laid out like the bucket (the vLLM receiver, which does not own its storage, copies
+each parameter's byte range; ``benchmarks/expand.py`` measures that path).
 
 Calls to one worker run in order on one thread (like a Ray actor); calls to different workers and
 endpoints overlap, which the broadcast needs. A dead worker fails its pending call promptly
@@ -184,12 +187,14 @@ class _Worker:
             torch.cuda.set_device(self.device)
         self.use_checksums = checksums
         self.params: dict[str, Any] = {}
+        #: host_pull: bucket layout -> the buffer whose views are that layout's parameters
+        self.bucket_storage: dict[tuple[Any, ...], Any] = {}
         self.checksums: dict[str, list[int]] = {}
         self.faults: dict[str, int] = {}
         self.calls: dict[str, int] = {}
 
-    def _load(self, named: list[tuple[str, Any]], wait: bool = True) -> int:
-        """Copy into persistent parameters (asynchronous from pinned host pages), checksum them; ``wait``: sync."""
+    def _load(self, named: list[tuple[str, Any]]) -> int:
+        """Copy into persistent parameters and checksum them; returns once the copies landed."""
         from rlix_plugins.transport import finish_checksums, start_checksums
 
         on_gpu = self.device.type == "cuda"
@@ -203,9 +208,27 @@ class _Worker:
         if self.use_checksums:
             sums = finish_checksums([p.numel() * p.element_size() for p in params], start_checksums(params))
             self.checksums.update(zip((n for n, _ in named), sums, strict=True))
-        if on_gpu and wait:
+        if on_gpu:
             self.torch.cuda.current_stream(self.device).synchronize()
         return len(named)
+
+    def _land_bucket(self, meta: Any, host: Any) -> int:
+        """A host_pull bucket into its layout's buffer in one copy (asynchronous from pinned pages on a GPU)."""
+        from rlix_plugins.transport import bucket_checksums, finish_checksums, unpack_bucket
+
+        key = (meta.names, meta.offsets, meta.dtypes, meta.shapes)
+        flat = self.bucket_storage.get(key)
+        if flat is None:  # a new layout: its names' parameters move into a buffer of their own
+            for stale in [k for k in self.bucket_storage if set(k[0]) & set(meta.names)]:
+                del self.bucket_storage[stale]
+            flat = self.bucket_storage[key] = self.torch.empty(meta.used_bytes, dtype=self.torch.uint8, device=self.device)
+            self.params.update(unpack_bucket(meta, flat))
+        flat.copy_(host[: meta.used_bytes], non_blocking=self.device.type == "cuda")
+        if self.use_checksums:
+            nbytes = [meta.nbytes(k) for k in range(len(meta.names))]
+            sums = finish_checksums(nbytes, bucket_checksums(flat, list(meta.offsets), nbytes))
+            self.checksums.update(zip(meta.names, sums, strict=True))
+        return len(meta.names)
 
     def setup_collective_group(self, name: str, addr: str, port: int, ranks: dict[Any, int], world: int, backend: str, timeout_s: float) -> bool:
         from rlix_plugins.transport import setup_collective_group
@@ -224,11 +247,11 @@ class _Worker:
         from rlix_plugins.transport import SyncTransport, same_gpu_transport
 
         if isinstance(same_gpu_transport(str(payload.get("transport"))), SyncTransport):  # host_pull: every bucket
-            from rlix_plugins.transport import open_host_pull, unpack_bucket
+            from rlix_plugins.transport import open_host_pull
 
             count = 0
             for meta, host in open_host_pull(payload, pin=self.device.type == "cuda"):  # every bucket in one call
-                count += self._load(unpack_bucket(meta, host), wait=False)
+                count += self._land_bucket(meta, host)
             if self.device.type == "cuda":
                 self.torch.cuda.current_stream(self.device).synchronize()  # every host read done before returning
             return count
