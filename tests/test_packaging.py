@@ -31,6 +31,7 @@ def test_wheel_contains_the_patch_series(tmp_path: Path) -> None:
     assert series == [f"rlix_plugins/patches/nemo-rl/7ea279a/{n}" for n in repo_series], series
     assert any(n.startswith("rlix_plugins/patches/nemo-rl/7ea279a/loops/") for n in series)  # the second part
     assert any(n.endswith(".patch") for n in series)
+    assert "rlix_plugins/transport/_pack_checksum.c" in names  # the CPU pack kernel is compiled from it at first use
 
     # Installed from the wheel (extracted as site-packages would hold it), the default root finds the series.
     site = tmp_path / "site"

@@ -250,7 +250,7 @@ def iter_buckets(
     by default a fresh CPU buffer of exactly the packed size. ``on_tensor(name, tensor)`` sees every
     tensor once before it is copied (checksums are computed there, on the tensor's own device).
     ``checksum_cpu``: each record's ``sums`` holds the checksums of its CPU-sourced tensors, taken from the
-    packed bytes step by step while the copy has them in cache (``PackChecksums``).
+    copy that packs them (``PackChecksums``).
 
     Lockstep: the source iterator is consumed strictly in order and only once. Buffer reuse: a
     buffer handed out by ``buffer_for(i)`` is written while bucket ``i`` is packed; the caller must

@@ -152,7 +152,7 @@ class VersionedBucketCache:
         Every rank must call this with its iterator. On the owner the lock is taken BEFORE the
         iterator is first advanced, so peers wait in their first collective, not mid-model.
         Checksums: a GPU tensor's on its GPU (launched as it is packed, read once at the end); CPU tensors'
-        from the packed bytes, step by step while the copy has them in cache (``PackChecksums``).
+        summed in the same pass that packs them (``PackChecksums``).
         On error no version is published (the old bytes are already partly overwritten).
         """
         if not self.is_owner:
