@@ -180,6 +180,27 @@ def copy_probe(worker: Any, payload: dict[str, Any], repeats: int, scratch_only:
     return {k: round(v, 1) if isinstance(v, float) else v for k, v in out.items()}
 
 
+def engine(path: Path) -> Any:
+    """The benchmarks' engine: dummy weights of ``path``'s shape, sleep mode, our receiver, 45% of the GPU."""
+    from vllm import LLM
+
+    from rlix_plugins.vllm import EXTENSION_CLS
+
+    return LLM(model=str(path), dtype="bfloat16", max_model_len=512, enforce_eager=True, seed=0, load_format="dummy",
+               gpu_memory_utilization=0.45, enable_sleep_mode=True, worker_extension_cls=EXTENSION_CLS)
+
+
+def engine_and_cache(root: Path, shape: str) -> tuple[Any, Any]:
+    """A ``shape`` :func:`engine` and a pinned bucket cache of random weights of that shape (version 1)."""
+    from rlix_plugins.transport import VersionedBucketCache
+
+    path = model_dir(root, shape)
+    cache = VersionedBucketCache(BUCKET_BYTES)
+    cache.build(1, sorted(random_weights(path).items()))
+    torch.cuda.empty_cache()
+    return engine(path), cache
+
+
 def greedy(llm: Any) -> list[list[int]]:
     from vllm import SamplingParams
 
@@ -424,10 +445,7 @@ def rpc_timeline(log: list[tuple[str, float, float, float]], t0: float, t1: floa
 
 def bench_shape(shape: str, root: Path, repeats: int, wake_trace: Path | None = None,
                 settle: float = 0.0, serve: float = 0.0) -> dict[str, Any]:
-    from vllm import LLM
-
     from rlix_plugins.transport import VersionedBucketCache, build_comm_plan
-    from rlix_plugins.vllm import EXTENSION_CLS
     from rlix_plugins.vllm.driver import sync_engines
 
     path = model_dir(root, shape)
@@ -447,8 +465,7 @@ def bench_shape(shape: str, root: Path, repeats: int, wake_trace: Path | None = 
                            "raw_h2d_GBps": round(nbytes / raw / 1e9, 1), "cache_first_build_s": round(first_build, 3),
                            "cache_rebuild_s(checksums on GPU)": round(rebuild, 3)}
     progress(f"{shape}: starting the engine")
-    llm = LLM(model=str(path), dtype="bfloat16", max_model_len=512, enforce_eager=True, seed=0, load_format="dummy",
-              gpu_memory_utilization=0.45, enable_sleep_mode=True, worker_extension_cls=EXTENSION_CLS)
+    llm = engine(path)
     rpc = {0: TimedRpc(llm)}
     plans = {t: build_comm_plan((0, 0), {0: [(0, 0)]}, t) for t in ("host_pull", "cuda_ipc")}
 

@@ -16,7 +16,6 @@ Usage (GPU machine, vLLM kit): ``python benchmarks/wake_window.py [--json out.js
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import tempfile
 import threading
@@ -24,15 +23,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
-os.environ.setdefault("RLIX_CONTROL_PLANE", "rlix")
-
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from expand import BUCKET_BYTES, emit, model_dir, progress, random_weights
+# importing expand sets the environment the engine needs (spawned workers, offline, functions sent to the worker)
+from expand import emit, engine_and_cache, progress
 
 CHUNK = 64 << 20
 OPS = ("ce_h2d", "sm_h2d", "sm_h2d_triton", "ce_d2d", "matmul")
@@ -155,20 +150,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=0.5)
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
-    from vllm import LLM
-
-    from rlix_plugins.transport import VersionedBucketCache, make_host_pull_payload
-    from rlix_plugins.vllm import EXTENSION_CLS
+    from rlix_plugins.transport import make_host_pull_payload
 
     result: dict[str, Any] = {"device": torch.cuda.get_device_name(0)}
     with tempfile.TemporaryDirectory(prefix="rlix-wake-window-") as tmp:
-        path = model_dir(Path(tmp), args.shape)
-        cache = VersionedBucketCache(BUCKET_BYTES)
-        cache.build(1, sorted(random_weights(path).items()))
-        torch.cuda.empty_cache()
-        llm = LLM(model=str(path), dtype="bfloat16", max_model_len=512, enforce_eager=True, seed=0,
-                  load_format="dummy", gpu_memory_utilization=0.45, enable_sleep_mode=True,
-                  worker_extension_cls=EXTENSION_CLS)
+        llm, cache = engine_and_cache(Path(tmp), args.shape)
         with cache.read() as snap:
             payload = make_host_pull_payload(list(snap.buckets))
             for case in ("no sleep", "after a level-2 wake"):
