@@ -86,10 +86,10 @@ class KernelCopies:
         self.rows = len(rows)
         self.table = torch.tensor(rows, dtype=torch.int64, device=device) if rows else None
 
-    def launch(self, programs: int = PROGRAMS) -> None:
-        """Queue every copy on the current stream (one launch of at most ``programs`` programs, no host sync)."""
+    def launch(self) -> None:
+        """Queue every copy on the current stream (one launch, no host sync)."""
         if self.table is not None:
-            _compile()[(min(programs, self.rows),)](self.table, self.rows, WORD=self.word, BLOCK=BLOCK)
+            _compile()[(min(PROGRAMS, self.rows),)](self.table, self.rows, WORD=self.word, BLOCK=BLOCK)
 
 
 def copy_kernel_ok(device: torch.device) -> bool:
