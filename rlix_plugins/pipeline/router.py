@@ -14,13 +14,24 @@ that routes holds a :class:`RouterClient` (a handle, nothing else).
 * ``deactivate(ranks)`` (first step of a shrink) / ``activate(ranks)`` (last step of an expand);
   ``wait_drained(ranks, timeout_s)`` waits until no ticket is out on the ranks (shrink: abort → drain → sleep).
 
-Threaded actor: blocked ``acquire`` calls each hold one of ``max_concurrency`` threads.
+Asyncio actor: a waiting ``acquire`` (or ``wait_drained``) is a suspended coroutine, not a held thread. A shrink
+that takes a pipeline's last active rank leaves a whole batch of aborted requests (32 prompts x 16 generations =
+512 per batch, several batches queued) waiting here; as a threaded actor they filled its threads and the control
+calls of the next resize (``release``, ``deactivate``, ``activate``, ``wait_drained``...) queued behind them until
+the resize timed out. All state lives on the actor's one event loop and every method runs without an ``await``
+between reading and changing it, so no lock is needed. Waiters park on per-waiter futures that ``activate`` /
+``close`` (acquire) and ``release`` (drain) resolve; a release wakes only the few drain waiters, never the
+thousands of acquire waiters. One concurrency group on purpose: Ray runs each group of an asyncio actor on its
+own event loop thread, so a separate group for control calls would need locks and cross-loop wake-ups again.
+Ray's ``max_concurrency`` of an asyncio actor bounds running coroutines; calls past it queue, control calls
+included, hence :data:`ROUTER_MAX_CONCURRENCY`.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import itertools
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,8 +43,12 @@ from rlix_plugins.pipeline.protocols import ShardPreemptedError
 
 __all__ = ["MIN_ROUTE_ATTEMPTS", "ROUTER_MAX_CONCURRENCY", "RolloutRouter", "RouterClient", "router_name"]
 
-#: Threads of the router actor: concurrent blocked ``acquire`` calls plus control calls.
-ROUTER_MAX_CONCURRENCY: Final = 256
+#: ``max_concurrency`` of the router actor: concurrent calls (asyncio: coroutines, not threads). Effectively
+#: unbounded on purpose: past the limit Ray queues calls, control calls behind the waiting ``acquire`` calls (the
+#: resize deadlock again), and a queued call costs the actor most of what an admitted one does (Ray 2.60, measured:
+#: ~30 KB queued vs ~55 KB waiting), so a lower limit saves nothing. The waiters are bounded by the requests the
+#: pipeline's collectors keep out, and each gives up after its route timeout.
+ROUTER_MAX_CONCURRENCY: Final = 1_000_000
 #: Least default attempts of one request (default: max(DP ranks, this)). A retry follows only a shrink the router
 #: confirmed, and each waits at most the route timeout for an active rank; but a request can be preempted once per
 #: training step of any co-tenant on its rank's GPU (with one rank, the one-GPU topology, every retry waits for
@@ -53,6 +68,30 @@ class _Ticket:
     preempted: bool = False
 
 
+class _Waiters:
+    """Coroutines parked until the next :meth:`wake_all`: an ``asyncio.Condition`` without its lock (the router's
+    state lives on one event loop and no method awaits between reading and changing it)."""
+
+    def __init__(self) -> None:
+        self._futures: set[asyncio.Future[None]] = set()
+
+    async def wait(self, timeout_s: float) -> None:
+        """Until the next wake or ``timeout_s``, whichever comes first; the caller re-checks its condition."""
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._futures.add(future)
+        try:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(future, timeout_s)
+        finally:
+            self._futures.discard(future)
+
+    def wake_all(self) -> None:
+        for future in self._futures:
+            if not future.done():
+                future.set_result(None)
+        self._futures.clear()
+
+
 class RolloutRouter:
     """Active ranks and in-flight tickets of one pipeline (see the module docstring). All ranks start inactive."""
 
@@ -60,7 +99,6 @@ class RolloutRouter:
         if num_dp_ranks < 1:
             raise RlixConfigError(f"num_dp_ranks={num_dp_ranks} must be >= 1")
         self._n = num_dp_ranks
-        self._cond = threading.Condition()
         self._active: set[int] = set()
         self._inflight = dict.fromkeys(range(num_dp_ranks), 0)
         self._served = dict.fromkeys(range(num_dp_ranks), 0)
@@ -68,16 +106,17 @@ class RolloutRouter:
         self._tickets: dict[int, _Ticket] = {}
         self._seq = itertools.count(1)
         self._closed: str | None = None
+        self._acquirers = _Waiters()  # woken when a rank becomes active or the router is closed
+        self._drainers = _Waiters()  # woken when a ticket ends
 
-    def ping(self) -> str:
+    async def ping(self) -> str:
         return "ok"
 
-    def close(self, reason: str) -> None:
+    async def close(self, reason: str) -> None:
         """The pipeline was failed: every routed request, waiting or new, raises ``PipelineUnregisteredError``
         (its collector stops at once instead of waiting for ranks that never come back)."""
-        with self._cond:
-            self._closed = reason
-            self._cond.notify_all()
+        self._closed = reason
+        self._acquirers.wake_all()
 
     def _check(self, ranks: list[int]) -> list[int]:
         bad = [r for r in ranks if not (isinstance(r, int) and 0 <= r < self._n)]
@@ -85,72 +124,64 @@ class RolloutRouter:
             raise RlixConfigError(f"dp ranks {bad} are outside 0..{self._n - 1}")
         return sorted(set(ranks))
 
-    def acquire(self, timeout_s: float, exclude: list[int] | None = None) -> tuple[int, int]:
+    async def acquire(self, timeout_s: float, exclude: list[int] | None = None) -> tuple[int, int]:
         """Least-outstanding active rank (ties: lowest rank), skipping ``exclude`` when another is active."""
         deadline = time.monotonic() + timeout_s
         skip = set(exclude or ())
-        with self._cond:
-            while True:
-                if self._closed is not None:
-                    raise PipelineUnregisteredError(f"no rollout: {self._closed}")
-                taken = self._take_locked(skip)
-                if taken is not None:
-                    return taken
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise RlixTimeoutError(
-                        f"no active rollout rank within {timeout_s:.0f} s (all {self._n} ranks asleep); the pipeline "
-                        "has no GENERATION GPUs - see `rlix status` (RuntimeConfig.route_timeout_s)"
-                    )
-                self._cond.wait(min(left, 1.0))
-
-    def release(self, ticket: int, ok: bool = True) -> bool:
-        """End a ticket; returns True when its rank was shrunk while it was out (the request may be retried)."""
-        with self._cond:
-            t = self._tickets.pop(ticket, None)
-            if t is None:
-                return False
-            self._inflight[t.rank] -= 1
-            if ok and not t.preempted:
-                self._served[t.rank] += 1
-            self._cond.notify_all()
-            return t.preempted
-
-    def deactivate(self, ranks: list[int]) -> list[int]:
-        """Stop routing to ``ranks``; their outstanding tickets are marked preempted. Returns the active ranks."""
-        ranks = self._check(ranks)
-        with self._cond:
-            self._active -= set(ranks)
-            for t in self._tickets.values():
-                if t.rank in ranks and not t.preempted:
-                    t.preempted = True
-                    self._preempted += 1
-            self._cond.notify_all()
-            return sorted(self._active)
-
-    def activate(self, ranks: list[int]) -> list[int]:
-        ranks = self._check(ranks)
-        with self._cond:
-            self._active |= set(ranks)
-            self._cond.notify_all()
-            return sorted(self._active)
-
-    def active(self) -> list[int]:
-        with self._cond:
-            return sorted(self._active)
-
-    def in_flight(self, ranks: list[int] | None = None) -> int:
-        with self._cond:
-            return sum(self._inflight[r] for r in (ranks if ranks is not None else range(self._n)))
-
-    def try_acquire(self, exclude: list[int] | None = None) -> tuple[int, int] | None:
-        """:meth:`acquire` without waiting: None when no rank is active."""
-        with self._cond:
+        while True:
             if self._closed is not None:
                 raise PipelineUnregisteredError(f"no rollout: {self._closed}")
-            return self._take_locked(set(exclude or ()))
+            taken = self._take(skip)
+            if taken is not None:
+                return taken
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RlixTimeoutError(
+                    f"no active rollout rank within {timeout_s:.0f} s (all {self._n} ranks asleep); the pipeline "
+                    "has no GENERATION GPUs - see `rlix status` (RuntimeConfig.route_timeout_s)"
+                )
+            await self._acquirers.wait(left)
 
-    def _take_locked(self, skip: set[int]) -> tuple[int, int] | None:
+    async def release(self, ticket: int, ok: bool = True) -> bool:
+        """End a ticket; returns True when its rank was shrunk while it was out (the request may be retried)."""
+        t = self._tickets.pop(ticket, None)
+        if t is None:
+            return False
+        self._inflight[t.rank] -= 1
+        if ok and not t.preempted:
+            self._served[t.rank] += 1
+        self._drainers.wake_all()
+        return t.preempted
+
+    async def deactivate(self, ranks: list[int]) -> list[int]:
+        """Stop routing to ``ranks``; their outstanding tickets are marked preempted. Returns the active ranks."""
+        ranks = self._check(ranks)
+        self._active -= set(ranks)
+        for t in self._tickets.values():
+            if t.rank in ranks and not t.preempted:
+                t.preempted = True
+                self._preempted += 1
+        return sorted(self._active)
+
+    async def activate(self, ranks: list[int]) -> list[int]:
+        ranks = self._check(ranks)
+        self._active |= set(ranks)
+        self._acquirers.wake_all()
+        return sorted(self._active)
+
+    async def active(self) -> list[int]:
+        return sorted(self._active)
+
+    async def in_flight(self, ranks: list[int] | None = None) -> int:
+        return sum(self._inflight[r] for r in (ranks if ranks is not None else range(self._n)))
+
+    async def try_acquire(self, exclude: list[int] | None = None) -> tuple[int, int] | None:
+        """:meth:`acquire` without waiting: None when no rank is active."""
+        if self._closed is not None:
+            raise PipelineUnregisteredError(f"no rollout: {self._closed}")
+        return self._take(set(exclude or ()))
+
+    def _take(self, skip: set[int]) -> tuple[int, int] | None:
         pool = (self._active - skip) or set(self._active)
         if not pool:
             return None
@@ -160,24 +191,22 @@ class RolloutRouter:
         self._inflight[rank] += 1
         return rank, ticket
 
-    def wait_drained(self, ranks: list[int], timeout_s: float) -> None:
-        """Block until no ticket is out on ``ranks``; raise ``RlixTimeoutError`` naming what is still running."""
+    async def wait_drained(self, ranks: list[int], timeout_s: float) -> None:
+        """Wait until no ticket is out on ``ranks``; raise ``RlixTimeoutError`` naming what is still running."""
         ranks = self._check(ranks)
         deadline = time.monotonic() + timeout_s
-        with self._cond:
-            while any(self._inflight[r] for r in ranks):
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    busy = {r: self._inflight[r] for r in ranks if self._inflight[r]}
-                    raise RlixTimeoutError(
-                        f"dp ranks did not drain within {timeout_s:.0f} s, requests still in flight: {busy}"
-                    )
-                self._cond.wait(min(left, 1.0))
+        while any(self._inflight[r] for r in ranks):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                busy = {r: self._inflight[r] for r in ranks if self._inflight[r]}
+                raise RlixTimeoutError(
+                    f"dp ranks did not drain within {timeout_s:.0f} s, requests still in flight: {busy}"
+                )
+            await self._drainers.wait(left)
 
-    def stats(self) -> dict[str, Any]:
-        with self._cond:
-            return {"active": sorted(self._active), "in_flight": dict(self._inflight),
-                    "served": dict(self._served), "preempted": self._preempted}
+    async def stats(self) -> dict[str, Any]:
+        return {"active": sorted(self._active), "in_flight": dict(self._inflight),
+                "served": dict(self._served), "preempted": self._preempted}
 
 
 class RouterClient:

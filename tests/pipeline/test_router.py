@@ -13,13 +13,13 @@ import ray
 
 from rlix_plugins.errors import RlixTimeoutError
 from rlix_plugins.pipeline.protocols import ShardPreemptedError
-from rlix_plugins.pipeline.router import RolloutRouter, RouterClient
+from rlix_plugins.pipeline.router import ROUTER_MAX_CONCURRENCY, RolloutRouter, RouterClient
 from tests.pipeline.standins import LoopRouterCaller
 
 
 @pytest.fixture
 def router(ray_cluster: Any) -> Iterator[Any]:
-    actor = ray.remote(RolloutRouter).options(num_cpus=0, max_concurrency=64).remote(3)
+    actor = ray.remote(RolloutRouter).options(num_cpus=0, max_concurrency=ROUTER_MAX_CONCURRENCY).remote(3)
     yield actor
     ray.kill(actor)
 
@@ -180,3 +180,91 @@ def test_loop_calls_need_no_thread_and_a_cancelled_wait_leaks_no_ticket(router: 
         assert ray.get(router.in_flight.remote(), timeout=30) == 0
     finally:
         ray.kill(caller)
+
+
+#: Control calls of a resize are bounded at 30 s by their callers; asserted well below, yet far above a fast answer.
+_CONTROL_BOUND_S = 10.0
+
+
+def _control(what: str, refs: Any) -> Any:
+    """The answer of a resize's control call (or of a batch of them), which must come within ``_CONTROL_BOUND_S``."""
+    try:
+        return ray.get(refs, timeout=_CONTROL_BOUND_S)
+    except ray.exceptions.GetTimeoutError:
+        pytest.fail(f"router control call {what} did not answer within {_CONTROL_BOUND_S:.0f} s "
+                    "(queued behind the waiting acquire calls)")
+
+
+@pytest.mark.slow
+def test_thousands_of_waiting_acquires_never_block_resize_control_calls(ray_cluster: Any) -> None:
+    """A shrink that takes a pipeline's last active rank leaves whole batches of aborted requests waiting in the
+    router. Waiting must not hold a slot a control call needs: with 2,048 requests waiting (more than the 256
+    threads of the former threaded actor), shrinks and expands run their control calls at once, and every request
+    ends with exactly one served ticket."""
+    n_requests, rounds = 2048, 3
+    router = ray.remote(RolloutRouter).options(num_cpus=0, max_concurrency=ROUTER_MAX_CONCURRENCY).remote(2)
+    try:
+        ray.get(router.ping.remote(), timeout=60)
+        # request -> its outstanding acquire; every request waits: no rank is active yet.
+        waiting = {router.acquire.remote(120.0): req for req in range(n_requests)}
+        assert ray.wait(list(waiting), timeout=1.0)[0] == [], "acquire returned while no rank was active"
+        assert _control("in_flight", router.in_flight.remote()) == 0
+        seen: set[int] = set()  # every ticket granted in the test
+        preempted = 0
+
+        def grant() -> dict[int, tuple[int, int]]:
+            """The waiting requests' tickets (request -> (rank, ticket)), each checked never granted before."""
+            got = ray.get(list(waiting), timeout=120)
+            out = {waiting[ref]: (int(r), int(t)) for ref, (r, t) in zip(waiting, got, strict=True)}
+            waiting.clear()
+            tickets = [t for _r, t in out.values()]
+            assert len(set(tickets)) == len(tickets) and seen.isdisjoint(tickets), "a ticket was granted twice"
+            seen.update(tickets)
+            return out
+
+        def release(what: str, held: dict[int, tuple[int, int]], *, expect_preempted: bool, retry: bool) -> None:
+            """End ``held``'s tickets (each once); ``retry``: the caller sends each request again at once."""
+            nonlocal preempted
+            refs = []
+            for req, (_rank, ticket) in held.items():
+                refs.append(router.release.remote(ticket, not expect_preempted))
+                if retry:
+                    waiting[router.acquire.remote(120.0)] = req
+            assert _control(what, refs) == [expect_preempted] * len(held)
+            preempted += len(held) if expect_preempted else 0
+
+        for step in range(rounds):
+            assert _control("activate", router.activate.remote([0, 1])) == [0, 1]  # expand
+            held = grant()
+            assert len(held) == n_requests
+            counts = [sum(r == rank for r, _t in held.values()) for rank in (0, 1)]
+            assert abs(counts[0] - counts[1]) <= 1, f"not least-outstanding: {counts}"
+            assert _control("in_flight", router.in_flight.remote()) == n_requests
+            # Partial shrink: rank `gone`'s requests are aborted and run again on the other rank at once.
+            gone = step % 2
+            assert _control("deactivate", router.deactivate.remote([gone])) == [1 - gone]
+            on_gone = {req: rt for req, rt in held.items() if rt[0] == gone}
+            release("release (partial shrink)", on_gone, expect_preempted=True, retry=True)
+            _control("wait_drained", router.wait_drained.remote([gone], _CONTROL_BOUND_S))
+            regranted = grant()
+            assert {r for r, _t in regranted.values()} == {1 - gone}
+            held.update(regranted)
+            # Full shrink while every ticket is out: all requests are aborted and wait in the router again.
+            assert _control("deactivate", router.deactivate.remote([0, 1])) == []
+            release("release (full shrink)", held, expect_preempted=True, retry=True)
+            _control("wait_drained", router.wait_drained.remote([0, 1], _CONTROL_BOUND_S))
+            assert len(waiting) == n_requests and ray.wait(list(waiting), timeout=0.5)[0] == []
+            stats = _control("stats", router.stats.remote())
+            assert stats["active"] == [] and stats["in_flight"] == {0: 0, 1: 0}
+
+        assert _control("activate", router.activate.remote([1, 0])) == [0, 1]  # the last expand: all run to the end
+        final = grant()
+        assert sorted(final) == list(range(n_requests))
+        release("release (served)", final, expect_preempted=False, retry=False)
+        assert _control("in_flight", router.in_flight.remote()) == 0
+        stats = _control("stats", router.stats.remote())
+        assert stats["served"] == {rank: sum(r == rank for r, _t in final.values()) for rank in (0, 1)}, stats
+        assert stats["preempted"] == preempted == rounds * (n_requests + n_requests // 2), stats
+        assert len(seen) == n_requests + preempted  # one ticket per acquire, each released once
+    finally:
+        ray.kill(router)
