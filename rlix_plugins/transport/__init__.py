@@ -18,13 +18,14 @@ Bucket format
 ``used_bytes`` is the end of the last tensor. ``meta.to_wire()`` / ``BucketMeta.from_wire(d)``
 convert to/from a plain dict. ``BucketRecord(meta, buffer)`` adds the contiguous uint8 buffer.
 ``iter_buckets(named_tensors, bucket_size_bytes)`` packs any iterator of ``(name, tensor)``;
-``unpack_bucket(meta, buffer)`` returns zero-copy views. A tensor larger than the bucket is an error
-(``RlixConfigError`` naming the bucket size to use); tensors are never split.
+``unpack_bucket(meta, buffer)`` returns zero-copy views. A tensor larger than the bucket travels alone in a
+bucket of its own, sized to it; tensors are never split.
 
 Cache (sender side)
 -------------------
 ``VersionedBucketCache(bucket_size_bytes, is_owner=...)``; ``cache.build(version, named_tensors)`` on
-every training rank (only the owner keeps buckets; pinned buffers allocated once and reused);
+every training rank (only the owner keeps buckets; pinned buffers allocated once and reused, one replaced
+only when a later version's bucket at its index needs more);
 ``with cache.read(timeout_s) as snap:`` holds the single cache lock (a build takes the same lock),
 ``snap.version``, ``snap.buckets``, ``snap.checksums``. At most one model copy of host memory.
 
@@ -89,7 +90,8 @@ their local rank is listed (``ipc_local_ranks`` / ``broadcast_local_ranks`` / ``
   (bit-exact, device-agnostic). The receiver computes them on the received tensors (names as sent),
   accumulating across buckets. Raised across vLLM's ``collective_rpc`` (which forwards only an error's
   text) as ``errors.carried_in_text(exc)``; ``wait_all`` re-raises it typed, with ``.dp_rank``.
-* ``check_device_capacity(bucket_bytes, device)`` - the free-memory guard the receive functions apply.
+* ``check_device_capacity(bucket_bytes, device, largest=meta.largest())`` - the free-memory guard the receive
+  functions apply (it names the largest tensor when that alone cannot fit).
 
 The receiver never knows about vLLM models: it returns named tensors; the extension loads them.
 """

@@ -244,7 +244,8 @@ def broadcast_parameter(
             "setup_collective_group must succeed first"
         )
     meta = BucketMeta.from_wire(bucket_meta)
-    check_device_capacity(meta.used_bytes, group.device, scratch_bytes=scratch_bytes, what=f"bucket {meta.index}")
+    check_device_capacity(meta.used_bytes, group.device, scratch_bytes=scratch_bytes, what=f"bucket {meta.index}",
+                          largest=meta.largest())
     buffer = torch.empty(meta.used_bytes, dtype=torch.uint8, device=group.device)
     if meta.used_bytes:
         try:

@@ -7,12 +7,15 @@ Layout of one bucket (``BucketMeta`` describes it, the buffer holds the bytes)::
 
 * every tensor starts at a multiple of ``ALIGN_BYTES`` (512) so any dtype can be viewed in place;
 * ``used_bytes`` = end of the last tensor (no trailing padding); only ``buffer[:used_bytes]`` travels;
-* the buffer may be larger than ``used_bytes`` (cache buffers are allocated once at the bucket size).
+* the buffer may be larger than ``used_bytes`` (cache buffers are allocated once at the bucket size, or at a
+  larger tensor's size).
 
-Large-tensor policy: a tensor larger than the bucket size is **an error**, not split. Its message names
-the tensor and the smallest bucket size that fits it. Splitting was rejected on purpose: vLLM's
-``load_weights`` needs whole tensors, so a receiver would have to re-assemble the pieces in a buffer
-as large as the tensor anyway, i.e. the real GPU scratch would exceed ``bucket_size_bytes`` silently.
+Large-tensor policy: a tensor larger than the bucket size travels **alone, in a bucket of its own** sized to it
+(its ``used_bytes`` exceeds the bucket size); it is never split and never refused. Splitting was rejected on
+purpose: vLLM's ``load_weights`` needs whole tensors, so a receiver would have to re-assemble the pieces in a
+buffer as large as the tensor anyway. So the GPU scratch of a sync is the largest bucket, i.e. at least the
+largest tensor (``CacheSnapshot.capacity_bytes``); the receivers' memory guards name that tensor when it alone
+does not fit.
 
 Metadata is plain Python (str/int/lists): dtypes travel as strings such as ``"bfloat16"`` because
 vLLM's msgpack transport rejects ``torch.dtype``. ``BucketMeta.to_wire()`` / ``from_wire()`` convert.
@@ -94,6 +97,10 @@ class BucketMeta:
     def nbytes(self, i: int) -> int:
         """Bytes of tensor ``i`` (without padding)."""
         return tensor_nbytes(self.shapes[i], str_to_dtype(self.dtypes[i]))
+
+    def largest(self) -> tuple[str, int]:
+        """``(name, bytes)`` of the bucket's largest tensor (``("", 0)`` for an empty bucket), for memory errors."""
+        return max(((n, self.nbytes(i)) for i, n in enumerate(self.names)), key=lambda t: t[1], default=("", 0))
 
     def to_wire(self) -> dict[str, Any]:
         """Plain dict (lists, str, int) that msgpack, pickle and JSON all accept."""
@@ -196,7 +203,8 @@ def plan_layout(items: Iterable[tuple[str, torch.Tensor]]) -> tuple[list[int], i
 def _fill(index: int, items: list[tuple[str, torch.Tensor]], buffer: torch.Tensor, checksum_cpu: bool = False) -> BucketRecord:
     offsets, used = plan_layout(items)
     if buffer.numel() < used:
-        raise TransportError(f"bucket {index}: buffer of {buffer.numel()} bytes cannot hold {used} bytes")
+        raise TransportError(f"bucket {index}: the buffer of {buffer.numel()} bytes cannot hold its {used} bytes "
+                             "(buffer_for(index, nbytes) must return at least nbytes)")
     needs_sync = False
     # checksums of CPU sources while packing (one read of the bytes); a buffer that ends inside the last row is
     # checksummed after packing instead
@@ -240,23 +248,25 @@ def _fill(index: int, items: list[tuple[str, torch.Tensor]], buffer: torch.Tenso
 def iter_buckets(
     named_tensors: Iterable[tuple[str, torch.Tensor]],
     bucket_size_bytes: int,
-    buffer_for: Callable[[int], torch.Tensor] | None = None,
+    buffer_for: Callable[[int, int], torch.Tensor] | None = None,
     on_tensor: Callable[[str, torch.Tensor], None] | None = None,
     checksum_cpu: bool = False,
 ) -> Iterator[BucketRecord]:
     """Greedy packing in iteration order: a bucket closes when the next tensor would not fit.
 
-    ``buffer_for(i)`` returns the uint8 buffer for bucket ``i`` (capacity >= ``bucket_size_bytes``);
-    by default a fresh CPU buffer of exactly the packed size. ``on_tensor(name, tensor)`` sees every
-    tensor once before it is copied (checksums are computed there, on the tensor's own device).
+    A tensor larger than ``bucket_size_bytes`` closes the pending bucket and goes alone into a bucket of its
+    own, sized to it (tensors are never split: vLLM's ``load_weights`` needs whole tensors).
+
+    ``buffer_for(i, nbytes)`` returns the uint8 buffer for bucket ``i``, at least ``nbytes`` long (the
+    bucket's ``used_bytes``: at most ``bucket_size_bytes`` except for a lone larger tensor); by default a
+    fresh CPU buffer of exactly the packed size. ``on_tensor(name, tensor)`` sees every tensor once before
+    it is copied (checksums are computed there, on the tensor's own device).
     ``checksum_cpu``: each record's ``sums`` holds the checksums of its CPU-sourced tensors, taken from the
     copy that packs them (``PackChecksums``).
 
     Lockstep: the source iterator is consumed strictly in order and only once. Buffer reuse: a
-    buffer handed out by ``buffer_for(i)`` is written while bucket ``i`` is packed; the caller must
+    buffer handed out by ``buffer_for(i, nbytes)`` is written while bucket ``i`` is packed; the caller must
     not hand out a buffer whose previous content is still being read.
-
-    Raises ``RlixConfigError`` for a tensor larger than ``bucket_size_bytes``, naming the size to use.
     """
     if bucket_size_bytes <= 0:
         raise RlixConfigError(f"bucket_size_bytes must be > 0, got {bucket_size_bytes}; set rlix.bucket_size_bytes")
@@ -267,7 +277,7 @@ def iter_buckets(
     def close() -> BucketRecord:
         nonlocal pending, end, index
         _, used = plan_layout(pending)
-        buffer = buffer_for(index) if buffer_for else torch.empty(used, dtype=torch.uint8)
+        buffer = buffer_for(index, used) if buffer_for else torch.empty(used, dtype=torch.uint8)
         record = _fill(index, pending, buffer, checksum_cpu)
         pending, end, index = [], 0, index + 1
         return record
@@ -276,12 +286,6 @@ def iter_buckets(
         if not isinstance(tensor, torch.Tensor):
             raise TransportError(f"parameter {name!r} is a {type(tensor).__name__}, expected a torch.Tensor")
         nbytes = tensor.numel() * tensor.element_size()
-        if nbytes > bucket_size_bytes:
-            raise RlixConfigError(
-                f"parameter {name!r} ({tuple(tensor.shape)}, {dtype_to_str(tensor.dtype)}) has {nbytes} bytes, "
-                f"more than bucket_size_bytes={bucket_size_bytes}; tensors are never split across buckets: "
-                f"set rlix.bucket_size_bytes (or RLIX_BUCKET_SIZE_BYTES) to at least {align_up(nbytes)}"
-            )
         if on_tensor is not None:
             on_tensor(name, tensor)
         start = align_up(end)
@@ -290,6 +294,8 @@ def iter_buckets(
             start = 0
         pending.append((name, tensor))
         end = start + nbytes
+        if nbytes > bucket_size_bytes:  # alone in a bucket sized to it: emit it now, nothing can join it
+            yield close()
     if pending:
         yield close()
 

@@ -4,8 +4,10 @@ Ownership and lockstep:
 * ``build(version, named_tensors)`` is called on EVERY training rank with the same iterator
   (collectives inside it must keep moving); only the owner rank (``is_owner=True``: pp0/dp0/tp0/cp0)
   copies tensors into buckets, the others just drain the iterator.
-* Buffers (``bucket_size_bytes`` each, pinned when CUDA is available) are allocated the first time a
-  bucket index is needed and reused by every later version: pinning costs ~0.8 s/GiB, ~10x the copy.
+* Buffers (pinned when CUDA is available) are allocated the first time a bucket index is needed and reused
+  by every later version: pinning costs ~0.8 s/GiB, ~10x the copy. A buffer holds ``bucket_size_bytes``, or
+  more for a tensor larger than that (it travels alone in a bucket sized to it, ``iter_buckets``); a later
+  version whose bucket at an index needs more than its buffer holds replaces that buffer (it never shrinks).
 
 Build vs. readers (one copy, never torn): there is exactly one lock. ``read()`` holds it from
 "read the cache" through the last receiver barrier and the group teardown of a sync; ``build()``
@@ -28,7 +30,7 @@ from typing import final
 import torch
 
 from rlix_plugins.errors import RlixConfigError, RlixTimeoutError, TransportError
-from rlix_plugins.transport._bucket import BucketRecord, iter_buckets
+from rlix_plugins.transport._bucket import BucketRecord, align_up, iter_buckets
 from rlix_plugins.transport._checksum import finish_checksums, start_checksums
 from rlix_plugins.transport._host_pull import SharedHostBuffer
 from rlix_plugins.transport._memory import HOST_FRACTION, check_host_capacity
@@ -50,8 +52,14 @@ class CacheSnapshot:
 
     @property
     def capacity_bytes(self) -> int:
-        """Largest bucket's used bytes: the staging size a transport needs."""
+        """Largest bucket's used bytes: the staging size a transport needs (above ``bucket_size_bytes`` when a
+        tensor is larger than it)."""
         return max((b.meta.used_bytes for b in self.buckets), default=0)
+
+    @property
+    def largest_tensor(self) -> tuple[str, int]:
+        """``(name, bytes)`` of the largest tensor of this version, for memory errors (``check_device_capacity``)."""
+        return max((b.meta.largest() for b in self.buckets), key=lambda t: t[1], default=("", 0))
 
 
 @final
@@ -69,7 +77,8 @@ class VersionedBucketCache:
     ) -> None:
         """
         :param bucket_size_bytes: explicit bucket size (no default on purpose: it bounds receiver GPU
-            scratch). Every buffer has exactly this capacity.
+            scratch, together with the largest tensor). Every buffer holds at least this; a tensor larger
+            than it gets a buffer of its own size.
         :param is_owner: whether this rank keeps buckets.
         :param pin_memory: pin the buffers; default: when CUDA is available.
         :param shared: allocate the buffers in shared memory that receivers on this machine can map
@@ -113,23 +122,34 @@ class VersionedBucketCache:
 
     # -- build -------------------------------------------------------------------------------
 
-    def _buffer_for(self, index: int) -> torch.Tensor:
-        if index < len(self._buffers):
+    def _buffer_for(self, index: int, nbytes: int) -> torch.Tensor:
+        """The buffer of bucket ``index``, at least ``nbytes`` long: the one allocated before when it is large
+        enough, else a new one of ``max(bucket_size_bytes, nbytes)`` (512-aligned: checksums read whole rows)
+        that takes its place; the replaced buffer is freed."""
+        if index < len(self._buffers) and self._buffers[index].numel() >= nbytes:
             return self._buffers[index]
+        size = max(self.bucket_size_bytes, align_up(nbytes))
+        replaced = index < len(self._buffers)
         check_host_capacity(
-            self.bucket_size_bytes,
-            what=f"bucket cache buffer {index} ({len(self._buffers) + 1} x bucket_size_bytes={self.bucket_size_bytes})",
+            size,
+            what=f"bucket cache buffer {index} ({size} bytes{', replacing a smaller one' if replaced else ''}; "
+                 f"bucket_size_bytes={self.bucket_size_bytes}, {self.host_bytes} bytes held in {self.num_buffers} "
+                 "buffers)",
             fraction=self.host_fraction,
         )
         start = time.perf_counter()
-        if self.shared:
-            shared = SharedHostBuffer(self.bucket_size_bytes, pin=self.pin_memory)
-            self._shared.append(shared)
-            buffer = shared.tensor
-        else:
-            buffer = torch.empty(self.bucket_size_bytes, dtype=torch.uint8, pin_memory=self.pin_memory)
+        shared = SharedHostBuffer(size, pin=self.pin_memory) if self.shared else None
+        buffer = shared.tensor if shared else torch.empty(size, dtype=torch.uint8, pin_memory=self.pin_memory)
         self.alloc_seconds += time.perf_counter() - start
-        self._buffers.append(buffer)
+        if replaced:  # the old bytes belong to no published version (build() dropped its records): free them now
+            self._buffers[index] = buffer
+            if shared:
+                old, self._shared[index] = self._shared[index], shared
+                old.close()
+        else:
+            self._buffers.append(buffer)
+            if shared:
+                self._shared.append(shared)
         return buffer
 
     def _acquire(self, timeout_s: float, what: str) -> None:

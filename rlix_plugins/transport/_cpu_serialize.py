@@ -59,7 +59,8 @@ def receive_cpu_serialize(
     if dev.type == "cpu":
         buffer = src.clone()
     else:
-        check_device_capacity(meta.used_bytes, dev, scratch_bytes=scratch_bytes, what=f"bucket {meta.index}")
+        check_device_capacity(meta.used_bytes, dev, scratch_bytes=scratch_bytes, what=f"bucket {meta.index}",
+                              largest=meta.largest())
         buffer = src.to(dev)
     return unpack_bucket(meta, buffer)
 

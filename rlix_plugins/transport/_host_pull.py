@@ -3,7 +3,8 @@
 The cache's buffers live in anonymous shared memory (``memfd``), pinned once in the sender with
 ``cudaHostRegister``. A receiver on the same machine opens a buffer through ``/proc/<pid>/fd/<fd>``,
 maps it and pins it in its own process - once per buffer (at prewarm or the first sync), then reused
-for every later version - and copies host -> its own GPU. Per sync no bytes cross a pipe, no sender
+for every later version; a buffer the cache replaces by a larger one is a new buffer, mapped anew while the
+old mapping is dropped - and copies host -> its own GPU. Per sync no bytes cross a pipe, no sender
 GPU staging, no IPC handle and no collective group exist: the payload is metadata only and the copy
 runs at the raw pinned host-to-device speed (measured on an H100: 54.5 GB/s from the mapped pages,
 54.6 GB/s from a ``cudaHostAlloc`` buffer).

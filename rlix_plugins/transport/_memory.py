@@ -57,11 +57,14 @@ def check_device_capacity(
     fraction: float = DEVICE_FRACTION,
     free_bytes: int | None = None,
     what: str = "bucket",
+    largest: tuple[str, int] | None = None,
 ) -> None:
     """Raise ``TransportError`` when ``bucket_bytes + scratch_bytes`` does not fit ``fraction`` of free memory.
 
     A no-op for CPU devices. ``free_bytes`` overrides the measurement (for pre-flight checks with a
-    number a receiver reported).
+    number a receiver reported). ``largest``: ``(name, bytes)`` of the largest tensor in what is checked
+    (``BucketMeta.largest()``); when that tensor alone cannot fit, the error names it instead of a smaller
+    bucket size (tensors are never split, so no bucket size helps).
     """
     dev = torch.device(device)
     if dev.type != "cuda" and free_bytes is None:
@@ -70,8 +73,13 @@ def check_device_capacity(
     need = bucket_bytes + scratch_bytes
     if need > fraction * free:
         fit = max(int(fraction * free) - scratch_bytes, 0)
-        raise TransportError(
-            f"{what} of {bucket_bytes / GiB:.3f} GiB + {scratch_bytes / GiB:.3f} GiB transport scratch does not fit "
-            f"the {free / GiB:.3f} GiB free on {dev} (limit {fraction:.0%}); lower rlix.bucket_size_bytes to at most "
-            f"{fit} bytes, or free GPU memory on {dev} (sleep the co-located engine, lower gpu_memory_utilization)"
-        )
+        head = (f"{what} of {bucket_bytes / GiB:.3f} GiB + {scratch_bytes / GiB:.3f} GiB transport scratch does not fit "
+                f"the {free / GiB:.3f} GiB free on {dev} (limit {fraction:.0%})")
+        free_more = f"free GPU memory on {dev} (sleep the co-located engine, lower gpu_memory_utilization)"
+        if largest is not None and largest[1] > fit:
+            name, nbytes = largest
+            raise TransportError(
+                f"{head}: its largest tensor {name!r} alone has {nbytes / GiB:.3f} GiB and tensors are never split, "
+                f"so no rlix.bucket_size_bytes makes it fit; {free_more}"
+            )
+        raise TransportError(f"{head}; lower rlix.bucket_size_bytes to at most {fit} bytes, or {free_more}")

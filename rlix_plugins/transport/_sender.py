@@ -339,7 +339,8 @@ def _send_buckets(
     reads_gpu_copy = host is not None or (per_bucket is not None and per_bucket.reads_staging)
     if staging_dev.type == "cuda" and buckets and reads_gpu_copy:
         count = 2 if len(buckets) > 1 else 1
-        check_device_capacity(count * snap.capacity_bytes, staging_dev, what=f"sender staging ({count} buffers)")
+        check_device_capacity(count * snap.capacity_bytes, staging_dev, what=f"sender staging ({count} buffers)",
+                              largest=snap.largest_tensor)
         stagings = [torch.empty(snap.capacity_bytes, dtype=torch.uint8, device=staging_dev) for _ in range(count)]
         copy_stream = torch.cuda.Stream(staging_dev)
 

@@ -472,7 +472,9 @@ class RlixReceiverMixin:
         copy_stream, main = state.copy_stream, torch.cuda.current_stream(device)
         capacity = max((transport.align_up(m.used_bytes) for m, _ in opened), default=0)
         count = min(2, len(opened))
-        transport.check_device_capacity(count * capacity, device, what=f"host_pull receive buffers ({count})")
+        largest = max((m.largest() for m, _ in opened), key=lambda t: t[1], default=("", 0))
+        transport.check_device_capacity(count * capacity, device, what=f"host_pull receive buffers ({count})",
+                                        largest=largest)
         receive = [torch.empty(capacity, dtype=torch.uint8, device=device) for _ in range(count)]
         loaded: list[Any] = [None] * len(opened)
         landed: list[list[tuple[list[int], Any]]] = [[] for _ in opened]

@@ -1,7 +1,8 @@
-"""Bucket format: pack/unpack round trips, alignment, wire metadata, large-tensor policy."""
+"""Bucket format: pack/unpack round trips, alignment, wire metadata, large-tensor policy (a bucket of its own)."""
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
@@ -101,10 +102,54 @@ def test_non_contiguous_source_is_packed_in_logical_order() -> None:
     assert torch.equal(got, t)
 
 
-def test_tensor_larger_than_bucket_names_the_size_to_use() -> None:
-    big = torch.zeros(1000, dtype=torch.float32)
-    with pytest.raises(RlixConfigError, match=rf"'big'.*bucket_size_bytes=1024.*at least {align_up(4000)}"):
-        list(iter_buckets([("small", torch.zeros(2)), ("big", big)], 1024))
+def test_tensor_larger_than_the_bucket_travels_alone_in_a_bucket_sized_to_it() -> None:
+    """An oversized tensor closes the pending bucket and goes alone into a bucket of its own size (asked of
+    ``buffer_for`` with that size); its neighbours keep greedy packing; every byte round-trips."""
+    bucket = 4096
+    named = [("a", _random_tensor(torch.uint8, (1000,), 1)), ("b", _random_tensor(torch.float32, (500,), 2)),
+             ("big", _random_tensor(torch.bfloat16, (5, 1024), 3)),  # 10 KiB
+             ("c", _random_tensor(torch.uint8, (100,), 4)), ("d", _random_tensor(torch.int32, (300,), 5)),
+             ("huge", _random_tensor(torch.float32, (3000,), 6)), ("e", _random_tensor(torch.uint8, (7,), 7))]
+    asked: list[tuple[int, int]] = []
+
+    def buffer_for(index: int, nbytes: int) -> torch.Tensor:
+        asked.append((index, nbytes))
+        return torch.full((max(bucket, nbytes),), 0xAB, dtype=torch.uint8)  # stale bytes, as in a reused buffer
+
+    records = list(iter_buckets(iter(named), bucket, buffer_for))
+    assert [r.meta.names for r in records] == [("a", "b"), ("big",), ("c", "d"), ("huge",), ("e",)]
+    assert [r.meta.index for r in records] == list(range(5))
+    assert asked == [(0, 1024 + 2000), (1, 10240), (2, 512 + 1200), (3, 12000), (4, 7)]
+    assert [r.meta.used_bytes for r in records] == [n for _, n in asked]
+    got = {n: t for r in records for n, t in unpack_bucket(r.meta, r.buffer)}
+    assert [n for r in records for n in r.meta.names] == [n for n, _ in named]
+    for name, want in named:
+        assert got[name].dtype == want.dtype and got[name].shape == want.shape and _bytes(got[name]) == _bytes(want)
+    # the default buffers are exactly the packed size, the lone tensor's included
+    (alone,) = iter_buckets(named[2:3], bucket)
+    assert alone.buffer.numel() == alone.meta.used_bytes == 10240
+    assert _bytes(unpack_bucket(alone.meta, alone.buffer)[0][1]) == _bytes(named[2][1])
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.integers(1, 12000), min_size=1, max_size=30), st.integers(3000, 9000))
+def test_greedy_packing_with_tensors_larger_than_the_bucket(sizes: list[int], bucket: int) -> None:
+    """Any mix of sizes: a bucket over the bucket size holds exactly one tensor, a bucket closes only when the next
+    tensor would not fit, and nothing is lost or reordered."""
+    named = [(f"t{i}", torch.full((n,), i % 251, dtype=torch.uint8)) for i, n in enumerate(sizes)]
+    records = list(iter_buckets(iter(named), bucket))
+    assert [n for r in records for n in r.meta.names] == [n for n, _ in named]
+    assert all(r.meta.used_bytes <= bucket or len(r.meta.names) == 1 for r in records)
+    for prev, nxt in itertools.pairwise(records):
+        assert align_up(prev.meta.used_bytes) + nxt.meta.nbytes(0) > bucket, "closed although the next tensor fit"
+    got = {n: t for r in records for n, t in unpack_bucket(r.meta, r.buffer)}
+    assert all(torch.equal(got[n], t) for n, t in named)
+
+
+def test_largest_tensor_of_a_bucket() -> None:
+    record = pack_bucket([("a", torch.zeros(4)), ("b", torch.zeros(3, 5, dtype=torch.bfloat16)), ("c", torch.zeros(1))])
+    assert record.meta.largest() == ("b", 30)
+    assert BucketMeta((), (), (), (), 0).largest() == ("", 0)
 
 
 def test_exact_fit_and_alignment_boundary() -> None:

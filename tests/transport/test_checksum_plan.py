@@ -175,7 +175,7 @@ def test_checksums_taken_while_packing_match_the_definition(step_rows: int, size
     buffer = torch.full((capacity,), 0xAB, dtype=torch.uint8)  # stale bytes: padding must be rewritten
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(_checksum, "PACK_STEP_BYTES", step_rows * _checksum.ROW_BYTES)
-        (record,) = iter_buckets([(f"t{i}", b) for i, b in enumerate(blobs)], capacity, lambda _: buffer,
+        (record,) = iter_buckets([(f"t{i}", b) for i, b in enumerate(blobs)], capacity, lambda _i, _n: buffer,
                                  checksum_cpu=True)
     assert record.sums is not None
     want = [_reference(bytes(b.tolist())) for b in blobs]
@@ -189,7 +189,7 @@ def test_pack_checksums_fall_back_when_the_buffer_ends_inside_a_row() -> None:
     """A buffer too short for the last tensor's whole row is checksummed after packing, with the same numbers."""
     blobs = [torch.arange(701, dtype=torch.int32).view(torch.uint8)[:2801], torch.ones(90, dtype=torch.uint8)]
     buffer = torch.zeros(3072 + 100, dtype=torch.uint8)  # the second tensor's row [3072, 3584) does not fit
-    (record,) = iter_buckets([("a", blobs[0]), ("b", blobs[1])], buffer.numel(), lambda _: buffer, checksum_cpu=True)
+    (record,) = iter_buckets([("a", blobs[0]), ("b", blobs[1])], buffer.numel(), lambda _i, _n: buffer, checksum_cpu=True)
     assert record.meta.offsets == (0, 3072) and record.sums is not None
     assert finish_checksums([2801, 90], record.sums) == [_reference(bytes(b.tolist())) for b in blobs]
 
