@@ -167,7 +167,7 @@ def _pack(blobs: list[torch.Tensor]) -> list[list[int]]:
     """The bucket checksums ``iter_buckets`` takes while packing ``blobs`` over stale bytes."""
     capacity = sum(-(-b.numel() // 512) * 512 for b in blobs)
     buffer = torch.full((capacity,), 0xAB, dtype=torch.uint8)
-    (record,) = iter_buckets([(f"t{i}", b) for i, b in enumerate(blobs)], capacity, lambda _: buffer,
+    (record,) = iter_buckets([(f"t{i}", b) for i, b in enumerate(blobs)], capacity, lambda _i, _n: buffer,
                              checksum_cpu=True)
     assert record.sums is not None
     return finish_checksums([b.numel() for b in blobs], record.sums)
