@@ -164,6 +164,10 @@ class SchedulerSnapshot:
     #: for every waiting cluster (two pipelines on one GPU) the longest waiter is woken first, so co-tenants take
     #: turns. Absent clusters count as waiting longest; an empty map leaves the pipeline-id order.
     generation_waiting_since: dict[str, int] = field(default_factory=dict)
+    #: Fair turns (``scheduling.turns``): pipeline id -> the waiting pipelines it owes a turn (it completed
+    #: ``fair_turn_steps`` training steps while they waited with work on a GPU it shares). Such a pipeline gets no
+    #: training-type grant on GPUs they could use, and they may take its last rollout rank.
+    turns_owed: dict[str, frozenset[str]] = field(default_factory=dict)
 
     @property
     def idle_gpus(self) -> frozenset[int]:

@@ -58,6 +58,12 @@ def _bundles(lo: int, hi: int, tp: int, gpus_per_node: int) -> list[int]:
 def rlix_placements(jobs: Sequence[JobSpec], num_gpus: int, gpus_per_node: int) -> list[Placement]:
     """Partial overlap on the shared pool: job ``i`` trains on the head of its home slice, rolls out anywhere."""
     n = len(jobs)
+    if num_gpus == 1:  # the one-GPU topology (``rlix recipe --gpus g``): everyone trains and rolls out on it
+        for job in jobs:
+            if job.train_gpus != 1 or job.tp != 1:
+                raise RlixConfigError(f"job {job.name}: one GPU holds trainers and rollout ranks of one GPU each; "
+                                      "use --train-gpus 1 --tp 1 or more --gpus")
+        return [Placement((0,), (0,)) for _ in jobs]
     home = num_gpus // n
     out: list[Placement] = []
     for i, job in enumerate(jobs):

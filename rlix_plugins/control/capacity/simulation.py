@@ -30,9 +30,12 @@ import itertools
 import math
 from dataclasses import dataclass, field, replace
 
+from rlix_plugins.control.capacity.fairness import Fairness, fairness
 from rlix_plugins.control.registration import pipeline_clusters, validate_spec
+from rlix_plugins.control.scheduling.config import SchedulerConfig
 from rlix_plugins.control.scheduling.gap_ratio import note_generation_waits
 from rlix_plugins.control.scheduling.planner import plan_cycle, validate_plan
+from rlix_plugins.control.scheduling.turns import FAIR_TURN_STEPS, TurnLedger
 from rlix_plugins.control.types import (
     Allocation,
     ClusterSpec,
@@ -93,6 +96,10 @@ class SimRun:
     def busy_share(self) -> float:
         return self.busy_gpu_s / (self.num_gpus * self.makespan_s) if self.makespan_s > 0 else 0.0
 
+    def fairness(self) -> Fairness:
+        """Steps another pipeline completed while one waited, and the longest wait (from the recorded events)."""
+        return fairness(self.events)
+
 
 @dataclass
 class _Pipe:
@@ -135,6 +142,8 @@ class Simulation:
         validate: bool = True,
         record: bool = True,
         max_time_s: float = 30 * 24 * 3600.0,
+        fair_turn_steps: int = FAIR_TURN_STEPS,
+        release_grace_s: float = SchedulerConfig.release_grace_s,
     ) -> None:
         self.dt, self.tick, self.validate, self.record, self.max_time = dt_s, tick_s, validate, record, max_time_s
         self.gpus = frozenset(range(num_gpus))
@@ -158,6 +167,10 @@ class Simulation:
         self.seq = 0
         self.waiting_since: dict[str, int] = {}
         self.clock = itertools.count()
+        self.turns = TurnLedger(fair_turn_steps)
+        self.now = 0.0
+        self.release_grace_s = release_grace_s
+        self.grace: dict[int, tuple[float, str]] = {}  # GPU -> (end of its grace window, releasing pipeline)
         self.cycles = 0
         self.busy = 0.0
 
@@ -173,6 +186,11 @@ class Simulation:
 
     def _release(self, t: float, cid: str) -> None:
         alloc = self.allocations.pop(cid)
+        if alloc.priority == Priority.ACTOR_TRAINING:
+            self.turns.step_done(self.clusters[cid].pipeline_id)
+        if alloc.priority != Priority.GENERATION and self.release_grace_s > 0:
+            for g in alloc.gpus:
+                self.grace[g] = (t + self.release_grace_s, self.clusters[cid].pipeline_id)
         self._trace(t, cid, "release", tuple(alloc.gpus), int(alloc.priority))
 
     def _active_ranks(self, cid: str) -> frozenset[int]:
@@ -243,7 +261,12 @@ class Simulation:
             planned_releases=frozenset(self.planned),
         )
         note_generation_waits(self.waiting_since, snap, self.clock)  # as the scheduler does
-        return replace(snap, generation_waiting_since=dict(self.waiting_since))
+        for pid, waiting in self.turns.note(snap):
+            self._trace(self.now, cluster_id(pid, "actor_train"), "wait", (), None, "begin" if waiting else "end")
+        owed = self.turns.owed(self.clusters)
+        grace = frozenset(g for g, (until, pid) in self.grace.items() if until > self.now + EPS and pid not in owed)
+        return replace(snap, generation_waiting_since=dict(self.waiting_since), turns_owed=owed,
+                       release_grace_gpus=grace)
 
     def _execute(self, t: float, plan: CyclePlan) -> None:
         """Shrinks -> expands -> commit -> grants and releases, like the scheduler actor."""
@@ -270,6 +293,7 @@ class Simulation:
             self._trace(t, cid, "release", (), int(Priority.GENERATION), "planned")
 
     def _schedule(self, t: float) -> None:
+        self.now = t
         for _ in range(8):
             snap = self._snapshot()
             plan = plan_cycle(snap)
@@ -306,7 +330,10 @@ class Simulation:
             changed = False
             for p in self.pipes:
                 changed |= self._update(t, p)
-            if changed or t >= next_tick - EPS:
+            ended = [g for g, (until, _) in self.grace.items() if until <= t + EPS]
+            for g in ended:  # the scheduler wakes when a grace window ends: its GPUs may go to rollout now
+                del self.grace[g]
+            if changed or ended or t >= next_tick - EPS:
                 self._schedule(t)
                 next_tick = t + self.tick
             if all(p.state == "done" for p in self.pipes):

@@ -42,6 +42,9 @@ class SchedulerConfig:
     #: After a non-generation cluster releases GPUs, rollout ranks are not woken on them for this long. Back-to-back
     #: training steps then keep their GPUs instead of paying a wake + weight sync + shrink per step (0 disables).
     release_grace_s: float = 2.0
+    #: Fair turns (``scheduling.turns``): a pipeline with work waiting never watches a pipeline it shares a GPU
+    #: with complete more than this many training steps.
+    fair_turn_steps: int = 2
     #: Consecutive non-empty cycles run back to back before falling back to the poll cadence.
     max_busy_cycles: int = 20
     trace_capacity: int = 100_000
@@ -53,6 +56,8 @@ class SchedulerConfig:
             raise RlixConfigError(f"SchedulerConfig.release_grace_s={self.release_grace_s!r} must be >= 0 seconds")
         if not 0 < self.drift_threshold < 1:
             raise RlixConfigError(f"SchedulerConfig.drift_threshold={self.drift_threshold} must be in (0, 1)")
+        if not isinstance(self.fair_turn_steps, int) or self.fair_turn_steps < 1:
+            raise RlixConfigError(f"SchedulerConfig.fair_turn_steps={self.fair_turn_steps!r} must be an int >= 1")
         if self.max_busy_cycles < 1 or self.trace_capacity < 1:
             raise RlixConfigError("SchedulerConfig.max_busy_cycles and trace_capacity must be >= 1")
 

@@ -24,6 +24,7 @@ from rlix_plugins.control.scheduling.config import SchedulerConfig
 from rlix_plugins.control.scheduling.gap_ratio import note_generation_waits
 from rlix_plugins.control.scheduling.invariants import PlanInvariantError, validate_snapshot
 from rlix_plugins.control.scheduling.rebalance import rebalance_reason
+from rlix_plugins.control.scheduling.turns import TurnLedger
 from rlix_plugins.control.trace import TraceRecorder
 from rlix_plugins.control.types import (
     Allocation,
@@ -80,6 +81,7 @@ class SchedulerCycle:
         self._gen_open: dict[str, tuple[int, int | None]] = {}
         self._standing_seq: dict[str, int] = {}
         self._gen_waiting: dict[str, int] = {}  # generation cluster -> when it started waiting for a rank (turns)
+        self._turns = TurnLedger(self._cfg.fair_turn_steps)  # steps done and open waits (fair turns)
         self._planned: dict[str, list[asyncio.Future[list[int]]]] = {}
         self._grace: dict[int, tuple[float, str]] = {}  # GPU -> (monotonic end of its grace window, releasing pipeline)
         self._coordinators: dict[str, Any] = {}
@@ -146,6 +148,7 @@ class SchedulerCycle:
             self._close_gen(cid)
         self._coordinators.pop(pipeline_id, None)
         self._end_grace(pipeline_id)  # nobody is coming back for those GPUs
+        self._turns.forget(pipeline_id)
         if awake:
             # debug #64/#65: these ranks may still hold GPU memory; a graceful end calls await_release first.
             detail += f" (rollout ranks {awake} were still active: call await_release before unregistering)"
@@ -190,10 +193,15 @@ class SchedulerCycle:
             pending=tuple(sorted(pending, key=lambda r: (r.priority, r.seq))),
             progress={pid: p for pid, p in self._progress.items() if pid in pids},
             planned_releases=frozenset(cid for cid in self._planned if cid in clusters),
-            release_grace_gpus=frozenset(self._grace),
         )
         note_generation_waits(self._gen_waiting, snap, self._seq)
-        return replace(snap, generation_waiting_since=dict(self._gen_waiting))
+        for pid, begins in self._turns.note(snap):
+            self._trace.record("wait", pipeline_id=pid, detail="begin" if begins else "end")
+        owed = self._turns.owed(clusters)
+        # A pipeline that owes a turn keeps no grace window: the waiter takes its GPUs at once.
+        grace = frozenset(g for g, (_, pid) in self._grace.items() if pid not in owed)
+        return replace(snap, generation_waiting_since=dict(self._gen_waiting), turns_owed=owed,
+                       release_grace_gpus=grace)
 
     def _start_grace(self, gpus: frozenset[int], pipeline_id: str) -> None:
         if self._cfg.release_grace_s > 0:

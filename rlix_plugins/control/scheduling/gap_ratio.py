@@ -23,7 +23,9 @@ Model (after the reference ``plan_generation_gap_ratio``, with its starvation ga
   its pipeline really has rollout work (progress unknown or ``remaining > 0``), the LAST rank of a donor whose
   pipeline reported its step's rollout complete and asks for nothing: an idle pipeline never keeps a GPU that
   a pipeline without any rank waits for (with more pipelines than bundles the waiter would otherwise wait until
-  the idle one trains, and a host that trains only once every pipeline is up never does: issue 17). A shrink
+  the idle one trains, and a host that trains only once every pipeline is up never does). Fair turns
+  (``scheduling.turns``): an acceptor with no rank that another pipeline owes a turn goes first and may take that
+  pipeline's last rank. A shrink
   search scores at most ``MAX_CANDIDATES`` bundles (bounded latency on fragmented pools).
 * Finally a work-conserving fill: idle, unreserved bundles go to eligible clusters with demand > 0 (least GPUs
   per unit of weight first). It never shrinks anybody.
@@ -149,16 +151,19 @@ def plan_gap_ratio(state: PlanState) -> None:
     donors_info = _Donors(state, eligible, targets, demands)
 
     waiting_since = state.snap.generation_waiting_since
+    owed = set().union(*state.snap.turns_owed.values()) if state.snap.turns_owed else set()
 
-    def key(cid: str) -> tuple[bool, float, int, int, str, str] | None:
+    def key(cid: str) -> tuple[bool, bool, float, int, int, str, str] | None:
         a = state.active_gpus(cid)
         t = targets[cid]
         if a >= t:
             return None
         gap = t - a
-        # Among clusters with no active rank the longest waiter goes first (turns on a contended bundle).
+        # Among clusters with no active rank a pipeline owed a turn goes first, then the longest waiter (turns on
+        # a contended bundle).
         waited = waiting_since.get(cid, -1) if a == 0 else 0
-        return (a > 0, -gap / t, waited, -gap, clusters[cid].pipeline_id, cid)
+        pid = clusters[cid].pipeline_id
+        return (a > 0, a > 0 or pid not in owed, -gap / t, waited, -gap, pid, cid)
 
     # Lazy heap of acceptors: an entry is re-checked against the current key when popped.
     heap = [(k, cid) for cid in eligible if (k := key(cid)) is not None]
@@ -260,6 +265,11 @@ def _has_rollout_work(state: PlanState, cid: str) -> bool:
     return progress is None or progress.remaining > 0
 
 
+def _owers(state: PlanState, pipeline_id: str) -> set[str]:
+    """Pipelines that owe ``pipeline_id`` a turn (``SchedulerSnapshot.turns_owed``)."""
+    return {x for x, waiters in state.snap.turns_owed.items() if pipeline_id in waiters}
+
+
 def _reported_idle(state: PlanState, cid: str) -> bool:
     """Whether the pipeline of ``cid`` reported its step's rollout complete (a cluster that reported nothing is
     never called idle: its demand is unknown, not zero)."""
@@ -294,6 +304,9 @@ def _activate_one(
         budget = donors_info.spare
     else:
         budget = donors_info.spare_idle if _has_rollout_work(state, cid) else donors_info.spare_starving
+        owers = _owers(state, spec.pipeline_id)
+        if owers:  # fair turns: a donor that owes this pipeline a turn gives its last rank too
+            budget = {**budget, **{d: len(r) for d, r in gen_active.items() if clusters[d].pipeline_id in owers}}
     # Candidates are bundles touching a rank of a donor with budget left (no free bundle exists). Donors are
     # visited by decreasing demand (``donor_order``) and their ranks by increasing GPU id (= increasing acceptor
     # rank, mappings being sorted and bundles contiguous), so the scan stops at the first single-victim candidate.

@@ -6,6 +6,7 @@ Each failure raises ``PlanInvariantError(invariant, message)``; ``invariant`` is
 from __future__ import annotations
 
 from rlix_plugins.control.scheduling.plan_state import is_generation_alloc, rank_index
+from rlix_plugins.control.scheduling.turns import deferred, owed_gpus
 from rlix_plugins.control.types import (
     Allocation,
     ClusterSpec,
@@ -212,8 +213,17 @@ def validate_plan(snapshot: SchedulerSnapshot, plan: CyclePlan) -> None:
             raise PlanInvariantError("gpu conservation", f"GPU {g} moved from {ob} ({before[ob].priority.name}) to {oa}")
 
     # --- priority order: no grant takes GPUs that an earlier-ordered waiting request needs ------------------
+    owed = owed_gpus(snapshot)
+    for gr in plan.grants:
+        req = next((r for r in snapshot.pending if r.seq == gr.seq), None)
+        before_gr = before.get(gr.cluster_id)
+        if req is not None and deferred(snapshot, owed, req) and not (before_gr is not None and before_gr.gpus == gr.gpus):
+            raise PlanInvariantError("fair turns", f"{gr.cluster_id} was granted {gr.priority.name} while its "
+                                     "pipeline owes a waiting pipeline a turn on those GPUs")
+    # requests held back by fair turns wait without reserving (scheduling.turns)
     waiting = [
-        r for r in snapshot.pending if r.priority != Priority.GENERATION and r.cluster_id not in granted
+        r for r in snapshot.pending
+        if r.priority != Priority.GENERATION and r.cluster_id not in granted and not deferred(snapshot, owed, r)
     ]
     if waiting:
         reserved: set[int] = set()

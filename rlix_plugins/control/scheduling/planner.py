@@ -13,6 +13,8 @@
    priority, or same priority with a larger ``seq``) is granted any of those GPUs, and the gap ratio does not
    wake ranks on idle reserved GPUs. A waiting request preempts nothing (its generation neighbours keep working
    until it can really start). A request whose cluster already holds its whole mapping is granted at once.
+   Fair turns (``scheduling.turns``): a training-type request of a pipeline that owes a waiting pipeline a turn
+   waits, without reserving, while it needs a GPU of that waiter.
 3. **Gap ratio** (``gap_ratio.plan_gap_ratio``): divides rollout GPUs by remaining work x TP. Idle GPUs in
    ``snapshot.release_grace_gpus`` (released by a training cluster moments ago) are not lent to rollout yet.
 4. **Generation grants**: each pending GENERATION request whose cluster has ≥1 active rank after this plan is
@@ -28,6 +30,7 @@ from rlix_plugins.control.registration import validate_cluster_specs
 from rlix_plugins.control.scheduling.gap_ratio import plan_gap_ratio
 from rlix_plugins.control.scheduling.invariants import PlanInvariantError, validate_plan, validate_snapshot
 from rlix_plugins.control.scheduling.plan_state import PlanState, rank_index
+from rlix_plugins.control.scheduling.turns import deferred, owed_gpus
 from rlix_plugins.control.types import Allocation, CyclePlan, Grant, Priority, SchedulerSnapshot
 
 __all__ = [
@@ -85,6 +88,7 @@ def _non_generation(state: PlanState) -> None:
     requests = sorted(
         (r for r in snap.pending if r.priority != Priority.GENERATION), key=lambda r: (r.priority, r.seq)
     )
+    owed = owed_gpus(snap)
     for req in requests:
         spec = clusters[req.cluster_id]
         need = frozenset(spec.device_mapping)
@@ -93,6 +97,8 @@ def _non_generation(state: PlanState) -> None:
             state.nongen[req.cluster_id] = Allocation(req.cluster_id, Priority(req.priority), need)
             state.grants.append(Grant(req.cluster_id, Priority(req.priority), req.seq, need))
             continue
+        if deferred(snap, owed, req):
+            continue  # fair turns: it owes a waiter these GPUs; it waits without reserving them
         blocked = bool(need & state.reserved) or any(
             (o := state.owner.get(g)) is not None and o in state.nongen for g in need
         )

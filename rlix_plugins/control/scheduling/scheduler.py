@@ -309,7 +309,10 @@ class Scheduler(SchedulerCycle):
                 )
             if prio != Priority.GENERATION or held.active_dp_ranks:
                 return sorted(held.gpus)
-        if any(w.request.cluster_id == cluster_id for w in self._pending.values()):
+        waiting = next((w for w in self._pending.values() if w.request.cluster_id == cluster_id), None)
+        if waiting is not None:
+            if prio == Priority.INITIALIZATION and waiting.request.priority == prio:
+                return waiting  # a pipeline's processes (its vLLM ranks, its driver) share one start-up request
             raise SchedulerError(f"{cluster_id} already has a pending request; wait for it before asking again")
         if prio == Priority.GENERATION:
             self._gen_open[cluster_id] = (estimate or 1, step)
@@ -338,6 +341,11 @@ class Scheduler(SchedulerCycle):
 
     def _blockers(self, req: PendingRequest) -> str:
         spec = self._require_cluster(req.cluster_id)
+        clusters = {cid: s for p in self._pipelines.values() for cid, s in p.clusters.items()}
+        owed = sorted(self._turns.owed(clusters).get(spec.pipeline_id, ()))
+        if owed and req.priority != Priority.GENERATION:
+            return (f"its pipeline owes {owed} a turn (fair turns: they waited while it completed "
+                    f"{self._cfg.fair_turn_steps} steps); it runs after them")
         holders = sorted(
             f"{cid} ({Priority(a.priority).name}) holds {sorted(a.gpus & set(spec.device_mapping))}"
             for cid, a in self._allocations.items()
@@ -353,6 +361,8 @@ class Scheduler(SchedulerCycle):
             return []
         self._note_removed(spec.cluster_id)
         self._start_grace(alloc.gpus, spec.pipeline_id)
+        if alloc.priority == Priority.ACTOR_TRAINING:
+            self._turns.step_done(spec.pipeline_id)
         self._trace.record("release", pipeline_id=spec.pipeline_id, cluster_id=spec.cluster_id, gpus=alloc.gpus,
                            priority=alloc.priority, detail=f"step={step}")
         self._kick()

@@ -1,0 +1,148 @@
+"""Fair turns (``scheduling.turns``): the ledger, the planner's two rules, and the policy as a property of whole
+simulated runs through the real planner (any number of pipelines and GPUs)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from rlix_plugins.control.capacity.comparison import rlix_placements
+from rlix_plugins.control.capacity.fairness import fairness
+from rlix_plugins.control.capacity.simulation import JobSpec, Simulation
+from rlix_plugins.control.scheduling.planner import plan_cycle, validate_plan
+from rlix_plugins.control.scheduling.turns import TurnLedger, owed_gpus, waiting_pipelines
+from rlix_plugins.control.types import PendingRequest, Priority, TraceEvent
+
+from ._planner_fixtures import GEN, active, gen_alloc, pipeline, snapshot
+
+TRAIN = Priority.ACTOR_TRAINING
+
+
+def _one_gpu():
+    """Two pipelines that train and roll out on GPU 0 (the one-GPU topology)."""
+    return {**pipeline("a", [0], [0]), **pipeline("b", [0], [0])}
+
+
+def test_ledger_counts_steps_watched_while_waiting_and_a_step_of_the_waiter_closes_its_window() -> None:
+    c = _one_gpu()
+    ledger = TurnLedger(limit=2)
+    waits = snapshot(1, c, [gen_alloc(c["a_actor_infer"], [0])], [PendingRequest("b_actor_infer", GEN, 1)], {})
+    assert waiting_pipelines(waits) == {"b"}
+    assert ledger.note(waits) == [("b", True)]
+    ledger.step_done("a")
+    assert ledger.owed(c) == {}
+    ledger.step_done("a")
+    assert ledger.owed(c) == {"a": frozenset({"b"})}
+    # b gets a rank: it no longer waits, but a still owes it the turn until b completes a step
+    running = snapshot(1, c, [gen_alloc(c["b_actor_infer"], [0])], [], {})
+    assert ledger.note(running) == [("b", False)]
+    assert ledger.owed(c) == {"a": frozenset({"b"})}
+    ledger.step_done("b")
+    assert ledger.owed(c) == {}
+    # steps of a while b runs are not watched
+    ledger.step_done("a")
+    ledger.step_done("a")
+    assert ledger.owed(c) == {}
+    ledger.forget("a")
+    assert ledger.windows == {} and ledger.waiting == set()
+
+
+def test_a_pipeline_with_its_rollout_done_does_not_wait() -> None:
+    c = _one_gpu()
+    ask = PendingRequest("b_actor_infer", GEN, 1)
+    assert waiting_pipelines(snapshot(1, c, [], [ask], {"b": (64, 64)})) == set()  # step complete: nothing to do
+    assert waiting_pipelines(snapshot(1, c, [], [ask], {"b": (64, 10)})) == {"b"}
+    assert waiting_pipelines(snapshot(1, c, [], [PendingRequest("b_actor_train", TRAIN, 2)], {})) == {"b"}
+
+
+def test_a_debtor_trains_no_more_on_the_waiters_gpus_and_the_waiter_takes_its_last_rank() -> None:
+    """a rolls out on GPU 0 and asks to train a third time while b, owed a turn, waits without a rank."""
+    c = _one_gpu()
+    asks = [PendingRequest("b_actor_infer", GEN, 1), PendingRequest("a_actor_train", TRAIN, 2)]
+    snap = snapshot(1, c, [gen_alloc(c["a_actor_infer"], [0])], asks, {"a": (64, 0), "b": (64, 0)})
+    unfair = plan_cycle(snap)
+    assert [g.cluster_id for g in unfair.grants] == ["a_actor_train"], "without a debt, training wins"
+    owed = replace(snap, turns_owed={"a": frozenset({"b"})})
+    assert owed_gpus(owed) == {"a": frozenset({0})}
+    plan = plan_cycle(owed)
+    validate_plan(owed, plan)
+    assert [g.cluster_id for g in plan.grants] == ["b_actor_infer"]
+    assert active(plan, "b_actor_infer") == {0} and active(plan, "a_actor_infer") == set()
+    assert [(op.cluster_id, op.reason) for op in plan.shrinks] == [("a_actor_infer", "rebalance")]
+
+
+def test_a_debt_holds_only_the_gpus_of_the_waiters_turn() -> None:
+    """b rolls out on GPUs 1-3: a, which owes b a turn, still trains on its own GPU 0."""
+    c = {**pipeline("a", [0], range(4)), **pipeline("b", [1], range(4))}
+    snap = snapshot(4, c, [gen_alloc(c["b_actor_infer"], [1, 2, 3])], [PendingRequest("a_actor_train", TRAIN, 5)],
+                    {"a": (64, 64), "b": (64, 0)})
+    owed = replace(snap, turns_owed={"a": frozenset({"b"})})
+    assert owed_gpus(owed) == {"a": frozenset({1, 2, 3})}
+    plan = plan_cycle(owed)
+    validate_plan(owed, plan)
+    assert [(g.cluster_id, sorted(g.gpus)) for g in plan.grants] == [("a_actor_train", [0])]
+
+
+def test_validate_plan_rejects_a_grant_to_a_debtor() -> None:
+    import pytest
+
+    from rlix_plugins.control.scheduling.invariants import PlanInvariantError
+
+    c = _one_gpu()
+    snap = snapshot(1, c, [], [PendingRequest("a_actor_train", TRAIN, 2)], {})
+    plan = plan_cycle(snap)  # planned without the debt: grants a
+    with pytest.raises(PlanInvariantError, match="fair turns"):
+        validate_plan(replace(snap, turns_owed={"a": frozenset({"b"})}), plan)
+
+
+def test_fairness_counts_steps_inside_a_waiters_window() -> None:
+    def ev(t: float, pid: str, op: str, detail: str = "", prio: int | None = None) -> TraceEvent:
+        return TraceEvent(t, pid, f"{pid}_actor_train", op, (0,), prio, detail)
+
+    events = [ev(0, "b", "wait", "begin"), ev(1, "a", "release", prio=TRAIN), ev(2, "b", "wait", "end"),
+              ev(3, "a", "release", prio=TRAIN),  # b runs: not watched
+              ev(4, "b", "wait", "begin"), ev(5, "a", "release", prio=TRAIN), ev(6, "b", "wait", "end"),
+              ev(7, "b", "release", prio=TRAIN),  # b's own step closes its window
+              ev(8, "b", "wait", "begin"), ev(9, "a", "release", prio=TRAIN)]
+    f = fairness(events)
+    assert f.max_steps_watched == 2 and f.worst_pair == ("b", "a")
+    assert f.longest_wait_s == 2.0 and f.waits == {"b": 3} and f.steps == {"a": 4, "b": 1}
+
+
+def _job(name: str, i: int, d: dict[str, float]) -> JobSpec:
+    return JobSpec(name=name, train_gpus=1, step_target=int(d["target"]), traj_time_s=d["traj"], seqs_per_rank=64,
+                   train_time_s=d["train"], sync_time_s=1.0, expand_time_s=d["expand"], init_time_s=d["init"],
+                   steps=int(d["steps"]), max_age=int(d["age"]), start_s=i * d["admit"])
+
+
+JOBS = st.fixed_dictionaries({
+    "target": st.sampled_from([16, 64, 256]), "traj": st.sampled_from([1.0, 3.0, 10.0, 30.0]),
+    "train": st.sampled_from([2.0, 5.0, 20.0]), "expand": st.sampled_from([0.5, 2.0]),
+    "init": st.sampled_from([5.0, 20.0]), "steps": st.integers(3, 7), "age": st.sampled_from([1, 2, 4]),
+    "admit": st.sampled_from([0.0, 10.0, 30.0]),
+})
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(2, 4), st.sampled_from([1, 2, 4]), st.data())
+def test_no_waiting_pipeline_watches_another_complete_more_than_two_steps(n: int, gpus: int, data: st.DataObject) -> None:
+    """The policy as a property of whole runs: simulated async-GRPO pipelines (the real planner, every plan
+    validated) on 1, 2 or 4 GPUs; each pipeline finishes, and none watched another complete > 2 steps."""
+    gpus = max(gpus, n) if gpus > 1 else 1  # every pipeline needs a home GPU to train on when there are several
+    jobs = [_job(f"p{i}", i, data.draw(JOBS)) for i in range(n)]
+    run = Simulation(jobs, rlix_placements(jobs, gpus, 8), gpus, 8).run()
+    assert run.steps == sum(j.steps for j in jobs)
+    f = run.fairness()
+    assert f.max_steps_watched <= 2, f.line()
+
+
+def test_without_turns_one_pipeline_trains_back_to_back_while_the_other_waits() -> None:
+    """The unfair run the policy prevents (two pipelines on one GPU, deep async queues): 4 steps watched
+    without turns, 2 with."""
+    d = {"target": 16, "traj": 1.0, "train": 5.0, "expand": 0.5, "init": 5.0, "steps": 6, "age": 4, "admit": 10.0}
+    jobs = [_job("a", 0, d), _job("b", 1, d)]
+    unfair = Simulation(jobs, rlix_placements(jobs, 1, 8), 1, 8, fair_turn_steps=10_000).run().fairness()
+    fair = Simulation(jobs, rlix_placements(jobs, 1, 8), 1, 8).run().fairness()
+    assert unfair.max_steps_watched > 2 and fair.max_steps_watched <= 2, (unfair.line(), fair.line())
