@@ -55,7 +55,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 def _cmd_recipe(args: argparse.Namespace) -> int:
     from rlix_plugins.nemo_rl.recipe import run_cli
 
-    return run_cli(args.stock, args.out, args.pipelines, args.gpus, args.gpus_per_node, args.data_plane)
+    return run_cli(args.stock, args.out, args.pipelines, args.gpus, args.gpus_per_node, args.data_plane,
+                   args.gpu_memory_gib, args.host_memory_gib)
 
 
 def _gpu_ids(text: str) -> list[int]:
@@ -86,6 +87,16 @@ def _positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
     if value <= 0:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {value}")
     return value
 
 
@@ -142,6 +153,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="directory for the overlays")
     p.add_argument("--data-plane", action="store_true",
                    help="run NeMo RL's TransferQueue loop (data_plane.enabled) instead of async GRPO")
+    p.add_argument("--gpu-memory-gib", type=_positive_float, default=None,
+                   help="memory of one GPU the pipelines run on (default: this machine's, unchecked without a GPU)")
+    p.add_argument("--host-memory-gib", type=_positive_float, default=None,
+                   help="memory of the host they run on (default: this machine's)")
 
     p = add("patch", _cmd_patch, "Apply, check or revert the pinned NeMo RL patch series.")
     p.add_argument("action", choices=["apply", "check", "revert"])

@@ -28,7 +28,9 @@ from pathlib import Path
 from typing import Any, Final
 
 from rlix_plugins.errors import RlixConfigError
-from rlix_plugins.nemo_rl.config import DEFAULT_BUCKET_SIZE_BYTES, cfg_path, load_run_config
+from rlix_plugins.nemo_rl.config import cfg_path, load_run_config
+from rlix_plugins.nemo_rl.memory_budget import PipelineMemory, check_fits, gpu_need_gib, pipeline_memory
+from rlix_plugins.nemo_rl.model_shape import bucket_size_for, model_shape
 from rlix_plugins.nemo_rl.topology import (
     ASYNC_GRPO,
     DATA_PLANE,
@@ -205,22 +207,41 @@ def _refusals(stock: Mapping[str, Any], gpus: Sequence[int], gpus_per_node: int)
     return problems
 
 
-def _worker_groups_per_gpu(layouts: Sequence[PipelineLayout]) -> tuple[int, int]:
-    """(largest number of worker groups one GPU holds, that GPU): every pipeline's vLLM rank plus its trainer."""
-    count: dict[int, int] = {}
+def check_memory(stock: Mapping[str, Any], layouts: Sequence[PipelineLayout], *, gpu_memory_gib: float | None,
+                 host_memory_gib: float | None) -> str:
+    """Refuse layouts whose pipelines do not fit in GPU or host memory (:mod:`.memory_budget`); returns a note on
+    what was checked. The model's shape comes from ``policy.model_name`` (:func:`.model_shape.model_shape`)."""
+    model = _resolved(stock, "policy.model_name")
+    shape = model_shape(model) if isinstance(model, str) and model else None
+    if shape is None:
+        return f"memory not checked: the shape of {model!r} is not known here"
+    util = float(_resolved(stock, "policy.generation.vllm_cfg.gpu_memory_utilization") or 0.9)
+    gib = gpu_memory_gib or 0.0
+    by_gpu: dict[int, list[PipelineMemory]] = {}
+    everyone = []
     for p in layouts:
-        for g in set(p.infer_devices) | set(p.train_devices):
-            count[g] = count.get(g, 0) + (g in p.infer_devices) + (g in p.train_devices)
-    g = max(count, key=lambda k: (count[k], -k))
-    return count[g], g
+        mem = {g: pipeline_memory(p.name, shape, gpu_memory_gib=gib, gpu_memory_utilization=util,
+                                  trains_here=g in p.train_devices, train_gpus=len(p.train_devices))
+               for g in p.infer_devices}
+        everyone.append(mem[p.train_devices[0]])
+        for g, m in mem.items():
+            by_gpu.setdefault(g, []).append(m)
+    check_fits(by_gpu, everyone, gpu_memory_gib=gpu_memory_gib, host_memory_gib=host_memory_gib)
+    worst = max(by_gpu, key=lambda g: gpu_need_gib(by_gpu[g]))
+    return (f"memory: {len(layouts)} x {shape.num_parameters / 1e9:.2f} B-parameter pipelines need "
+            + (f"{gpu_need_gib(by_gpu[worst]):.1f} of {gpu_memory_gib:.0f} GiB on GPU {worst}"
+               if gpu_memory_gib else "GPU memory not checked (pass --gpu-memory-gib)")
+            + f" and {sum(m.host_gib for m in everyone):.1f} GiB of host memory"
+            + (f" of {host_memory_gib:.0f}" if host_memory_gib else " (not checked: pass --host-memory-gib)"))
 
 
 def make_overlays(stock: Mapping[str, Any], num_pipelines: int, gpus: Sequence[int],
-                  gpus_per_node: int | None = None, data_plane: bool = False) -> list[Overlay]:
-    """The overlay of each pipeline, validated by the start-up checks; ``RlixConfigError`` lists every refusal.
-    ``data_plane``: switch the stock recipe to NeMo RL's TransferQueue loop (``grpo_train_sync``)."""
-    from rlix_plugins.nemo_rl.placement import WORKER_GROUPS_PER_GPU
-
+                  gpus_per_node: int | None = None, data_plane: bool = False, *,
+                  gpu_memory_gib: float | None = None, host_memory_gib: float | None = None) -> list[Overlay]:
+    """The overlay of each pipeline, validated by the start-up checks and the memory budget; ``RlixConfigError``
+    lists every refusal. ``data_plane``: switch the stock recipe to NeMo RL's TransferQueue loop
+    (``grpo_train_sync``). ``gpu_memory_gib`` / ``host_memory_gib``: the memory of the GPUs and the host the
+    pipelines will run on (None: not checked)."""
     gpus = list(gpus)
     per_node = gpus_per_node or (max(gpus) + 1 if gpus else 1)
     problems = _refusals(stock, gpus, per_node)
@@ -231,12 +252,10 @@ def make_overlays(stock: Mapping[str, Any], num_pipelines: int, gpus: Sequence[i
         layouts = layout(num_pipelines, gpus, trainer_size)
     except RlixConfigError as exc:
         raise RlixConfigError(f"cannot time-share this recipe ({how}): {exc}") from None
-    groups, gpu = _worker_groups_per_gpu(layouts)
-    if groups > WORKER_GROUPS_PER_GPU:
-        raise RlixConfigError(
-            f"GPU {gpu} would hold {groups} worker groups (vLLM ranks + trainers of {num_pipelines} pipelines); the "
-            f"shared placement holds {WORKER_GROUPS_PER_GPU} per GPU: use fewer pipelines or more GPUs")
+    memory = check_memory(stock, layouts, gpu_memory_gib=gpu_memory_gib, host_memory_gib=host_memory_gib)
     overlays = [_overlay(stock, p, num_pipelines, per_node, data_plane) for p in layouts]
+    for ov in overlays:
+        ov.notes.append(memory)
     for ov in overlays:
         merged = _merge(dict(stock), ov.nested())
         found = topology_problems(merged, load_run_config(merged))
@@ -301,8 +320,7 @@ def _overlay(stock: Mapping[str, Any], p: PipelineLayout, num_pipelines: int, gp
     where = "the one GPU (one-GPU topology)" if one_gpu else f"its home slice of {len(p.train_devices)} GPU(s)"
     _set(ov, stock, "rlix.train_devices", list(p.train_devices), f"trains on {where}")
     _set(ov, stock, "rlix.infer_devices", list(p.infer_devices), "rolls out on every shared GPU")
-    _set(ov, stock, "rlix.bucket_size_bytes", DEFAULT_BUCKET_SIZE_BYTES,
-         "256 MiB per bucket: must fit next to a co-tenant's KV cache")
+    _set(ov, stock, "rlix.bucket_size_bytes", *bucket_size_for(_resolved(stock, "policy.model_name")))
     _set(ov, stock, "rlix.sleep_level", _SLEEP_LEVEL, "2 frees weights and KV cache while slept")
     return ov
 
@@ -345,10 +363,12 @@ def render(overlay: Overlay, defaults: str, stock_name: str, num_pipelines: int)
 
 def write_overlays(stock_path: str | os.PathLike[str], out_dir: str | os.PathLike[str], num_pipelines: int,
                    gpus: Sequence[int], gpus_per_node: int | None = None,
-                   data_plane: bool = False) -> list[tuple[Path, Overlay]]:
+                   data_plane: bool = False, *, gpu_memory_gib: float | None = None,
+                   host_memory_gib: float | None = None) -> list[tuple[Path, Overlay]]:
     """Validate, then write ``<out>/<stock stem>_rlix_<name>.yaml`` per pipeline (``defaults:`` relative to out)."""
     stock_path, out = Path(stock_path).resolve(), Path(out_dir)
-    overlays = make_overlays(load_stock(stock_path), num_pipelines, gpus, gpus_per_node, data_plane)
+    overlays = make_overlays(load_stock(stock_path), num_pipelines, gpus, gpus_per_node, data_plane,
+                             gpu_memory_gib=gpu_memory_gib, host_memory_gib=host_memory_gib)
     out.mkdir(parents=True, exist_ok=True)
     defaults = os.path.relpath(stock_path, out.resolve())
     written = []
@@ -360,8 +380,18 @@ def write_overlays(stock_path: str | os.PathLike[str], out_dir: str | os.PathLik
 
 
 def run_cli(stock: str, out: str, num_pipelines: int, gpus: Sequence[int], gpus_per_node: int | None,
-            data_plane: bool = False) -> int:
-    written = write_overlays(stock, out, num_pipelines, gpus, gpus_per_node, data_plane)
+            data_plane: bool = False, gpu_memory_gib: float | None = None,
+            host_memory_gib: float | None = None) -> int:
+    """``rlix recipe``. Memory figures not given default to this machine's when it has a GPU (it is then taken to be
+    where the pipelines run); on a machine without one, only what is given is checked."""
+    from rlix_plugins.nemo_rl.memory_budget import local_gpu_memory_gib, local_host_memory_gib
+
+    local_gpu = local_gpu_memory_gib() if gpu_memory_gib is None or host_memory_gib is None else None
+    if local_gpu is not None:
+        gpu_memory_gib = gpu_memory_gib if gpu_memory_gib is not None else local_gpu
+        host_memory_gib = host_memory_gib if host_memory_gib is not None else local_host_memory_gib()
+    written = write_overlays(stock, out, num_pipelines, gpus, gpus_per_node, data_plane,
+                             gpu_memory_gib=gpu_memory_gib, host_memory_gib=host_memory_gib)
     for path, ov in written:
         print(f"{path}: pipeline {ov.pipeline.name}, train {list(ov.pipeline.train_devices)}, "
               f"infer {list(ov.pipeline.infer_devices)}")

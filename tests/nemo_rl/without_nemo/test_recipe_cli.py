@@ -104,6 +104,28 @@ def test_one_gpu_overlays_are_the_one_gpu_topology(stock: Path, tmp_path: Path, 
     assert len(dirs) == 2, "two pipelines would write the same checkpoint and log directories"
 
 
+def test_four_pipelines_on_one_gpu_when_memory_allows(stock: Path, tmp_path: Path, capsys: Any) -> None:
+    """The limit comes from memory: four pipelines of a Qwen2.5-0.5B shape fit one H200 and its host; four of the
+    1.5B shape do not fit the host, and the refusal names that budget and its figures."""
+    cfg = load_stock(stock)
+    cfg["policy"]["model_name"] = "Qwen/Qwen2.5-0.5B"
+    cfg["policy"]["generation"]["vllm_cfg"]["gpu_memory_utilization"] = 0.6  # the stock grpo_math_1B's
+    small = tmp_path / "small.yaml"
+    small.write_text(yaml.safe_dump(cfg))
+    rc, files = _recipe(small, tmp_path / "four", "--pipelines", "4", "--gpus", "0", "--gpu-memory-gib", "139",
+                        "--host-memory-gib", "128")
+    out = capsys.readouterr().out
+    assert rc == 0 and len(files) == 4, out
+    assert "memory: 4 x 0.49 B-parameter pipelines need" in out
+    cfg["policy"]["model_name"] = "Qwen/Qwen2.5-1.5B"
+    small.write_text(yaml.safe_dump(cfg))
+    rc, files = _recipe(small, tmp_path / "four_big", "--pipelines", "4", "--gpus", "0", "--gpu-memory-gib", "139",
+                        "--host-memory-gib", "128")
+    err = capsys.readouterr().err
+    assert rc == 2 and files == []
+    assert "host memory: 4 pipelines need" in err and "GiB (90% of 128 GiB" in err and "offloaded trainer" in err, err
+
+
 def test_two_gpus_partial_overlap(stock: Path, tmp_path: Path) -> None:
     rc, files = _recipe(stock, tmp_path / "out", "--pipelines", "2", "--gpus", "0,1")
     assert rc == 0 and len(files) == 2
@@ -124,7 +146,10 @@ def test_two_gpus_partial_overlap(stock: Path, tmp_path: Path) -> None:
         (lambda c: c["policy"]["generation"].update(backend="sglang"), [], "supports vLLM only"),
         (lambda c: c["policy"]["generation"]["vllm_cfg"].update(tensor_parallel_size=2), [], "vLLM TP 1"),
         (lambda c: c["policy"]["dtensor_cfg"].update(tensor_parallel_size=2), [], "one GPU cannot hold it"),
-        (lambda c: None, ["--pipelines", "3"], "holds 4 per GPU"),
+        (lambda c: c["policy"].update(model_name="Qwen/Qwen2.5-1.5B"),
+         ["--pipelines", "4", "--gpu-memory-gib", "139", "--host-memory-gib", "128"], "host memory: 4 pipelines need"),
+        (lambda c: c["policy"].update(model_name="Qwen/Qwen2.5-1.5B"),
+         ["--pipelines", "2", "--gpu-memory-gib", "40", "--host-memory-gib", "512"], "GPU memory: GPU 0 holds 2"),
         (lambda c: None, ["--pipelines", "3", "--gpus", "0,1"], "home slice of 0 GPU(s)"),
         (lambda c: c["cluster"].update(num_nodes=2), [], "one node"),
     ],
@@ -218,3 +243,35 @@ def test_data_plane_flag_switches_to_the_transfer_queue_loop(stock: Path, tmp_pa
         assert cfg["grpo"]["async_grpo"]["enabled"] is False
         assert cfg["loss_fn"]["use_importance_sampling_correction"] is False  # on-policy: not switched on
         validate_topology(cfg, load_run_config(cfg))
+
+
+# ---------------------------------------------------------------- bucket size from the model
+def _bucket_line(overlay: Path) -> str:
+    (line,) = [ln for ln in overlay.read_text().splitlines() if ln.strip().startswith("bucket_size_bytes:")]
+    return line
+
+
+def test_bucket_size_fits_the_models_largest_tensor(stock: Path, tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The stock GRPO recipe's model (Qwen/Qwen2.5-1.5B, a 445 MiB bf16 embedding) gets a bucket that holds its
+    embedding, with the tensor named in the reason; a local model directory is sized from its config.json; a model
+    whose shape is unknown keeps the default and the reason says a larger tensor travels alone."""
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))  # no local hub cache: the built-in shape
+    model_dir = tmp_path / "my-model"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps({
+        "model_type": "qwen2", "vocab_size": 200000, "hidden_size": 1024, "num_hidden_layers": 2,
+        "intermediate_size": 2048, "num_attention_heads": 8, "num_key_value_heads": 2, "tie_word_embeddings": True}))
+    cases = [("Qwen/Qwen2.5-1.5B", 446 << 20, "model.embed_tokens.weight, 151936 x 1536 bf16 = 445.1 MiB"),
+             (str(model_dir), 391 << 20, "model.embed_tokens.weight, 200000 x 1024 bf16 = 390.6 MiB"),
+             ("tiny-child", 256 << 20, "a larger tensor travels in a bucket of its own")]
+    for model, size, reason in cases:
+        recipe = stock.parent / "model.yaml"
+        recipe.write_text(f"defaults: child.yaml\npolicy: {{model_name: {json.dumps(model)}}}\n")
+        rc, files = _recipe(recipe, tmp_path / "out" / str(size), "--pipelines", "1", "--gpus", "0")
+        assert rc == 0 and len(files) == 1
+        run = load_run_config(load_stock(files[0]))
+        assert run.bucket_size_bytes == size and size >= 256 << 20
+        assert reason in _bucket_line(files[0]), _bucket_line(files[0])
+    assert 446 << 20 >= 151936 * 1536 * 2
