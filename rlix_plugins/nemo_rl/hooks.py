@@ -115,7 +115,7 @@ class ControlOnlyRuntime:
         self._holds_train = False
 
     def register(self, cp: Any, held: Any) -> Any:
-        if held is not None:  # no init phases to run under setup()'s grant
+        if held is not None:  # no init phases: give back the start-up grant its vLLM ranks may have taken
             held.release_gpus(GENERATION_CLUSTER, step=-1, timeout_s=_RPC_S)
             self.pipe = held
         else:

@@ -19,17 +19,20 @@ surface its worker groups read.
   adapter (one per ``rlix.infer_devices`` GPU: vLLM DP rank r on ``infer_devices[r]``) and the ``name_prefix``
   keywords of ``Policy`` / ``VllmGeneration``. It fixes the pipeline id here (``rlix.pipeline_id`` or a fresh one)
   so the names and the registration agree.
-* The setup grant: before answering, :func:`nemo_rl_placement` registers the pipeline and blocks until it holds
-  INITIALIZATION of its inference cluster (every GPU it uses: training ⊂ inference), so setup() creates its
-  Megatron and vLLM workers only while no other pipeline initialises on those GPUs. A :class:`SetupGrant` (the
-  parsed config with the pipeline id, and the registration) waits in this process for ``rlix_pipeline_start``
-  (another hook instance: setup() and the loop each load the hooks) to :func:`take_setup` it with the master
-  config setup() was given (NeMo RL's setup() returns that object, and the loop gets it). NeMo RL's config is
-  written only where NeMo RL's own processes must read it: ``data_plane.rlix_namespace`` (the TransferQueue loops,
-  :func:`.config.scope_data_plane`). The runtime's init phases run under the grant and release it
-  (``PipelineRuntime.start(init_held=True)``). Never taken (setup() failed, or the loop never ran): released and
-  unregistered at exit. The SingleController runs ``setup()`` in the driver but its hooks inside its own actor
-  process: there :func:`adopt_setup` adopts the registration by pipeline id through the control plane.
+* The start-up grant (:mod:`rlix_plugins.control.start_gate`): :func:`nemo_rl_placement` registers the pipeline and
+  returns at once, so setup() starts its worker processes (imports, model conversion, engine creation) while other
+  pipelines keep running; only each vLLM rank's device set-up waits for INITIALIZATION of the pipeline's inference
+  cluster (every GPU it uses: training ⊂ inference), which it asks for from its ``init_device``. A
+  :class:`SetupGrant` (the parsed config with the pipeline id, and the registration) waits in this process for
+  ``rlix_pipeline_start`` (another hook instance: setup() and the loop each load the hooks) to :func:`take_setup`
+  it with the master config setup() was given (NeMo RL's setup() returns that object, and the loop gets it).
+  NeMo RL's config is written only where NeMo RL's own processes must read it: ``data_plane.rlix_namespace`` (the
+  TransferQueue loops, :func:`.config.scope_data_plane`) and ``policy.generation.vllm_cfg.env_vars`` (the pipeline
+  id its vLLM ranks wait for). The runtime's init phases run under the same grant (asked for again, which returns at
+  once when the ranks hold it) and release it (``PipelineRuntime.start(init_held=True)``). Never taken (setup()
+  failed, or the loop never ran): unregistered at exit. The SingleController runs ``setup()`` in the driver but its
+  hooks inside its own actor process: there :func:`adopt_setup` adopts the registration by pipeline id through the
+  control plane.
 
 Limits (clear errors): vLLM TP 1 only (a TP group needs one multi-bundle placement group, NeMo RL's tied-worker
 layout), one node (the pool keys groups by node-local GPU id). Not proven on GPUs yet.
@@ -61,10 +64,19 @@ logger = logging.getLogger(__name__)
 
 POOL_NAME: Final = "rlix:placement"
 _NAMESPACE: Final = "rlix"
-#: Default worker groups one GPU's bundle holds: each worker asks ``1 / n`` GPU and 1 CPU (NeMo RL's workers keep
-#: Ray's default CPU), so a bundle is ``{"GPU": 1, "CPU": n}``. A pipeline puts at most two on a GPU (a training
-#: worker and a vLLM rank): 4 = two pipelines per GPU. The pool's first creator fixes it for the cluster.
-WORKER_GROUPS_PER_GPU: Final = 4
+#: Least worker groups one GPU's bundle holds. Each worker asks ``1 / n`` GPU and 1 CPU (NeMo RL's workers keep
+#: Ray's default CPU), so a bundle is ``{"GPU": 1, "CPU": n}``; a pipeline puts at most two on a GPU (a training
+#: worker and a vLLM rank). The pool's creator takes half of the cluster's logical CPUs per GPU, at least this, so the
+#: slots are never what bounds the pipelines on a GPU: memory is (``rlix recipe`` checks it, ``memory_budget``), and
+#: ``rlix up`` declares logical CPUs for the slots. The first creator fixes ``n`` for the cluster.
+MIN_WORKER_GROUPS_PER_GPU: Final = 4
+
+
+def default_worker_groups_per_gpu() -> int:
+    """Half of the Ray cluster's logical CPUs per GPU (the other half for collectors, reward workers, ...)."""
+    res = ray.cluster_resources()
+    gpus = int(res.get("GPU", 0)) or 1
+    return max(MIN_WORKER_GROUPS_PER_GPU, int(res.get("CPU", 0)) // gpus // 2)
 
 
 def worker_name_prefix(pipeline_id: str, role: str) -> str:
@@ -85,7 +97,9 @@ def _free_port() -> tuple[str, int]:
 class GpuPlacementPool:
     """See the module docstring. A plain (one call at a time) actor: creation is serialised."""
 
-    def __init__(self, timeout_s: float = 120.0, worker_groups_per_gpu: int = WORKER_GROUPS_PER_GPU) -> None:
+    def __init__(self, timeout_s: float = 120.0, worker_groups_per_gpu: int | None = None) -> None:
+        if worker_groups_per_gpu is None:
+            worker_groups_per_gpu = default_worker_groups_per_gpu()
         if worker_groups_per_gpu < 1:
             raise RlixConfigError(f"worker_groups_per_gpu={worker_groups_per_gpu} must be >= 1")
         self._timeout_s = timeout_s
@@ -106,7 +120,8 @@ class GpuPlacementPool:
             new = [placement_group([{"GPU": 1, "CPU": self._per_gpu}], strategy="STRICT_PACK") for _ in need]
             try:
                 ray_get([pg.ready() for pg in new], f"{len(new)} per-GPU placement groups ready", self._timeout_s,
-                        hint=f" (each needs 1 free GPU and {self._per_gpu} free CPUs; GPUs {need} are missing)")
+                        hint=f" (each needs 1 free GPU and {self._per_gpu} free CPUs, one per worker group it holds; "
+                             f"GPUs {need} are missing: declare more CPUs to Ray, e.g. `ray start --num-cpus`)")
                 probes = [ray.remote(_probe_gpu).options(num_cpus=0, num_gpus=0.01, scheduling_strategy=(
                     PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=0))).remote()
                     for pg in new]
@@ -132,8 +147,9 @@ class GpuPlacementPool:
         return n
 
 
-def placement_pool(worker_groups_per_gpu: int = WORKER_GROUPS_PER_GPU) -> Any:
-    """The cluster's pool actor (created detached on first use; ``worker_groups_per_gpu`` only matters then)."""
+def placement_pool(worker_groups_per_gpu: int | None = None) -> Any:
+    """The cluster's pool actor (created detached on first use; ``worker_groups_per_gpu`` only matters then; default:
+    :func:`default_worker_groups_per_gpu`)."""
     return ray.remote(GpuPlacementPool).options(name=POOL_NAME, namespace=_NAMESPACE, lifetime="detached",
                                                 get_if_exists=True, num_cpus=0).remote(
         worker_groups_per_gpu=worker_groups_per_gpu)
@@ -191,7 +207,7 @@ class SetupGrant:
     master_config: Any
     #: The ``rlix`` section, parsed and validated once, with the pipeline id fixed.
     config: RlixRunConfig
-    #: The registration (``client.PipelineHandle``), holding INITIALIZATION of every GPU of the pipeline.
+    #: The registration (``client.PipelineHandle``); its vLLM ranks take INITIALIZATION of every GPU of the pipeline.
     pipe: Any
 
 
@@ -200,22 +216,20 @@ _SETUP_GRANTS: dict[str, SetupGrant] = {}
 _SETUP_LOCK = threading.Lock()
 
 
-def _hold_setup_grant(cp: Any, master_config: Any, cfg: RlixRunConfig) -> None:
-    """Register the pipeline and block until it holds INITIALIZATION of its inference cluster (all its GPUs)."""
-    from rlix_plugins.control.types import GENERATION_CLUSTER, TRAIN_CLUSTER, Priority
+def _register_setup(cp: Any, master_config: Any, cfg: RlixRunConfig) -> None:
+    """Register the pipeline (no GPU is asked for yet: see the module docstring) and tell its vLLM ranks which
+    pipeline's start-up grant they wait for (``policy.generation.vllm_cfg.env_vars``, which NeMo RL hands to every
+    vLLM worker actor)."""
+    from rlix_plugins.control.start_gate import INIT_TIMEOUT_ENV, PIPELINE_ENV
+    from rlix_plugins.control.types import GENERATION_CLUSTER, TRAIN_CLUSTER
 
     assert cfg.pipeline_id is not None  # fixed by nemo_rl_placement
+    vllm_cfg = master_config["policy"]["generation"].setdefault("vllm_cfg", {})
+    env = vllm_cfg.get("env_vars") or {}
+    vllm_cfg["env_vars"] = {**env, PIPELINE_ENV: cfg.pipeline_id, INIT_TIMEOUT_ENV: str(cfg.runtime.init_timeout_s)}
     pipe = cp.register_pipeline({TRAIN_CLUSTER: 1, GENERATION_CLUSTER: cfg.infer_tp},
                                 {TRAIN_CLUSTER: list(cfg.train_devices), GENERATION_CLUSTER: list(cfg.infer_devices)},
                                 pipeline_id=cfg.pipeline_id, coordinator_config=cfg.coordinator_config())
-    try:
-        pipe.request_gpus(GENERATION_CLUSTER, Priority.INITIALIZATION, step=-1, timeout_s=cfg.runtime.init_timeout_s)
-    except BaseException as exc:
-        try:
-            pipe.unregister("setup() did not get its GPUs for worker creation")
-        except Exception as unregister_exc:
-            exc.add_note(f"unregistering pipeline {cfg.pipeline_id} also failed: {unregister_exc}")
-        raise
     with _SETUP_LOCK:
         _SETUP_GRANTS[cfg.pipeline_id] = SetupGrant(master_config, cfg, pipe)
     atexit.register(_end_untaken_setup_grant, cfg.pipeline_id)
@@ -223,8 +237,8 @@ def _hold_setup_grant(cp: Any, master_config: Any, cfg: RlixRunConfig) -> None:
 
 def take_setup(master_config: Any) -> SetupGrant | None:
     """The grant setup() left in this process for ``master_config`` (the same object, or a copy naming the same
-    ``rlix.pipeline_id``); the taker releases its INITIALIZATION. None when setup() placed nothing (NeMo RL's own
-    clusters, or a test calling the loop's hooks alone)."""
+    ``rlix.pipeline_id``); the taker runs its start under INITIALIZATION and releases it. None when setup() placed
+    nothing (NeMo RL's own clusters, or a test calling the loop's hooks alone)."""
     from rlix_plugins.nemo_rl.config import cfg_path
 
     fixed = cfg_path(master_config, "rlix.pipeline_id")
@@ -245,15 +259,11 @@ def adopt_setup(master_config: Any, cfg: RlixRunConfig, cp: Any) -> SetupGrant |
     """The SingleController runs setup() in the driver but its hooks in its own actor process, with a copy of the
     master config: there setup()'s registration is adopted through the control plane when the pipeline the copy
     names (``rlix.pipeline_id``, else the data-plane namespace setup() wrote: :func:`.config.data_plane_pipeline_id`)
-    holds INITIALIZATION of its inference cluster; None otherwise (nothing to adopt: register anew)."""
-    from rlix_plugins.control.types import GENERATION_CLUSTER, cluster_id
+    is registered; None otherwise (nothing to adopt: register anew)."""
     from rlix_plugins.nemo_rl.config import data_plane_pipeline_id
 
     pid = cfg.pipeline_id or data_plane_pipeline_id(master_config)
-    if not pid:
-        return None
-    held = cp.status()["allocations"].get(cluster_id(pid, GENERATION_CLUSTER))
-    if held is None or held.get("priority") != "INITIALIZATION":
+    if not pid or pid not in cp.status()["pipelines"]:
         return None
     return SetupGrant(master_config, dataclasses.replace(cfg, pipeline_id=pid), cp.pipeline(pid))
 
@@ -273,8 +283,8 @@ def nemo_rl_placement(master_config: Any) -> tuple[VirtualClusterAdapter, Virtua
     """``(train_cluster, inference_cluster, policy_kwargs, generation_kwargs)`` for NeMo RL's ``setup()``.
 
     Validates the config and topology first (nothing is placed for a run that cannot start). Blocks on: the
-    control plane (connect, allocate an id, register, then the setup grant: INITIALIZATION of every GPU the
-    pipeline uses, see the module docstring) and the pool (group creation); both bounded by ``rlix.init_timeout_s``.
+    control plane (connect, allocate an id, register; no GPU grant: see the module docstring) and the pool (group
+    creation); both bounded by ``rlix.init_timeout_s``.
     """
     from rlix_plugins.control import client
     from rlix_plugins.nemo_rl.config import load_run_config, scope_data_plane
@@ -296,7 +306,7 @@ def nemo_rl_placement(master_config: Any) -> tuple[VirtualClusterAdapter, Virtua
     groups = ray_get(pool.groups.remote(gpus), f"shared placement groups of GPUs {gpus}", cfg.runtime.init_timeout_s,
                      dead=dead)
     per_gpu = int(ray_get(pool.worker_groups_per_gpu.remote(), "pool.worker_groups_per_gpu", 60.0, dead=dead))
-    _hold_setup_grant(cp, master_config, cfg)  # last: NeMo RL creates the workers right after this returns
+    _register_setup(cp, master_config, cfg)  # last: NeMo RL creates the workers right after this returns
     train = VirtualClusterAdapter([groups[g] for g in cfg.train_devices], max_colocated_worker_groups=per_gpu,
                                   name=f"{pid}-train")
     infer = VirtualClusterAdapter([groups[g] for g in cfg.infer_devices], max_colocated_worker_groups=per_gpu,

@@ -33,6 +33,7 @@ import threading
 import time
 from typing import Any, Final
 
+from rlix_plugins.control.types import GENERATION_CLUSTER, Priority
 from rlix_plugins.errors import RlixError
 from rlix_plugins.nemo_rl.config import RlixRunConfig, cfg_path
 from rlix_plugins.nemo_rl.generation import NemoVllmFleet, install_routing
@@ -67,7 +68,7 @@ class NemoRuntime:
         self._trace_since = time.time()
 
     def register(self, cp: Any, held: Any = None) -> Any:
-        """Adopt ``held`` (the handle setup() registered, holding INITIALIZATION of the inference cluster) or
+        """Adopt ``held`` (the handle setup() registered; its start-up grant is taken in :meth:`start`) or
         register + admit the pipeline through the shared runtime (the demo host's path); returns its handle. The
         runtime also unregisters it (:meth:`stop`)."""
         from rlix_plugins.pipeline import PipelineRuntime
@@ -93,7 +94,10 @@ class NemoRuntime:
         self.weights = PolicyWeightSource.from_policy(policy, master_config, list(cfg.train_devices),
                                                       cfg.bucket_size_bytes, per_node)
         fleet = NemoVllmFleet.from_generation(policy_generation, list(cfg.infer_devices), cfg.infer_tp, per_node)
-        held, self._init_held = self._init_held, False  # start releases the setup() grant, even when it fails
+        held, self._init_held = self._init_held, False  # start releases the start-up grant, even when it fails
+        if held:  # setup()'s registration: its vLLM ranks took the grant for their device set-up (control.start_gate)
+            self.rt.pipe.request_gpus(GENERATION_CLUSTER, Priority.INITIALIZATION, step=-1,
+                                      timeout_s=cfg.runtime.init_timeout_s)
         self.rt.start(self.weights, fleet, offload=self._offload, start_step=start_step, init_held=held)
         install_routing(policy_generation, self.rt.router_client())
 

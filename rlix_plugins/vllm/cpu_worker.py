@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from vllm.v1.worker.cpu_worker import CPUWorker
 
+from rlix_plugins.control.start_gate import hold_start_grant
 from rlix_plugins.vllm.receiver import RlixReceiverMixin
 
 __all__ = ["RlixCPUWorker"]
@@ -15,3 +16,8 @@ __all__ = ["RlixCPUWorker"]
 
 class RlixCPUWorker(RlixReceiverMixin, CPUWorker):
     """vLLM's CPU worker plus the six receiver methods. Adds no state and no constructor."""
+
+    def init_device(self) -> None:
+        # A time-shared pipeline's engine touches the GPU only under its start-up grant (control.start_gate).
+        hold_start_grant()
+        super().init_device()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from vllm.v1.worker.gpu_worker import Worker
 
+from rlix_plugins.control.start_gate import hold_start_grant
 from rlix_plugins.vllm.receiver import RlixReceiverMixin
 
 __all__ = ["RlixGPUWorker"]
@@ -18,3 +19,8 @@ __all__ = ["RlixGPUWorker"]
 
 class RlixGPUWorker(RlixReceiverMixin, Worker):
     """vLLM's GPU worker plus the six receiver methods. Adds no state and no constructor."""
+
+    def init_device(self) -> None:
+        # A time-shared pipeline's engine touches the GPU only under its start-up grant (control.start_gate).
+        hold_start_grant()
+        super().init_device()
