@@ -1,9 +1,11 @@
-"""Summarise a time-shared NeMo RL run on the GPU machine (scripts/gpu_nemo_rl.sh `shared` / `sequential`).
+"""Summarise NeMo RL runs on the GPU machine (scripts/gpu_nemo_rl.sh, scripts/gpu_nemo_rl_scale.sh).
 
-Reads DIR/console_{a,b}.log (lines prefixed with a UNIX time), the rlix metrics NeMo RL's logger wrote to
-tensorboard (DIR/logs_{a,b}/**/events.*: ``train/rlix/*``), DIR/status.json and DIR/gpu_after.csv, and writes
-DIR/summary.json plus a few lines: steps per pipeline, the step phase (first step started -> last driver ended),
-steps/hour, the rlix figures, the GPU memory left after both drivers ended.
+Reads DIR/console_<p>.log (one per driver, lines prefixed with a UNIX time), the rlix metrics NeMo RL's logger wrote
+to tensorboard (DIR/logs_<p>/**/events.*: ``train/rlix/*``), and when present DIR/status.json, DIR/gpu_after.csv,
+DIR/trace.jsonl (the scheduler's trace) and DIR/nvml*.csv (scripts/gpu/nvml_sampler.py); writes DIR/summary.json
+plus a few lines: steps per pipeline, the steps phase (first step started -> last step's reward logged) and the
+whole run, steps/hour over each, GPU busy share over the steps phase (NVML samples) and allocated share (trace),
+GPU and host memory peaks, fairness (trace), the rlix figures, the GPU memory left after the drivers ended.
 
     python3 scripts/gpu/nemo_rl_shared_report.py DIR
 """
@@ -28,6 +30,7 @@ SC_STEP = re.compile(r"^(\d+\.\d+) .*train step (\d+)/(\d+)\s+trainer_v=")
 def console(path: Path) -> dict[str, Any]:
     steps: list[tuple[float, int]] = []
     rewards: list[float] = []
+    reward_times: list[tuple[float, float]] = []
     sc_steps = 0
     first = last = None
     for line in path.read_text(errors="replace").splitlines():
@@ -41,9 +44,10 @@ def console(path: Path) -> dict[str, Any]:
             steps.append((t, int(s.group(2))))
         elif r := REWARD.match(line) or SC_METRICS.match(line):
             rewards.append(float(r.group(2)))
+            reward_times.append((t, float(r.group(2))))
         elif s := SC_STEP.match(line):
             sc_steps += 1
-    return {"started": first, "ended": last, "step_starts": steps, "rewards": rewards,
+    return {"started": first, "ended": last, "step_starts": steps, "rewards": rewards, "reward_times": reward_times,
             "steps_done": max(len(rewards), sc_steps)}
 
 
@@ -62,21 +66,75 @@ def rlix_metrics(logdir: Path) -> dict[str, list[float]]:
     return out
 
 
+def samples(path: Path) -> list[dict[str, float]]:
+    """Rows of an nvml_sampler CSV."""
+    lines = path.read_text().splitlines()
+    head = lines[0].split(",")
+    return [dict(zip(head, map(float, line.split(",")), strict=True)) for line in lines[1:] if line.count(",") ==
+            len(head) - 1]
+
+
+def nvml_figures(rows: list[dict[str, float]], t0: float, t1: float) -> dict[str, float]:
+    """GPU 0's busy share over [t0, t1] (mean NVML utilization) and the GPU / host memory peaks of the whole run."""
+    inside = [r["util_0"] for r in rows if t0 <= r["time"] <= t1]
+    return {"gpu_busy_share_steps_phase": sum(inside) / len(inside) / 100 if inside else float("nan"),
+            "gpu_memory_peak_gib": max((r["mem_0"] for r in rows), default=0) / 2**30,
+            "host_memory_peak_gib": max((r["host_used"] for r in rows), default=0) / 2**30,
+            "samples": len(inside)}
+
+
+def trace_figures(path: Path, t0: float, t1: float) -> dict[str, Any]:
+    """Allocated share of GPU 0 over [t0, t1] (some cluster held it) and fairness, from the scheduler's trace."""
+    from rlix_plugins.control.capacity.fairness import fairness
+    from rlix_plugins.control.trace import OCCUPY_OPS, VACATE_OPS
+    from rlix_plugins.control.types import TraceEvent
+
+    events = [TraceEvent(**{**json.loads(line), "gpus": tuple(json.loads(line)["gpus"])})
+              for line in path.read_text().splitlines() if line.strip()]
+    events.sort(key=lambda e: e.time)
+    held: dict[str, float] = {}  # cluster holding GPU 0 -> since
+    busy = 0.0
+    for e in events:
+        if 0 not in e.gpus and e.op not in ("unregister", "fail"):
+            continue
+        if e.op in OCCUPY_OPS:
+            held.setdefault(e.cluster_id, e.time)
+        elif e.op in VACATE_OPS:
+            gone = [c for c in held if c == e.cluster_id or (e.op in ("unregister", "fail") and c.startswith(e.pipeline_id))]
+            for c in gone:
+                busy += max(0.0, min(e.time, t1) - max(held.pop(c), t0))
+    busy += sum(max(0.0, t1 - max(since, t0)) for since in held.values())
+    return {"gpu_allocated_share_steps_phase": busy / (t1 - t0) if t1 > t0 else float("nan"),
+            "fairness": fairness(events).as_dict()}
+
+
 def main() -> int:
     d = Path(sys.argv[1])
-    runs = {p: console(d / f"console_{p}.log") for p in ("a", "b") if (d / f"console_{p}.log").exists()}
+    runs = {p.stem.removeprefix("console_"): console(p) for p in sorted(d.glob("console_*.log"))}
     for p, r in runs.items():
         r["rlix_metrics"] = rlix_metrics(d / f"logs_{p}")
-    starts = [r["step_starts"][0][0] for r in runs.values() if r["step_starts"]]
-    ends = [r["ended"] for r in runs.values() if r["ended"]]
+        reward_times = [t for t, _ in r.pop("reward_times", [])]
+        r["steps_phase"] = [r["step_starts"][0][0], reward_times[-1]] if r["step_starts"] and reward_times else None
+    phases = [r["steps_phase"] for r in runs.values() if r["steps_phase"]]
     begun = [r["started"] for r in runs.values() if r["started"]]
+    ends = [r["ended"] for r in runs.values() if r["ended"]]
     steps = sum(r["steps_done"] for r in runs.values())
     summary: dict[str, Any] = {"pipelines": runs, "steps_total": steps}
-    if starts and ends and begun:
-        phase = max(ends) - min(starts)
+    if phases and begun and ends:
+        t0, t1 = min(p[0] for p in phases), max(p[1] for p in phases)
         wall = max(ends) - min(begun)
-        summary.update(step_phase_s=phase, wall_s=wall, steps_per_hour_step_phase=steps * 3600 / phase,
+        summary.update(step_phase_s=t1 - t0, wall_s=wall, steps_per_hour_step_phase=steps * 3600 / (t1 - t0),
                        steps_per_hour_wall=steps * 3600 / wall)
+        for csv in sorted(d.glob("nvml*.csv")):
+            rows = samples(csv)
+            if len(runs) == 1 or csv.stem == "nvml":
+                summary[csv.stem] = nvml_figures(rows, t0, t1)
+            else:  # standalone: one sample file per driver, each over its own steps phase
+                own = runs.get(csv.stem.removeprefix("nvml_"), {}).get("steps_phase")
+                if own:
+                    summary[csv.stem] = nvml_figures(rows, own[0], own[1])
+        if (d / "trace.jsonl").exists():
+            summary.update(trace_figures(d / "trace.jsonl", t0, t1))
     gpu_after = (d / "gpu_after.csv").read_text() if (d / "gpu_after.csv").exists() else ""
     summary["gpu_after"] = gpu_after
     if (d / "status.json").exists():
@@ -93,6 +151,15 @@ def main() -> int:
     if "step_phase_s" in summary:
         print(f"steps {steps}; step phase {summary['step_phase_s']:.1f} s -> {summary['steps_per_hour_step_phase']:.0f}"
               f" steps/h; wall {summary['wall_s']:.1f} s -> {summary['steps_per_hour_wall']:.0f} steps/h")
+    for key in sorted(k for k in summary if k.startswith("nvml")):
+        f = summary[key]
+        print(f"{key}: GPU busy {f['gpu_busy_share_steps_phase']:.3f} of the steps phase ({f['samples']} samples); "
+              f"peaks: GPU {f['gpu_memory_peak_gib']:.1f} GiB, host {f['host_memory_peak_gib']:.1f} GiB")
+    if "gpu_allocated_share_steps_phase" in summary:
+        fair = summary["fairness"]
+        print(f"GPU allocated {summary['gpu_allocated_share_steps_phase']:.3f} of the steps phase (trace); fairness: "
+              f"at most {fair['max_steps_watched']} steps of another while one waited {fair['worst_pair']}, longest "
+              f"wait {fair['longest_wait_s']:.1f} s ({fair['longest_waiter']})")
     print("GPU after:", gpu_after.replace("\n", " | "))
     return 0
 

@@ -1,0 +1,176 @@
+#!/usr/bin/env bash
+# Real NeMo RL at the stock recipe's real scale on one GPU, under `bash scripts/gpu_kit.sh run` (vLLM, Ray and the
+# pinned NeMo RL in place; docs/gpu.md "Real scale"). A run outlasts one 10-minute command, so runs go detached:
+#   bash scripts/gpu_kit.sh run bash scripts/gpu_nemo_rl_scale.sh start RUN...   queue RUNs (one after another) in a
+#                                                                                 new session; returns at once
+#   bash scripts/gpu_kit.sh run bash scripts/gpu_nemo_rl_scale.sh wait [S]       wait up to S s (default 560) and
+#                                                                                 copy every finished run's files to $OUT
+# RUN: standalone          the stock grpo_math_1B.yaml (synchronous, colocated), unpatched then patched + variable unset
+#      shared<N>           N pipelines from `rlix recipe ... --pipelines N --gpus 0`, all at once, one control plane
+#      sequential<N>       the same N drivers one after another (the baseline)
+# Settings (environment): SHAPE=qwen2.5-1.5b|qwen2.5-0.5b (the model's real architecture and vocabulary, random
+# weights), STEPS=8, NEW_TOKENS=512. Every run keeps the recipe's batch: 32 prompts x 16 generations per step.
+# Each run leaves DIR/console_<p>.log (time-stamped), DIR/logs_<p> (NeMo RL's metrics), DIR/nvml.csv (GPU busy share,
+# GPU and host memory, sampled), DIR/trace.jsonl + status.json + gpu_after.csv (time-shared runs) and DIR/report.txt.
+set -u
+REPO=$PWD
+ROOT=/tmp/rlix_scale
+WORK=/tmp/rlix_nemo
+SHAPE=${SHAPE:-qwen2.5-1.5b}
+STEPS=${STEPS:-8}
+NEW_TOKENS=${NEW_TOKENS:-512}
+DATA=$WORK/data_$SHAPE
+mkdir -p "$ROOT" "$WORK"
+ray() { python3 -c 'import sys; from ray.scripts.scripts import main; sys.argv[0] = "ray"; sys.exit(main())' "$@"; }
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 RAY_DEDUP_LOGS=0 TORCH_NCCL_ENABLE_MONITORING=0
+
+prepare() {
+  # The README's PYTHONPATH route: the package (with its entry points) in a directory every NeMo RL actor sees.
+  if [ ! -d "$WORK/rlix-site/rlix_plugins" ]; then
+    python3 -m pip install -q --no-deps --no-build-isolation --no-compile --target "$WORK/rlix-site" "$REPO" || return 3
+  fi
+  export PYTHONPATH="$WORK/rlix-site:$PYTHONPATH" VLLM_RAY_EXTRA_ENV_VARS_TO_COPY=PYTHONPATH
+  [ -f "$DATA/model/model.safetensors" ] || python3 "$REPO/scripts/gpu/nemo_rl_real_data.py" "$DATA" --shape "$SHAPE" || return 3
+  if [ ! -d "$WORK/patched/nemo_rl" ]; then  # the pinned series on a copy (the kit's source is no git checkout)
+    mkdir -p "$WORK/patched" && cp -a "$NEMO_RL_SRC/." "$WORK/patched/"
+    cat "$REPO"/rlix_plugins/patches/nemo-rl/7ea279a/0*.patch >"$WORK/series.patch"
+    (cd "$WORK/patched" && { git apply --whitespace=nowarn "$WORK/series.patch" || patch -p1 <"$WORK/series.patch"; }) || return 4
+  fi
+  STOCK=$WORK/patched/examples/configs/grpo_math_1B_$SHAPE.yaml  # the stock recipe naming the local model
+  printf 'defaults: grpo_math_1B.yaml\npolicy:\n  model_name: %s\n' "$DATA/model" >"$STOCK"
+  cp "$STOCK" "$NEMO_RL_SRC/examples/configs/"
+}
+
+# The stock recipe at its real batch; only what this machine lacks changes: the model is a local random one of the
+# real shape (no hub; a one-line recipe over the stock one names it, so `rlix recipe` reads its shape), vLLM runs eager (no compiler cache to warm), DTensor v1 without sequence packing (v2 and
+# packing need packages the offline image lacks), no validation or checkpoints, local arithmetic prompts, two math
+# reward workers per pipeline (answers to random weights are scored in no time; eight per pipeline would ask for more
+# CPUs than four pipelines have).
+REAL=(policy.dtensor_cfg._v2=false policy.sequence_packing.enabled=false
+  policy.max_total_sequence_length=$((NEW_TOKENS + 512)) policy.generation.max_new_tokens="$NEW_TOKENS"
+  policy.generation.vllm_cfg.enforce_eager=true grpo.max_num_steps="$STEPS" grpo.val_period=0
+  checkpointing.enabled=false data.train.dataset_name=ResponseDataset ++data.train.data_path="$DATA/train.jsonl"
+  ++data.train.input_key=input ++data.train.output_key=output data.default.prompt_file=null env.math.num_workers=2
+  logger.monitor_gpus=false logger.tensorboard_enabled=true cluster.gpus_per_node=1)
+
+stamp() { python3 -u -c 'import sys, time
+for line in sys.stdin: sys.stdout.write(f"{time.time():.3f} {line}")'; }
+
+driver() {  # driver NAME DIR CHECKOUT CONFIG [env...]: one run_grpo.py driver, time-stamped console in DIR
+  local name=$1 dir=$2 src=$3 config=$4; shift 4
+  (cd "$src" && env PYTHONPATH="$src:$PYTHONPATH" "$@" timeout -k 10 "${DRIVER_TIMEOUT_S:-3000}" \
+     python3 "$REPO/scripts/gpu/nemo_rl_system_python.py" examples/run_grpo.py --config "$config" "${REAL[@]}" \
+     logger.log_dir="$dir/logs_$name" 2>&1 | stamp >"$dir/console_$name.log")
+}
+
+sample() { python3 "$REPO/scripts/gpu/nvml_sampler.py" "$1" >/dev/null 2>&1 & echo $!; }  # sample FILE.csv
+
+finish() {  # finish DIR RC: report, pack
+  local dir=$1
+  python3 "$REPO/scripts/gpu/nemo_rl_shared_report.py" "$dir" >"$dir/report.txt" 2>&1
+  echo "exit: $2" >>"$dir/report.txt"
+  touch "$dir/DONE"
+}
+
+run_standalone() {
+  local dir=$ROOT/standalone rc=0
+  mkdir -p "$dir"
+  for which in unpatched patched; do
+    local src=$NEMO_RL_SRC
+    [ $which = patched ] && src=$WORK/patched
+    ray start --head --num-gpus 1 --num-cpus 64 --include-dashboard=false --disable-usage-stats >"$dir/ray_$which.log" 2>&1
+    local sampler
+    sampler=$(sample "$dir/nvml_$which.csv")
+    driver "$which" "$dir" "$src" "examples/configs/$(basename "$STOCK")" env -u RLIX_CONTROL_PLANE || rc=$((rc + 1))
+    kill "$sampler" 2>/dev/null
+    ray stop --force >/dev/null 2>&1
+  done
+  finish "$dir" $rc
+}
+
+run_shared() {  # run_shared NAME N MODE (together | sequential)
+  local name=$1 n=$2 mode=$3 dir=$ROOT/$1 cfgdir=$WORK/patched/examples/configs/rlix rc=0 pids=() p
+  mkdir -p "$dir"
+  python3 -m rlix_plugins.cli recipe "$STOCK" --pipelines "$n" --gpus 0 --out "$cfgdir" >"$dir/recipe.log" 2>&1 ||
+    { cat "$dir/recipe.log"; finish "$dir" recipe; return 1; }
+  ray start --head --num-gpus 1 --num-cpus 64 --include-dashboard=false --disable-usage-stats >"$dir/ray_start.log" 2>&1
+  export RAY_ADDRESS=127.0.0.1:6379
+  python3 -m rlix_plugins.cli up --address "$RAY_ADDRESS" >"$dir/rlix_up.log" 2>&1 || { finish "$dir" up; return 1; }
+  local sampler
+  sampler=$(sample "$dir/nvml.csv")
+  local names=(a b c d e f g h)
+  for p in "${names[@]:0:$n}"; do
+    driver "$p" "$dir" "$WORK/patched" "examples/configs/rlix/$(basename "$STOCK" .yaml)_rlix_$p.yaml" \
+      RLIX_CONTROL_PLANE=rlix &
+    pids+=($!)
+    if [ "$mode" = sequential ]; then wait "${pids[-1]}" || rc=$((rc + 1)); fi
+  done
+  if [ "$mode" = together ]; then for p in "${pids[@]}"; do wait "$p" || rc=$((rc + 1)); done; fi
+  python3 -m rlix_plugins.cli status --json >"$dir/status.json" 2>&1
+  python3 -m rlix_plugins.cli timeline --out "$dir/timeline.png" >"$dir/timeline.log" 2>&1
+  python3 - "$dir/trace.jsonl" <<'PY' >>"$dir/timeline.log" 2>&1
+import dataclasses, json, sys
+import ray
+from rlix_plugins.control.client import connect
+ray.init(address="auto", log_to_driver=False)
+with open(sys.argv[1], "w") as f:
+    for e in connect(create_if_missing=False).trace():
+        f.write(json.dumps(dataclasses.asdict(e) if dataclasses.is_dataclass(e) else e, default=str) + "\n")
+PY
+  sleep 5  # let the workers' processes exit, then read what is left on the GPU
+  kill "$sampler" 2>/dev/null
+  nvidia-smi --query-compute-apps=pid,used_memory --format=csv >"$dir/gpu_after.csv"
+  nvidia-smi --query-gpu=memory.used --format=csv,noheader >>"$dir/gpu_after.csv"
+  [ $rc -ne 0 ] && cp -r /tmp/ray/session_latest/logs "$dir/ray_logs" 2>/dev/null
+  python3 -m rlix_plugins.cli down --address "$RAY_ADDRESS" >/dev/null 2>&1
+  ray stop --force >/dev/null 2>&1
+  unset RAY_ADDRESS
+  finish "$dir" $rc
+}
+
+run() {
+  prepare || { echo "prepare failed: $?"; return 1; }
+  local part
+  for part in "$@"; do
+    echo "$(date +%T) start $part"
+    case $part in
+    standalone) run_standalone ;;
+    shared[0-9]) run_shared "$part" "${part#shared}" together ;;
+    sequential[0-9]) run_shared "$part" "${part#sequential}" sequential ;;
+    *) echo "unknown run $part" ;;
+    esac
+    echo "$(date +%T) end $part"
+  done
+  touch "$ROOT/ALL_DONE"
+}
+
+collect() {  # every finished run: its report and one archive into $OUT (the device returns at most 8 files)
+  local d
+  for d in "$ROOT"/*/; do
+    d=${d%/}
+    [ -f "$d/DONE" ] || continue
+    local n
+    n=$(basename "$d")
+    cp "$d/report.txt" "$OUT/${n}_report.txt" 2>/dev/null
+    tar -czf "$OUT/$n.tgz" --exclude=ray_logs/old -C "$ROOT" "$n"
+  done
+}
+
+case "${1:-}" in
+start)
+  shift
+  rm -f "$ROOT/ALL_DONE"
+  setsid nohup bash "$0" run "$@" >"$ROOT/runner.log" 2>&1 </dev/null &
+  echo "started: $* (log $ROOT/runner.log)" ;;
+run) shift; run "$@" ;;
+wait)  # returns when every run ended, when one more run ended than at the call, or after S seconds
+  limit=${2:-560} t0=$SECONDS
+  done_at_call=$(ls "$ROOT"/*/DONE 2>/dev/null | wc -l)
+  while [ ! -f "$ROOT/ALL_DONE" ] && [ $((SECONDS - t0)) -lt "$limit" ] &&
+    [ "$(ls "$ROOT"/*/DONE 2>/dev/null | wc -l)" -eq "$done_at_call" ]; do sleep 5; done
+  cat "$ROOT/runner.log"
+  for c in "$ROOT"/*/console_*.log; do [ -f "$c" ] && { echo "== $c"; grep -aE "Step [0-9]+/|Error|Traceback|rlix" "$c" | tail -n 6; }; done
+  collect
+  [ -f "$ROOT/ALL_DONE" ] && echo ALL_DONE || echo STILL_RUNNING ;;
+*) echo "usage: bash scripts/gpu_nemo_rl_scale.sh start RUN... | wait [S]" >&2; exit 2 ;;
+esac
