@@ -68,6 +68,7 @@ def with_wrong_token(tmp_path: Path) -> dict[str, Any]:
     """``rlix`` keyword arguments for a client whose token belongs to another cluster."""
     path = tmp_path / "other_token"
     path.write_text("0" * 64)
+    path.chmod(0o600)  # private: a token file others can read is refused before it is sent
     return {"env": {"RAY_AUTH_TOKEN_PATH": str(path)}}
 
 
@@ -288,6 +289,23 @@ def test_a_client_without_the_clusters_token_is_refused_in_one_line(control_plan
     assert "refused this process's auth token (from RAY_AUTH_TOKEN_PATH=" in err
     err = one_line_error(rlix("status", "--address", address, env={"RAY_AUTH_MODE": "disabled"}), "status")
     assert "requires its auth token, but RAY_AUTH_MODE=disabled is set here; unset RAY_AUTH_MODE" in err
+
+
+def test_a_client_refuses_the_clusters_token_in_a_file_others_could_read_or_replace(
+        control_plane: client.ControlPlane, tmp_path: Path) -> None:
+    """The right token, but in a file group or others can read (or in a directory they can write): `rlix` refuses
+    to use it, in one line naming the chmod that fixes it, instead of joining with a token others may hold."""
+    address = ray.get_runtime_context().gcs_address
+    token = Path(os.environ["RAY_AUTH_TOKEN_PATH"]).read_text()
+    for file_mode, dir_mode, fix in ((0o644, 0o700, "chmod 600 {path}"), (0o600, 0o777, "chmod 700 {dir}")):
+        directory = tmp_path / f"tokens-{file_mode:o}-{dir_mode:o}"
+        directory.mkdir()
+        path = directory / "auth_token"
+        path.write_text(token)
+        path.chmod(file_mode)
+        directory.chmod(dir_mode)
+        err = one_line_error(rlix("status", "--address", address, env={"RAY_AUTH_TOKEN_PATH": str(path)}), "status")
+        assert f"the Ray auth token file {path} is " in err and fix.format(path=path, dir=directory) in err
 
 
 def test_without_grpcio_a_client_joins_a_token_cluster_with_the_token_it_has(ray_cluster: object) -> None:

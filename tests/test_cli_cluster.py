@@ -68,14 +68,18 @@ def _env(**extra: str) -> dict[str, str]:
 def test_a_head_rlix_up_starts_refuses_clients_without_its_token(tmp_path: Path) -> None:
     """`rlix up` leaves Ray's token authentication on: a client without the cluster's token cannot join (before,
     `rlix up` set RAY_AUTH_MODE=disabled and anyone reaching the port could); `rlix` of the same user joins it with
-    the token Ray wrote, no flag needed."""
+    the token `rlix up` wrote (0600 in a 0700 directory, where RAY_AUTH_TOKEN_PATH says), no flag needed."""
     state = tmp_path / "state"
-    res = rlix("up", "--num-gpus", "1", "--num-cpus", "1", state_dir=state, timeout=240)
+    token = tmp_path / "tokens" / "auth_token"  # none yet: `rlix up` creates it
+    auth = {"RAY_AUTH_TOKEN_PATH": str(token)}
+    res = rlix("up", "--num-gpus", "1", "--num-cpus", "1", state_dir=state, timeout=240, env=auth)
     assert res.returncode == 0, res.stderr
     record = _record(state)
     try:
-        assert "and this cluster's auth token (RAY_AUTH_TOKEN_PATH=" in res.stdout and "WARNING" not in res.stderr
-        res = rlix("status", "--json", state_dir=state)
+        assert f"and this cluster's auth token (RAY_AUTH_TOKEN_PATH={token}" in res.stdout
+        assert "WARNING" not in res.stderr
+        assert (token.stat().st_mode & 0o777, token.parent.stat().st_mode & 0o777) == (0o600, 0o700)
+        res = rlix("status", "--json", state_dir=state, env=auth)
         assert res.returncode == 0 and json.loads(res.stdout)["gpus"] == [0], res.stderr
 
         (tmp_path / "home").mkdir()
@@ -84,8 +88,7 @@ def test_a_head_rlix_up_starts_refuses_clients_without_its_token(tmp_path: Path)
         (tmp_path / "other").write_text("0" * 64)
         assert raw_ray_client(record.address, _env(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(tmp_path / "other"))) \
             == "REFUSED ConnectionError"
-        assert raw_ray_client(record.address, _env(RAY_AUTH_MODE="token",
-                                                   RAY_AUTH_TOKEN_PATH=os.environ["RAY_AUTH_TOKEN_PATH"])) == "JOINED 1.0"
+        assert raw_ray_client(record.address, _env(RAY_AUTH_MODE="token", **auth)) == "JOINED 1.0"
 
         err = one_line_error(rlix("status", state_dir=state, **without_token(tmp_path)), "status")
         assert "requires its auth token and this machine has none" in err

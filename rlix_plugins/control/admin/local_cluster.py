@@ -108,28 +108,17 @@ def _ray_env(token_auth: bool) -> dict[str, str]:
     return env
 
 
-def _ensure_token(exe: str) -> None:
-    """Have Ray write this user's token (``~/.ray/auth_token``) if it finds none: ``ray start --head`` only uses
-    one. The token it prints is dropped: it is never shown or logged."""
-    try:
-        proc = subprocess.run([exe, "get-auth-token", "--generate"], capture_output=True, text=True,
-                              timeout=RAY_START_TIMEOUT_S, env=_ray_env(True))
-    except subprocess.TimeoutExpired:
-        raise SchedulerError(f"`ray get-auth-token --generate` did not finish within {RAY_START_TIMEOUT_S:.0f} s") from None
-    if proc.returncode != 0:
-        tail = proc.stderr.strip().splitlines()[-1:] or ["(no output)"]
-        raise SchedulerError(f"`ray get-auth-token --generate` failed (exit {proc.returncode}): {tail[0]}")
-
-
 def start_head(num_gpus: int | None, num_cpus: int | None, token_auth: bool = True) -> ClusterRecord:
     """``ray start --head`` on free ports, in a new Unix session and a private temp directory; returns its record.
 
-    With ``token_auth`` (the default) the head demands Ray's auth token (written first if this user has none)."""
+    With ``token_auth`` (the default) the head demands Ray's auth token: ``ray start --head`` only uses one, so a
+    missing token file is created first, private (``ray_auth.ensure_private_token``; Ray's own generator writes
+    it readable by every local user)."""
     exe = shutil.which("ray", path=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
     if exe is None:
         raise SchedulerError("the `ray` command is not installed next to this Python; `pip install 'ray[default]'`")
     if token_auth:
-        _ensure_token(exe)
+        ray_auth.ensure_private_token()
     port = _free_port()
     temp_dir = tempfile.mkdtemp(prefix="rlix-ray-")  # short: Ray's socket paths live under it
     cmd = [exe, "start", "--head", f"--port={port}", f"--ray-client-server-port={_free_port()}",

@@ -11,14 +11,20 @@ What Ray 2.60 does (``ray/_private/authentication``, ``ray/scripts/scripts.py``,
   does), so it sends no token and the GCS answers every call UNAUTHENTICATED; ``ray.init`` then retries and fails
   with "Failed to connect". A token-mode client joins a cluster without authentication just as well.
 
-What rlix does: ``rlix up`` makes sure a token exists and starts its head with ``RAY_AUTH_MODE=token``;
-``client.check_reachable`` asks the GCS first and, when it demands a token, turns token mode on for this process
-(what Ray does for ``"auto"``), or fails in one line naming where the token goes.
+Ray writes ``~/.ray/auth_token`` with the umask's mode (usually 0644, in a 0755 directory: any local user could
+read it and run code on the cluster) and never checks it. What rlix does: ``rlix up`` creates a missing token file
+itself, 0600 in a 0700 directory from the start (``RAY_AUTH_TOKEN_PATH``'s file, else ``~/.ray/auth_token``), and
+starts its head with ``RAY_AUTH_MODE=token``; ``client.check_reachable`` asks the GCS first and, when it demands a
+token, turns token mode on for this process (what Ray does for ``"auto"``), or fails in one line naming where the
+token goes. Both refuse a token file that another user could read or replace (:func:`check_private`).
 """
 
 from __future__ import annotations
 
 import os
+import secrets
+import stat
+from pathlib import Path
 from typing import Final
 
 from rlix_plugins.errors import RlixConfigError
@@ -43,14 +49,88 @@ def token_source() -> str:
     return DEFAULT_TOKEN_FILE
 
 
+def token_file() -> Path:
+    """The file Ray reads this process's token from when ``RAY_AUTH_TOKEN`` is unset (Ray expands no ``~`` in
+    ``RAY_AUTH_TOKEN_PATH``)."""
+    return Path(os.environ.get(TOKEN_PATH_ENV) or os.path.expanduser(DEFAULT_TOKEN_FILE))
+
+
+def _refuse(path: Path, why: str, fix: str) -> RlixConfigError:
+    return RlixConfigError(f"the Ray auth token file {path} {why}, and whoever can read or replace it controls "
+                           f"the cluster; {fix}")
+
+
+def _check_dir(path: Path) -> None:
+    """The token file's directory must be this user's (or root's) and closed to writes by group and others."""
+    try:
+        st = path.parent.stat()
+    except OSError as exc:
+        raise RlixConfigError(f"cannot check the directory of the Ray auth token file {path}: "
+                              f"{exc.strerror}") from None
+    if st.st_uid not in (os.getuid(), 0):
+        raise _refuse(path, f"is in a directory of uid {st.st_uid}", "keep it in a directory of your own")
+    if st.st_mode & 0o022:
+        mode = stat.S_IMODE(st.st_mode)
+        raise _refuse(path, f"is in a directory that group or others may write (mode {mode:04o})",
+                      f"run `chmod 700 {path.parent}` or keep it in a private directory")
+
+
+def check_private(path: Path) -> None:
+    """Refuse, in one line, a token file that another user could read or replace: it must be this user's regular
+    file with no access for group or others, in a directory that passes :func:`_check_dir`."""
+    try:
+        st = path.stat()
+    except OSError as exc:
+        raise RlixConfigError(f"cannot check the Ray auth token file {path}: {exc.strerror}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise _refuse(path, "is not a regular file", f"put the token in a file or fix {TOKEN_PATH_ENV}")
+    if st.st_uid != os.getuid():
+        raise _refuse(path, f"belongs to uid {st.st_uid}, not to this user (uid {os.getuid()})",
+                      "use a token file of your own")
+    if st.st_mode & 0o077:
+        raise _refuse(path, f"is open to group or others (mode {stat.S_IMODE(st.st_mode):04o})",
+                      f"run `chmod 600 {path}`")
+    _check_dir(path)
+
+
+def ensure_private_token() -> None:
+    """Make sure the token Ray will read exists and is private (what ``rlix up`` does before starting a head).
+
+    A missing token file is created with a fresh token in Ray's format (``ray get-auth-token --generate``'s:
+    256 random bits as hex), mode 0600 from its first byte, its directory 0700 when that is missing too; an
+    existing one is used as it is if :func:`check_private` passes. Nothing to do when ``RAY_AUTH_TOKEN`` holds the
+    token itself."""
+    if os.environ.get(TOKEN_ENV):
+        return
+    path = token_file()
+    try:
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError as exc:
+        raise RlixConfigError(f"cannot create the directory of the Ray auth token file {path}: {exc.strerror}; "
+                              f"fix it or set {TOKEN_PATH_ENV}") from None
+    if os.path.lexists(path):
+        check_private(path)
+        return
+    _check_dir(path)  # a new token in a directory others can write could be replaced behind our back
+    try:  # O_EXCL: never through a link nor over a file just made by someone else; 0600 whatever the umask
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except OSError as exc:
+        raise RlixConfigError(f"cannot create the Ray auth token file {path}: {exc.strerror}; "
+                              f"fix it or set {TOKEN_PATH_ENV}") from None
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32))
+
+
 def local_token() -> str | None:
     """This process's token as Ray loads it (None: none anywhere). A ``RAY_AUTH_TOKEN_PATH`` naming a missing or
-    empty file is a one-line error."""
+    empty file, or a token file others could read or replace (:func:`check_private`), is a one-line error."""
+    if not os.environ.get(TOKEN_ENV) and os.path.lexists(token_file()):
+        check_private(token_file())
     from ray._raylet import AuthenticationTokenLoader  # type: ignore[attr-defined]  # compiled, no stub
     from ray.exceptions import AuthenticationError
 
     loader = AuthenticationTokenLoader.instance()
-    loader.reset_cache()  # `ray get-auth-token --generate` may have written one since
+    loader.reset_cache()  # a token file may have been written since (`rlix up`, `ray get-auth-token --generate`)
     try:
         if not loader.has_token(ignore_auth_mode=True):
             return None
