@@ -8,6 +8,10 @@ speed. It is compiled at first use with the system C compiler (``$CC``, default 
 against the torch definition. Where any of that fails, or ``RLIX_NATIVE_CHECKSUM=0``, :func:`available` is
 false and callers keep the torch path (one log line says why).
 
+Loading a library runs its code, so only a private one is loaded: the cache directory is created 0700 and refused
+(torch path) unless it is this user's and closed to writes by group and others; a cached library that is not this
+user's regular file, or that group or others may write, is built again in its place.
+
 A large tensor is split into row-aligned chunks (up to ``torch.get_num_threads()``, none under
 :data:`MIN_CHUNK_BYTES`) that the calling thread and a pool of threads inside the C library copy in parallel, each
 chunk knowing its first row so the row-weighted term stays the tensor's; ctypes drops the GIL for the call. The
@@ -22,6 +26,7 @@ import hashlib
 import logging
 import os
 import platform
+import stat
 import subprocess
 import tempfile
 import threading
@@ -53,10 +58,21 @@ _FLAG_SETS: Final = (
 #: ``rlix_copy_sums_parallel(src, dst, nbytes, padded_bytes, chunks, out)``, addresses as ints
 Kernel = Callable[[int, int, int, int, int, int], None]
 
-_lock = threading.Lock()
+_lock = threading.Lock()  # held across the build: compile, load and self-check
 _fn: Kernel | None = None
 _tried = False  # the kernel was loaded (``_fn``) or failed to load; either way not tried again
 _said_off = False
+
+
+def _after_fork_in_child() -> None:
+    """A fork while another thread builds the kernel copies ``_lock`` held by a thread the child does not have:
+    its first use would wait forever. The child gets a free lock; a finished build (``_tried``) is inherited
+    whole, an unfinished one is started again in the child."""
+    global _lock
+    _lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def available() -> bool:
@@ -123,6 +139,28 @@ def _cache_dir() -> Path:
     return Path(base) / "rlix-plugins"
 
 
+def _private_cache_dir() -> Path:
+    """The cache directory, created 0700; an error (so the torch path) unless it is this user's and group and
+    others cannot write it: whoever can put a file in it could have this process load their code."""
+    cache = _cache_dir()
+    cache.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = cache.stat()
+    if st.st_uid != os.getuid() or st.st_mode & 0o022:
+        raise RuntimeError(f"the kernel cache {cache} (owner uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):04o})"
+                           f" must be this user's and not writable by group or others; run `chmod 700 {cache}` as"
+                           " its owner or set XDG_CACHE_HOME")
+    return cache
+
+
+def _private_file(path: Path) -> bool:
+    """``path`` is a regular file (not a link) of this user's that group and others cannot write."""
+    try:
+        st = path.lstat()
+    except FileNotFoundError:
+        return False
+    return stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o022
+
+
 def _cpu_tag() -> str:
     """The CPU's instruction-set flags: a ``-march=native`` build must not be loaded on another kind of CPU that
     shares the home directory (it could die of an illegal instruction)."""
@@ -139,14 +177,16 @@ def _cpu_tag() -> str:
 def _build_and_open() -> Kernel:
     source = SOURCE.read_text(encoding="utf-8")
     cc = os.environ.get("CC", "cc")
-    cache = _cache_dir()
-    cache.mkdir(parents=True, exist_ok=True)
+    cache = _private_cache_dir()
     errors = []
     for flags in _FLAG_SETS:
         key = "\0".join([source, cc, *flags, platform.machine(), _cpu_tag()])
         lib = cache / f"pack_checksum-{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
-        if not lib.exists():
-            fd, tmp = tempfile.mkstemp(prefix=lib.name, suffix=".tmp", dir=cache)
+        if not _private_file(lib):
+            if os.path.lexists(lib):
+                log.warning("not loading %s (not this user's file, or writable by group or others): building it "
+                            "again", lib)
+            fd, tmp = tempfile.mkstemp(prefix=lib.name, suffix=".tmp", dir=cache)  # 0600
             os.close(fd)
             try:
                 proc = subprocess.run([cc, *flags, "-o", tmp, str(SOURCE)], capture_output=True, text=True,
@@ -154,10 +194,13 @@ def _build_and_open() -> Kernel:
                 if proc.returncode != 0:
                     errors.append(f"{cc} {' '.join(flags)}: {proc.stderr.strip()[-500:]}")
                     continue
+                os.chmod(tmp, 0o700)  # this user's only: the linker widened it to 0777 & ~umask
                 os.replace(tmp, lib)  # atomic: a racing process loads either its own build or this one
             finally:
                 if os.path.exists(tmp):
                     os.unlink(tmp)
+        if not _private_file(lib):  # checked right before loading (the directory is private: nobody swaps it)
+            raise RuntimeError(f"{lib} is not this user's private file after the build; not loading it")
         fn = ctypes.CDLL(str(lib)).rlix_copy_sums_parallel
         fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_uint,
                        ctypes.c_void_p]
