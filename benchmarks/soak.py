@@ -26,6 +26,7 @@ import contextlib
 import json
 import os
 import random
+import shutil
 import signal
 import sys
 import tempfile
@@ -37,6 +38,7 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from rlix_plugins.control.admin import ray_auth
 from rlix_plugins.demo.chaos import BENCH_RUNTIME, FAULTS, RESOLVE_S, Bench, Run, inject
 
 #: A pipeline must start (engines up, first expand) within this: the runtime's init bound plus slack.
@@ -282,6 +284,19 @@ def report_lines(report: dict[str, Any]) -> list[str]:
     ]
 
 
+def _token_auth() -> str | None:
+    """Ray's token authentication on, as for users and in the tests (``tests/conftest.py``). Without a token of the
+    caller's (``RAY_AUTH_TOKEN``, ``RAY_AUTH_TOKEN_PATH``) the soak's cluster gets a fresh one in a private temporary
+    file rather than the user's ``~/.ray/auth_token``; returns that file's directory, to remove after the soak."""
+    ray_auth.enable_token_mode()  # this process imported Ray already: its config must see the mode too
+    tmp = None
+    if not os.environ.get(ray_auth.TOKEN_ENV) and not os.environ.get(ray_auth.TOKEN_PATH_ENV):
+        tmp = tempfile.mkdtemp(prefix="rlix-soak-token-")  # 0700
+        os.environ[ray_auth.TOKEN_PATH_ENV] = os.path.join(tmp, "auth_token")
+    ray_auth.ensure_private_token()  # created 0600, or the caller's checked
+    return tmp
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--minutes", type=float, default=2.0)
@@ -293,17 +308,21 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     import ray
 
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    token_dir = _token_auth()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("PYTHONPATH", str(Path(__file__).resolve().parents[1]))
-    ray.init(address="local", num_gpus=args.gpus, num_cpus=max(8, os.cpu_count() or 2), include_dashboard=False,
-             log_to_driver=False, namespace="rlix_soak")
-    report = run_soak(args.minutes, args.pipelines, args.gpus, seed=args.seed, mean_gap_s=args.mean_gap_s)
-    for line in report_lines(report):
-        print(line)
-    Path(args.out).write_text(json.dumps(report, indent=1))
-    print(f"  report: {args.out}")
-    ray.shutdown()
+    try:
+        ray.init(address="local", num_gpus=args.gpus, num_cpus=max(8, os.cpu_count() or 2), include_dashboard=False,
+                 log_to_driver=False, namespace="rlix_soak")
+        report = run_soak(args.minutes, args.pipelines, args.gpus, seed=args.seed, mean_gap_s=args.mean_gap_s)
+        for line in report_lines(report):
+            print(line)
+        Path(args.out).write_text(json.dumps(report, indent=1))
+        print(f"  report: {args.out}")
+    finally:
+        ray.shutdown()
+        if token_dir is not None:
+            shutil.rmtree(token_dir, ignore_errors=True)
     return 0 if report["hangs"] == 0 and report["invariant_violations"] == 0 and report["gpus_leaked"] == 0 else 1
 
 
