@@ -124,6 +124,22 @@ def cfg_path(obj: Any, dotted: str) -> Any:
     return obj
 
 
+def cfg_set(obj: Any, dotted: str, value: Any) -> None:
+    """Write ``value`` at ``dotted`` in NeMo RL's config (mappings or attribute objects such as its ``MasterConfig``),
+    creating missing mapping levels."""
+    *parents, leaf = dotted.split(".")
+    for key in parents:
+        child = cfg_get(obj, key)
+        if child is None:
+            child = {}
+            cfg_set(obj, key, child)
+        obj = child
+    if isinstance(obj, MutableMapping):
+        obj[leaf] = value
+    else:
+        setattr(obj, leaf, value)
+
+
 #: NeMo RL's training backends whose workers the CPU bucket cache is built in (``policy.<name>_cfg.enabled``).
 Trainer = Literal["megatron", "dtensor"]
 

@@ -4,19 +4,22 @@ A GPU is owned by one cluster at a time (the scheduler's rule), so at most one p
 every other pipeline on that GPU still keeps something there while it sleeps. A pipeline's figures
 (:func:`pipeline_memory`):
 
-* **asleep on a GPU** (``gpu_asleep_gib``): its vLLM engine after a sleep (the CUDA context and non-pool
-  allocations stay: :data:`ENGINE_ASLEEP_GIB`) and, on its training GPUs, its trainer after the offload (CUDA context,
-  NCCL buffers: :data:`TRAINER_OFFLOADED_GIB`);
-* **awake** (``gpu_awake_gib``): the larger of its rollout engine (vLLM takes ``gpu_memory_utilization`` of the GPU)
-  and its trainer's step (parameters, gradients and Adam states at :data:`TRAIN_BYTES_PER_PARAM` bytes per
-  parameter, plus :data:`ACTIVATION_MARGIN` for activations and logits);
-* **host** (``host_gib``): its CPU bucket cache (the bf16 weights), the trainer's offloaded state (the same bytes per
-  parameter as on the GPU) and its processes (driver, trainer, engine, collector, replay buffer, reward workers:
-  :data:`PROCESSES_HOST_GIB`).
+* **asleep on a GPU** (``gpu_asleep_gib``): its vLLM engine after a sleep (CUDA context and non-pool allocations:
+  :data:`ENGINE_ASLEEP_GIB`) and, on its training GPUs, its trainer after the offload (CUDA context, NCCL and
+  allocator leftovers: :data:`TRAINER_OFFLOADED_GIB`);
+* **awake** (``gpu_awake_gib``): the largest of its start-up (the engine just initialised, ``gpu_memory_utilization``
+  of the GPU plus its context, next to the trainer's freshly loaded policy and reference weights,
+  :data:`TRAINER_LOADED_BYTES_PER_PARAM`), its rollout (the engine alone) and its training step
+  (:data:`TRAINER_STEP_BYTES_PER_PARAM`);
+* **host** (``host_gib``): its trainer process, which holds the offloaded weights, gradients, Adam moments and the
+  reference model, plus the CPU bucket cache (:data:`TRAINER_HOST_BYTES_PER_PARAM`), and its other processes
+  (driver, engine, collector, replay buffer, reward workers: :data:`PROCESSES_HOST_GIB`).
 
 A GPU fits its pipelines when ``sum(asleep) + max(awake - asleep) <= GPU memory x GPU_SHARE``; the host fits them
-when ``sum(host) <= host memory x HOST_SHARE - RAY_HOST_GIB``. The per-process figures are measured on an H200
-(README "Real scale") and rounded up; a refusal names the budget that binds and its figures.
+when ``sum(host) <= host memory x HOST_SHARE - RAY_HOST_GIB``. The figures were measured on an H200 with NeMo RL's
+stock ``grpo_math_1B`` (DTensor v1, micro-batch 4 x 1,024 tokens) at the Qwen2.5-1.5B shape, two pipelines on one GPU
+(``benchmarks/results/h200-2026-11-26-real-scale/``), and rounded up; a refusal names the budget that binds and its
+figures.
 """
 
 from __future__ import annotations
@@ -30,15 +33,19 @@ from rlix_plugins.errors import RlixConfigError
 from rlix_plugins.nemo_rl.model_shape import ModelShape
 
 GiB: Final = 1 << 30
-#: A slept vLLM engine's device memory (its CUDA context and non-pool allocations; 0.82-0.89 GiB measured).
+#: A slept vLLM engine's device memory (0.96 GiB measured).
 ENGINE_ASLEEP_GIB: Final = 1.0
-#: A trainer's device memory after its offload (CUDA context, NCCL and allocator leftovers).
-TRAINER_OFFLOADED_GIB: Final = 1.5
-#: Full fine-tuning with Adam in mixed precision: fp32 parameters (4) + fp32 gradients (4) + two fp32 moments (8).
-TRAIN_BYTES_PER_PARAM: Final = 16
-#: Activations, logits over the vocabulary and allocator slack during a training step, as a share of the states.
-ACTIVATION_MARGIN: Final = 0.3
-#: Host memory of one pipeline's processes besides the cache and the offloaded trainer state.
+#: A trainer's device memory after its offload (2.7 GiB measured for a DTensor worker).
+TRAINER_OFFLOADED_GIB: Final = 3.0
+#: A trainer right after it loaded (fp32 policy and reference weights; 11.6 GiB measured at 1.54 B parameters).
+TRAINER_LOADED_BYTES_PER_PARAM: Final = 8
+#: A training step: fp32 weights, gradients and Adam moments (16 bytes) plus activations and vocabulary logits of the
+#: stock micro-batch (42.7 GiB measured at 1.54 B: 29.7 bytes per parameter). Activations follow the micro-batch and
+#: the sequence length, not the parameters: a recipe with larger ones needs more.
+TRAINER_STEP_BYTES_PER_PARAM: Final = 30
+#: The trainer process on the host (42.1 GB resident measured at 1.54 B, the bucket cache included).
+TRAINER_HOST_BYTES_PER_PARAM: Final = 28
+#: One pipeline's other processes on the host (driver, engine, collector, replay buffer, reward workers; ~10 GB).
 PROCESSES_HOST_GIB: Final = 10.0
 #: Ray's own processes on the node (GCS, raylet, agents, object store in use).
 RAY_HOST_GIB: Final = 4.0
@@ -62,16 +69,18 @@ def pipeline_memory(name: str, shape: ModelShape, *, gpu_memory_gib: float, gpu_
     """The memory figures of one pipeline training ``shape`` (see the module docstring). ``trains_here``: whether
     its trainer also lives on the GPU in question; ``train_gpus``: GPUs its trainer shards the states over."""
     params = shape.num_parameters
-    states = params * TRAIN_BYTES_PER_PARAM
-    trainer_gib = states / max(train_gpus, 1) * (1 + ACTIVATION_MARGIN) / GiB
-    engine_gib = gpu_memory_utilization * gpu_memory_gib
+    shard = params / max(train_gpus, 1)
+    engine_gib = gpu_memory_utilization * gpu_memory_gib + ENGINE_ASLEEP_GIB
+    step_gib = shard * TRAINER_STEP_BYTES_PER_PARAM / GiB if trains_here else 0.0
+    start_gib = engine_gib + (shard * TRAINER_LOADED_BYTES_PER_PARAM / GiB if trains_here else 0.0)
     asleep = ENGINE_ASLEEP_GIB + (TRAINER_OFFLOADED_GIB if trains_here else 0.0)
-    awake = max(engine_gib, trainer_gib if trains_here else 0.0)
-    cache_gib = params * 2 / GiB
-    host = cache_gib + states / GiB + PROCESSES_HOST_GIB
+    awake = max(start_gib, engine_gib, step_gib)
+    trainer_host = params * TRAINER_HOST_BYTES_PER_PARAM / GiB
+    host = trainer_host + PROCESSES_HOST_GIB
     detail = (f"{params / 1e9:.2f} B parameters: engine {engine_gib:.1f} GiB awake ({gpu_memory_utilization:g} x "
-              f"{gpu_memory_gib:.0f} GiB), trainer {trainer_gib:.1f} GiB in a step; asleep {asleep:.1f} GiB; host: "
-              f"cache {cache_gib:.1f} + offloaded trainer {states / GiB:.1f} + processes {PROCESSES_HOST_GIB:.0f} GiB")
+              f"{gpu_memory_gib:.0f} GiB + context), start-up {start_gib:.1f}, training step {step_gib:.1f}, asleep "
+              f"{asleep:.1f} GiB; host: trainer {trainer_host:.1f} (offloaded states, reference model, bucket cache) "
+              f"+ processes {PROCESSES_HOST_GIB:.0f} GiB")
     return PipelineMemory(name, asleep, awake, host, detail)
 
 
@@ -136,6 +145,3 @@ def local_host_memory_gib() -> float:
                 return int(line.split()[1]) / 2**20
     return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / GiB
 
-
-def describe(value: Any) -> str:
-    return "unknown here" if value is None else f"{value:.0f} GiB"

@@ -68,7 +68,7 @@ def build_model(out: Path, shape: str, eos: int, seed: int = 0) -> int:
     from transformers import Qwen2Config
 
     dims = SHAPES[shape]
-    config = Qwen2Config(vocab_size=VOCAB, max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6,
+    config = Qwen2Config(architectures=["Qwen2ForCausalLM"], vocab_size=VOCAB, max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6,
                          tie_word_embeddings=True, bos_token_id=eos, eos_token_id=eos, torch_dtype="bfloat16",
                          max_window_layers=dims["num_hidden_layers"], **dims)
     config.save_pretrained(str(out))

@@ -25,12 +25,14 @@ STAMP = re.compile(r"^(\d+\.\d+) ")
 # The SingleController logs a finished step as its own metrics line, then "train step N/M  trainer_v=V".
 SC_METRICS = re.compile(r"^(\d+\.\d+) .*step_metrics=\{.*'reward': ([-\d.e]+|nan)")
 SC_STEP = re.compile(r"^(\d+\.\d+) .*train step (\d+)/(\d+)\s+trainer_v=")
+STEP_TIME = re.compile(r"^(\d+\.\d+) .*Total step time: ([\d.]+)s")
 
 
 def console(path: Path) -> dict[str, Any]:
     steps: list[tuple[float, int]] = []
     rewards: list[float] = []
     reward_times: list[tuple[float, float]] = []
+    step_times: list[float] = []
     sc_steps = 0
     first = last = None
     for line in path.read_text(errors="replace").splitlines():
@@ -47,8 +49,10 @@ def console(path: Path) -> dict[str, Any]:
             reward_times.append((t, float(r.group(2))))
         elif s := SC_STEP.match(line):
             sc_steps += 1
+        elif s := STEP_TIME.match(line):
+            step_times.append(float(s.group(2)))
     return {"started": first, "ended": last, "step_starts": steps, "rewards": rewards, "reward_times": reward_times,
-            "steps_done": max(len(rewards), sc_steps)}
+            "step_times_s": step_times, "steps_done": max(len(rewards), sc_steps)}
 
 
 def rlix_metrics(logdir: Path) -> dict[str, list[float]]:
@@ -83,8 +87,24 @@ def nvml_figures(rows: list[dict[str, float]], t0: float, t1: float) -> dict[str
             "samples": len(inside)}
 
 
-def trace_figures(path: Path, t0: float, t1: float) -> dict[str, Any]:
-    """Allocated share of GPU 0 over [t0, t1] (some cluster held it) and fairness, from the scheduler's trace."""
+def phase_busy(spans: list[tuple[float, float, int]], rows: list[dict[str, float]], t0: float,
+               t1: float) -> dict[str, dict[str, float]]:
+    """Seconds and mean NVML utilization of GPU 0 over [t0, t1] by what held it: start-up, training, rollout, no one."""
+    names = {0: "start-up", 6: "rollout"}
+    out: dict[str, list[float]] = {}
+    for r in rows:
+        if not t0 <= r["time"] <= t1:
+            continue
+        held = next((prio for a, b, prio in spans if a <= r["time"] <= b), None)
+        kind = "no one" if held is None else names.get(held, "training")
+        out.setdefault(kind, []).append(r["util_0"])
+    dt = (t1 - t0) / max(sum(len(v) for v in out.values()), 1)
+    return {k: {"seconds": round(len(v) * dt, 1), "busy": round(sum(v) / len(v) / 100, 3)} for k, v in out.items()}
+
+
+def trace_figures(path: Path, t0: float, t1: float, rows: list[dict[str, float]] | None = None) -> dict[str, Any]:
+    """Allocated share of GPU 0 over [t0, t1] (some cluster held it), fairness and, with NVML ``rows``, the busy
+    share by what held the GPU, from the scheduler's trace."""
     from rlix_plugins.control.capacity.fairness import fairness
     from rlix_plugins.control.trace import OCCUPY_OPS, VACATE_OPS
     from rlix_plugins.control.types import TraceEvent
@@ -92,20 +112,25 @@ def trace_figures(path: Path, t0: float, t1: float) -> dict[str, Any]:
     events = [TraceEvent(**{**json.loads(line), "gpus": tuple(json.loads(line)["gpus"])})
               for line in path.read_text().splitlines() if line.strip()]
     events.sort(key=lambda e: e.time)
-    held: dict[str, float] = {}  # cluster holding GPU 0 -> since
-    busy = 0.0
+    held: dict[str, tuple[float, int]] = {}  # cluster holding GPU 0 -> (since, priority)
+    spans: list[tuple[float, float, int]] = []
     for e in events:
         if 0 not in e.gpus and e.op not in ("unregister", "fail"):
             continue
         if e.op in OCCUPY_OPS:
-            held.setdefault(e.cluster_id, e.time)
+            held.setdefault(e.cluster_id, (e.time, int(e.priority if e.priority is not None else 6)))
         elif e.op in VACATE_OPS:
             gone = [c for c in held if c == e.cluster_id or (e.op in ("unregister", "fail") and c.startswith(e.pipeline_id))]
             for c in gone:
-                busy += max(0.0, min(e.time, t1) - max(held.pop(c), t0))
-    busy += sum(max(0.0, t1 - max(since, t0)) for since in held.values())
-    return {"gpu_allocated_share_steps_phase": busy / (t1 - t0) if t1 > t0 else float("nan"),
-            "fairness": fairness(events).as_dict()}
+                since, prio = held.pop(c)
+                spans.append((since, e.time, prio))
+    spans += [(since, t1, prio) for since, prio in held.values()]
+    busy = sum(max(0.0, min(b, t1) - max(a, t0)) for a, b, _ in spans)
+    out: dict[str, Any] = {"gpu_allocated_share_steps_phase": busy / (t1 - t0) if t1 > t0 else float("nan"),
+                           "fairness": fairness(events).as_dict()}
+    if rows:
+        out["busy_by_holder"] = phase_busy(spans, rows, t0, t1)
+    return out
 
 
 def main() -> int:
@@ -134,7 +159,8 @@ def main() -> int:
                 if own:
                     summary[csv.stem] = nvml_figures(rows, own[0], own[1])
         if (d / "trace.jsonl").exists():
-            summary.update(trace_figures(d / "trace.jsonl", t0, t1))
+            rows = samples(d / "nvml.csv") if (d / "nvml.csv").exists() else None
+            summary.update(trace_figures(d / "trace.jsonl", t0, t1, rows))
     gpu_after = (d / "gpu_after.csv").read_text() if (d / "gpu_after.csv").exists() else ""
     summary["gpu_after"] = gpu_after
     if (d / "status.json").exists():
@@ -145,7 +171,8 @@ def main() -> int:
     (d / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
     for p, r in runs.items():
         m = r["rlix_metrics"]
-        print(f"pipeline {p}: {r['steps_done']} steps, rewards {r['rewards']}")
+        print(f"pipeline {p}: {r['steps_done']} steps, rewards {r['rewards']}, step times (NeMo RL's 'Total step "
+              f"time') {[round(t, 1) for t in r['step_times_s']]} s")
         for tag in sorted(m):
             print(f"  {tag}: {[round(v, 3) for v in m[tag]]}")
     if "step_phase_s" in summary:
@@ -160,6 +187,8 @@ def main() -> int:
         print(f"GPU allocated {summary['gpu_allocated_share_steps_phase']:.3f} of the steps phase (trace); fairness: "
               f"at most {fair['max_steps_watched']} steps of another while one waited {fair['worst_pair']}, longest "
               f"wait {fair['longest_wait_s']:.1f} s ({fair['longest_waiter']})")
+        for holder, f in summary.get("busy_by_holder", {}).items():
+            print(f"  GPU held by {holder}: {f['seconds']:.0f} s of the steps phase, busy {f['busy']:.3f}")
     print("GPU after:", gpu_after.replace("\n", " | "))
     return 0
 

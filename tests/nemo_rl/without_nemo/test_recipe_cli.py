@@ -123,7 +123,7 @@ def test_four_pipelines_on_one_gpu_when_memory_allows(stock: Path, tmp_path: Pat
                         "--host-memory-gib", "128")
     err = capsys.readouterr().err
     assert rc == 2 and files == []
-    assert "host memory: 4 pipelines need" in err and "GiB (90% of 128 GiB" in err and "offloaded trainer" in err, err
+    assert "host memory: 4 pipelines need" in err and "GiB (90% of 128 GiB" in err and "offloaded states" in err, err
 
 
 def test_two_gpus_partial_overlap(stock: Path, tmp_path: Path) -> None:
