@@ -168,6 +168,8 @@ class Overlay:
     pipeline: PipelineLayout
     changes: dict[str, tuple[Any, str]] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    #: what the memory budget found (printed, not written: it depends on the machine that checked it)
+    memory: str = ""
 
     def nested(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -255,7 +257,7 @@ def make_overlays(stock: Mapping[str, Any], num_pipelines: int, gpus: Sequence[i
     memory = check_memory(stock, layouts, gpu_memory_gib=gpu_memory_gib, host_memory_gib=host_memory_gib)
     overlays = [_overlay(stock, p, num_pipelines, per_node, data_plane) for p in layouts]
     for ov in overlays:
-        ov.notes.append(memory)
+        ov.memory = memory
     for ov in overlays:
         merged = _merge(dict(stock), ov.nested())
         found = topology_problems(merged, load_run_config(merged))
@@ -395,8 +397,9 @@ def run_cli(stock: str, out: str, num_pipelines: int, gpus: Sequence[int], gpus_
     for path, ov in written:
         print(f"{path}: pipeline {ov.pipeline.name}, train {list(ov.pipeline.train_devices)}, "
               f"infer {list(ov.pipeline.infer_devices)}")
-        for note in ov.notes:
-            print(f"  note: {note}")
+        for note in [*ov.notes, ov.memory]:
+            if note:
+                print(f"  note: {note}")
         for key, (value, reason) in ov.changes.items():
             print(f"  {key} = {_scalar(value)}  # {reason}")
     entry = ENTRY_POINTS[grpo_loop(_merge(load_stock(stock), written[0][1].nested())) or ASYNC_GRPO]
