@@ -156,7 +156,9 @@ def format_event(ev: dict[str, Any]) -> list[str]:
 
 
 def analyse_trace(events: list[Any], gpus: list[int], t0: float, t1: float) -> dict[str, Any]:
-    """GPU busy share over ``[t0, t1]`` and training grants that preempted ANOTHER pipeline's rollout rank."""
+    """GPU busy share over ``[t0, t1]`` (some cluster held the GPU), training grants that preempted ANOTHER pipeline's
+    rollout rank, and fairness (``capacity.fairness``: steps of another pipeline while one waited, longest wait)."""
+    from rlix_plugins.control.capacity.fairness import fairness
     from rlix_plugins.control.capacity.timeline import occupancy_spans
     from rlix_plugins.control.types import Priority
 
@@ -170,7 +172,7 @@ def analyse_trace(events: list[Any], gpus: list[int], t0: float, t1: float) -> d
                for a in trains):
             cross += 1
     return {"gpu_busy_share": busy / span_total, "cross_pipeline_preemptions": cross,
-            "preemptions": len(preempt), "training_grants": len(trains)}
+            "preemptions": len(preempt), "training_grants": len(trains), "fairness": fairness(events).as_dict()}
 
 
 @contextlib.contextmanager
@@ -426,6 +428,9 @@ def run_demo(pipelines: int = 2, gpus: int = 2, steps: int = 3, out: str | os.Pa
               file=say)
     print(f"  GPU busy share {summary['gpu_busy_share']:.0%} over {gpus} GPUs; "
           f"{summary['cross_pipeline_preemptions']} training grants preempted another pipeline's rollout rank", file=say)
+    fair = summary["fairness"]
+    print(f"  fairness: at most {fair['max_steps_watched']} steps of another pipeline while one waited; longest wait "
+          f"{fair['longest_wait_s']:.1f} s", file=say)
     print(f"  weight syncs: {summary['syncs']} ({summary['expands']} expands), "
           f"{'every one verified (checksums)' if summary['all_syncs_verified'] else 'NOT all verified'}; "
           f"GPUs still allocated: {allocated or 'none'}", file=say)

@@ -27,7 +27,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Final
 
 from rlix_plugins.errors import RlixConfigError
 from rlix_plugins.nemo_rl.model_shape import ModelShape

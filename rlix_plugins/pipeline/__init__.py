@@ -34,7 +34,7 @@ How a host plugs in (NeMo RL, issue 6; the demo host in :mod:`rlix_plugins.demo`
   ``sleep``/``wake_up`` = ``sleep_async(level)`` / ``wake_up_async(tags)``, ``memory_in_use`` via NVML per worker.
 * ``WeightSource``: ``build_cache(v)`` runs ``VersionedBucketCache.build(v, refit iterator)`` on EVERY training
   rank, Megatron or DTensor (owner: global rank 0); ``sync`` runs ``vllm.driver.sync_engines`` on the owner worker with the
-  engine handles it is given (cuda_ipc for same-GPU targets, NCCL broadcast for the rest).
+  engine handles it is given (host_pull, the default same-GPU transport, for targets on a training GPU; NCCL broadcast for the rest).
 * ``VersionPublisher``: :class:`CollectorPublisher` (``collector.set_weight_version.remote(v)``); the collector routes with a
   :class:`RouterClient` instead of its pickled ``VllmGeneration`` round-robin, and reports progress with the
   runtime's :class:`ProgressReporter`.

@@ -134,7 +134,7 @@ class Comparison:
             f"{'mode':<20}{'makespan':>10}{'steps':>7}{'steps/h':>10}{'busy':>7}"
             f"{'rlix steps/h ratio':>20}{'rlix busy ratio':>17}"
         ]
-        for mode in MODES:
+        for mode in (m for m in MODES if m in self.runs):
             r = self.runs[mode]
             speed = "" if mode == "rlix" else f"{self.ratio(mode):.2f}x"
             busy = "" if mode == "rlix" else f"{self.ratio(mode, 'busy_share'):.2f}x"
@@ -170,13 +170,17 @@ def compare(jobs: Sequence[JobSpec], num_gpus: int, gpus_per_node: int, **option
     seq = SimRun(makespan_s=0.0, steps=0, busy_gpu_s=0.0, num_gpus=num_gpus, finish_s={}, cycles=0)
     rlix_jobs: list[JobSpec] = []
     for i, job in enumerate(jobs):
-        variant, placement, r = best_stock(job, home, gpus_per_node, **options)
-        rlix_jobs.append(with_training_of(job, variant, placement))
-        _add_run(static, r, job.name, job.start_s, i * home)
+        if home:
+            variant, placement, r = best_stock(job, home, gpus_per_node, **options)
+            rlix_jobs.append(with_training_of(job, variant, placement))
+            _add_run(static, r, job.name, job.start_s, i * home)
+        else:  # more pipelines than GPUs: no static partition exists; rlix runs the job as given (one-GPU topology)
+            rlix_jobs.append(job)
         _add_run(seq, best_alone(job, num_gpus, gpus_per_node, **options), job.name, seq.makespan_s, 0)
     rlix = Simulation(rlix_jobs, rlix_placements(rlix_jobs, num_gpus, gpus_per_node), num_gpus, gpus_per_node,
                       **options).run()
-    return Comparison({"rlix": rlix, "static": static, "sequential": seq}, rlix_jobs)
+    runs = {"rlix": rlix, "sequential": seq} | ({"static": static} if home else {})
+    return Comparison(runs, rlix_jobs)
 
 
 # ---- CLI ----------------------------------------------------------------------------------------------------
@@ -264,8 +268,9 @@ def run_cli(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     print(f"rlix simulate: {len(jobs)} pipelines on {args.gpus} GPUs ({args.gpus_per_node}/node), same planner as the scheduler")
     print(cmp.table())
+    print(f"rlix {cmp.runs['rlix'].fairness().line()}")
     pictures = []
-    for mode in MODES:
+    for mode in (m for m in MODES if m in cmp.runs):
         title = f"{_LABEL[mode]}: {len(jobs)} pipelines, {args.gpus} GPUs, {cmp.runs[mode].steps_per_hour:.1f} steps/h"
         pictures.append(render_timeline(cmp.runs[mode].events, out / f"timeline_{mode}.png", gpus=args.gpus, title=title))
     summary = {
@@ -275,8 +280,9 @@ def run_cli(args: argparse.Namespace) -> int:
             m: {"makespan_s": r.makespan_s, "steps": r.steps, "steps_per_hour": r.steps_per_hour, "busy_share": r.busy_share}
             for m, r in cmp.runs.items()
         },
+        "rlix_fairness": cmp.runs["rlix"].fairness().as_dict(),
         "rlix_vs_sequential": cmp.ratio("sequential"),
-        "rlix_vs_static": cmp.ratio("static"),
+        "rlix_vs_static": cmp.ratio("static") if "static" in cmp.runs else None,
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     print(f"timelines: {', '.join(str(p) for p in pictures)}")
