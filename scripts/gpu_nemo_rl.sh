@@ -76,15 +76,7 @@ shared_runs() {  # shared_runs NAME MODE: MODE "together" (both drivers at once)
   echo "=== $name ($mode): $rc failed drivers, $((SECONDS - t0)) s wall"
   python3 -m rlix_plugins.cli status --json >"$dir/status.json" 2>&1
   python3 -m rlix_plugins.cli timeline --out "$OUT/${name}_timeline.png" >"$dir/timeline.log" 2>&1
-  python3 - "$dir/trace.jsonl" <<'PY' >>"$dir/timeline.log" 2>&1
-import dataclasses, json, sys
-import ray
-from rlix_plugins.control.client import connect
-ray.init(address="auto", log_to_driver=False)
-with open(sys.argv[1], "w") as f:
-    for e in connect(create_if_missing=False).trace():
-        f.write(json.dumps(dataclasses.asdict(e) if dataclasses.is_dataclass(e) else e, default=str) + "\n")
-PY
+  python3 "$REPO/scripts/gpu/dump_trace.py" "$dir/trace.jsonl" >>"$dir/timeline.log" 2>&1
   sleep 5  # let the workers' processes exit, then read what is left on the GPU
   nvidia-smi --query-compute-apps=pid,used_memory --format=csv >"$dir/gpu_after.csv"
   nvidia-smi --query-gpu=memory.used --format=csv,noheader >>"$dir/gpu_after.csv"

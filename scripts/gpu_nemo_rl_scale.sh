@@ -42,10 +42,11 @@ prepare() {
 }
 
 # The stock recipe at its real batch; only what this machine lacks changes: the model is a local random one of the
-# real shape (no hub; a one-line recipe over the stock one names it, so `rlix recipe` reads its shape), vLLM runs eager (no compiler cache to warm), DTensor v1 without sequence packing (v2 and
-# packing need packages the offline image lacks), no validation or checkpoints, local arithmetic prompts, two math
-# reward workers per pipeline (answers to random weights are scored in no time; eight per pipeline would ask for more
-# CPUs than four pipelines have).
+# real shape (no hub; a one-line recipe over the stock one names it, so `rlix recipe` reads its shape), vLLM runs
+# eager (no compiler cache to warm), DTensor v1 without sequence packing (v2 and packing need packages the offline
+# image lacks), no validation or checkpoints, local arithmetic prompts, two math reward workers per pipeline
+# (answers to random weights are scored in no time; eight per pipeline would ask for more CPUs than four pipelines
+# have).
 REAL=(policy.dtensor_cfg._v2=false policy.sequence_packing.enabled=false
   policy.max_total_sequence_length=$((NEW_TOKENS + 512)) policy.generation.max_new_tokens="$NEW_TOKENS"
   policy.generation.vllm_cfg.enforce_eager=true grpo.max_num_steps="$STEPS" grpo.val_period=0
@@ -108,15 +109,7 @@ run_shared() {  # run_shared NAME N MODE (together | sequential)
   if [ "$mode" = together ]; then for p in "${pids[@]}"; do wait "$p" || rc=$((rc + 1)); done; fi
   python3 -m rlix_plugins.cli status --json >"$dir/status.json" 2>&1
   python3 -m rlix_plugins.cli timeline --out "$dir/timeline.png" >"$dir/timeline.log" 2>&1
-  python3 - "$dir/trace.jsonl" <<'PY' >>"$dir/timeline.log" 2>&1
-import dataclasses, json, sys
-import ray
-from rlix_plugins.control.client import connect
-ray.init(address="auto", log_to_driver=False)
-with open(sys.argv[1], "w") as f:
-    for e in connect(create_if_missing=False).trace():
-        f.write(json.dumps(dataclasses.asdict(e) if dataclasses.is_dataclass(e) else e, default=str) + "\n")
-PY
+  python3 "$REPO/scripts/gpu/dump_trace.py" "$dir/trace.jsonl" >>"$dir/timeline.log" 2>&1
   sleep 5  # let the workers' processes exit, then read what is left on the GPU
   kill "$sampler" 2>/dev/null
   nvidia-smi --query-compute-apps=pid,used_memory --format=csv >"$dir/gpu_after.csv"

@@ -174,17 +174,20 @@ def test_standalone_setup_builds_its_own_clusters_and_static_world(monkeypatch):
 def test_two_pipelines_share_per_gpu_groups_under_unique_names(monkeypatch):
     """RLIX_CONTROL_PLANE=rlix, our recipes A (trains on GPU 0) and B (GPU 1), both rolling out on GPUs 0-1: two
     setup() calls in ONE process (one Ray namespace: equal actor names would collide) place every worker in the
-    pool's group of its GPU, fractionally, under per-pipeline names; no static refit world is built. Each setup()
-    holds INITIALIZATION of GPUs 0-1 from before its workers exist: B's setup(), started while A's holds it,
-    creates no worker until A's grant is released (what A's runtime does after its init phases)."""
+    pool's group of its GPU, fractionally, under per-pipeline names; no static refit world is built. No setup()
+    waits for a GPU: B's, started while A trains on GPU 0, creates its workers at once (only its vLLM ranks' device
+    set-up waits, from their init_device: control.start_gate) and tells its vLLM ranks their pipeline through
+    vllm_cfg.env_vars."""
     from rlix_plugins.control import client
-    from rlix_plugins.control.types import GENERATION_CLUSTER
+    from rlix_plugins.control.start_gate import PIPELINE_ENV
+    from rlix_plugins.control.types import TRAIN_CLUSTER, Priority
+    from rlix_plugins.nemo_rl.config import cfg_path
     from rlix_plugins.nemo_rl.placement import placement_pool, take_setup
 
     monkeypatch.setenv("RLIX_CONTROL_PLANE", "rlix")
     pool = placement_pool(worker_groups_per_gpu=3)  # 3 workers per GPU here (CPU budget of the private head)
     cp = client.connect()
-    made, grants, created_before = [], {}, len(CREATED)
+    made, grants = [], {}
     try:
         pipelines = {}
         configs = {n: _master_config(REPO / f"examples/configs/rlix/two_pipelines_2gpu_{n}.yaml") for n in "ab"}
@@ -198,22 +201,20 @@ def test_two_pipelines_share_per_gpu_groups_under_unique_names(monkeypatch):
 
         run_setup("a")
         a_pid = pipelines["a"][0]
-        held = {c: (a["priority"], a["gpus"]) for c, a in cp.status()["allocations"].items()
-                if a["pipeline_id"] == a_pid}
-        assert held == {f"{a_pid}_actor_infer": ("INITIALIZATION", [0, 1])}, held  # A's setup grant, still held
+        assert [c for c, a in cp.status()["allocations"].items() if a["pipeline_id"] == a_pid] == []
+        grants["a"] = take_setup(configs["a"][0]).pipe
+        assert grants["a"].request_gpus(TRAIN_CLUSTER, Priority.ACTOR_TRAINING, step=0, timeout_s=60) == [0]
+        t0 = time.time()
         b_thread = threading.Thread(target=run_setup, args=("b",), daemon=True)
         b_thread.start()
-        b_thread.join(timeout=5)
-        assert b_thread.is_alive() and "b" not in pipelines  # B's setup() waits for the GPUs ...
-        assert [c for c in CREATED[created_before:] if not c[0].startswith(a_pid)] == [], CREATED  # ... no worker
-        grants["a"] = take_setup(configs["a"][0]).pipe
-        t_released = time.time()
-        grants["a"].release_gpus(GENERATION_CLUSTER, step=-1, timeout_s=60)
         b_thread.join(timeout=120)
-        assert "b" in pipelines, "B's setup() did not finish after A's grant was released"
+        assert "b" in pipelines, "B's setup() waited for the GPU A trains on"
+        b_pid = pipelines["b"][0]
+        b_created = [t for prefix, _, t in CREATED if prefix.startswith(b_pid)]
+        assert len(b_created) == 2 and min(b_created) >= t0, (CREATED, t0)
+        assert cfg_path(configs["b"][0], "policy.generation.vllm_cfg.env_vars")[PIPELINE_ENV] == b_pid
+        grants["a"].release_gpus(TRAIN_CLUSTER, step=0, timeout_s=60)
         grants["b"] = take_setup(configs["b"][0]).pipe
-        b_created = [t for prefix, _, t in CREATED if prefix.startswith(pipelines["b"][0])]
-        assert len(b_created) == 2 and min(b_created) > t_released, (CREATED, t_released)
         groups = ray.get(pool.groups.remote([0, 1]), timeout=60)
         shared = {gpu: pg.id.hex() for gpu, pg in groups.items()}
         names = []
