@@ -12,9 +12,9 @@ around its training GPUs ("window"), or the whole pool ("pool", the worst case).
 Part 2 runs ``rlix simulate``'s comparison for 2- and 4-pipeline mixes; targets: >= 1.6x aggregate steps/hour vs
 one-after-another and >= 1.25x vs a static partition on at least one realistic mix, and never below 1.0x static
 (every mix's ratio is printed; a mix below is flagged). Phase times from the
-reference notes (docs: shared/notes/rlix_reference.md §6 and gpu_vllm.md): the reference's dual-FT experiment
-(4 GPUs, training on 2, rollout on all 4) took ~41 s per step after ~120 s of initialisation; vLLM sleep/wake
-at level 2 costs < 0.1 s, plus a weight push, so a woken rank serves after ~2 s. The larger mixes scale those
+reference implementation's dual-FT experiment (4 GPUs, training on 2, rollout on all 4): ~41 s per step after
+~120 s of initialisation; vLLM sleep/wake at level 2 costs < 0.1 s (docs/gpu.md), plus a weight push, so a
+woken rank serves after ~2 s. The larger mixes scale those
 phases to typical GRPO recipes (512-1024 trajectories per step, 20-60 s per trajectory, 20-120 s training).
 """
 

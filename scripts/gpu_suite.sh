@@ -11,7 +11,7 @@
 #   3. rlix demo on 1 GPU and, when there are 2, on 2 GPUs      -> $OUT/g1/, $OUT/g2/ (summary.json, timeline.png)
 #   4. real NeMo RL (parts nemo-standalone, nemo-shared, nemo-sequential; scripts/gpu_nemo_rl.sh)
 # Every part runs even when an earlier one fails; the exit code is the number of failed parts.
-# NCCL settings: monitoring threads off (reference debug #56), debug output to find hangs.
+# NCCL settings: monitoring threads off (they add to the container's pid limit), debug output to find hangs.
 set -u
 OUT=${OUT:-/tmp/rlix_gpu_out}
 mkdir -p "$OUT"

@@ -2,7 +2,7 @@
 # Build the conformance venv for NeMo RL's own CPU unit tests (default: .venv-nemo in the repo root).
 #
 # NeMo RL at the pin asks for Python 3.13 and is not pip-installable; its CPU unit tests run on Python 3.11
-# with the CPU-importable subset of its dependencies (see ../shared/notes or patches/nemo-rl/7ea279a/README.md).
+# with the CPU-importable subset of its dependencies (see rlix_plugins/patches/nemo-rl/7ea279a/README.md).
 # NeMo RL itself is NOT installed: the conformance suite puts a (patched) copy of the checkout on PYTHONPATH.
 #
 # Usage: scripts/setup_nemo_rl_env.sh [VENV_DIR]          (idempotent; re-running only tops up)

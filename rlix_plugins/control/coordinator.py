@@ -6,10 +6,10 @@ It sits between the scheduler and the pipeline:
   (any Ray actor with the :class:`ResizeHandler` method, set with ``set_resize_handler``) under the **resize lock**
   and keeps the set of active DP ranks;
 * the pipeline takes the same lock (``acquire_resize_lock`` → refresh the active ranks in flight →
-  ``release_resize_lock``) so an active-rank weight refresh never races an expand or shrink (reference F5/F6).
+  ``release_resize_lock``) so an active-rank weight refresh never races an expand or shrink.
   Never call the scheduler while holding the lock: a shrink the scheduler is executing may be waiting for it;
 * the pipeline reports raw rollout progress (``report_progress``); the coordinator clamps it and forwards it to
-  the scheduler only when the 2 % bucket changes or a new batch starts (reference F9, ``miles`` wire format).
+  the scheduler only when the 2 % bucket changes or a new batch starts (``miles`` wire format).
 
 Threaded actor (``max_concurrency >= 4``) so a progress report or a lock call runs next to a long resize.
 Lifetime: owned by the process that created it (normally the pipeline's driver, via ``client.register_pipeline``),

@@ -8,8 +8,8 @@ allowed target is full the workers pause. ``sample(step, n)`` hands the trainer 
 coordinator through the runtime's :class:`~rlix_plugins.pipeline.runtime.ProgressReporter`.
 
 Routing goes through the runtime's :class:`~rlix_plugins.pipeline.router.RouterClient`
-(``PipelineRuntime.router_client()``: state in the router actor, never a local copy, debug #33); a request aborted
-by a shrink is retried on another active rank. Weight versions arrive through
+(``PipelineRuntime.router_client()``: state in the router actor, never a local copy that a resize would leave
+stale); a request aborted by a shrink is retried on another active rank. Weight versions arrive through
 :class:`~rlix_plugins.pipeline.publisher.CollectorPublisher` (``set_weight_version``), as for NeMo RL's collector.
 """
 
@@ -46,7 +46,7 @@ class DemoCollector:
         self.request_timeout_s = request_timeout_s
         self._rng = random.Random(seed)
         self._cond = threading.Condition()
-        self._version = 0  # NeMo RL's collector starts at 0 (hence: never publish -1, debug #31)
+        self._version = 0  # NeMo RL's collector starts at 0 (hence: never publish -1, which deadlocks it)
         self._step = 0  # the next step the trainer samples
         self._buffer: dict[int, list[dict[str, Any]]] = {}
         self._pending: dict[int, int] = {}
@@ -62,7 +62,7 @@ class DemoCollector:
     def set_weight_version(self, version: int) -> None:
         with self._cond:
             if version < 0:
-                raise RlixError(f"weight version {version} < 0 published to the collector (debug #31)")
+                raise RlixError(f"weight version {version} < 0 published to the collector (it starts at 0)")
             if version != self._version:
                 self._versions_seen.append(version)
             self._version = version

@@ -5,7 +5,7 @@ added and stepped there, and every other engine call (weight-sync ``collective_r
 wake, abort) is queued to that thread and runs between two decode steps. So a weight refresh of an active
 rank lands "in flight" without draining it, exactly one thread touches vLLM (it is not thread-safe), and an
 abort finishes the caller's request itself (vLLM's ``abort_request`` never completes the request's output,
-reference bug 7).
+so the caller would hang).
 
 :class:`DemoFleet` implements :class:`~rlix_plugins.pipeline.protocols.RolloutFleet` over those actors.
 """

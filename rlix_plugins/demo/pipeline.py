@@ -33,9 +33,10 @@ class DemoGate:
     """Start-up order of the demo's pipelines (a Ray actor shared by their drivers).
 
     Pipeline ``i`` attaches its collector (first GENERATION request) only after pipelines ``0..i-1`` did, and no
-    pipeline trains before every pipeline attached (the reference's pair-init barrier, debug #48). This makes the
-    first placement deterministic: pipeline 0 gets every GPU first, and the gap-ratio planner hands pipeline 1
-    the lowest DP rank - GPU 0, pipeline 0's training GPU - so training visibly preempts another pipeline.
+    pipeline trains before every pipeline attached (a vLLM start-up racing another pipeline's training step finds no
+    memory for its KV cache). This makes the first placement deterministic: pipeline 0 gets every GPU first, and
+    the gap-ratio planner hands pipeline 1 the lowest DP rank - GPU 0, pipeline 0's training GPU - so training
+    visibly preempts another pipeline.
     A pipeline that fails before attaching still counts as attached (nobody waits for a dead pipeline).
     """
 

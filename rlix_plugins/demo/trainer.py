@@ -62,7 +62,7 @@ class DemoTrainer:
     # ------------------------------------------------------------------ WeightSource (remote half)
     def build_cache(self, version: int) -> int:
         if self.offloaded and version >= 0:
-            # A cache built from offloaded parameters would read empty storage (debug #34): refuse loudly.
+            # A cache built from offloaded parameters would read empty storage: refuse loudly.
             raise RuntimeError(f"build_cache({version}) after offload: build it in before_weight_sync")
         self.phase = "build_cache"
         try:
@@ -106,7 +106,7 @@ class DemoTrainer:
 
     def offload(self) -> None:
         """On a GPU trainer this frees the device (params, grads, optimizer, NCCL groups); here it marks the
-        state so that a cache build after it is refused (the debug #34 regression)."""
+        state so that a cache build after it is refused (on a GPU it would read empty storage)."""
         self.offloaded = True
 
     def train_step(self, groups: list[dict[str, Any]]) -> dict[str, float]:

@@ -45,7 +45,7 @@ class RlixRunConfig:
     #: Ray cluster of the control plane; default: the cluster this driver runs on.
     ray_address: str | None = None
     #: Size of one CPU cache bucket (explicit: it must fit the VRAM left after a wake-up next to a co-tenant's KV
-    #: cache; reference bug 5).
+    #: cache; one ~1 GB bucket ran out of memory there).
     bucket_size_bytes: int = DEFAULT_BUCKET_SIZE_BYTES
     #: The driver's heartbeat lease (``CoordinatorConfig.heartbeat_lease_s``): a driver that stops responding while
     #: it holds GPUs is failed after this and its GPUs return; default the coordinator's (120 s).

@@ -9,7 +9,7 @@
   only: picklable, never a ``VllmGeneration`` (whose ``__del__`` shuts the workers down).
 * :class:`RouterShardSelector` + :class:`RouterFleetMonitor` - installed with NeMo RL's existing seam
   ``policy_generation.attach_fleet_health(monitor, selector)`` BEFORE the generation object is pickled into
-  the trajectory collector. The routing state lives in the runtime's router actor (debug #33), so every copy
+  the trajectory collector. The routing state lives in the runtime's router actor, so every copy
   (driver, collector) routes over the same active ranks. ``next_shard()`` never blocks; while no rank is active
   the request waits in ``rlix_dispatch`` (awaited on the loop).
   ``release`` ends the ticket and says whether a shrink took the shard meanwhile. Retry: patch 0004 lets

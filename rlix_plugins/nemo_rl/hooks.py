@@ -244,7 +244,7 @@ class NemoRLHooks:
         setup = take_setup(master_config)  # setup()'s parsed config + registration holding INITIALIZATION
         if setup is None:
             cfg = load_run_config(master_config)
-            validate_topology(master_config, cfg)  # before anything is registered (reference F10 gap)
+            validate_topology(master_config, cfg)  # before anything is registered: a bad topology fails here
             setup = adopt_setup(master_config, cfg, client.connect(cfg.ray_address))  # the SingleController's actor
         if setup is None:
             held = None

@@ -1,4 +1,4 @@
-"""Tear down and rebuild Megatron's communication groups INSIDE a training worker (reference F1/F11, gap list).
+"""Tear down and rebuild Megatron's communication groups INSIDE a training worker.
 
 Released GPUs are only a bookkeeping state: a long-lived Megatron worker keeps its NCCL communicators (and their
 device buffers) until it destroys them, and the next tenant's vLLM wake-up then runs out of memory. So after

@@ -1,5 +1,5 @@
-"""Shared placement for several pipelines' workers on the same GPUs (reference F12), and the NeMo RL virtual-cluster
-surface its worker groups read.
+"""Shared placement for several pipelines' workers on the same GPUs, and the NeMo RL virtual-cluster surface its
+worker groups read.
 
 * :class:`GpuPlacementPool` - a detached named actor ``rlix:placement`` (namespace ``rlix``) that owns ONE placement
   group per GPU (one ``{"GPU": 1, "CPU": n}`` bundle each, ``n`` = worker groups per GPU), created on first use and

@@ -5,9 +5,9 @@
   generation object with ``attach_fleet_health`` BEFORE the collector pickles it (:func:`.generation.install_routing`);
 * weights: :class:`.weights.PolicyWeightSource` (cache inside the Megatron or DTensor workers, per the config);
 * offload (``after_training``): ``policy.offload_after_refit()`` → workers marked offloaded (a later cache build is
-  refused, debug #34) → the trainer's communication groups released (Megatron: NCCL groups destroyed inside every
-  training worker; DTensor: FSDP2's stay, see :mod:`.weights`); ``before_training`` restores them after the grant,
-  before NeMo RL's ``prepare_for_lp_inference``;
+  refused: it would read empty storage) → the trainer's communication groups released (Megatron: NCCL groups
+  destroyed inside every training worker; DTensor: FSDP2's stay, see :mod:`.weights`); ``before_training``
+  restores them after the grant, before NeMo RL's ``prepare_for_lp_inference``;
 * publisher, progress and the end of the rollout side: per loop kind (:func:`.topology.grpo_loop`), see
   :mod:`.loops` (async GRPO: ``collector.set_weight_version``; the TransferQueue loop and the SingleController
   publish themselves);
@@ -18,7 +18,7 @@
 * resume: ``start(..., start_step=k)`` builds the start cache as version ``k`` (the checkpoint's weights), so every
   expand before the first training step publishes the version NeMo RL's loop publishes (``weight_version = step``);
 * metrics: :meth:`NemoRuntime.step_metrics` - the step's ``rlix/`` figures NeMo RL logs with its training metrics;
-* progress: a daemon thread counts what the loop collected toward the current weight version (F9; async GRPO:
+* progress: a daemon thread counts what the loop collected toward the current weight version (async GRPO:
   replay-buffer entries intended for it, :mod:`.loops` for the others) once a second and sends the raw count with
   ``step_target = grpo.num_prompts_per_step`` through the runtime's fire-and-forget
   :class:`~rlix_plugins.pipeline.runtime.ProgressReporter` (never blocks on the coordinator).
@@ -181,8 +181,9 @@ class NemoRuntime:
             self._progress.join(timeout=15)
         errors: list[str] = []
         if self.rt is not None:
-            # Watchdog off → planned shrink to zero → collector stopped → unregister (debug #64-#66); NeMo RL's
-            # own ray.kill of the collector right after this hook is then a no-op.
+            # Watchdog off → planned shrink to zero → collector stopped → unregister, in this order so a
+            # finishing pipeline never drags its peer down; NeMo RL's own ray.kill of the collector right after
+            # this hook is then a no-op.
             errors = self.rt.end(stop_collector=self._stop_collector, error=error)
         if errors:
             raise RlixError("; ".join(errors))

@@ -1,4 +1,4 @@
-"""Start-up validation of a time-shared NeMo RL run (reference F10, plus the switches async GRPO needs).
+"""Start-up validation of a time-shared NeMo RL run (GPU topology, plus the switches async GRPO needs).
 
 Called by ``NemoRLHooks.rlix_pipeline_start`` before anything is registered (the reference defined these checks
 but never called them). Every violation is collected and reported in ONE :class:`RlixConfigError` whose lines

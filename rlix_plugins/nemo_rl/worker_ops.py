@@ -11,7 +11,7 @@ iterator gathers across the trainer's ranks inside), the owner (global rank 0) k
 
 vLLM workers (async engine: ``self.llm`` is a ``vllm.v1.engine.async_llm.AsyncLLM``):
 * :func:`vllm_abort_all` aborts every request the engine holds; vLLM then finishes each caller's stream with
-  ``finish_reason="abort"`` (so callers return, reference bug 7). Returns the number aborted.
+  ``finish_reason="abort"`` (so callers return instead of hanging). Returns the number aborted.
 * :func:`device_memory_in_use` - bytes in use on the worker's device (``mem_get_info``), None on CPU.
 """
 
@@ -140,10 +140,10 @@ def build_cache(worker: Any, trainer: Trainer, version: int, bucket_size_bytes: 
     from rlix_plugins.transport import VersionedBucketCache
 
     if getattr(worker, "_rlix_offloaded", False) and version >= 0:
-        # Megatron's offload leaves empty storage (debug #34); DTensor's moves the shards to the CPU, where the
+        # Megatron's offload leaves empty storage; DTensor's moves the shards to the CPU, where the
         # NCCL all-gather of full_tensor() cannot run. Refused on every rank, so no peer waits in a collective.
         raise RuntimeError(f"build_cache({version}) after the offload would read parameters that are no longer on "
-                           "the device (debug #34): build it in before_weight_sync, while they are")
+                           "the device: build it in before_weight_sync, while they are")
     cache = getattr(worker, "_rlix_cache", None)
     if cache is None:
         cache = VersionedBucketCache(bucket_size_bytes, is_owner=is_cache_owner(worker))
@@ -210,8 +210,8 @@ def megatron_rebuild_nccl(worker: Any) -> bool:
 
 # ---------------------------------------------------------------------------------------------- replay buffer
 def count_intended_for(replay_buffer: Any, weight_version: int) -> int:
-    """Entries of NeMo RL's ``ReplayBufferImpl`` whose TARGET weight version is ``weight_version`` (reference F9:
-    not the age-window count, which under-estimates the remaining demand)."""
+    """Entries of NeMo RL's ``ReplayBufferImpl`` whose TARGET weight version is ``weight_version`` (not
+    the age-window count, which under-estimates the remaining demand)."""
     lock = getattr(replay_buffer, "_lock", None)
     if lock is not None:
         with lock:

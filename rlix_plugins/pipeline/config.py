@@ -15,7 +15,7 @@ class RuntimeConfig:
     """Knobs of :class:`~rlix_plugins.pipeline.runtime.PipelineRuntime`. Every wait has a bound here."""
 
     #: vLLM sleep level for scheduler-driven shrinks: 2 drops weights and KV cache (default), 1 keeps weights
-    #: in host memory (debug #58: level 2's buffer restore poisoned a co-tenant's allocator on some stacks).
+    #: in host memory (level 2's buffer restore poisoned a co-tenant's allocator on some stacks).
     sleep_level: int = 2
     #: After a sleep, the rank's device memory must be below this (where measurable; None skips the check).
     post_sleep_max_bytes: int | None = 1 << 30
@@ -35,9 +35,11 @@ class RuntimeConfig:
     resize_lock_timeout_s: float = 180.0
     #: Planned shrink to zero at the end of the run.
     release_timeout_s: float = 300.0
-    #: The watchdog re-requests GENERATION when no rank has been active for this long (debug #32).
+    #: The watchdog re-requests GENERATION when no rank has been active for this long (grants are one-shot:
+    #: a pipeline preempted to zero ranks would otherwise starve).
     watchdog_interval_s: float = 2.0
-    #: ``step_target_estimate`` of GENERATION requests before real progress exists (>= 1, debug #27).
+    #: ``step_target_estimate`` of GENERATION requests before real progress exists (>= 1: the planner never
+    #: skips a pipeline that asks, or its ranks would never wake).
     step_target_estimate: int = 1
     #: Verify checksums on every target after each sync (the version the trainer built).
     verify: bool = True
@@ -57,7 +59,8 @@ class RuntimeConfig:
                                                    and value > 0):
                     raise RlixConfigError(f"{f.name}={value!r} must be a positive number of seconds")
         if not _is_int(self.step_target_estimate) or self.step_target_estimate < 1:
-            raise RlixConfigError(f"step_target_estimate={self.step_target_estimate!r} must be an int >= 1 (debug #27)")
+            raise RlixConfigError(f"step_target_estimate={self.step_target_estimate!r} must be an int >= 1 "
+                                  "(a GENERATION request without demand never wakes a rank)")
         if self.max_route_attempts is not None and (not _is_int(self.max_route_attempts)
                                                     or self.max_route_attempts < 1):
             raise RlixConfigError(f"max_route_attempts={self.max_route_attempts!r} must be an int >= 1 or None")

@@ -48,8 +48,9 @@ class RolloutFleet(Protocol):
         ...
 
     def abort(self, dp_ranks: list[int], timeout_s: float) -> dict[int, int] | None:
-        """Abort every in-flight request on the ranks; the aborted callers must return (not hang, bug 7). Returns
-        how many requests each rank's engine held (None where the fleet cannot count them)."""
+        """Abort every in-flight request on the ranks; the aborted callers must return (not hang until the
+        drain times out). Returns how many requests each rank's engine held (None where the fleet cannot count
+        them)."""
         ...
 
     def sleep(self, dp_ranks: list[int], level: int, timeout_s: float) -> None:
@@ -91,7 +92,8 @@ class WeightSource(Protocol):
         """Build the CPU bucket cache ``version`` from the trainer's current named tensors.
 
         Every training rank iterates (collectives inside); only the owner keeps buckets. Must run while the
-        parameters are on the device (before any offload, debug #24/#34/#35). Returns the published version.
+        parameters are on the device (before any offload: offloaded parameters read as empty storage). Returns the
+        published version.
         """
         ...
 

@@ -21,7 +21,7 @@ class CollectorPublisher:
 
     ``set_weight_version`` blocks until the collector applied the version, bounded by ``timeout_s``
     (``RlixTimeoutError``); a dead collector raises ``SchedulerError``; an error the collector raises is re-raised.
-    A negative version is refused before it is sent: the collector starts at 0 and -1 deadlocks it (debug #31).
+    A negative version is refused before it is sent: the collector starts at 0 and -1 deadlocks it.
     """
 
     def __init__(self, collector: Any) -> None:
@@ -30,7 +30,7 @@ class CollectorPublisher:
     def set_weight_version(self, version: int, timeout_s: float) -> None:
         if version < 0:
             raise RlixError(
-                f"weight version {version} must not be published to the collector (it starts at 0; debug #31): "
+                f"weight version {version} must not be published to the collector (it starts at 0; -1 deadlocks it): "
                 "publish pipeline.versions.published_version(cache_version)"
             )
         ray_get(self.collector.set_weight_version.remote(int(version)), f"collector.set_weight_version({version})",
@@ -52,4 +52,4 @@ class LoopPublishes:
 
     def set_weight_version(self, version: int, timeout_s: float) -> None:
         if version < 0:
-            raise RlixError(f"weight version {version} must be >= 0 (debug #31)")
+            raise RlixError(f"weight version {version} must be >= 0 (the loop's versions start at 0)")

@@ -208,7 +208,7 @@ class FleetResizer:
             if version is None:
                 version = published_version(result.version)
             if self._publisher is not None:
-                # The version the pipeline already published (no bump; expand never advances it, debug #31/#36).
+                # The version the pipeline already published (no bump: one number per cache).
                 self._publisher.set_weight_version(version, _RPC_S)
         except BaseException as exc:
             with self._state:
@@ -251,7 +251,8 @@ class FleetResizer:
 
     def prewarm_and_sleep(self, ranks: list[int]) -> dict[str, Any]:
         """Start-up: wake, sync the start-up cache and sleep every rank once while the pipeline holds its inference
-        GPUs (debug #68). The sync pays what a first sync pays once per engine (mapping and pinning the cache's
+        GPUs (a rank's first wake on a GPU another pipeline's Megatron had used once hit an illegal memory access).
+        The sync pays what a first sync pays once per engine (mapping and pinning the cache's
         pages, first kernels, the loader's first call) here instead of in the pipeline's first expand."""
         with self._exclusive("prewarm"):
             cfg = self._cfg

@@ -1,6 +1,6 @@
 """Routing over the active DP ranks of one pipeline: a named Ray actor plus a picklable client.
 
-Why an actor (debug #33): NeMo RL's trajectory collector routes with its own pickled copy of ``VllmGeneration``,
+Why an actor: NeMo RL's trajectory collector routes with its own pickled copy of ``VllmGeneration``,
 so routing state kept in a Python object is invisible to it after a resize. The state lives in exactly one
 place, the :class:`RolloutRouter` actor ``rlix:router:<pid>`` in the pipeline's namespace, and every process
 that routes holds a :class:`RouterClient` (a handle, nothing else).
@@ -9,7 +9,7 @@ that routes holds a :class:`RouterClient` (a handle, nothing else).
   no rank is active (a pipeline whose ranks are all preempted waits, it does not fail), bounded by the timeout.
 * ``release(ticket)`` returns whether the rank was deactivated (shrunk) while the ticket was out: the caller
   then retries the aborted request on another active rank, or on the same one once it is back (:meth:`RouterClient.route`,
-  at most ``max_attempts``, default ``max(DP ranks, MIN_ROUTE_ATTEMPTS)``; the reference's ``dp_size`` bound, F3,
+  at most ``max_attempts``, default ``max(DP ranks, MIN_ROUTE_ATTEMPTS)``; a ``dp_size`` bound
   would never retry with one rank). Any other failure is re-raised unchanged.
 * ``deactivate(ranks)`` (first step of a shrink) / ``activate(ranks)`` (last step of an expand);
   ``wait_drained(ranks, timeout_s)`` waits until no ticket is out on the ranks (shrink: abort → drain → sleep).

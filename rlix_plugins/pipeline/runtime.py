@@ -61,7 +61,7 @@ def _get(ref: Any, what: str, timeout_s: float) -> Any:
 
 
 class ProgressReporter:
-    """Picklable, fire-and-forget progress path to the pipeline's coordinator (reference F9, ``miles`` format).
+    """Picklable, fire-and-forget progress path to the pipeline's coordinator (``miles`` wire format).
 
     Report the RAW number of trajectories collected for the current step (those intended for it, not the
     age-window count); the coordinator clamps to ``completed`` and forwards on 2 % changes or new batches.
@@ -121,7 +121,7 @@ class PipelineRuntime:
     # ------------------------------------------------------------------ start-up
     def start(self, weights: WeightSource, fleet: RolloutFleet | Callable[[], RolloutFleet], *,
               offload: Callable[[], None] | None = None, start_step: int = 0, init_held: bool = False) -> None:
-        """Init phases (reference §3): INITIALIZATION(train) → cache of the start weights (version -1, or ``k`` on a
+        """Init phases (DESIGN §4): INITIALIZATION(train) → cache of the start weights (version -1, or ``k`` on a
         run resumed at step ``k``: :func:`.versions.initial_cache_version`) → offload → release;
         INITIALIZATION(infer) → fleet created (if a factory) → prewarm once + sleep → release.
 
@@ -202,7 +202,8 @@ class PipelineRuntime:
         return ProgressReporter(self.pipe.coordinator)
 
     def attach_collector(self, publisher: VersionPublisher) -> None:
-        """GENERATION with a step-target estimate (debug #27); returns once ≥ 1 rank is active with real weights."""
+        """GENERATION with a step-target estimate (>= 1, so the planner never skips it); returns once ≥ 1 rank is
+        active with real weights."""
         if self.resizer is None:
             raise RlixError("attach_collector before start(): the fleet and resize handler do not exist yet")
         self.publisher = publisher
@@ -221,7 +222,8 @@ class PipelineRuntime:
         self._watchdog.start()
 
     def _watch(self) -> None:
-        """Debug #32: a pipeline whose ranks were all preempted must ask for GENERATION again."""
+        """A pipeline whose ranks were all preempted must ask for GENERATION again (grants are one-shot: it would
+        starve)."""
         request: threading.Thread | None = None
         while not self._stop.wait(self.config.watchdog_interval_s):
             try:
@@ -262,7 +264,8 @@ class PipelineRuntime:
         return gpus
 
     def before_weight_sync(self, step: int) -> int:
-        """Build the cache of version ``step + 1`` while the parameters are still on the device (debug #24/#34/#35)."""
+        """Build the cache of version ``step + 1`` while the parameters are still on the device (offloaded, they
+        read as empty storage)."""
         if not self._holds_train:
             raise RlixError(f"before_weight_sync(step={step}) without the training GPUs: call before_training first")
         if self.weights is None:
@@ -276,7 +279,7 @@ class PipelineRuntime:
 
     def after_training(self, step: int, *, offload: Callable[[], None] | None = None) -> int:
         """Offload → in-flight refresh of the active ranks (under the resize lock) → the version to publish."""
-        versions = self.versions.after_step(step)  # refused before anything moves (debug #34, #36)
+        versions = self.versions.after_step(step)  # refused before anything moves (no cache, wrong version)
         t0 = time.perf_counter()
         if offload is not None:
             offload()
@@ -293,7 +296,7 @@ class PipelineRuntime:
         return versions.published
 
     def on_published(self, step: int, version: int) -> None:
-        """The collector has ``version``: only now may the training GPUs go (reference F5/F6 invariant)."""
+        """The collector has ``version``: only now may the training GPUs go (publish, then release: DESIGN §3)."""
         if version != self.versions.published:
             raise RlixError(f"on_published(step={step}, version={version}): after_training returned "
                             f"{self.versions.published}; publish exactly the version it returned")
@@ -310,7 +313,8 @@ class PipelineRuntime:
         """Watchdog off → release training → planned shrink to zero → stop the collector → unregister (as failed,
         with ``error`` as the reason ``rlix status`` shows, when the run failed).
 
-        Idempotent; never raises (returns the errors it met) so the host's ``finally`` completes (debug #64-#66).
+        Idempotent; never raises (returns the errors it met) so the host's ``finally`` completes and a
+        finishing pipeline never drags its peer down.
         """
         if self._ended:
             return []

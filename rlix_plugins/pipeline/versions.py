@@ -1,11 +1,11 @@
-"""Weight-version rules of a time-shared pipeline (pure functions; DESIGN §3, reference F5/F6, debug #31/#36).
+"""Weight-version rules of a time-shared pipeline (pure functions; DESIGN §3).
 
 * The cache built after training step ``N`` (``before_weight_sync(N)``) has version ``N + 1``
   (:func:`cache_version_after_step`); the bootstrap cache holds the base weights at :data:`BOOTSTRAP_VERSION` -1.
 * The version published to the trajectory collector is the cache's version clamped to ``>= 0``
-  (:func:`published_version`): the collector starts at 0, and -1 would deadlock it (debug #31).
+  (:func:`published_version`): the collector starts at 0, and -1 would deadlock it.
   Publishing ``N`` after step ``N`` makes the collector believe targets ``[N .. N + max_age]`` are already buffered
-  and pause forever (debug #36), hence ``N + 1``.
+  and pause forever, hence ``N + 1``.
 * One number per cache: the in-flight refresh of active ranks and every later expand publish the SAME version;
   an expand never bumps it (:func:`check_no_double_bump`).
 
@@ -48,7 +48,7 @@ def initial_cache_version(start_step: int) -> int:
 
 
 def published_version(cache_version: int | None) -> int:
-    """What the collector receives for a cache of ``cache_version``: never -1 (debug #31)."""
+    """What the collector receives for a cache of ``cache_version``: never -1 (the collector starts at 0)."""
     if cache_version is None:
         raise RlixError("no weight cache version exists yet: bootstrap the cache (version -1) before publishing")
     return max(cache_version, 0)
@@ -63,10 +63,12 @@ def check_no_double_bump(previous: int | None, new: int, step: int) -> None:
     if new != expected:
         raise RlixError(
             f"after step {step} the published weight version must be {expected} (the cache step {step} built), "
-            f"got {new}: publishing N after step N deadlocks the collector (debug #36)"
+            f"got {new}: publishing N after step N deadlocks the collector (it takes the step's targets as already "
+            "buffered)"
         )
     if previous is not None and new > previous + 1 and previous >= 0:
-        raise RlixError(f"weight version jumped from {previous} to {new} after step {step}: bumped twice (debug #31)")
+        raise RlixError(f"weight version jumped from {previous} to {new} after step {step}: bumped twice "
+                        "(one number per cache)")
 
 
 @dataclass(frozen=True)
@@ -86,7 +88,7 @@ class VersionLedger:
         return replace(self, cache=None)
 
     def collector_attached(self) -> VersionLedger:
-        """The first publish: the start cache's version, never -1 (debug #31)."""
+        """The first publish: the start cache's version, never -1 (it deadlocks the collector)."""
         return replace(self, published=published_version(self.cache))
 
     def after_step(self, step: int) -> VersionLedger:
@@ -97,7 +99,7 @@ class VersionLedger:
             raise RlixError(
                 f"after_training(step={step}): the cache holds version {self.cache}, not {expected}; "
                 "before_weight_sync must build it while the parameters are on the device (a cache built after "
-                "the offload reads empty storage, debug #34)"
+                "the offload reads empty storage)"
             )
         version = published_version(self.cache)
         check_no_double_bump(self.published, version, step)

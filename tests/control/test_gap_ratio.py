@@ -171,7 +171,7 @@ def test_nearly_finished_pipeline_is_protected() -> None:
 def test_no_starvation_anti_starvation_donor_and_when_gpus_free_up() -> None:
     clusters = {**pipeline("a", [0, 1], range(4)), **pipeline("b", [2, 3], range(4))}
     bi = clusters["b_actor_infer"]
-    # b holds every GPU with 4 ranks at its target; a (no estimate, no progress: reference debug #27) still gets one
+    # b holds every GPU with 4 ranks at its target; a (no estimate, no progress: never skipped) still gets one
     snap = snapshot(4, clusters, [gen_alloc(bi, [0, 1, 2, 3])], [PendingRequest("a_actor_infer", GEN, 1)], progress={"b": (1000, 0)})
     plan = plan_cycle(snap)
     validate_plan(snap, plan)

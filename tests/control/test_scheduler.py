@@ -93,7 +93,7 @@ def test_rollout_capacity_follows_remaining_work(control_plane: client.ControlPl
 
 
 def test_suspended_pipeline_is_woken_again_without_asking(control_plane: client.ControlPlane) -> None:
-    """debug #32: A's rollout is preempted to zero by B's init; when B releases, A wakes with no new request.
+    """Starvation: A's rollout is preempted to zero by B's init; when B releases, A wakes with no new request.
 
     C (disjoint GPUs) keeps serving throughout: three pipelines, one scheduler.
     """

@@ -54,7 +54,7 @@ def test_broken_donor_fails_alone_and_training_is_granted(control_plane: client.
     assert "fail" in _ops(cp, a.pipeline_id)
     with pytest.raises(PipelineUnregisteredError):
         a.request_gpus("actor_infer", GEN, timeout_s=2)
-    assert a.unregister() is False  # debug #66: the pipeline's own unregister after an auto-fail is a no-op
+    assert a.unregister() is False  # the pipeline's own unregister, racing the auto-fail, is a no-op
     assert _ops(cp, a.pipeline_id).count("fail") == 1
     _still_serving(cp, b)
 

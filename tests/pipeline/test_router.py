@@ -1,5 +1,5 @@
 """Router actor + client on real Ray: blocking acquire, least-outstanding choice, drain, retry after a shrink,
-and the stale-routing-copy regression (debug #33)."""
+and the stale-routing-copy regression (a pickled copy must see resizes)."""
 
 from __future__ import annotations
 
@@ -99,7 +99,7 @@ class _Collector:
 
 
 def test_stale_routing_copy_collector_sees_resizes_made_elsewhere(router: Any) -> None:
-    """debug #33: routing state changed by the resizer after the collector got its copy must reach it."""
+    """Routing state changed by the resizer after the collector got its copy must reach it."""
     ray.get(router.activate.remote([0]))
     collector = _Collector.remote(RouterClient(router, 3, timeout_s=5))
     assert ray.get(collector.route_once.remote()) == 0

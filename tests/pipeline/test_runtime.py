@@ -1,7 +1,7 @@
 """The pipeline runtime, router and resize handler on real Ray and the real control plane.
 
 The host seams are recording stand-ins (tests/pipeline/standins.py); the vLLM-backed ones run in tests/demo.
-Regression tests are named after the reference failures they guard (rlix_reference.md, debug #NN).
+Regression tests are named after the failures they guard.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def test_runtime_step_in_hook_order(control_plane: ControlPlane) -> None:
     if after_grant:  # rank 0 was active: it was aborted, drained and slept before the grant returned
         assert [o[0] for o in after_grant[:2]] == ["abort", "sleep"]
 
-    with pytest.raises(RlixError, match="debug #34"):  # cache built after offload: refused, not silently stale
+    with pytest.raises(RlixError, match="reads empty storage"):  # built after offload: refused, not stale
         rt.after_training(0)
     assert rt.before_weight_sync(0) == 1
     version = rt.after_training(0)
@@ -87,7 +87,7 @@ def _status_allocs(cp: ControlPlane, pid: str) -> dict[str, Any]:
 
 
 def test_starvation_after_preemption_ranks_come_back(control_plane: ControlPlane) -> None:
-    """debug #32: another pipeline's INITIALIZATION preempts every rank; GENERATION must come back by itself."""
+    """Starvation: another pipeline's INITIALIZATION preempts every rank; GENERATION must come back by itself."""
     rt, _rec = _runtime(control_plane, [0], [0, 1])
     rt.attach_collector(RecordingPublisher(_rec))
     other, _ = make_pipeline(control_plane, train=[0, 1], infer=[0, 1, 2])
@@ -161,7 +161,7 @@ def test_shrink_order_and_memory_check(resizer: Any) -> None:
 
 
 def test_watchdog_rerequests_generation_when_no_rank_is_active(control_plane: ControlPlane) -> None:
-    """debug #32, the runtime's half: after a planned shrink to zero the scheduler forgets the pipeline's rollout
+    """Starvation, the runtime's half: after a planned shrink to zero the scheduler forgets the pipeline's rollout
     demand; the watchdog notices that no rank is routed and asks for GENERATION again."""
     rt, rec = _runtime(control_plane, [0], [0, 1])
     rt.attach_collector(RecordingPublisher(rec))
@@ -170,11 +170,11 @@ def test_watchdog_rerequests_generation_when_no_rank_is_active(control_plane: Co
     wait_for(lambda: _active(rt), timeout_s=15, what="GENERATION re-requested by the watchdog")
     assert rt.watchdog_requests > before
     rt.end()
-    assert rt._watchdog is not None and not rt._watchdog.is_alive(), "end() must stop the watchdog first (#64)"
+    assert rt._watchdog is not None and not rt._watchdog.is_alive(), "end() must stop the watchdog first"
 
 
 def test_progress_of_the_current_step_reaches_the_scheduler_clamped(control_plane: ControlPlane) -> None:
-    """reference F9 (miles wire format): the collector reports RAW counts; the scheduler sees them clamped."""
+    """Progress (miles wire format): the collector reports RAW counts; the scheduler sees them clamped."""
     rt, _rec = _runtime(control_plane, [0], [0, 1])
     reporter = rt.progress_reporter()
     reporter.report(3, 8, step=0, new_batch=True)

@@ -30,7 +30,7 @@ class SchedulerConfig:
     #: One coordinator ``resize_infer`` call (lock wait + sleep/wake + weight sync) must return within this.
     #: Must exceed the coordinator's ``lock_timeout_s + handler_timeout_s``.
     resize_timeout_s: float = 400.0
-    #: Background rebalance poll (debug #32: a suspended pipeline with demand must not starve).
+    #: Background rebalance poll (a pipeline preempted to zero ranks asks nothing again: it must not starve).
     poll_interval_s: float = 1.0
     #: Liveness probe of every registered pipeline's coordinator (a dead one frees its pipeline's GPUs).
     health_interval_s: float = 5.0

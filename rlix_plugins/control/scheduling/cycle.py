@@ -77,7 +77,8 @@ class SchedulerCycle:
         self._progress: dict[str, Progress] = {}
         self._progress_seq: dict[str, int] = {}  # last coordinator report_seq per pipeline
         # Generation clusters that asked for GENERATION and did not release it: cid -> (estimate, step). While one
-        # has no active rank, the snapshot carries a standing GENERATION request for it (debug #27, #32).
+        # has no active rank, the snapshot carries a standing GENERATION request for it (GENERATION is
+        # asked for once: without it, a pipeline preempted to zero would starve).
         self._gen_open: dict[str, tuple[int, int | None]] = {}
         self._standing_seq: dict[str, int] = {}
         self._gen_waiting: dict[str, int] = {}  # generation cluster -> when it started waiting for a rank (turns)
@@ -150,7 +151,7 @@ class SchedulerCycle:
         self._end_grace(pipeline_id)  # nobody is coming back for those GPUs
         self._turns.forget(pipeline_id)
         if awake:
-            # debug #64/#65: these ranks may still hold GPU memory; a graceful end calls await_release first.
+            # These ranks may still hold memory a peer's wake-up needs; a graceful end calls await_release first.
             detail += f" (rollout ranks {awake} were still active: call await_release before unregistering)"
             logger.warning("rlix scheduler: pipeline %s left with active rollout ranks %s", pipeline_id, awake)
         self._trace.record(op, pipeline_id=pipeline_id, gpus=freed, detail=detail)
@@ -163,7 +164,8 @@ class SchedulerCycle:
         return True
 
     def _fail(self, pipeline_id: str, reason: str) -> bool:
-        """Fail one pipeline (skip when already gone: debug #66). Never touches other pipelines or Ray."""
+        """Fail one pipeline (skip when already gone: its own unregister may race this). Never touches other
+        pipelines or Ray."""
         logger.warning("rlix scheduler: failing pipeline %s: %s", pipeline_id, reason)
         err = PipelineUnregisteredError(
             f"pipeline {pipeline_id} was failed by the scheduler: {reason}. Its GPUs were returned to the pool; "
@@ -178,7 +180,7 @@ class SchedulerCycle:
         pending = [w.request for w in self._pending.values() if w.request.cluster_id in clusters]
         waiting = {r.cluster_id for r in pending}
         for cid, (estimate, step) in self._gen_open.items():
-            # debug #27/#32: GENERATION is asked for once, but demand lasts. An open generation cluster keeps a
+            # GENERATION is asked for once, but demand lasts. An open generation cluster keeps a
             # standing request (no waiter) while its pipeline has work left (or reported none), so the planner
             # wakes its ranks again after a preemption, even from zero. Its grants signal nobody.
             prog = self._progress.get(clusters[cid].pipeline_id) if cid in clusters else None

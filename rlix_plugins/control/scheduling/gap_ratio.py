@@ -7,7 +7,8 @@ Model (after the reference ``plan_generation_gap_ratio``, with its starvation ga
 * **Demand** of a cluster (:func:`rollout_demand`, shared with the scheduler's rebalance trigger):
   ``progress.remaining`` of its pipeline when progress is known and positive;
   otherwise, with a pending GENERATION request, the request's ``step_target_estimate`` (1 when absent, so a
-  pipeline with neither progress nor an estimate is never skipped: reference debug #27); otherwise 0.
+  pipeline with neither progress nor an estimate is never skipped: its ranks would never wake and its collector
+  would stall); otherwise 0.
   Progress wins over the estimate, so a standing request (re-issued by the scheduler while work is left) never
   masks how much work is really left.
 * ``weight = demand x tp``; ``budget`` = idle GPUs that no waiting non-generation request reserves and that
@@ -60,8 +61,8 @@ def rollout_demand(progress: Progress | None, request: PendingRequest | None) ->
     trigger (``rebalance.rebalance_reason``) both get their demand from here, so they never disagree.
 
     ``progress.remaining`` when positive; otherwise, with a pending GENERATION request, the request's
-    ``step_target_estimate`` (>= 1: a pipeline that asks is never skipped, debug #27, even when its last progress
-    report says its step is complete); otherwise 0.
+    ``step_target_estimate`` (>= 1: a pipeline that asks is never skipped, even when its last progress report says
+    its step is complete; skipped, its ranks would never wake); otherwise 0.
     """
     demand = progress.remaining if progress is not None else 0
     if request is not None and demand == 0:

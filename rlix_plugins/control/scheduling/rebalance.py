@@ -21,7 +21,7 @@ def rebalance_reason(snapshot: SchedulerSnapshot, drift_threshold: float) -> str
 
     Over the pipelines the planner would serve (:func:`demand`):
 
-    * a generation cluster with demand but no active rank (suspended, debug #32);
+    * a generation cluster with demand but no active rank (suspended: nothing else wakes it);
     * among the least-complete half of the pipelines with demand, the share of remaining work x TP differs from
       the share of active generation GPUs by more than ``drift_threshold``.
     """

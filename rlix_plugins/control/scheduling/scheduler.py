@@ -16,10 +16,11 @@ One cycle (run by a single background task, never two at once)::
 * Failure isolation: a resize call that fails (dead coordinator, timeout, handler exception) fails THAT pipeline
   only (``fail``: waiters get ``PipelineUnregisteredError``, its GPUs return to the pool). If a shrink failed,
   the successful shrinks are committed, nothing else is, and the next cycle re-plans. A pipeline that is already
-  unregistered is never failed again (debug #50, #66). Nothing here stops Ray or other pipelines.
+  unregistered is never failed again (a finished pipeline's dead coordinator, or its own unregister racing the
+  scheduler's, is no error). Nothing here stops Ray or other pipelines.
 * Background: every ``poll_interval_s`` a cycle runs when requests wait or ``rebalance_reason`` says a suspended
-  generation cluster has demand or shares drifted (debug #32); every ``health_interval_s`` coordinators are
-  probed and a dead one fails its pipeline (so a crashed driver's GPUs return).
+  generation cluster has demand (nothing else wakes it) or shares drifted; every ``health_interval_s``
+  coordinators are probed and a dead one fails its pipeline (so a crashed driver's GPUs return).
 """
 
 from __future__ import annotations
@@ -111,7 +112,7 @@ class Scheduler(SchedulerCycle):
     async def unregister_pipeline(self, pipeline_id: str, reason: str = "unregistered") -> bool:
         """Remove the pipeline: its waiters get ``PipelineUnregisteredError``, its GPUs become idle.
 
-        Idempotent: returns False when it is not registered (a racing auto-unregister already ran, debug #66).
+        Idempotent: returns False when it is not registered (a racing auto-unregister already ran).
         The pipeline should ``await_release`` its generation cluster first; this call only does bookkeeping.
         """
         self._ensure_loop()

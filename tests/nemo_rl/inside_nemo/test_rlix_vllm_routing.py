@@ -114,7 +114,7 @@ def test_routes_over_active_ranks_only(rlix_env):
 
 
 def test_pickled_copy_sees_resizes(rlix_env):
-    """Debug #33: the collector routes with its own pickled copy; the state lives in the router actor."""
+    """Stale routing copy: the collector routes with its own pickled copy; the state lives in the router actor."""
     gen, router, _ = _routed(2, [0, 1])
     copy = cloudpickle.loads(cloudpickle.dumps(gen))
     ray.get(router.deactivate.remote([0]))

@@ -91,7 +91,7 @@ def test_time_shared_steps_with_real_vllm(engines: Any) -> None:
     pid = hooks.pipeline_id
     assert pid is not None
     try:
-        # Routing installed on the driver's object BEFORE the collector pickles it (debug #33).
+        # Routing installed on the driver's object BEFORE the collector pickles it (its copy must see resizes).
         assert isinstance(generation.fleet_selector, RouterShardSelector)
         # Init: every rank prewarmed once (wake, one warm-up sync of the start-up cache, sleep at rlix.sleep_level = 2,
         # not the workers' 1), none routed yet.
@@ -114,7 +114,7 @@ def test_time_shared_steps_with_real_vllm(engines: Any) -> None:
         ray.get(collector.start_background.remote(2, 16))
         for step in range(2):
             ray.get(replay.add.remote(step, 3))  # 3 of the 4 prompt groups intended for version `step`
-            # Progress (F9): the count intended for the CURRENT version reaches the scheduler's coordinator.
+            # Progress: the count intended for the CURRENT version reaches the scheduler's coordinator.
             _wait(lambda s=step: (s, 3) in rt.progress_reports, 15, f"progress (version {step}, 3)")
             hooks.before_training(step=step)
             # Training GPU 0 granted: rank 0 (on GPU 0) was shrunk first; the collector's copy routes to rank 1 only.
@@ -166,8 +166,8 @@ def test_time_shared_steps_with_real_vllm(engines: Any) -> None:
     assert not [c for c, a in status["allocations"].items() if a["pipeline_id"] == pid]
 
 
-def test_bug7_abort_finishes_callers_and_partial_sleep_wake(engines: Any) -> None:
-    """Abort via __ray_call__ ends a long in-flight request (finish_reason 'abort', the caller returns: bug 7);
+def test_abort_finishes_callers_and_partial_sleep_wake(engines: Any) -> None:
+    """Abort via __ray_call__ ends a long in-flight request (finish_reason 'abort', the caller returns, not hangs);
     partial sleep/wake reach only the named rank, at the level the fleet is given (not the workers' default 1)."""
     _model, leaders = engines
     fleet = NemoVllmFleet.from_generation(StandinGeneration(leaders), [0, 1], 1, 4)

@@ -1,4 +1,4 @@
-"""Shared placement (reference F12) on Ray with declared GPUs: one placement group per GPU shared by two pipelines,
+"""Shared placement on Ray with declared GPUs: one placement group per GPU shared by two pipelines,
 fractional workers of both pipelines in one bundle on the same GPU, unique worker names, the adapter's surface."""
 
 from __future__ import annotations

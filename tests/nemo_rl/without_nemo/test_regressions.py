@@ -1,6 +1,6 @@
-"""Regression tests named after the reference's failures (rlix_reference.md "debug #NN" / gaps), for the NeMo RL
-host pieces that need no cluster. The cluster-level ones live in ``test_nemo_host_cpu.py`` (stale routing copy
-#33, first expand loads real weights, N vs N+1 #36, version -1 #31, abort unblocks callers bug 7) and in
+"""Regression tests named after the failures they guard, for the NeMo RL host pieces that need no cluster. The
+cluster-level ones live in ``test_nemo_host_cpu.py`` (stale routing copy, first expand loads real weights,
+N vs N+1, version -1, abort unblocks callers) and in
 ``tests/nemo_rl/inside_nemo`` (retry after a shrink, pickled copy on the real VllmGeneration)."""
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ class _MegatronWorker:
             yield item
 
 
-def test_debug34_cache_built_after_offload_is_refused() -> None:
-    """#24/#34/#35: a cache built after ``offload_after_refit`` read zero-storage params and crashed later."""
+def test_cache_built_after_offload_is_refused() -> None:
+    """A cache built after ``offload_after_refit`` read zero-storage params and crashed later."""
     owner = _MegatronWorker(0)
     assert worker_ops.build_cache(owner, "megatron", 1, 1 << 20, 30.0) == 1
     worker_ops.mark_offloaded(owner, True)
@@ -40,14 +40,14 @@ def test_debug34_cache_built_after_offload_is_refused() -> None:
 
 
 def test_all_ranks_iterate_only_the_owner_keeps() -> None:
-    """F4: every training rank iterates the refit iterator (collectives inside); only rank 0 keeps buckets."""
+    """Every training rank iterates the refit iterator (collectives inside); only rank 0 keeps buckets."""
     owner, peer = _MegatronWorker(0), _MegatronWorker(1)
     assert worker_ops.build_cache(owner, "megatron", 3, 1 << 20, 30.0) == 3
     assert worker_ops.build_cache(peer, "megatron", 3, 1 << 20, 30.0) is None
     assert owner.iterated == peer.iterated == 2
 
 
-def test_debug33_del_of_a_stray_generation_copy_never_runs_on_the_driver() -> None:
+def test_del_of_a_stray_generation_copy_never_runs_on_the_driver() -> None:
     """VllmGeneration.__del__ shuts the shared workers down: the driver's routed object is kept referenced."""
     deleted: list[int] = []
 

@@ -44,7 +44,7 @@ def test_valid_config_and_runtime_knobs() -> None:
     rc = run.runtime
     assert (rc.sleep_level, rc.sync_timeout_s, rc.watchdog_interval_s) == (1, 30.0, 0.5)
     assert run.bucket_size_bytes == 1 << 20
-    assert rc.step_target_estimate == 8  # default: grpo.num_prompts_per_step (debug #27)
+    assert rc.step_target_estimate == 8  # default: grpo.num_prompts_per_step
 
 
 @pytest.mark.parametrize(
