@@ -167,8 +167,13 @@ def _spawn(name, spec, tmp_path):
 
 
 def _tail(tmp_path, name, n=4000):
+    """The driver's failure (pytest's FAILURES section, before its warnings summary), else the log's end."""
     path = tmp_path / f"{name}.log"
-    return path.read_text(errors="replace")[-n:] if path.exists() else "(no log)"
+    if not path.exists():
+        return "(no log)"
+    text = path.read_text(errors="replace")
+    start = text.find("= FAILURES =")
+    return text[start:start + n] if start >= 0 else text[-n:]
 
 
 def _finish(proc, name, tmp_path, deadline):
