@@ -163,16 +163,13 @@ TQ_NAMESPACE_PREFIX: Final = "rlix_tq_"
 def scope_data_plane(master_config: Any, pipeline_id: str) -> str | None:
     """With ``data_plane.enabled``: write ``data_plane.rlix_namespace`` (the Ray namespace of this pipeline's
     TransferQueue controller and storage actors, patch 0007; every NeMo RL process gets it with the data-plane
-    config) and return it; else None. The one key rlix writes into NeMo RL's config: NeMo RL's own processes read
-    it, and it names the pipeline there (:func:`data_plane_pipeline_id`)."""
+    config) and return it; else None. NeMo RL's own processes read it, and it names the pipeline there
+    (:func:`data_plane_pipeline_id`)."""
     section = cfg_get(master_config, "data_plane")
     if section is None or not cfg_get(section, "enabled"):
         return None
     namespace = f"{TQ_NAMESPACE_PREFIX}{pipeline_id}"
-    if isinstance(section, MutableMapping):
-        section["rlix_namespace"] = namespace
-    else:
-        section.rlix_namespace = namespace
+    cfg_set(section, "rlix_namespace", namespace)
     return namespace
 
 

@@ -67,8 +67,9 @@ _NAMESPACE: Final = "rlix"
 #: Least worker groups one GPU's bundle holds. Each worker asks ``1 / n`` GPU and 1 CPU (NeMo RL's workers keep
 #: Ray's default CPU), so a bundle is ``{"GPU": 1, "CPU": n}``; a pipeline puts at most two on a GPU (a training
 #: worker and a vLLM rank). The pool's creator takes half of the cluster's logical CPUs per GPU, at least this, so the
-#: slots are never what bounds the pipelines on a GPU: memory is (``rlix recipe`` checks it, ``memory_budget``), and
-#: ``rlix up`` declares logical CPUs for the slots. The first creator fixes ``n`` for the cluster.
+#: slots are not what bounds the pipelines on a GPU: memory is (``rlix recipe`` checks it, ``memory_budget``). A
+#: cluster with few logical CPUs per GPU needs more declared (``ray start --num-cpus``, ``rlix up --num-cpus``).
+#: The first creator fixes ``n`` for the cluster.
 MIN_WORKER_GROUPS_PER_GPU: Final = 4
 
 
