@@ -56,7 +56,7 @@ def _cmd_recipe(args: argparse.Namespace) -> int:
     from rlix_plugins.nemo_rl.recipe import run_cli
 
     return run_cli(args.stock, args.out, args.pipelines, args.gpus, args.gpus_per_node, args.data_plane,
-                   args.gpu_memory_gib, args.host_memory_gib)
+                   args.gpu_memory_gib, args.host_memory_gib, args.gpu_memory_utilization)
 
 
 def _gpu_ids(text: str) -> list[int]:
@@ -157,6 +157,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="memory of one GPU the pipelines run on (default: this machine's, unchecked without a GPU)")
     p.add_argument("--host-memory-gib", type=_positive_float, default=None,
                    help="memory of the host they run on (default: this machine's)")
+    p.add_argument("--gpu-memory-utilization", type=_positive_float, default=None,
+                   help="the vLLM engines' share of a GPU (default: the stock recipe's); lower lets a rollout run "
+                        "next to another pipeline's training step")
 
     p = add("patch", _cmd_patch, "Apply, check or revert the pinned NeMo RL patch series.")
     p.add_argument("action", choices=["apply", "check", "revert"])

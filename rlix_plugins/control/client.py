@@ -53,6 +53,7 @@ from rlix_plugins.control.types import (
     ORCHESTRATOR_NAME,
     RLIX_NAMESPACE,
     SCHEDULER_NAME,
+    ClusterMemory,
     ClusterSpec,
     Priority,
     TraceEvent,
@@ -251,15 +252,20 @@ class ControlPlane:
         kind: str = "ft",
         coordinator_config: CoordinatorConfig | None = None,
         detached_coordinator: bool = False,
+        cluster_memory: dict[str, dict[str, float]] | None = None,
     ) -> PipelineHandle:
         """allocate id → register (validated) → admit → create the coordinator; returns a handle.
+
+        ``cluster_memory``: memory figures by cluster name (``{"gpu_gib", "awake_gib", "asleep_gib"}``); with them a
+        rollout rank may stay awake next to another pipeline's training step on a GPU (co-residence, DESIGN §4).
 
         The coordinator is owned by this process unless ``detached_coordinator``: if this process dies, the
         coordinator dies and the scheduler frees the pipeline's GPUs.
         """
         pid = pipeline_id or self.allocate_pipeline_id(kind)
         specs: dict[str, ClusterSpec] = call(
-            self.orchestrator.register_pipeline.remote(pid, cluster_tp_configs, cluster_device_mappings),
+            self.orchestrator.register_pipeline.remote(pid, cluster_tp_configs, cluster_device_mappings,
+                                                       cluster_memory),
             "register_pipeline",
         )
         try:
@@ -292,7 +298,8 @@ class ControlPlane:
         if info is None:
             raise SchedulerError(f"pipeline {pipeline_id} is not registered; registered: {sorted(st['pipelines'])}")
         specs = {
-            name: ClusterSpec(c["cluster_id"], pipeline_id, name, tuple(c["device_mapping"]), c["tp_size"])
+            name: ClusterSpec(c["cluster_id"], pipeline_id, name, tuple(c["device_mapping"]), c["tp_size"],
+                              None if c.get("memory") is None else ClusterMemory(**c["memory"]))
             for name, c in info["clusters"].items()
         }
         return PipelineHandle(pipeline_id, specs, coord, self)

@@ -13,6 +13,7 @@ the fix:
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Collection, Iterable, Mapping
 from typing import Any, Final
@@ -21,6 +22,7 @@ from rlix_plugins.control.types import (
     CLUSTER_NAMES,
     GENERATION_CLUSTER,
     TRAIN_CLUSTER,
+    ClusterMemory,
     ClusterSpec,
     cluster_id,
 )
@@ -45,8 +47,12 @@ def build_cluster_specs(
     *,
     num_gpus: int,
     gpus_per_node: int,
+    cluster_memory: Mapping[str, Any] | None = None,
 ) -> dict[str, ClusterSpec]:
-    """Validate one registration and return its clusters by name (mappings sorted, canonical)."""
+    """Validate one registration and return its clusters by name (mappings sorted, canonical).
+
+    ``cluster_memory``: optional memory figures by cluster name (``{"gpu_gib", "awake_gib", "asleep_gib"}``, GiB per
+    GPU of its mapping; ``types.ClusterMemory``); a cluster without them never shares a GPU (co-residence)."""
     validate_pipeline_id(pipeline_id)
     if not isinstance(cluster_tp_configs, Mapping) or not isinstance(cluster_device_mappings, Mapping):
         raise RlixConfigError(
@@ -82,10 +88,40 @@ def build_cluster_specs(
             name=name,
             device_mapping=mapping,
             tp_size=tp,
+            memory=_cluster_memory(pipeline_id, name, (cluster_memory or {}).get(name)),
         )
 
+    extra = sorted(set(cluster_memory or {}) - tp_keys)
+    if extra:
+        raise RlixConfigError(f"pipeline {pipeline_id}: memory figures for clusters {extra} it does not register; "
+                              f"give them for {sorted(tp_keys)} only")
     validate_cluster_specs(specs.values(), range(num_gpus), gpus_per_node)
     return specs
+
+
+def _cluster_memory(pipeline_id: str, name: str, raw: Any) -> ClusterMemory | None:
+    if raw is None:
+        return None
+    try:
+        return parse_cluster_memory(name, raw)
+    except RlixConfigError as exc:
+        raise RlixConfigError(f"pipeline {pipeline_id}: {exc}") from None
+
+
+def parse_cluster_memory(name: str, raw: Any) -> ClusterMemory:
+    """The memory figures of cluster ``name`` from ``{"gpu_gib", "awake_gib", "asleep_gib"}`` (GiB per GPU)."""
+    keys = ("gpu_gib", "awake_gib", "asleep_gib")
+    if not isinstance(raw, Mapping) or set(raw) != set(keys):
+        raise RlixConfigError(f"memory figures of {name!r} must be a dict with exactly {list(keys)} (GiB per GPU), "
+                              f"got {raw!r}")
+    try:
+        gpu, awake, asleep = (float(raw[k]) for k in keys)
+    except (TypeError, ValueError):
+        raise RlixConfigError(f"memory figures of {name!r} must be numbers, got {raw!r}") from None
+    if not (0 <= asleep <= awake <= gpu) or not math.isfinite(gpu):
+        raise RlixConfigError(f"memory figures of {name!r} need 0 <= asleep_gib <= awake_gib <= gpu_gib (finite), "
+                              f"got {dict(raw)}")
+    return ClusterMemory(gpu, awake, asleep)
 
 
 def pipeline_clusters(

@@ -76,6 +76,20 @@ def parse_cluster_id(cid: str) -> tuple[str, str]:
 
 
 @dataclass(frozen=True)
+class ClusterMemory:
+    """What one cluster keeps on each GPU of its mapping (GiB), for co-residence (``scheduling.coresidence``).
+
+    ``awake_gib``: its largest footprint while it holds the GPU (a vLLM engine awake; a training step), everything it
+    keeps there included; ``asleep_gib``: what it keeps there while it does not (a slept engine's or an offloaded
+    trainer's context and leftovers); ``gpu_gib``: the memory its pipeline may plan for on that GPU.
+    """
+
+    gpu_gib: float
+    awake_gib: float
+    asleep_gib: float
+
+
+@dataclass(frozen=True)
 class ClusterSpec:
     """One registered cluster of a pipeline."""
 
@@ -84,6 +98,8 @@ class ClusterSpec:
     name: str  #: one of CLUSTER_NAMES
     device_mapping: tuple[int, ...]  #: GPU ids, canonical (sorted) order
     tp_size: int  #: GPUs per bundle (DP rank); 1 for training clusters
+    #: Memory figures; None: unknown, so nothing runs next to this cluster on a GPU (exclusive turns only).
+    memory: ClusterMemory | None = None
 
     @property
     def is_generation(self) -> bool:
@@ -108,7 +124,10 @@ class ClusterSpec:
 
 @dataclass(frozen=True)
 class Allocation:
-    """GPUs a cluster currently holds. For generation clusters ``active_dp_ranks`` says which bundles."""
+    """GPUs a cluster currently holds. For generation clusters ``active_dp_ranks`` says which bundles.
+
+    A GPU is held by at most one non-GENERATION allocation and at most one GENERATION rank; both only when that
+    rank co-resides with another pipeline's training-type work (``scheduling.coresidence``)."""
 
     cluster_id: str
     priority: Priority

@@ -16,6 +16,8 @@ from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, Final, Literal
 
+from rlix_plugins.control.registration import parse_cluster_memory
+from rlix_plugins.control.types import GENERATION_CLUSTER, TRAIN_CLUSTER
 from rlix_plugins.errors import RlixConfigError
 from rlix_plugins.pipeline.config import RuntimeConfig
 
@@ -50,6 +52,22 @@ class RlixRunConfig:
     #: The driver's heartbeat lease (``CoordinatorConfig.heartbeat_lease_s``): a driver that stops responding while
     #: it holds GPUs is failed after this and its GPUs return; default the coordinator's (120 s).
     heartbeat_lease_s: float | None = None
+    #: What each cluster keeps on a GPU, by cluster name (``actor_train``/``actor_infer`` ->
+    #: ``{gpu_gib, awake_gib, asleep_gib}``; ``rlix recipe`` writes it from the memory budget). With it this
+    #: pipeline's rollout may run next to another pipeline's training step on a GPU where both fit (co-residence,
+    #: DESIGN §4); without it, its turns on a GPU are exclusive.
+    memory: Mapping[str, Mapping[str, float]] | None = None
+
+    def registration(self) -> dict[str, Any]:
+        """The keyword arguments of ``ControlPlane.register_pipeline`` for this run (its one place)."""
+        return {
+            "cluster_tp_configs": {TRAIN_CLUSTER: 1, GENERATION_CLUSTER: self.infer_tp},
+            "cluster_device_mappings": {TRAIN_CLUSTER: list(self.train_devices),
+                                        GENERATION_CLUSTER: list(self.infer_devices)},
+            "pipeline_id": self.pipeline_id,
+            "coordinator_config": self.coordinator_config(),
+            "cluster_memory": None if self.memory is None else {k: dict(v) for k, v in self.memory.items()},
+        }
 
     def coordinator_config(self) -> CoordinatorConfig | None:
         """The pipeline coordinator's config (None: the defaults)."""
@@ -75,6 +93,18 @@ class RlixRunConfig:
             value = getattr(self, key)
             if value is not None and not isinstance(value, str):
                 raise RlixConfigError(f"{SECTION}.{key}={value!r} must be a string")
+        if self.memory is not None:
+            memory = dict(self.memory) if isinstance(self.memory, Mapping) else self.memory
+            if not isinstance(memory, dict) or not set(memory) <= {TRAIN_CLUSTER, GENERATION_CLUSTER}:
+                raise RlixConfigError(f"{SECTION}.memory={self.memory!r} must map {TRAIN_CLUSTER!r} and/or "
+                                      f"{GENERATION_CLUSTER!r} to {{gpu_gib, awake_gib, asleep_gib}}")
+            plain = {k: dict(v) if isinstance(v, Mapping) else v for k, v in memory.items()}
+            for name, figures in plain.items():
+                try:
+                    parse_cluster_memory(name, figures)
+                except RlixConfigError as exc:
+                    raise RlixConfigError(f"{SECTION}.memory: {exc}") from None
+            object.__setattr__(self, "memory", plain)
 
 
 _RUN_KEYS: Final = frozenset(f.name for f in fields(RlixRunConfig)) - {"runtime"}

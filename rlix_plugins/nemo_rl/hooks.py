@@ -119,13 +119,7 @@ class ControlOnlyRuntime:
             held.release_gpus(GENERATION_CLUSTER, step=-1, timeout_s=_RPC_S)
             self.pipe = held
         else:
-            cfg = self.config
-            self.pipe = cp.register_pipeline(
-                cluster_tp_configs={TRAIN_CLUSTER: 1, GENERATION_CLUSTER: cfg.infer_tp},
-                cluster_device_mappings={TRAIN_CLUSTER: list(cfg.train_devices),
-                                         GENERATION_CLUSTER: list(cfg.infer_devices)},
-                pipeline_id=cfg.pipeline_id, coordinator_config=cfg.coordinator_config(),
-            )
+            self.pipe = cp.register_pipeline(**self.config.registration())
         return self.pipe
 
     def start(self, master_config: Any, policy: Any, policy_generation: Any, start_step: int) -> None:

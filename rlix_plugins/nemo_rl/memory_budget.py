@@ -15,6 +15,9 @@ every other pipeline on that GPU still keeps something there while it sleeps. A 
   reference model, plus the CPU bucket cache (:data:`TRAINER_HOST_BYTES_PER_PARAM`), and its other processes
   (driver, engine, collector, replay buffer, reward workers: :data:`PROCESSES_HOST_GIB`).
 
+The scheduler gets each cluster's figures too (:func:`cluster_memory`, ``rlix.memory``): with them a pipeline's rollout
+may run next to another pipeline's training step where both fit (co-residence, DESIGN §4).
+
 A GPU fits its pipelines when ``sum(asleep) + max(awake - asleep) <= GPU memory x GPU_SHARE``; the host fits them
 when ``sum(host) <= host memory x HOST_SHARE - RAY_HOST_GIB``. The figures were measured on an H200 with NeMo RL's
 stock ``grpo_math_1B`` (DTensor v1, micro-batch 4 x 1,024 tokens) at the Qwen2.5-1.5B shape, two pipelines on one GPU
@@ -24,6 +27,7 @@ figures.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -82,6 +86,28 @@ def pipeline_memory(name: str, shape: ModelShape, *, gpu_memory_gib: float, gpu_
               f"{asleep:.1f} GiB; host: trainer {trainer_host:.1f} (offloaded states, reference model, bucket cache) "
               f"+ processes {PROCESSES_HOST_GIB:.0f} GiB")
     return PipelineMemory(name, asleep, awake, host, detail)
+
+
+def cluster_memory(shape: ModelShape, *, gpu_memory_gib: float, gpu_memory_utilization: float,
+                   train_gpus: int = 1, bucket_size_bytes: int = 0) -> dict[str, dict[str, float]]:
+    """The scheduler's figures of one pipeline's clusters (``rlix.memory``; ``control.types.ClusterMemory``), GiB per
+    GPU, rounded up to 0.1: its vLLM engine awake (with the two bucket-sized buffers a weight sync receives into,
+    outside vLLM's share) / asleep, its trainer's step / offloaded, and the share of the GPU the pipelines may plan
+    for."""
+    shard = shape.num_parameters / max(train_gpus, 1)
+    trainer = shard * max(TRAINER_STEP_BYTES_PER_PARAM, TRAINER_LOADED_BYTES_PER_PARAM) / GiB
+
+    def up(x: float) -> float:
+        return math.ceil(x * 10 - 1e-9) / 10
+
+    gpu = math.floor(gpu_memory_gib * GPU_SHARE * 10) / 10
+    return {
+        "actor_infer": {"gpu_gib": gpu, "awake_gib": up(gpu_memory_utilization * gpu_memory_gib + ENGINE_ASLEEP_GIB
+                                                       + 2 * bucket_size_bytes / GiB),
+                        "asleep_gib": ENGINE_ASLEEP_GIB},
+        "actor_train": {"gpu_gib": gpu, "awake_gib": up(max(trainer, TRAINER_OFFLOADED_GIB)),
+                        "asleep_gib": TRAINER_OFFLOADED_GIB},
+    }
 
 
 def gpu_need_gib(on_gpu: Sequence[PipelineMemory]) -> float:

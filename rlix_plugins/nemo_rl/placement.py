@@ -222,16 +222,13 @@ def _register_setup(cp: Any, master_config: Any, cfg: RlixRunConfig) -> None:
     pipeline's start-up grant they wait for (``policy.generation.vllm_cfg.env_vars``, which NeMo RL hands to every
     vLLM worker actor)."""
     from rlix_plugins.control.start_gate import INIT_TIMEOUT_ENV, PIPELINE_ENV
-    from rlix_plugins.control.types import GENERATION_CLUSTER, TRAIN_CLUSTER
     from rlix_plugins.nemo_rl.config import cfg_path, cfg_set
 
     assert cfg.pipeline_id is not None  # fixed by nemo_rl_placement
     env = cfg_path(master_config, "policy.generation.vllm_cfg.env_vars") or {}
     cfg_set(master_config, "policy.generation.vllm_cfg.env_vars",
             {**env, PIPELINE_ENV: cfg.pipeline_id, INIT_TIMEOUT_ENV: str(cfg.runtime.init_timeout_s)})
-    pipe = cp.register_pipeline({TRAIN_CLUSTER: 1, GENERATION_CLUSTER: cfg.infer_tp},
-                                {TRAIN_CLUSTER: list(cfg.train_devices), GENERATION_CLUSTER: list(cfg.infer_devices)},
-                                pipeline_id=cfg.pipeline_id, coordinator_config=cfg.coordinator_config())
+    pipe = cp.register_pipeline(**cfg.registration())
     with _SETUP_LOCK:
         _SETUP_GRANTS[cfg.pipeline_id] = SetupGrant(master_config, cfg, pipe)
     atexit.register(_end_untaken_setup_grant, cfg.pipeline_id)

@@ -19,17 +19,24 @@ recipe keeps its loop; any other is switched to async GRPO, or with ``--data-pla
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import string
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Final
 
 from rlix_plugins.errors import RlixConfigError
 from rlix_plugins.nemo_rl.config import cfg_path, load_run_config
-from rlix_plugins.nemo_rl.memory_budget import PipelineMemory, check_fits, gpu_need_gib, pipeline_memory
+from rlix_plugins.nemo_rl.memory_budget import (
+    PipelineMemory,
+    check_fits,
+    cluster_memory,
+    gpu_need_gib,
+    pipeline_memory,
+)
 from rlix_plugins.nemo_rl.model_shape import bucket_size_for, model_shape
 from rlix_plugins.nemo_rl.topology import (
     ASYNC_GRPO,
@@ -210,13 +217,15 @@ def _refusals(stock: Mapping[str, Any], gpus: Sequence[int], gpus_per_node: int)
 
 
 def check_memory(stock: Mapping[str, Any], layouts: Sequence[PipelineLayout], *, gpu_memory_gib: float | None,
-                 host_memory_gib: float | None) -> str:
+                 host_memory_gib: float | None) -> tuple[str, dict[str, dict[str, float]] | None]:
     """Refuse layouts whose pipelines do not fit in GPU or host memory (:mod:`.memory_budget`); returns a note on
-    what was checked. The model's shape comes from ``policy.model_name`` (:func:`.model_shape.model_shape`)."""
+    what was checked and, when the GPU's memory is known, the scheduler's figures of each pipeline's clusters
+    (``rlix.memory``, the same for every pipeline of the layout). The model's shape comes from ``policy.model_name``
+    (:func:`.model_shape.model_shape`)."""
     model = _resolved(stock, "policy.model_name")
     shape = model_shape(model) if isinstance(model, str) and model else None
     if shape is None:
-        return f"memory not checked: the shape of {model!r} is not known here"
+        return f"memory not checked: the shape of {model!r} is not known here", None
     util = float(_resolved(stock, "policy.generation.vllm_cfg.gpu_memory_utilization") or 0.9)
     gib = gpu_memory_gib or 0.0
     by_gpu: dict[int, list[PipelineMemory]] = {}
@@ -230,21 +239,63 @@ def check_memory(stock: Mapping[str, Any], layouts: Sequence[PipelineLayout], *,
             by_gpu.setdefault(g, []).append(m)
     check_fits(by_gpu, everyone, gpu_memory_gib=gpu_memory_gib, host_memory_gib=host_memory_gib)
     worst = max(by_gpu, key=lambda g: gpu_need_gib(by_gpu[g]))
-    return (f"memory: {len(layouts)} x {shape.num_parameters / 1e9:.2f} B-parameter pipelines need "
+    note = (f"memory: {len(layouts)} x {shape.num_parameters / 1e9:.2f} B-parameter pipelines need "
             + (f"{gpu_need_gib(by_gpu[worst]):.1f} of {gpu_memory_gib:.0f} GiB on GPU {worst}"
                if gpu_memory_gib else "GPU memory not checked (pass --gpu-memory-gib)")
             + f" and {sum(m.host_gib for m in everyone):.1f} GiB of host memory"
             + (f" of {host_memory_gib:.0f}" if host_memory_gib else " (not checked: pass --host-memory-gib)"))
+    if not gpu_memory_gib:
+        return note, None
+    figures = cluster_memory(shape, gpu_memory_gib=gpu_memory_gib, gpu_memory_utilization=util,
+                             train_gpus=len(layouts[0].train_devices), bucket_size_bytes=bucket_size_for(model)[0])
+    return f"{note}; {_coresidence_note(layouts, figures, gpu_memory_gib, util)}", figures
+
+
+def _coresidence_note(layouts: Sequence[PipelineLayout], figures: Mapping[str, Mapping[str, float]],
+                      gpu_memory_gib: float, util: float) -> str:
+    """Whether a rollout fits next to another pipeline's training step on the fullest GPU, by the scheduler's own
+    rule (``control.scheduling.coresidence``), and the utilisation that would make it fit when it does not."""
+    from rlix_plugins.control.registration import parse_cluster_memory, pipeline_clusters
+    from rlix_plugins.control.scheduling.coresidence import gpu_load
+
+    specs = [replace(s, memory=parse_cluster_memory(s.name, figures[s.name]))
+             for p in layouts for s in pipeline_clusters(p.name, p.train_devices, p.infer_devices).values()]
+    worst: tuple[float, float, int] | None = None
+    for g in sorted({g for p in layouts for g in p.train_devices}):
+        tenants = [s for s in specs if g in s.device_mapping]
+        for host in (s for s in tenants if not s.is_generation):
+            for guest in (s for s in tenants if s.is_generation and s.pipeline_id != host.pipeline_id):
+                load = gpu_load(tenants, (host.cluster_id, guest.cluster_id))
+                if load is not None and (worst is None or load[0] > worst[0]):
+                    worst = (load[0], load[1], g)
+    if worst is None:
+        return "co-residence: no GPU holds one pipeline's training and another's rollout"
+    need, cap, g = worst
+    engine, train = figures["actor_infer"]["awake_gib"], figures["actor_train"]["awake_gib"]
+    if need <= cap:
+        return (f"co-residence on: a rollout ({engine:.1f} GiB) runs next to another pipeline's training step "
+                f"({train:.1f} GiB) where both fit ({need:.1f} of {cap:.1f} GiB on GPU {g})")
+    fit = math.floor((util - (need - cap) / gpu_memory_gib) * 20) / 20
+    return (f"co-residence off: a rollout ({engine:.1f} GiB) next to another pipeline's training step ({train:.1f} "
+            f"GiB) needs {need:.1f} of {cap:.1f} GiB on GPU {g}; turns on a GPU are exclusive"
+            + (f" (--gpu-memory-utilization {fit:g} would let them run together)" if fit >= 0.1 else ""))
 
 
 def make_overlays(stock: Mapping[str, Any], num_pipelines: int, gpus: Sequence[int],
                   gpus_per_node: int | None = None, data_plane: bool = False, *,
-                  gpu_memory_gib: float | None = None, host_memory_gib: float | None = None) -> list[Overlay]:
+                  gpu_memory_gib: float | None = None, host_memory_gib: float | None = None,
+                  gpu_memory_utilization: float | None = None) -> list[Overlay]:
     """The overlay of each pipeline, validated by the start-up checks and the memory budget; ``RlixConfigError``
     lists every refusal. ``data_plane``: switch the stock recipe to NeMo RL's TransferQueue loop
     (``grpo_train_sync``). ``gpu_memory_gib`` / ``host_memory_gib``: the memory of the GPUs and the host the
-    pipelines will run on (None: not checked)."""
+    pipelines will run on (None: not checked; with the GPU's, the overlays carry the scheduler's memory figures).
+    ``gpu_memory_utilization``: the vLLM engines' share of a GPU (None: the stock recipe's)."""
     gpus = list(gpus)
+    if gpu_memory_utilization is not None:
+        if not 0 < gpu_memory_utilization <= 1:
+            raise RlixConfigError(f"--gpu-memory-utilization {gpu_memory_utilization}: give a share in (0, 1]")
+        stock = _merge(dict(stock), {"policy": {"generation": {"vllm_cfg": {
+            "gpu_memory_utilization": gpu_memory_utilization}}}})
     per_node = gpus_per_node or (max(gpus) + 1 if gpus else 1)
     problems = _refusals(stock, gpus, per_node)
     if problems:
@@ -254,10 +305,17 @@ def make_overlays(stock: Mapping[str, Any], num_pipelines: int, gpus: Sequence[i
         layouts = layout(num_pipelines, gpus, trainer_size)
     except RlixConfigError as exc:
         raise RlixConfigError(f"cannot time-share this recipe ({how}): {exc}") from None
-    memory = check_memory(stock, layouts, gpu_memory_gib=gpu_memory_gib, host_memory_gib=host_memory_gib)
+    memory, figures = check_memory(stock, layouts, gpu_memory_gib=gpu_memory_gib, host_memory_gib=host_memory_gib)
     overlays = [_overlay(stock, p, num_pipelines, per_node, data_plane) for p in layouts]
     for ov in overlays:
         ov.memory = memory
+        if gpu_memory_utilization is not None:
+            ov.changes["policy.generation.vllm_cfg.gpu_memory_utilization"] = (
+                gpu_memory_utilization, "--gpu-memory-utilization: the vLLM engine's share of the GPU")
+        if figures is not None:
+            ov.changes["rlix.memory"] = (figures, f"GiB per GPU of {gpu_memory_gib:.0f} (--gpu-memory-gib): the "
+                                         "scheduler runs a rollout next to another pipeline's training step where "
+                                         "both fit")
     for ov in overlays:
         merged = _merge(dict(stock), ov.nested())
         found = topology_problems(merged, load_run_config(merged))
@@ -351,7 +409,7 @@ def render(overlay: Overlay, defaults: str, stock_name: str, num_pipelines: int)
         for key, value in node.items():
             dotted = f"{prefix}{key}"
             pad = "  " * indent
-            if isinstance(value, dict):
+            if isinstance(value, dict) and dotted not in reasons:  # a section, not a key whose value is a dict
                 lines.append(f"{pad}{key}:")
                 emit(value, dotted + ".", indent + 1)
             else:
@@ -366,11 +424,13 @@ def render(overlay: Overlay, defaults: str, stock_name: str, num_pipelines: int)
 def write_overlays(stock_path: str | os.PathLike[str], out_dir: str | os.PathLike[str], num_pipelines: int,
                    gpus: Sequence[int], gpus_per_node: int | None = None,
                    data_plane: bool = False, *, gpu_memory_gib: float | None = None,
-                   host_memory_gib: float | None = None) -> list[tuple[Path, Overlay]]:
+                   host_memory_gib: float | None = None,
+                   gpu_memory_utilization: float | None = None) -> list[tuple[Path, Overlay]]:
     """Validate, then write ``<out>/<stock stem>_rlix_<name>.yaml`` per pipeline (``defaults:`` relative to out)."""
     stock_path, out = Path(stock_path).resolve(), Path(out_dir)
     overlays = make_overlays(load_stock(stock_path), num_pipelines, gpus, gpus_per_node, data_plane,
-                             gpu_memory_gib=gpu_memory_gib, host_memory_gib=host_memory_gib)
+                             gpu_memory_gib=gpu_memory_gib, host_memory_gib=host_memory_gib,
+                             gpu_memory_utilization=gpu_memory_utilization)
     out.mkdir(parents=True, exist_ok=True)
     defaults = os.path.relpath(stock_path, out.resolve())
     written = []
@@ -383,7 +443,7 @@ def write_overlays(stock_path: str | os.PathLike[str], out_dir: str | os.PathLik
 
 def run_cli(stock: str, out: str, num_pipelines: int, gpus: Sequence[int], gpus_per_node: int | None,
             data_plane: bool = False, gpu_memory_gib: float | None = None,
-            host_memory_gib: float | None = None) -> int:
+            host_memory_gib: float | None = None, gpu_memory_utilization: float | None = None) -> int:
     """``rlix recipe``. Memory figures not given default to this machine's when it has a GPU (it is then taken to be
     where the pipelines run); on a machine without one, only what is given is checked."""
     from rlix_plugins.nemo_rl.memory_budget import local_gpu_memory_gib, local_host_memory_gib
@@ -393,7 +453,8 @@ def run_cli(stock: str, out: str, num_pipelines: int, gpus: Sequence[int], gpus_
         gpu_memory_gib = gpu_memory_gib if gpu_memory_gib is not None else local_gpu
         host_memory_gib = host_memory_gib if host_memory_gib is not None else local_host_memory_gib()
     written = write_overlays(stock, out, num_pipelines, gpus, gpus_per_node, data_plane,
-                             gpu_memory_gib=gpu_memory_gib, host_memory_gib=host_memory_gib)
+                             gpu_memory_gib=gpu_memory_gib, host_memory_gib=host_memory_gib,
+                             gpu_memory_utilization=gpu_memory_utilization)
     for path, ov in written:
         print(f"{path}: pipeline {ov.pipeline.name}, train {list(ov.pipeline.train_devices)}, "
               f"infer {list(ov.pipeline.infer_devices)}")

@@ -77,10 +77,7 @@ class NemoRuntime:
         if held is not None:
             self.rt, self._init_held = PipelineRuntime(held, cfg.runtime), True
         else:
-            self.rt = PipelineRuntime.register(cp, list(cfg.train_devices), list(cfg.infer_devices),
-                                               infer_tp=cfg.infer_tp, config=cfg.runtime,
-                                               pipeline_id=cfg.pipeline_id,
-                                               coordinator_config=cfg.coordinator_config())
+            self.rt = PipelineRuntime(cp.register_pipeline(**cfg.registration()), cfg.runtime)
         return self.rt.pipe
 
     def start(self, master_config: Any, policy: Any, policy_generation: Any, start_step: int = 0) -> None:

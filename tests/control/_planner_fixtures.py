@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from rlix_plugins.control.registration import pipeline_clusters as pipeline
 from rlix_plugins.control.types import (
     Allocation,
+    ClusterMemory,
     ClusterSpec,
     CyclePlan,
     PendingRequest,
@@ -75,8 +76,10 @@ def active(snap_or_plan: SchedulerSnapshot | CyclePlan, cid: str) -> frozenset[i
 
 
 @st.composite
-def snapshots(draw: st.DrawFn, max_pipelines: int = 4, allow_release: bool = True) -> SchedulerSnapshot:
-    """A random, self-consistent scheduler snapshot: partial overlap, TP bundles, allocations, requests."""
+def snapshots(draw: st.DrawFn, max_pipelines: int = 4, allow_release: bool = True,
+              memory: bool = False) -> SchedulerSnapshot:
+    """A random, self-consistent scheduler snapshot: partial overlap, TP bundles, allocations, requests; with
+    ``memory``, most clusters declare memory figures (co-residence), some do not."""
     gpn = draw(st.sampled_from([2, 4, 8]))
     nodes = draw(st.integers(1, 2))
     g = gpn * nodes
@@ -92,6 +95,12 @@ def snapshots(draw: st.DrawFn, max_pipelines: int = 4, allow_release: bool = Tru
         if draw(st.booleans()):
             train = draw(st.lists(st.sampled_from(infer), min_size=1, max_size=min(len(infer), 4), unique=True))
         clusters.update(pipeline(pid, train, infer, tp))
+    if memory:
+        for cid in sorted(clusters):
+            if draw(st.integers(0, 5)):
+                figures = ClusterMemory(100.0, draw(st.sampled_from([5.0, 20.0, 40.0, 90.0])),
+                                        draw(st.sampled_from([1.0, 4.0])))
+                clusters[cid] = replace(clusters[cid], memory=figures)
     # allocations, consistent: walk clusters in a random order, take what is free
     owned: set[int] = set()
     allocs: list[Allocation] = []

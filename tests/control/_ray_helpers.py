@@ -176,14 +176,15 @@ def control_plane(ray_cluster: Any, request: pytest.FixtureRequest) -> Iterator[
 
 
 def make_pipeline(cp: ControlPlane, train: list[int] | None, infer: list[int], tp: int = 1,
-                  delay_s: float = 0.0) -> tuple[PipelineHandle, Any]:
+                  delay_s: float = 0.0, memory: dict[str, dict[str, float]] | None = None,
+                  ) -> tuple[PipelineHandle, Any]:
     """Register + admit a pipeline with a recording handler; returns (handle, handler actor)."""
     tps = {"actor_infer": tp}
     maps = {"actor_infer": infer}
     if train is not None:
         tps["actor_train"] = 1
         maps["actor_train"] = train
-    pipe = cp.register_pipeline(tps, maps, coordinator_config=FAST_COORDINATOR)
+    pipe = cp.register_pipeline(tps, maps, coordinator_config=FAST_COORDINATOR, cluster_memory=memory)
     handler = None
     while _HANDLER_POOL and handler is None:
         candidate = _HANDLER_POOL.pop()

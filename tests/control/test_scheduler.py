@@ -383,3 +383,32 @@ def test_back_to_back_training_keeps_its_gpu_and_idle_gpu_is_lent_after_grace(
     wait_for(lambda: active_gpus(cp, b.cluster_id("actor_infer")) == [0, 1], what="B's rank 0 lent again")
     assert calls(hb)[-1][1:] == ([], [0])
     assert calls(hb)[-1][0] >= released + FAST_SCHEDULER.release_grace_s - 0.5, "lent before the grace window ended"
+
+
+#: Engines 60 GiB awake, trainers 35 GiB per step, of 100 GiB: one pipeline's rollout fits next to another's step.
+_FITS = {"actor_infer": {"gpu_gib": 100, "awake_gib": 60, "asleep_gib": 1},
+         "actor_train": {"gpu_gib": 100, "awake_gib": 35, "asleep_gib": 3}}
+
+
+def test_rollout_runs_next_to_another_pipelines_training_when_memory_fits(control_plane: client.ControlPlane) -> None:
+    """Co-residence through the real scheduler: B's training leaves A's rank awake on GPU 3, A's rollout wakes next to
+    B's next step after A trained, and the figures the pipelines registered are in `rlix status`."""
+    cp = control_plane
+    a, ha = make_pipeline(cp, train=[3], infer=[3], memory=_FITS)
+    b, hb = make_pipeline(cp, train=[3], infer=[3], memory=_FITS)
+    assert a.request_gpus("actor_infer", GEN, step_target_estimate=8, timeout_s=10) == [3]
+    assert b.request_gpus("actor_train", Priority.ACTOR_TRAINING, step=0, timeout_s=10) == [3]
+    st = cp.status()
+    assert st["allocations"][a.cluster_id("actor_infer")]["gpus"] == [3], "A's rank was preempted"
+    assert not [c for c in calls(ha) if c[1]], "A's rank was shrunk"
+    assert st["pipelines"][a.pipeline_id]["clusters"]["actor_train"]["memory"] == {
+        "gpu_gib": 100.0, "awake_gib": 35.0, "asleep_gib": 3.0}
+    # A trains (its own rank sleeps; B's step still holds the GPU, so A waits), B's step ends, A's grant follows
+    b.release_gpus("actor_train", step=0)
+    assert a.request_gpus("actor_train", Priority.ACTOR_TRAINING, step=0, timeout_s=10) == [3]
+    assert b.request_gpus("actor_infer", GEN, step_target_estimate=8, timeout_s=10) == [3]
+    st = cp.status()
+    assert st["allocations"][a.cluster_id("actor_train")]["gpus"] == [3]
+    assert st["allocations"][b.cluster_id("actor_infer")]["gpus"] == [3]
+    assert a.cluster_id("actor_infer") not in st["allocations"]
+    a.release_gpus("actor_train", step=0)

@@ -5,6 +5,7 @@ Each failure raises ``PlanInvariantError(invariant, message)``; ``invariant`` is
 
 from __future__ import annotations
 
+from rlix_plugins.control.scheduling.coresidence import Tenants, gpu_tenants, sharing_problem
 from rlix_plugins.control.scheduling.plan_state import is_generation_alloc, rank_index
 from rlix_plugins.control.scheduling.turns import deferred, owed_gpus
 from rlix_plugins.control.types import (
@@ -78,15 +79,29 @@ def _check_alloc(cid: str, alloc: Allocation, specs: dict[str, ClusterSpec], poo
             )
 
 
-def _owners(allocs: dict[str, Allocation], where: str) -> dict[int, str]:
-    owner: dict[int, str] = {}
+def _holders(allocs: dict[str, Allocation], specs: dict[str, ClusterSpec], where: str,
+             tenants: Tenants | None = None) -> tuple[dict[int, str], dict[int, str]]:
+    """(GPU -> generation holder, GPU -> non-generation holder). A GPU has at most one of each, and both only when
+    the generation rank may co-reside with the other (``coresidence.sharing_problem``)."""
+    gen: dict[int, str] = {}
+    other: dict[int, str] = {}
     for cid, alloc in allocs.items():
+        dest = gen if is_generation_alloc(alloc) else other
         for g in alloc.gpus:
-            prev = owner.get(g)
+            prev = dest.get(g)
             if prev is not None:
                 raise PlanInvariantError("no double allocation", f"{where}: GPU {g} held by both {prev} and {cid}")
-            owner[g] = cid
-    return owner
+            dest[g] = cid
+    both = gen.keys() & other.keys()
+    if both:
+        tenants = gpu_tenants(specs.values()) if tenants is None else tenants
+        for g in sorted(both):
+            host = other[g]
+            problem = sharing_problem(tenants, g, specs[gen[g]], specs[host], Priority(allocs[host].priority))
+            if problem is not None:
+                raise PlanInvariantError("no double allocation",
+                                         f"{where}: GPU {g} held by both {host} and {gen[g]}: {problem}")
+    return gen, other
 
 
 def validate_snapshot(snap: SchedulerSnapshot) -> None:
@@ -99,7 +114,7 @@ def validate_snapshot(snap: SchedulerSnapshot) -> None:
     pool = snap.gpus
     for cid, alloc in snap.allocations.items():
         _check_alloc(cid, alloc, snap.clusters, pool, "snapshot")
-    _owners(snap.allocations, "snapshot")
+    _holders(snap.allocations, snap.clusters, "snapshot")
     seen: set[str] = set()
     for req in snap.pending:
         rspec = snap.clusters.get(req.cluster_id)
@@ -124,8 +139,9 @@ def validate_plan(snapshot: SchedulerSnapshot, plan: CyclePlan) -> None:
     before, after = snapshot.allocations, plan.allocations
     for cid, alloc in after.items():
         _check_alloc(cid, alloc, specs, pool, "plan")
-    owner_before = _owners(before, "snapshot")
-    owner_after = _owners(after, "plan")
+    tenants = gpu_tenants(specs.values())
+    gen_before, other_before = _holders(before, specs, "snapshot", tenants)
+    gen_after, other_after = _holders(after, specs, "plan", tenants)
 
     # --- ops ---------------------------------------------------------------------------------------------
     shrunk: dict[str, set[int]] = {}
@@ -195,22 +211,21 @@ def validate_plan(snapshot: SchedulerSnapshot, plan: CyclePlan) -> None:
 
     # --- GPU conservation: every ownership change is explained by an op or a grant -------------------------
     for g in pool:
-        ob, oa = owner_before.get(g), owner_after.get(g)
-        if ob == oa and (ob is None or is_generation_alloc(before[ob]) == is_generation_alloc(after[ob])):
-            continue
-        if ob is not None and is_generation_alloc(before[ob]):
-            r = rank_index(specs[ob])[g]
-            if r not in shrunk.get(ob, ()):
-                raise PlanInvariantError("gpu conservation", f"GPU {g} left {ob} rank {r} without a shrink")
-        if oa is not None:
-            if is_generation_alloc(after[oa]):
-                r = rank_index(specs[oa])[g]
-                if r not in expanded.get(oa, ()):
-                    raise PlanInvariantError("gpu conservation", f"GPU {g} joined {oa} rank {r} without an expand")
-            elif oa not in granted:
+        gb, ga = gen_before.get(g), gen_after.get(g)
+        if gb != ga:
+            if gb is not None and rank_index(specs[gb])[g] not in shrunk.get(gb, ()):
+                raise PlanInvariantError("gpu conservation", f"GPU {g} left {gb} rank {rank_index(specs[gb])[g]} "
+                                         "without a shrink")
+            if ga is not None and rank_index(specs[ga])[g] not in expanded.get(ga, ()):
+                raise PlanInvariantError("gpu conservation", f"GPU {g} joined {ga} rank {rank_index(specs[ga])[g]} "
+                                         "without an expand")
+        ob, oa = other_before.get(g), other_after.get(g)
+        if ob != oa:
+            if ob is not None and oa is not None:
+                raise PlanInvariantError("gpu conservation",
+                                         f"GPU {g} moved from {ob} ({before[ob].priority.name}) to {oa}")
+            if oa is not None and oa not in granted:
                 raise PlanInvariantError("gpu conservation", f"GPU {g} joined {oa} without a grant")
-        if ob is not None and oa is not None and ob != oa and not is_generation_alloc(before[ob]):
-            raise PlanInvariantError("gpu conservation", f"GPU {g} moved from {ob} ({before[ob].priority.name}) to {oa}")
 
     # --- priority order: no grant takes GPUs that an earlier-ordered waiting request needs ------------------
     owed = owed_gpus(snapshot)
@@ -245,8 +260,7 @@ def validate_plan(snapshot: SchedulerSnapshot, plan: CyclePlan) -> None:
         for cid, ranks in expanded.items():
             for rank in ranks:
                 for g in specs[cid].bundle(rank):
-                    ob = owner_before.get(g)
-                    if g in reserved and (ob is None or not is_generation_alloc(before[ob])):
+                    if g in reserved and gen_before.get(g) is None:
                         raise PlanInvariantError(
                             "priority order", f"{cid} rank {rank} woke on idle GPU {g} that a waiting request reserves"
                         )

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from rlix_plugins.control.scheduling.coresidence import gpu_tenants
 from rlix_plugins.control.types import (
     Allocation,
     ClusterSpec,
@@ -80,7 +81,7 @@ _REASON_RANK = {"release": 0, "preempt": 1, "rebalance": 2}
 @dataclass
 class PlanState:
     snap: SchedulerSnapshot
-    owner: dict[int, str]  #: allocated GPU → cluster id
+    owner: dict[int, str]  #: allocated GPU → cluster id (the non-generation holder where a rank co-resides)
     gen_active: dict[str, set[int]]  #: generation cluster → active DP ranks (GENERATION allocations only)
     nongen: dict[str, Allocation]  #: non-GENERATION allocations
     free: set[int]  #: idle GPUs
@@ -91,23 +92,35 @@ class PlanState:
     protected: set[tuple[str, int]] = field(default_factory=set)  #: ranks woken this cycle (never shrunk again)
     grants: list[Grant] = field(default_factory=list)
     released: set[str] = field(default_factory=set)
+    #: GPU → generation cluster whose rank is awake there next to the non-generation ``owner`` (``coresidence``)
+    coresident: dict[int, str] = field(default_factory=dict)
+    #: GPU → clusters mapped on it; empty when no cluster declared memory figures (``coresidence.gpu_tenants``)
+    tenants: dict[int, tuple[ClusterSpec, ...]] = field(default_factory=dict)
 
     @classmethod
     def from_snapshot(cls, snap: SchedulerSnapshot) -> PlanState:
         owner: dict[int, str] = {}
+        coresident: dict[int, str] = {}
         gen_active: dict[str, set[int]] = {}
         nongen: dict[str, Allocation] = {}
         for cid, alloc in snap.allocations.items():
-            if is_generation_alloc(alloc):
-                if alloc.active_dp_ranks:
-                    gen_active[cid] = set(alloc.active_dp_ranks)
-            else:
+            gen = is_generation_alloc(alloc)
+            if not gen:
                 nongen[cid] = alloc
+            elif alloc.active_dp_ranks:
+                gen_active[cid] = set(alloc.active_dp_ranks)
             for g in alloc.gpus:
-                owner[g] = cid
+                prev = owner.get(g)
+                if prev is None:
+                    owner[g] = cid
+                elif gen:  # a non-generation holder came first: this rank co-resides with it
+                    coresident[g] = cid
+                else:
+                    coresident[g], owner[g] = prev, cid
         free = set(snap.gpus)
         free.difference_update(owner)
-        return cls(snap=snap, owner=owner, gen_active=gen_active, nongen=nongen, free=free)
+        return cls(snap=snap, owner=owner, gen_active=gen_active, nongen=nongen, free=free, coresident=coresident,
+                   tenants=gpu_tenants(snap.clusters.values()))
 
     # ---- generation ops -------------------------------------------------------------------------------
     def shrink(self, cid: str, rank: int, reason: str) -> None:
@@ -117,6 +130,9 @@ class PlanState:
         if not active:
             del self.gen_active[cid]
         for g in spec.bundle(rank):
+            if self.coresident.get(g) == cid:
+                del self.coresident[g]  # the non-generation holder keeps the GPU
+                continue
             del self.owner[g]
             self.free.add(g)
         self.shrunk.setdefault(cid, set()).add(rank)
@@ -124,11 +140,16 @@ class PlanState:
         if old is None or _REASON_RANK[reason] < _REASON_RANK[old]:
             self.shrink_reason[cid] = reason
 
-    def expand(self, cid: str, rank: int) -> None:
+    def expand(self, cid: str, rank: int, *, coresident: bool = False) -> None:
+        """Wake ``rank`` of ``cid`` on idle GPUs, or (``coresident``) next to the non-generation holders of its
+        GPUs (the caller checked ``coresidence.sharing_problem``)."""
         spec = self.snap.clusters[cid]
         for g in spec.bundle(rank):
-            self.free.remove(g)
-            self.owner[g] = cid
+            if coresident:
+                self.coresident[g] = cid
+            else:
+                self.free.remove(g)
+                self.owner[g] = cid
         self.gen_active.setdefault(cid, set()).add(rank)
         self.expanded.setdefault(cid, set()).add(rank)
         self.protected.add((cid, rank))
@@ -139,8 +160,14 @@ class PlanState:
 
     # ---- non-generation --------------------------------------------------------------------------------
     def allocate(self, cid: str, priority: Priority, gpus: frozenset[int]) -> None:
+        """Grant ``gpus`` to ``cid``: idle ones, and ones whose generation rank stays awake next to it (the caller
+        shrank every rank that may not)."""
         for g in gpus:
-            self.free.remove(g)
+            held = self.owner.get(g)
+            if held is None:
+                self.free.remove(g)
+            else:
+                self.coresident[g] = held
             self.owner[g] = cid
         self.nongen[cid] = Allocation(cluster_id=cid, priority=priority, gpus=gpus)
 

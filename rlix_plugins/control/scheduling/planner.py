@@ -17,7 +17,9 @@
    waits, without reserving, while it needs a GPU of that waiter.
 3. **Gap ratio** (``gap_ratio.plan_gap_ratio``): divides rollout GPUs by remaining work x TP. Idle GPUs in
    ``snapshot.release_grace_gpus`` (released by a training cluster moments ago) are not lent to rollout yet.
-4. **Generation grants**: each pending GENERATION request whose cluster has ≥1 active rank after this plan is
+4. **Co-resident fill** (``scheduling.coresidence``): rollout ranks that want GPUs wake next to another pipeline's
+   training-type allocation where memory fits (never on a reserved GPU).
+5. **Generation grants**: each pending GENERATION request whose cluster has ≥1 active rank after this plan is
    granted (partial grants; the wake-only signal of the reference that fixed its deadlock).
 
 The scheduler executes a plan as: all shrinks → all expands → commit ``plan.allocations`` → signal grants and
@@ -27,11 +29,12 @@ releases. ``validate_plan`` (re-exported here) checks a plan against its snapsho
 from __future__ import annotations
 
 from rlix_plugins.control.registration import validate_cluster_specs
-from rlix_plugins.control.scheduling.gap_ratio import plan_gap_ratio
+from rlix_plugins.control.scheduling.coresidence import sharing_problem
+from rlix_plugins.control.scheduling.gap_ratio import cluster_demands, plan_gap_ratio
 from rlix_plugins.control.scheduling.invariants import PlanInvariantError, validate_plan, validate_snapshot
 from rlix_plugins.control.scheduling.plan_state import PlanState, rank_index
 from rlix_plugins.control.scheduling.turns import deferred, owed_gpus
-from rlix_plugins.control.types import Allocation, CyclePlan, Grant, Priority, SchedulerSnapshot
+from rlix_plugins.control.types import Allocation, ClusterSpec, CyclePlan, Grant, Priority, SchedulerSnapshot
 
 __all__ = [
     "PlanInvariantError",
@@ -63,6 +66,7 @@ def plan_cycle(snapshot: SchedulerSnapshot) -> CyclePlan:
     _non_generation(state)
     state.reserved |= snapshot.release_grace_gpus & state.free
     plan_gap_ratio(state)
+    _coresident_fill(state)
     _generation_grants(state)
     return state.to_plan()
 
@@ -105,13 +109,59 @@ def _non_generation(state: PlanState) -> None:
         if blocked:
             state.reserved |= need
             continue
-        # Preempt every generation rank that overlaps the mapping (own pipeline's overlap ranks included).
+        # Preempt every generation rank that overlaps the mapping (own pipeline's overlap ranks included), unless
+        # it may stay awake next to this work (co-residence).
         for g in sorted(need):
             owner = state.owner.get(g)
             if owner is not None:
-                state.shrink(owner, rank_index(clusters[owner])[g], "preempt")
+                rank = rank_index(clusters[owner])[g]
+                if not _may_stay(state, owner, rank, spec, Priority(req.priority), need):
+                    state.shrink(owner, rank, "preempt")
         state.allocate(req.cluster_id, Priority(req.priority), need)
         state.grants.append(Grant(req.cluster_id, Priority(req.priority), req.seq, need))
+
+
+def _may_stay(state: PlanState, gen_cid: str, rank: int, host: ClusterSpec, priority: Priority,
+              need: frozenset[int]) -> bool:
+    """Whether ``gen_cid``'s ``rank`` may stay awake on the GPUs of ``need`` that ``host`` is granted now."""
+    if not state.tenants:
+        return False
+    spec = state.snap.clusters[gen_cid]
+    return all(sharing_problem(state.tenants, g, spec, host, priority) is None
+               for g in spec.bundle(rank) if g in need)
+
+
+def _coresident_fill(state: PlanState) -> None:
+    """Wake rollout ranks that want a GPU next to training-type work they fit beside (``coresidence``).
+
+    Clusters with no active rank go first (the longest waiter first), then the others, by pipeline id; a cluster
+    takes every rank it can. Never on a GPU a waiting request reserves, never one of its ranks shrunk this cycle.
+    """
+    if not state.tenants:
+        return
+    snap = state.snap
+    clusters = snap.clusters
+    demands = cluster_demands(state)
+    waiting = snap.generation_waiting_since
+    order = sorted((c for c, d in demands.items() if d > 0),
+                   key=lambda c: (c in state.gen_active, waiting.get(c, -1), clusters[c].pipeline_id, c))
+    for cid in order:
+        spec = clusters[cid]
+        active = state.gen_active.get(cid, set())
+        shrunk = state.shrunk.get(cid, set())
+        for r in range(spec.num_dp_ranks):
+            if r in active or r in shrunk:
+                continue
+            if all(_coresidable(state, g, spec) for g in spec.bundle(r)):
+                state.expand(cid, r, coresident=True)
+
+
+def _coresidable(state: PlanState, gpu: int, spec: ClusterSpec) -> bool:
+    host = state.owner.get(gpu)
+    if host is None or gpu in state.coresident or gpu in state.reserved or host not in state.nongen:
+        return False
+    hspec = state.snap.clusters[host]
+    return sharing_problem(state.tenants, gpu, spec, hspec, Priority(state.nongen[host].priority)) is None
 
 
 def _generation_grants(state: PlanState) -> None:

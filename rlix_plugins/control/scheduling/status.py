@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -31,7 +32,8 @@ def status_dict(
         pipes[pid] = {
             **dict(info),
             "clusters": {
-                s.name: {"cluster_id": s.cluster_id, "device_mapping": list(s.device_mapping), "tp_size": s.tp_size}
+                s.name: {"cluster_id": s.cluster_id, "device_mapping": list(s.device_mapping), "tp_size": s.tp_size,
+                         "memory": None if s.memory is None else dataclasses.asdict(s.memory)}
                 for s in clusters.values() if s.pipeline_id == pid
             },
             "progress": None if prog is None else {

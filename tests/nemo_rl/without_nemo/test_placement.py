@@ -81,7 +81,9 @@ def test_setup_placement_answers_two_pipelines_the_same_groups(ray_cluster: dict
 
     pool = placement_pool(worker_groups_per_gpu=3)  # first creator fixes the fraction (3 CPUs per GPU bundle here)
     try:
-        a_cfg, b_cfg = _run_config([0]), _run_config([1], pipeline_id="ft_0123456789ab")
+        figures = {"actor_infer": {"gpu_gib": 133.3, "awake_gib": 71.2, "asleep_gib": 1.0},
+                   "actor_train": {"gpu_gib": 133.3, "awake_gib": 43.2, "asleep_gib": 3.0}}  # `rlix recipe`'s rlix.memory
+        a_cfg, b_cfg = _run_config([0]), _run_config([1], pipeline_id="ft_0123456789ab", memory=figures)
         a_train, a_infer, a_policy, a_gen = nemo_rl_placement(a_cfg)
         b_train, b_infer, b_policy, b_gen = nemo_rl_placement(b_cfg)
         a_setup = take_setup(a_cfg)
@@ -93,6 +95,9 @@ def test_setup_placement_answers_two_pipelines_the_same_groups(ray_cluster: dict
         held = {c: a["priority"] for c, a in client.connect().status()["allocations"].items()
                 if c.startswith(("ft_0123456789ab", str(a_pid)))}
         assert held == {}, held  # registered, nothing held: the vLLM ranks ask when they touch the GPU
+        registered = client.connect().status()["pipelines"]
+        assert {n: c["memory"] for n, c in registered["ft_0123456789ab"]["clusters"].items()} == figures
+        assert {c["memory"] for c in registered[str(a_pid)]["clusters"].values()} == {None}
         assert isinstance(a_pid, str) and a_pid.startswith("ft_") and b_cfg["rlix"]["pipeline_id"] == "ft_0123456789ab"  # type: ignore[index]
         ids = [[pg.id for pg in c.get_placement_groups()] for c in (a_train, a_infer, b_train, b_infer)]
         assert ids[1] == ids[3] and len(set(ids[1])) == 2  # one group per GPU, the same for both pipelines

@@ -18,6 +18,7 @@ import pytest
 import yaml
 
 from rlix_plugins.cli import main as rlix_main
+from rlix_plugins.errors import RlixConfigError
 from rlix_plugins.nemo_rl.config import load_run_config
 from rlix_plugins.nemo_rl.recipe import _merge, load_stock
 from rlix_plugins.nemo_rl.topology import is_one_gpu_topology, validate_topology
@@ -124,6 +125,55 @@ def test_four_pipelines_on_one_gpu_when_memory_allows(stock: Path, tmp_path: Pat
     err = capsys.readouterr().err
     assert rc == 2 and files == []
     assert "host memory: 4 pipelines need" in err and "GiB (90% of 128 GiB" in err and "offloaded states" in err, err
+
+
+def test_memory_figures_let_the_scheduler_run_a_rollout_next_to_a_training_step(stock: Path, tmp_path: Path,
+                                                                                  capsys: Any) -> None:
+    """With the GPU's memory known the overlays carry each cluster's figures (``rlix.memory``); the note says whether
+    a rollout fits next to the other pipeline's training step and which utilisation would let it; the figures fed
+    to the scheduler's planner give the co-residence the note promised."""
+    from rlix_plugins.control.registration import build_cluster_specs
+    from rlix_plugins.control.scheduling.planner import plan_cycle
+    from rlix_plugins.control.types import Allocation, PendingRequest, Priority, SchedulerSnapshot
+
+    cfg = load_stock(stock)
+    cfg["policy"]["model_name"] = "Qwen/Qwen2.5-1.5B"
+    cfg["policy"]["generation"]["vllm_cfg"]["gpu_memory_utilization"] = 0.6  # the stock grpo_math_1B's
+    big = tmp_path / "big.yaml"
+    big.write_text(yaml.safe_dump(cfg))
+    common = ("--pipelines", "2", "--gpus", "0", "--gpu-memory-gib", "140.4", "--host-memory-gib", "500")
+    rc, files = _recipe(big, tmp_path / "stock_util", *common)
+    out = capsys.readouterr().out
+    assert rc == 0 and "co-residence off" in out and "--gpu-memory-utilization 0.55 would let them" in out, out
+    rc, files = _recipe(big, tmp_path / "lower", *common, "--gpu-memory-utilization", "0.5")
+    out = capsys.readouterr().out
+    assert rc == 0 and "co-residence on" in out, out
+
+    def specs(f: Path, pid: str) -> dict:
+        merged = _merge(load_stock(big), load_stock(f))
+        assert merged["policy"]["generation"]["vllm_cfg"]["gpu_memory_utilization"] == 0.5
+        kw = load_run_config(merged).registration()
+        return build_cluster_specs(pid, kw["cluster_tp_configs"], kw["cluster_device_mappings"], num_gpus=1,
+                                   gpus_per_node=1, cluster_memory=kw["cluster_memory"])
+
+    a, b = specs(files[0], "a"), specs(files[1], "b")
+    assert a["actor_infer"].memory is not None and a["actor_infer"].memory.awake_gib > 70
+    clusters = {s.cluster_id: s for s in (*a.values(), *b.values())}
+    snap = SchedulerSnapshot(gpus=frozenset({0}), gpus_per_node=1, clusters=clusters,
+                             allocations={"a_actor_infer": Allocation("a_actor_infer", Priority.GENERATION,
+                                                                      frozenset({0}), frozenset({0}))},
+                             pending=(PendingRequest("b_actor_train", Priority.ACTOR_TRAINING, 1),))
+    plan = plan_cycle(snap)
+    assert not plan.shrinks and set(plan.allocations) == {"a_actor_infer", "b_actor_train"}
+
+
+def test_bad_memory_figures_are_refused_at_start_naming_the_key() -> None:
+    base = {"rlix": {"train_devices": [0], "infer_devices": [0]}}
+    for bad in ({"actor_infer": {"gpu_gib": 10, "awake_gib": 20, "asleep_gib": 1}},
+                {"critic": {"gpu_gib": 10, "awake_gib": 5, "asleep_gib": 1}},
+                {"actor_train": {"gpu_gib": 10, "awake_gib": 5}}):
+        with pytest.raises(RlixConfigError, match=r"rlix\.memory"):
+            load_run_config({**base, "rlix": {**base["rlix"], "memory": bad}})
 
 
 def test_two_gpus_partial_overlap(stock: Path, tmp_path: Path) -> None:

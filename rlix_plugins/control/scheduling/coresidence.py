@@ -1,0 +1,83 @@
+"""Co-residence: one pipeline's rollout rank stays awake on a GPU next to another pipeline's training step (pure).
+
+Whole-GPU turns leave a GPU idle most of the time even while it is held: a 1.5 B training step keeps an H200 busy a
+third of the time, an eager rollout a sixth (DESIGN §9). When two pipelines' phases fit in the GPU's memory together,
+running them at the same time fills those gaps. The rule (DESIGN §4, "Co-residence"):
+
+* A GPU holds at most one non-GENERATION allocation and at most one GENERATION rank. It holds both only when the
+  allocation is training-type (:data:`COTENANT_PRIORITIES`: not INITIALIZATION, whose start-up profiles the free
+  memory), the two belong to different pipelines (a pipeline's own rollout ranks on its training GPUs still sleep
+  while it trains: its trainer expects the memory they free) and the GPU's memory fits them (:func:`fits`).
+* Memory of a GPU (:func:`fits`): every cluster whose mapping holds the GPU counts its ``awake_gib`` when it is one
+  of the two awake there and its ``asleep_gib`` otherwise; the sum must not exceed the smallest ``gpu_gib`` any of
+  them declared. A cluster without figures (``ClusterSpec.memory is None``) shares its GPUs with nobody.
+* The planner uses it twice: a training-type grant leaves a co-tenant's rollout rank awake instead of preempting it,
+  and after the gap ratio a rollout rank that wants a GPU wakes next to a training step it fits beside (never on a
+  GPU a waiting request reserves). A co-resident rank is never a gap-ratio donor; it leaves by a shrink like any
+  other rank (preemption by its own pipeline's training, a planned release) or stays when the training ends.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable, Mapping
+from typing import Final
+
+from rlix_plugins.control.scheduling.turns import TURN_PRIORITIES
+from rlix_plugins.control.types import ClusterSpec, Priority
+
+#: Priorities whose allocation a co-tenant's rollout rank may run next to: training-type work, as for fair turns.
+COTENANT_PRIORITIES: Final = TURN_PRIORITIES
+
+#: GPU id -> the clusters whose device mapping holds it.
+Tenants = Mapping[int, tuple[ClusterSpec, ...]]
+
+
+def gpu_tenants(clusters: Iterable[ClusterSpec]) -> dict[int, tuple[ClusterSpec, ...]]:
+    """GPU id -> the clusters mapped on it; empty when no cluster declared memory figures (co-residence off, and
+    the planner pays nothing for it)."""
+    specs = list(clusters)
+    if not any(s.memory is not None for s in specs):
+        return {}
+    out: dict[int, list[ClusterSpec]] = {}
+    for s in specs:
+        for g in s.device_mapping:
+            out.setdefault(g, []).append(s)
+    return {g: tuple(v) for g, v in out.items()}
+
+
+def gpu_load(tenants: Iterable[ClusterSpec], awake: Collection[str]) -> tuple[float, float] | None:
+    """(memory needed, memory available) in GiB on a GPU whose tenants are ``tenants`` when the clusters in
+    ``awake`` (cluster ids) are awake there; None when a tenant has no figures, or nobody declared any."""
+    need, cap = 0.0, float("inf")
+    tenants = tuple(tenants)
+    if not tenants:
+        return None
+    for s in tenants:
+        m = s.memory
+        if m is None:
+            return None
+        need += m.awake_gib if s.cluster_id in awake else m.asleep_gib
+        cap = min(cap, m.gpu_gib)
+    return need, cap
+
+
+def fits(tenants: Tenants, gpu: int, awake: Collection[str]) -> bool:
+    load = gpu_load(tenants.get(gpu, ()), awake)
+    return load is not None and load[0] <= load[1]
+
+
+def sharing_problem(tenants: Tenants, gpu: int, generation: ClusterSpec, host: ClusterSpec,
+                    host_priority: Priority) -> str | None:
+    """Why ``generation``'s rank may not be awake on ``gpu`` next to ``host``'s allocation at ``host_priority``
+    (None: it may)."""
+    if host_priority not in COTENANT_PRIORITIES:
+        return f"{host.cluster_id} holds it at {host_priority.name}, not training-type work"
+    if generation.pipeline_id == host.pipeline_id:
+        return f"{generation.cluster_id} and {host.cluster_id} are one pipeline (its rollout sleeps while it trains)"
+    awake = (generation.cluster_id, host.cluster_id)
+    load = gpu_load(tenants.get(gpu, ()), awake)
+    if load is None:
+        return "a cluster on it has no memory figures"
+    if load[0] > load[1]:
+        return f"they need {load[0]:.1f} GiB with every other tenant asleep, more than its {load[1]:.1f} GiB"
+    return None

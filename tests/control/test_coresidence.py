@@ -1,0 +1,201 @@
+"""Co-residence (``scheduling.coresidence``): a rollout rank awake next to another pipeline's training step when their
+memory fits; the planner's two uses of it, the invariants that guard it, and a property test over random pools."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from rlix_plugins.control.scheduling.invariants import PlanInvariantError, validate_plan
+from rlix_plugins.control.scheduling.planner import plan_cycle
+from rlix_plugins.control.types import ClusterMemory, ClusterSpec, PendingRequest, Priority, SchedulerSnapshot
+
+from ._planner_fixtures import GEN, active, apply_plan, gen_alloc, pipeline, snapshot, snapshots, whole_alloc
+
+TRAIN = Priority.ACTOR_TRAINING
+
+
+def with_memory(clusters: dict[str, ClusterSpec], *, infer_awake: float = 60.0, train_awake: float = 35.0,
+                gpu: float = 100.0, skip: str = "") -> dict[str, ClusterSpec]:
+    """Engines 60 GiB awake / 1 asleep, trainers 35 / 3, GPUs of 100 GiB (``skip``: a cluster left without)."""
+    out = {}
+    for cid, s in clusters.items():
+        figures = ClusterMemory(gpu, infer_awake, 1.0) if s.is_generation else ClusterMemory(gpu, train_awake, 3.0)
+        out[cid] = s if cid == skip else replace(s, memory=figures)
+    return out
+
+
+def two_on_one_gpu(**kw: float) -> dict[str, ClusterSpec]:
+    return with_memory({**pipeline("a", [0], [0]), **pipeline("b", [0], [0])}, **kw)  # type: ignore[arg-type]
+
+
+def test_training_leaves_a_co_tenants_rollout_awake_when_both_fit() -> None:
+    c = two_on_one_gpu()  # a rolls out (60) + b trains (35) + both asleep parts (1 + 3) = 99 <= 100
+    snap = snapshot(1, c, [gen_alloc(c["a_actor_infer"], [0])], [PendingRequest("b_actor_train", TRAIN, 1)])
+    plan = plan_cycle(snap)
+    validate_plan(snap, plan)
+    assert not plan.shrinks
+    assert [g.cluster_id for g in plan.grants] == ["b_actor_train"]
+    assert active(plan, "a_actor_infer") == {0} and plan.allocations["b_actor_train"].gpus == {0}
+
+
+def test_training_preempts_a_co_tenants_rollout_that_does_not_fit() -> None:
+    c = two_on_one_gpu(infer_awake=62.0)  # 101 > 100
+    snap = snapshot(1, c, [gen_alloc(c["a_actor_infer"], [0])], [PendingRequest("b_actor_train", TRAIN, 1)])
+    plan = plan_cycle(snap)
+    validate_plan(snap, plan)
+    assert [(s.cluster_id, s.reason) for s in plan.shrinks] == [("a_actor_infer", "preempt")]
+
+
+def test_a_pipelines_own_rollout_sleeps_while_it_trains_even_when_it_would_fit() -> None:
+    c = two_on_one_gpu(infer_awake=10.0)
+    snap = snapshot(1, c, [gen_alloc(c["a_actor_infer"], [0])], [PendingRequest("a_actor_train", TRAIN, 1)])
+    plan = plan_cycle(snap)
+    validate_plan(snap, plan)
+    assert [s.cluster_id for s in plan.shrinks] == ["a_actor_infer"]
+
+
+def test_a_waiting_rollout_wakes_next_to_a_training_step_and_stays_when_it_ends() -> None:
+    c = two_on_one_gpu()
+    snap = snapshot(1, c, [whole_alloc(c["b_actor_train"])], [PendingRequest("a_actor_infer", GEN, 1)])
+    plan = plan_cycle(snap)
+    validate_plan(snap, plan)
+    assert [(e.cluster_id, e.dp_ranks) for e in plan.expands] == [("a_actor_infer", (0,))]
+    assert [g.cluster_id for g in plan.grants] == ["a_actor_infer"]
+    # b's step ends (the scheduler drops its allocation); a keeps the GPU alone, and b's next step runs beside it
+    after = apply_plan(snap, plan)
+    after = replace(after, allocations={k: v for k, v in after.allocations.items() if k != "b_actor_train"},
+                    pending=(PendingRequest("b_actor_train", TRAIN, 2),))
+    plan2 = plan_cycle(after)
+    validate_plan(after, plan2)
+    assert not plan2.shrinks and not plan2.expands and active(plan2, "a_actor_infer") == {0}
+
+
+@pytest.mark.parametrize("case", ["initialization", "no figures", "reserved", "does not fit", "own pipeline"])
+def test_no_co_residence_where_the_rule_forbids_it(case: str) -> None:
+    pipes = {**pipeline("a", [0], [0]), **pipeline("b", [0], [0]), **pipeline("c", [0], [0])}
+    c = with_memory(pipes, gpu=110.0, infer_awake=68.0 if case == "does not fit" else 60.0,
+                    skip="c_actor_infer" if case == "no figures" else "")
+    host, priority = ("b_actor_infer", Priority.INITIALIZATION) if case == "initialization" else ("b_actor_train", TRAIN)
+    if case == "own pipeline":
+        host = "a_actor_train"
+    pending = [PendingRequest("a_actor_infer", GEN, 1)]
+    if case == "reserved":
+        pending.append(PendingRequest("c_actor_train", TRAIN, 2))
+    snap = snapshot(1, c, [whole_alloc(c[host], priority)], pending)
+    plan = plan_cycle(snap)
+    validate_plan(snap, plan)
+    assert not plan.expands and not active(plan, "a_actor_infer")
+
+
+def test_a_co_resident_rank_released_leaves_the_training_step_its_gpu() -> None:
+    c = two_on_one_gpu()
+    snap = snapshot(1, c, [whole_alloc(c["b_actor_train"]), gen_alloc(c["a_actor_infer"], [0])],
+                    planned_releases=["a_actor_infer"])
+    plan = plan_cycle(snap)
+    validate_plan(snap, plan)
+    assert [(s.cluster_id, s.reason) for s in plan.shrinks] == [("a_actor_infer", "release")]
+    assert set(plan.allocations) == {"b_actor_train"} and plan.allocations["b_actor_train"].gpus == {0}
+
+
+@pytest.mark.parametrize("bad", ["does not fit", "one pipeline", "start-up"])
+def test_invariants_refuse_a_pair_the_rule_forbids(bad: str) -> None:
+    c = two_on_one_gpu(infer_awake=62.0 if bad == "does not fit" else 60.0)
+    host = c["a_actor_train"] if bad == "one pipeline" else c["b_actor_train"]
+    prio = Priority.INITIALIZATION if bad == "start-up" else TRAIN
+    snap = snapshot(1, c, [whole_alloc(host, prio)], [PendingRequest("a_actor_infer", GEN, 1)])
+    plan = plan_cycle(snap)
+    corrupt = replace(plan, allocations={**plan.allocations, "a_actor_infer": gen_alloc(c["a_actor_infer"], [0])},
+                      expands=(*plan.expands, *(() if plan.expands else (_expand("a_actor_infer", 0),))))
+    with pytest.raises(PlanInvariantError) as info:
+        validate_plan(snap, corrupt)
+    assert info.value.invariant == "no double allocation", str(info.value)
+
+
+def _expand(cid: str, rank: int):  # noqa: ANN202 - test helper
+    from rlix_plugins.control.types import ExpandOp
+
+    return ExpandOp(cid, (rank,))
+
+
+def _check_holders(snap: SchedulerSnapshot, allocations: dict) -> None:
+    """Independent of the code under test: a GPU has at most one generation and one other holder; both only for
+    a training-type holder of another pipeline, and then every tenant's figures add up within the GPU."""
+    for g in snap.gpus:
+        holders = [(cid, a) for cid, a in allocations.items() if g in a.gpus]
+        gen = [cid for cid, a in holders if a.priority == GEN]
+        other = [(cid, a) for cid, a in holders if a.priority != GEN]
+        assert len(gen) <= 1 and len(other) <= 1, f"GPU {g}: {holders}"
+        if gen and other:
+            (host, halloc), guest = other[0], gen[0]
+            assert Priority.INITIALIZATION < halloc.priority < GEN
+            assert snap.clusters[host].pipeline_id != snap.clusters[guest].pipeline_id
+            tenants = [s for s in snap.clusters.values() if g in s.device_mapping]
+            assert all(s.memory is not None for s in tenants)
+            load = sum(s.memory.awake_gib if s.cluster_id in (host, guest) else s.memory.asleep_gib  # type: ignore[union-attr]
+                       for s in tenants)
+            assert load <= min(s.memory.gpu_gib for s in tenants)  # type: ignore[union-attr]
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(snapshots(memory=True))
+def test_random_pools_with_memory_figures_keep_every_gpu_within_its_memory(snap: SchedulerSnapshot) -> None:
+    """Plan, execute, re-plan: every plan passes validation, every GPU's pair of holders fits, and re-planning with
+    unchanged demand settles (no rank moves back and forth)."""
+    moved = 0
+    for _ in range(12):
+        plan = plan_cycle(snap)
+        validate_plan(snap, plan)
+        _check_holders(snap, plan.allocations)
+        if plan.is_noop or not (plan.shrinks or plan.expands):
+            return
+        moved += 1
+        snap = apply_plan(snap, plan)
+    pytest.fail(f"no fixed point after {moved} cycles")
+
+
+@st.composite
+def shared_pool_runs(draw: st.DrawFn) -> tuple[dict[str, ClusterSpec], list[tuple[str, int]]]:
+    """2-4 pipelines over 1-4 GPUs with random memory figures, and a random sequence of events: a pipeline asks to
+    train or to roll out, ends its training step, or the scheduler plans."""
+    gpus = draw(st.integers(1, 4))
+    n = draw(st.integers(2, 4))
+    clusters: dict[str, ClusterSpec] = {}
+    for i in range(n):
+        infer = draw(st.lists(st.integers(0, gpus - 1), min_size=1, max_size=gpus, unique=True))
+        train = draw(st.lists(st.sampled_from(infer), min_size=1, max_size=len(infer), unique=True))
+        for cid, s in pipeline(f"p{i}", train, infer).items():
+            awake = draw(st.sampled_from([10.0, 25.0, 40.0, 70.0]))
+            clusters[cid] = s if not draw(st.integers(0, 9)) else replace(
+                s, memory=ClusterMemory(100.0, awake, draw(st.sampled_from([1.0, 3.0]))))
+    events = draw(st.lists(st.tuples(st.sampled_from(["train", "train", "rollout", "step done", "plan", "plan"]),
+                                     st.integers(0, n - 1)), min_size=4, max_size=40))
+    return clusters, events
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(shared_pool_runs())
+def test_pipelines_sharing_gpus_never_overfill_one(run: tuple[dict[str, ClusterSpec], list[tuple[str, int]]]) -> None:
+    """Through any sequence of requests and step ends, every plan is valid and every GPU's holders fit in it."""
+    clusters, events = run
+    snap = snapshot(max(g for s in clusters.values() for g in s.device_mapping) + 1, clusters)
+    seq = 0
+    for kind, i in events:
+        train, infer = f"p{i}_actor_train", f"p{i}_actor_infer"
+        asked = {r.cluster_id for r in snap.pending}
+        if kind == "train" and train not in asked and train not in snap.allocations:
+            seq += 1
+            snap = replace(snap, pending=(*snap.pending, PendingRequest(train, TRAIN, seq)))
+        elif kind == "rollout" and infer not in asked:
+            seq += 1
+            snap = replace(snap, pending=(*snap.pending, PendingRequest(infer, GEN, seq)))
+        elif kind == "step done" and train in snap.allocations:
+            snap = replace(snap, allocations={k: v for k, v in snap.allocations.items() if k != train})
+        elif kind == "plan":
+            plan = plan_cycle(snap)
+            validate_plan(snap, plan)
+            _check_holders(snap, plan.allocations)
+            snap = apply_plan(snap, plan)
