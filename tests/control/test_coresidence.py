@@ -11,7 +11,14 @@ from hypothesis import strategies as st
 
 from rlix_plugins.control.scheduling.invariants import PlanInvariantError, validate_plan
 from rlix_plugins.control.scheduling.planner import plan_cycle
-from rlix_plugins.control.types import ClusterMemory, ClusterSpec, PendingRequest, Priority, SchedulerSnapshot
+from rlix_plugins.control.types import (
+    ClusterMemory,
+    ClusterSpec,
+    ExpandOp,
+    PendingRequest,
+    Priority,
+    SchedulerSnapshot,
+)
 
 from ._planner_fixtures import GEN, active, apply_plan, gen_alloc, pipeline, snapshot, snapshots, whole_alloc
 
@@ -115,9 +122,7 @@ def test_invariants_refuse_a_pair_the_rule_forbids(bad: str) -> None:
     assert info.value.invariant == "no double allocation", str(info.value)
 
 
-def _expand(cid: str, rank: int):  # noqa: ANN202 - test helper
-    from rlix_plugins.control.types import ExpandOp
-
+def _expand(cid: str, rank: int) -> ExpandOp:
     return ExpandOp(cid, (rank,))
 
 

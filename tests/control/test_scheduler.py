@@ -395,7 +395,7 @@ def test_rollout_runs_next_to_another_pipelines_training_when_memory_fits(contro
     B's next step after A trained, and the figures the pipelines registered are in `rlix status`."""
     cp = control_plane
     a, ha = make_pipeline(cp, train=[3], infer=[3], memory=_FITS)
-    b, hb = make_pipeline(cp, train=[3], infer=[3], memory=_FITS)
+    b, _ = make_pipeline(cp, train=[3], infer=[3], memory=_FITS)
     assert a.request_gpus("actor_infer", GEN, step_target_estimate=8, timeout_s=10) == [3]
     assert b.request_gpus("actor_train", Priority.ACTOR_TRAINING, step=0, timeout_s=10) == [3]
     st = cp.status()
