@@ -9,7 +9,10 @@
 #      shared<N>           N pipelines from `rlix recipe ... --pipelines N --gpus 0`, all at once, one control plane
 #      sequential<N>       the same N drivers one after another (the baseline)
 # Settings (environment): SHAPE=qwen2.5-1.5b|qwen2.5-0.5b (the model's real architecture and vocabulary, random
-# weights), STEPS=8, NEW_TOKENS=512. Every run keeps the recipe's batch: 32 prompts x 16 generations per step.
+# weights), STEPS=8, NEW_TOKENS=512, EAGER=true (false: the stock recipe's CUDA graphs, compiled at start-up),
+# UTIL= (time-shared runs: `rlix recipe --gpu-memory-utilization UTIL`; empty: the stock recipe's share, at which a
+# 1.5B rollout does not fit next to a training step). Every run keeps the recipe's batch: 32 prompts x 16
+# generations per step.
 # Each run leaves DIR/console_<p>.log (time-stamped), DIR/logs_<p> (NeMo RL's metrics), DIR/nvml.csv (GPU busy share,
 # GPU and host memory, sampled), DIR/trace.jsonl + status.json + gpu_after.csv (time-shared runs) and DIR/report.txt.
 set -u
@@ -19,6 +22,8 @@ WORK=/tmp/rlix_nemo
 SHAPE=${SHAPE:-qwen2.5-1.5b}
 STEPS=${STEPS:-8}
 NEW_TOKENS=${NEW_TOKENS:-512}
+EAGER=${EAGER:-true}
+UTIL=${UTIL:-}
 DATA=$WORK/data_$SHAPE
 mkdir -p "$ROOT" "$WORK"
 ray() { python3 -c 'import sys; from ray.scripts.scripts import main; sys.argv[0] = "ray"; sys.exit(main())' "$@"; }
@@ -42,14 +47,14 @@ prepare() {
 }
 
 # The stock recipe at its real batch; only what this machine lacks changes: the model is a local random one of the
-# real shape (no hub; a one-line recipe over the stock one names it, so `rlix recipe` reads its shape), vLLM runs
-# eager (no compiler cache to warm), DTensor v1 without sequence packing (v2 and packing need packages the offline
+# real shape (no hub; a one-line recipe over the stock one names it, so `rlix recipe` reads its shape), vLLM eager by
+# default (EAGER; no compiler cache to warm), DTensor v1 without sequence packing (v2 and packing need packages the offline
 # image lacks), no validation or checkpoints, local arithmetic prompts, two math reward workers per pipeline
 # (answers to random weights are scored in no time; eight per pipeline would ask for more CPUs than four pipelines
 # have).
 REAL=(policy.dtensor_cfg._v2=false policy.sequence_packing.enabled=false
   policy.max_total_sequence_length=$((NEW_TOKENS + 512)) policy.generation.max_new_tokens="$NEW_TOKENS"
-  policy.generation.vllm_cfg.enforce_eager=true grpo.max_num_steps="$STEPS" grpo.val_period=0
+  policy.generation.vllm_cfg.enforce_eager="$EAGER" grpo.max_num_steps="$STEPS" grpo.val_period=0
   checkpointing.enabled=false data.train.dataset_name=ResponseDataset ++data.train.data_path="$DATA/train.jsonl"
   ++data.train.input_key=input ++data.train.output_key=output data.default.prompt_file=null env.math.num_workers=2
   logger.monitor_gpus=false logger.tensorboard_enabled=true cluster.gpus_per_node=1)
@@ -92,7 +97,8 @@ run_standalone() {
 run_shared() {  # run_shared NAME N MODE (together | sequential)
   local name=$1 n=$2 mode=$3 dir=$ROOT/$1 cfgdir=$WORK/patched/examples/configs/rlix rc=0 pids=() p
   mkdir -p "$dir"
-  python3 -m rlix_plugins.cli recipe "$STOCK" --pipelines "$n" --gpus 0 --out "$cfgdir" >"$dir/recipe.log" 2>&1 ||
+  python3 -m rlix_plugins.cli recipe "$STOCK" --pipelines "$n" --gpus 0 --out "$cfgdir" \
+    ${UTIL:+--gpu-memory-utilization "$UTIL"} >"$dir/recipe.log" 2>&1 ||
     { cat "$dir/recipe.log"; finish "$dir" recipe; return 1; }
   ray start --head --num-gpus 1 --num-cpus 64 --include-dashboard=false --disable-usage-stats >"$dir/ray_start.log" 2>&1
   export RAY_ADDRESS=127.0.0.1:6379

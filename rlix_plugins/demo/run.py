@@ -159,11 +159,11 @@ def analyse_trace(events: list[Any], gpus: list[int], t0: float, t1: float) -> d
     """GPU busy share over ``[t0, t1]`` (some cluster held the GPU), training grants that preempted ANOTHER pipeline's
     rollout rank, and fairness (``capacity.fairness``: steps of another pipeline while one waited, longest wait)."""
     from rlix_plugins.control.capacity.fairness import fairness
-    from rlix_plugins.control.capacity.timeline import occupancy_spans
+    from rlix_plugins.control.capacity.timeline import held_seconds, occupancy_spans
     from rlix_plugins.control.types import Priority
 
     span_total = max(t1 - t0, 1e-9) * len(gpus)
-    busy = sum(max(0.0, min(s.end, t1) - max(s.start, t0)) for s in occupancy_spans(events) if s.gpu in gpus)
+    busy = held_seconds(occupancy_spans(events), gpus, t0, t1)
     preempt = [e for e in events if e.op == "shrink" and "preempt" in e.detail]
     trains = [e for e in events if e.op == "allocate" and e.priority == Priority.ACTOR_TRAINING]
     cross = 0

@@ -95,8 +95,8 @@ def phase_busy(spans: list[tuple[float, float, int]], rows: list[dict[str, float
     for r in rows:
         if not t0 <= r["time"] <= t1:
             continue
-        held = next((prio for a, b, prio in spans if a <= r["time"] <= b), None)
-        kind = "no one" if held is None else names.get(held, "training")
+        held = sorted({names.get(prio, "training") for a, b, prio in spans if a <= r["time"] <= b})
+        kind = " + ".join(held) if held else "no one"  # "rollout + training": a rollout next to a training step
         out.setdefault(kind, []).append(r["util_0"])
     dt = (t1 - t0) / max(sum(len(v) for v in out.values()), 1)
     return {k: {"seconds": round(len(v) * dt, 1), "busy": round(sum(v) / len(v) / 100, 3)} for k, v in out.items()}
@@ -125,7 +125,12 @@ def trace_figures(path: Path, t0: float, t1: float, rows: list[dict[str, float]]
                 since, prio = held.pop(c)
                 spans.append((since, e.time, prio))
     spans += [(since, t1, prio) for since, prio in held.values()]
-    busy = sum(max(0.0, min(b, t1) - max(a, t0)) for a, b, _ in spans)
+    busy, edge = 0.0, t0  # the union of the spans: a rollout next to a training step counts once
+    for a, b, _ in sorted(spans):
+        a, b = max(a, edge), min(b, t1)
+        if b > a:
+            busy += b - a
+            edge = b
     out: dict[str, Any] = {"gpu_allocated_share_steps_phase": busy / (t1 - t0) if t1 > t0 else float("nan"),
                            "fairness": fairness(events).as_dict()}
     if rows:

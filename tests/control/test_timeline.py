@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from rlix_plugins.control.capacity.timeline import occupancy_spans, phase_of, render_timeline
+from rlix_plugins.control.capacity.timeline import held_seconds, occupancy_spans, phase_of, render_timeline
 from rlix_plugins.control.types import Priority, TraceEvent
 
 
@@ -103,3 +103,20 @@ def test_start_up_gets_its_own_panel_steps_and_names_are_shown(tmp_path) -> None
 def test_short_start_up_keeps_one_panel(tmp_path) -> None:
     svg = _svg_text(EVENTS, tmp_path, gpus=8)
     assert "start-up" not in svg and ">a<" in svg  # no names given: ids as they are
+
+
+def test_a_rollout_next_to_a_training_step_keeps_both_spans_and_counts_once(tmp_path) -> None:
+    """Co-residence: b trains on GPU 0 while a's rollout rank wakes there; both spans survive each other's events, the
+    GPU counts as held once, and the chart draws the GPU in two lanes."""
+    events = [
+        TraceEvent(1.0, "b", "b_actor_train", "allocate", (0,), int(Priority.ACTOR_TRAINING)),
+        TraceEvent(2.0, "a", "a_actor_infer", "expand", (0,)),
+        TraceEvent(5.0, "b", "b_actor_train", "release", (0,), int(Priority.ACTOR_TRAINING), "step=0"),
+        TraceEvent(8.0, "a", "a_actor_infer", "shrink", (0,)),
+        TraceEvent(9.0, "b", "b_actor_train", "allocate", (0,), int(Priority.ACTOR_TRAINING)),
+        TraceEvent(10.0, "b", "b_actor_train", "release", (0,), int(Priority.ACTOR_TRAINING), "step=1"),
+    ]
+    spans = sorted((s.cluster_id, s.start, s.end, s.step) for s in occupancy_spans(events))
+    assert spans == [("a_actor_infer", 2.0, 8.0, None), ("b_actor_train", 1.0, 5.0, 0), ("b_actor_train", 9.0, 10.0, 1)]
+    assert held_seconds(occupancy_spans(events), [0], 0.0, 10.0) == 8.0
+    assert render_timeline(events, tmp_path / "t.png").stat().st_size > 0

@@ -5,7 +5,9 @@ phases differ at a glance: rollout is a pale tint, training (and log-probs) the 
 outline and the step number, initialisation a grey cross-hatch. When start-up fills much of the run it gets a
 narrow panel of its own and the steps get the rest of the width. Occupancy is reconstructed from the trace:
 ``allocate``/``expand`` start a span for the event's cluster on its GPUs, ``release``/``shrink``/``unregister``/
-``fail`` end it (see ``control/trace.py``). ``fail``/``timeout``/``error`` events are marked with red ticks.
+``fail`` end it (see ``control/trace.py``). A GPU holds at most one rollout span and one other span at a time; where
+a rollout ran next to another pipeline's training (co-residence) the GPU's row splits into two lanes, training above,
+rollout below. ``fail``/``timeout``/``error`` events are marked with red ticks.
 matplotlib (Agg) is imported lazily, so importing this module is cheap.
 """
 
@@ -69,37 +71,70 @@ def occupancy_spans(events: Sequence[TraceEvent]) -> list[Span]:
     ordered = sorted(events, key=lambda e: e.time)
     if not ordered:
         return []
-    open_: dict[int, tuple[float, str, str, str]] = {}  # gpu -> (start, pipeline, cluster, phase)
+    # (gpu, is rollout) -> (start, pipeline, cluster, phase): one rollout and one other span per GPU at a time
+    open_: dict[tuple[int, bool], tuple[float, str, str, str]] = {}
     spans: list[Span] = []
 
-    def close(g: int, t: float, detail: str = "") -> None:
-        start, pid, cid, phase = open_.pop(g)
+    def close(key: tuple[int, bool], t: float, detail: str = "") -> None:
+        start, pid, cid, phase = open_.pop(key)
         step = _STEP.search(detail) if phase in ("training", "log-probs") else None
         if t > start:
-            spans.append(Span(g, start, t, pid, cid, phase, int(step.group(1)) if step else None))
+            spans.append(Span(key[0], start, t, pid, cid, phase, int(step.group(1)) if step else None))
 
     for e in ordered:
         if e.op in OCCUPY_OPS:
             phase = phase_of(e.priority if e.op == "allocate" else Priority.GENERATION, e.cluster_id)
             for g in e.gpus:
-                if g in open_:
-                    close(g, e.time)
-                open_[g] = (e.time, e.pipeline_id, e.cluster_id, phase)
+                key = (g, phase == "rollout")
+                if key in open_:
+                    close(key, e.time)
+                open_[key] = (e.time, e.pipeline_id, e.cluster_id, phase)
         elif e.op in VACATE_OPS:
-            targets = e.gpus
-            if not targets and e.op in ("unregister", "fail"):
-                targets = tuple(g for g, cur in open_.items() if cur[1] == e.pipeline_id)
-            for g in targets:
-                cur = open_.get(g)
-                if cur is None:
-                    continue
+            gpus = set(e.gpus)
+            if not gpus and e.op in ("unregister", "fail"):
+                gpus = {k[0] for k, cur in open_.items() if cur[1] == e.pipeline_id}
+            for key in [k for k in open_ if k[0] in gpus]:
+                cur = open_[key]
                 same = cur[2] == e.cluster_id if e.cluster_id else cur[1] == e.pipeline_id
                 if same or (e.op in ("unregister", "fail") and cur[1] == e.pipeline_id):
-                    close(g, e.time, e.detail)
+                    close(key, e.time, e.detail)
     end = ordered[-1].time
-    for g in list(open_):
-        close(g, end)
+    for key in list(open_):
+        close(key, end)
     return spans
+
+
+def held_seconds(spans: Sequence[Span], gpus: Sequence[int] | set[int], t0: float, t1: float) -> float:
+    """GPU-seconds of ``[t0, t1]`` in which some span held one of ``gpus`` (a GPU with a rollout next to a training
+    step counts once)."""
+    total = 0.0
+    for g in set(gpus):
+        cuts = sorted((max(s.start, t0), min(s.end, t1)) for s in spans if s.gpu == g and s.end > t0 and s.start < t1)
+        edge = t0
+        for a, b in cuts:
+            if b > edge:
+                total += b - max(a, edge)
+                edge = b
+    return total
+
+
+def _shared_gpus(spans: Sequence[Span]) -> set[int]:
+    """GPUs on which a rollout span overlapped another span (co-residence): their rows get two lanes."""
+    by_gpu: dict[int, list[Span]] = {}
+    for s in spans:
+        by_gpu.setdefault(s.gpu, []).append(s)
+    out: set[int] = set()
+    for g, mine in by_gpu.items():
+        rollout = sorted((s.start, s.end) for s in mine if s.phase == "rollout")
+        other = sorted((s.start, s.end) for s in mine if s.phase != "rollout")
+        i = 0
+        for a, b in other:  # two sorted sweeps
+            while i < len(rollout) and rollout[i][1] <= a:
+                i += 1
+            if i < len(rollout) and rollout[i][0] < b:
+                out.add(g)
+                break
+    return out
 
 
 def render_timeline(
@@ -190,17 +225,20 @@ def _draw_panel(ax: Any, spans: Sequence[Span], events: Sequence[TraceEvent], ro
                 scale: float) -> None:
     """The spans and alerts of ``[lo, hi]`` (times relative to ``t0``, in units of ``scale`` seconds)."""
     width = max(hi - lo, 1e-9)
+    shared = _shared_gpus(spans)
     for s in spans:
         if s.gpu not in row_of or s.end <= lo or s.start >= hi:
             continue
         a, b = max(s.start, lo), min(s.end, hi)
         hatch, alpha, lw, edge = PHASE_STYLE.get(s.phase, ("", 0.7, 0.3, "black"))
         x, w, y = (a - t0) / scale, (b - a) / scale, row_of[s.gpu]
+        # two lanes on a GPU with co-residence: training above, rollout below
+        lane = (y - 0.4, 0.8) if s.gpu not in shared else (y, 0.4) if s.phase == "rollout" else (y - 0.4, 0.4)
         # Face and hatch drawn apart: a pale face keeps a dark hatch and outline.
-        ax.broken_barh([(x, w)], (y - 0.4, 0.8), facecolors=colour[s.pipeline_id], alpha=alpha, linewidth=0)
-        ax.broken_barh([(x, w)], (y - 0.4, 0.8), facecolors="none", hatch=hatch, edgecolor=edge, linewidth=lw)
+        ax.broken_barh([(x, w)], lane, facecolors=colour[s.pipeline_id], alpha=alpha, linewidth=0)
+        ax.broken_barh([(x, w)], lane, facecolors="none", hatch=hatch, edgecolor=edge, linewidth=lw)
         if s.step is not None and (b - a) / width > 0.012:
-            ax.text(x + w / 2, y, f"s{s.step}", ha="center", va="center", fontsize=7, color="white",
+            ax.text(x + w / 2, lane[0] + lane[1] / 2, f"s{s.step}", ha="center", va="center", fontsize=7, color="white",
                     fontweight="bold", bbox={"boxstyle": "round,pad=0.1", "facecolor": "black", "alpha": 0.6,
                                              "linewidth": 0})
     for e in events:
