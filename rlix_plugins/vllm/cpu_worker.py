@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from vllm.v1.worker.cpu_worker import CPUWorker
 
-from rlix_plugins.control.start_gate import hold_start_grant
 from rlix_plugins.vllm.receiver import RlixReceiverMixin
+from rlix_plugins.vllm.start import start_under_grant
 
 __all__ = ["RlixCPUWorker"]
 
@@ -19,5 +19,5 @@ class RlixCPUWorker(RlixReceiverMixin, CPUWorker):
 
     def init_device(self) -> None:
         # A time-shared pipeline's engine touches the GPU only under its start-up grant (control.start_gate).
-        hold_start_grant()
+        start_under_grant(self)
         super().init_device()

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from vllm.v1.worker.gpu_worker import Worker
 
-from rlix_plugins.control.start_gate import hold_start_grant
 from rlix_plugins.vllm.receiver import RlixReceiverMixin
+from rlix_plugins.vllm.start import start_under_grant
 
 __all__ = ["RlixGPUWorker"]
 
@@ -22,5 +22,5 @@ class RlixGPUWorker(RlixReceiverMixin, Worker):
 
     def init_device(self) -> None:
         # A time-shared pipeline's engine touches the GPU only under its start-up grant (control.start_gate).
-        hold_start_grant()
+        start_under_grant(self)
         super().init_device()

@@ -104,3 +104,4 @@ def test_pipeline_start_requests_join_while_other_priorities_stay_one_at_a_time(
     finally:
         a.unregister("test over")
         b.unregister("test over")
+
