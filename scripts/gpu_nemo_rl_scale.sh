@@ -10,9 +10,9 @@
 #      sequential<N>       the same N drivers one after another (the baseline)
 # Settings (environment): SHAPE=qwen2.5-1.5b|qwen2.5-0.5b (the model's real architecture and vocabulary, random
 # weights), STEPS=8, NEW_TOKENS=512, EAGER=true (false: the stock recipe's CUDA graphs, compiled at start-up),
-# UTIL= (time-shared runs: `rlix recipe --gpu-memory-utilization UTIL`; empty: the stock recipe's share, at which a
-# 1.5B rollout does not fit next to a training step). Every run keeps the recipe's batch: 32 prompts x 16
-# generations per step.
+# STANDALONE_ORDER="unpatched patched" (reverse it to pair with an earlier run), UTIL= (time-shared runs:
+# `rlix recipe --gpu-memory-utilization UTIL`; empty: the stock recipe's share, at which a 1.5B rollout does not fit
+# next to a training step). Every run keeps the recipe's batch: 32 prompts x 16 generations per step.
 # Each run leaves DIR/console_<p>.log (time-stamped), DIR/logs_<p> (NeMo RL's metrics), DIR/nvml.csv (GPU busy share,
 # GPU and host memory, sampled), DIR/trace.jsonl + status.json + gpu_after.csv (time-shared runs) and DIR/report.txt.
 set -u
@@ -81,7 +81,7 @@ finish() {  # finish DIR RC: report, pack
 run_standalone() {
   local dir=$ROOT/standalone rc=0
   mkdir -p "$dir"
-  for which in unpatched patched; do
+  for which in ${STANDALONE_ORDER:-unpatched patched}; do
     local src=$NEMO_RL_SRC
     [ $which = patched ] && src=$WORK/patched
     ray start --head --num-gpus 1 --num-cpus 64 --include-dashboard=false --disable-usage-stats >"$dir/ray_$which.log" 2>&1
@@ -151,7 +151,7 @@ collect() {  # every finished run: its report and one archive into $OUT (the dev
     local n
     n=$(basename "$d")
     cp "$d/report.txt" "$OUT/${n}_report.txt" 2>/dev/null
-    tar -czf "$OUT/$n.tgz" --exclude=ray_logs/old -C "$ROOT" "$n"
+    tar -cJf "$OUT/$n.txz" --exclude='logs_*' --exclude=ray_logs -C "$ROOT" "$n"  # NeMo RL's own logs: too big
   done
 }
 

@@ -7,7 +7,8 @@ narrow panel of its own and the steps get the rest of the width. Occupancy is re
 ``allocate``/``expand`` start a span for the event's cluster on its GPUs, ``release``/``shrink``/``unregister``/
 ``fail`` end it (see ``control/trace.py``). A GPU holds at most one rollout span and one other span at a time; where
 a rollout ran next to another pipeline's training (co-residence) the GPU's row splits into two lanes, training above,
-rollout below. ``fail``/``timeout``/``error`` events are marked with red ticks.
+rollout below. ``fail``/``timeout``/``error`` events are marked with red ticks (not a rollout request's timeout: its
+waiter asks again).
 matplotlib (Agg) is imported lazily, so importing this module is cheap.
 """
 
@@ -116,6 +117,11 @@ def held_seconds(spans: Sequence[Span], gpus: Sequence[int] | set[int], t0: floa
                 total += b - max(a, edge)
                 edge = b
     return total
+
+
+def _routine(e: TraceEvent) -> bool:
+    """A timed-out GENERATION request is a rollout waiter's poll (it asks again), not an alert."""
+    return e.op == "timeout" and e.priority == Priority.GENERATION
 
 
 def _shared_gpus(spans: Sequence[Span]) -> set[int]:
@@ -242,7 +248,7 @@ def _draw_panel(ax: Any, spans: Sequence[Span], events: Sequence[TraceEvent], ro
                     fontweight="bold", bbox={"boxstyle": "round,pad=0.1", "facecolor": "black", "alpha": 0.6,
                                              "linewidth": 0})
     for e in events:
-        if e.op in ALERT_OPS and lo <= e.time <= hi:
+        if e.op in ALERT_OPS and lo <= e.time <= hi and not _routine(e):
             x = (e.time - t0) / scale
             ax.axvline(x, color="red", linestyle="--", linewidth=0.8)
             ax.text(x, -0.5, f" {e.op} {label.get(e.pipeline_id, e.pipeline_id)}", color="red", fontsize=7,
