@@ -37,6 +37,7 @@ import contextlib
 import logging
 import os
 import socket
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -323,6 +324,11 @@ class ControlPlane:
                 ray.kill(handle, no_restart=True)
 
 
+#: Heartbeat threads of this process, by pipeline id (:meth:`PipelineHandle.keep_alive`).
+_BEATS: dict[str, threading.Event] = {}
+_BEATS_LOCK = threading.Lock()
+
+
 @dataclass
 class PipelineHandle:
     """One registered pipeline: typed, bounded wrappers over the scheduler and its coordinator.
@@ -344,6 +350,33 @@ class PipelineHandle:
 
     def set_resize_handler(self, handle: Any) -> None:
         call(self.coordinator.set_resize_handler.remote(handle), "set_resize_handler")
+
+    def keep_alive(self) -> None:
+        """Renew the driver's lease with the coordinator from this process until :meth:`stop_keep_alive` (idempotent
+        per pipeline and process). Once it beats, a driver that is stopped or hangs its whole process loses its lease
+        and the scheduler fails the pipeline and frees its GPUs. The driver starts it when it registers, before any
+        grant: setup()'s placement, or ``PipelineRuntime.start``."""
+        with _BEATS_LOCK:
+            if self.pipeline_id in _BEATS:
+                return
+            stop = _BEATS[self.pipeline_id] = threading.Event()
+        coordinator = self.coordinator
+        interval = float(call(coordinator.heartbeat_interval_s.remote(), "coordinator.heartbeat_interval_s"))
+
+        def beat() -> None:
+            while True:
+                with contextlib.suppress(Exception):  # fire and forget: a dead coordinator is the scheduler's business
+                    coordinator.heartbeat.remote()
+                if stop.wait(interval):
+                    return
+
+        threading.Thread(target=beat, name=f"rlix-heartbeat-{self.pipeline_id}", daemon=True).start()
+
+    def stop_keep_alive(self) -> None:
+        with _BEATS_LOCK:
+            stop = _BEATS.pop(self.pipeline_id, None)
+        if stop is not None:
+            stop.set()
 
     def request_gpus(self, cluster: str, priority: Priority | int, *, step: int | None = None,
                      step_target_estimate: int | None = None, timeout_s: float = DEFAULT_WAIT_S) -> list[int]:

@@ -149,6 +149,12 @@ class Coordinator:
         with self._state:
             self._last_beat = time.monotonic()
 
+    def lease_age_s(self) -> float | None:
+        """Seconds since the driver's last heartbeat (None: it never sent one, so no lease runs yet)."""
+        with self._state:
+            last = self._last_beat
+        return None if last is None else time.monotonic() - last
+
     def heartbeat_interval_s(self) -> float:
         return self._cfg.heartbeat_lease_s / 4
 

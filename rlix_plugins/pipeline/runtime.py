@@ -92,7 +92,6 @@ class PipelineRuntime:
         self._ended = False
         self._stop = threading.Event()
         self._watchdog: threading.Thread | None = None
-        self._beats_stop = threading.Event()
         self._watchdog_requests = 0
         self._final_history: list[dict[str, Any]] = []
         #: the router's final counters (requests served per rank, requests preempted by shrinks), set by end()
@@ -131,7 +130,7 @@ class PipelineRuntime:
         """
         ns = pipeline_namespace(self.pipeline_id)
         self.weights = weights
-        self._start_heartbeat()
+        self.pipe.keep_alive()  # no-op when setup() started it at registration
         try:
             self.router = ray.remote(RolloutRouter).options(
                 name=router_name(self.pipeline_id), namespace=ns, num_cpus=0,
@@ -142,21 +141,6 @@ class PipelineRuntime:
             if init_held:
                 self.pipe.release_gpus(GENERATION_CLUSTER, step=-1, timeout_s=_RPC_S)
         self.pipe.set_resize_handler(self.resizer)
-
-    def _start_heartbeat(self) -> None:
-        """Renew this driver's lease with the coordinator until ``end`` finished: if this process hangs or is
-        stopped, the lease expires and the scheduler fails the pipeline and frees its GPUs."""
-        coordinator = self.pipe.coordinator
-        interval = float(_get(coordinator.heartbeat_interval_s.remote(), "coordinator.heartbeat_interval_s", _RPC_S))
-
-        def beat() -> None:
-            while True:
-                with contextlib.suppress(Exception):  # fire and forget: a dead coordinator is the scheduler's business
-                    coordinator.heartbeat.remote()
-                if self._beats_stop.wait(interval):
-                    return
-
-        threading.Thread(target=beat, name=f"rlix-heartbeat-{self.pipeline_id}", daemon=True).start()
 
     @contextlib.contextmanager
     def _init_grant(self, cluster: str, held: bool) -> Iterator[None]:
@@ -336,7 +320,7 @@ class PipelineRuntime:
         for what, fn in steps:
             with self._logged(what, errors):
                 fn()
-        self._beats_stop.set()
+        self.pipe.stop_keep_alive()
         self._holds_train = False
         # Figures for the report, then the actors: a failure is logged and returned, never raised (see above).
         if self.resizer is not None:

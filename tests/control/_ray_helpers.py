@@ -25,7 +25,7 @@ from rlix_plugins.errors import RlixError
 #: Short timeouts so failure tests finish in seconds.
 FAST_SCHEDULER = SchedulerConfig(
     resize_timeout_s=6.0, poll_interval_s=0.2, health_interval_s=0.5, health_timeout_s=2.0,
-    default_request_timeout_s=20.0,
+    default_request_timeout_s=20.0, init_hold_timeout_s=8.0,
 )
 FAST_COORDINATOR = CoordinatorConfig(lock_timeout_s=2.5, handler_timeout_s=2.5, lock_lease_s=30.0)
 

@@ -158,3 +158,24 @@ def test_driver_that_stops_renewing_its_lease_is_failed_and_its_gpus_return(cont
     assert b.request_gpus("actor_train", TRAIN, timeout_s=15) == [0]
     assert "lease expired" in cp.status()["failed"][a.pipeline_id]["reason"]
     _still_serving(cp, b)
+
+
+def test_a_start_that_hangs_under_its_initialization_grant_is_failed_and_the_gpus_return(
+        control_plane: client.ControlPlane) -> None:
+    """A driver stuck in its start (worker creation, say) keeps its heartbeat thread beating, so only a bound on the
+    INITIALIZATION hold frees the GPUs: A holds it past ``init_hold_timeout_s`` (8 s here) and is failed; B, which
+    waited for the same GPU, gets it."""
+    cp = control_plane
+    a, _ = make_pipeline(cp, train=[0], infer=[0, 1])
+    b, _ = make_pipeline(cp, train=[1], infer=[0, 1])
+    a.keep_alive()  # its lease is renewed all along: the lease does not catch this
+    try:
+        assert a.request_gpus("actor_infer", Priority.INITIALIZATION, step=-1, timeout_s=10) == [0, 1]
+        t0 = time.monotonic()
+        assert b.request_gpus("actor_infer", Priority.INITIALIZATION, step=-1, timeout_s=30) == [0, 1]
+        assert 7 < time.monotonic() - t0 < 25
+        failed = [e for e in cp.trace() if e.op == "fail" and e.pipeline_id == a.pipeline_id]
+        assert failed and "init_hold_timeout_s" in failed[0].detail, failed
+        b.release_gpus("actor_infer", step=-1)
+    finally:
+        a.stop_keep_alive()

@@ -37,6 +37,9 @@ class SchedulerConfig:
     health_timeout_s: float = 10.0
     #: Default wait of ``request_gpus`` / ``await_release`` when the caller gives none.
     default_request_timeout_s: float = 1800.0
+    #: A pipeline that holds an INITIALIZATION grant longer than this is failed and its GPUs return: its start hangs
+    #: (a driver stuck in worker creation keeps its heartbeat thread, so its lease alone would never expire).
+    init_hold_timeout_s: float = 1800.0
     #: Demand share vs GPU share difference (0..1) among the least-complete half that triggers a poll cycle.
     drift_threshold: float = 0.10
     #: After a non-generation cluster releases GPUs, rollout ranks are not woken on them for this long. Back-to-back
@@ -51,7 +54,7 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         check_durations(self, "resize_timeout_s", "poll_interval_s", "health_interval_s", "health_timeout_s",
-                        "default_request_timeout_s")
+                        "default_request_timeout_s", "init_hold_timeout_s")
         if not (isinstance(self.release_grace_s, (int, float)) and 0 <= self.release_grace_s < math.inf):
             raise RlixConfigError(f"SchedulerConfig.release_grace_s={self.release_grace_s!r} must be >= 0 seconds")
         if not 0 < self.drift_threshold < 1:

@@ -73,6 +73,7 @@ class SchedulerCycle:
         self._cfg = config or SchedulerConfig()
         self._pipelines: dict[str, _Pipeline] = {}
         self._allocations: dict[str, Allocation] = {}
+        self._init_since: dict[str, float] = {}  #: cluster -> when its INITIALIZATION allocation began (monotonic)
         self._pending: dict[int, _Waiter] = {}
         self._progress: dict[str, Progress] = {}
         self._progress_seq: dict[str, int] = {}  # last coordinator report_seq per pipeline
@@ -337,6 +338,7 @@ class SchedulerCycle:
         removed = self._removed_in_cycle or set()
         alive = {cid for p in self._pipelines.values() for cid in p.clusters}
         self._allocations = {cid: a for cid, a in plan.allocations.items() if cid not in removed and cid in alive}
+        self._note_init_holds()
         self._trace_plan(snapshot, plan, shrinks, expands, alive)
         for grant in plan.grants:
             waiter = self._pending.pop(grant.seq, None)
@@ -422,6 +424,21 @@ class SchedulerCycle:
             w.pipeline_id == pipeline_id for w in self._pending.values()
         )
 
+    def _note_init_holds(self) -> None:
+        """Keep when each INITIALIZATION allocation began (a new grant starts the clock, a release drops it)."""
+        now = time.monotonic()
+        held = {cid for cid, a in self._allocations.items() if a.priority == Priority.INITIALIZATION}
+        self._init_since = {cid: self._init_since.get(cid, now) for cid in held}
+
+    def _check_init_holds(self) -> None:
+        self._note_init_holds()
+        limit = self._cfg.init_hold_timeout_s
+        for cid, since in sorted(self._init_since.items()):
+            spec = next((p.clusters[cid] for p in self._pipelines.values() if cid in p.clusters), None)
+            if spec is not None and time.monotonic() - since > limit:
+                self._fail(spec.pipeline_id, f"{cid} held its INITIALIZATION grant for more than {limit:g} s "
+                                             "(SchedulerConfig.init_hold_timeout_s): its start hangs")
+
     async def _health_check(self) -> None:
         """Fail pipelines whose coordinator actor died (e.g. the driver that owned it exited), or whose coordinator
         reports that the driver stopped renewing its lease (a driver that hangs or was stopped while it holds GPUs).
@@ -430,6 +447,7 @@ class SchedulerCycle:
         (driver-owned) coordinator with it, so "no such actor" for a pipeline that holds GPUs or waits for them,
         and registered longer than the grace below, means its driver is gone: fail it, or its GPUs never return.
         """
+        self._check_init_holds()
         grace_s = 2 * self._cfg.health_interval_s + self._cfg.health_timeout_s
         probes: dict[str, Any] = {}
         for pid, pipe in list(self._pipelines.items()):

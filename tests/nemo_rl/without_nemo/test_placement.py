@@ -95,6 +95,9 @@ def test_setup_placement_answers_two_pipelines_the_same_groups(ray_cluster: dict
         held = {c: a["priority"] for c, a in client.connect().status()["allocations"].items()
                 if c.startswith(("ft_0123456789ab", str(a_pid)))}
         assert held == {}, held  # registered, nothing held: the vLLM ranks ask when they touch the GPU
+        # the driver's lease runs from setup() on, before any grant (a start that hangs must not keep GPUs)
+        ages = [ray.get(p.coordinator.lease_age_s.remote(), timeout=30) for p in (a_pipe, b_pipe)]
+        assert all(age is not None and age < 60 for age in ages), ages
         registered = client.connect().status()["pipelines"]
         assert {n: c["memory"] for n, c in registered["ft_0123456789ab"]["clusters"].items()} == figures
         assert {c["memory"] for c in registered[str(a_pid)]["clusters"].values()} == {None}
@@ -112,8 +115,9 @@ def test_setup_placement_answers_two_pipelines_the_same_groups(ray_cluster: dict
         assert ray.get([w.gpu.remote() for w in workers], timeout=120) == [[0], [0], [0]]
         for w in workers:
             ray.kill(w)
-        a_pipe.unregister("test over")
-        b_pipe.unregister("test over")
+        for p in (a_pipe, b_pipe):
+            p.stop_keep_alive()
+            p.unregister("test over")
     finally:
         ray.get(pool.release_all.remote(), timeout=60)
         ray.kill(pool)
