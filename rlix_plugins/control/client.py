@@ -414,15 +414,24 @@ class PipelineHandle:
     def get_active_ranks(self) -> list[int]:
         return list(call(self.coordinator.get_active_ranks.remote(), "get_active_ranks"))
 
+    def acquire_resize_lock(self, timeout_s: float = 180.0, lease_s: float | None = None) -> tuple[str, list[int]]:
+        """Take the coordinator's resize lock (no expand/shrink until :meth:`release_resize_lock`, or until its lease
+        ends); returns its token and the active DP ranks."""
+        token, active = call(self.coordinator.acquire_resize_lock.remote(timeout_s, lease_s), "acquire_resize_lock",
+                             timeout_s + RPC_TIMEOUT_S)
+        return str(token), list(active)
+
+    def release_resize_lock(self, token: str) -> None:
+        call(self.coordinator.release_resize_lock.remote(token), "release_resize_lock")
+
     @contextlib.contextmanager
     def resize_lock(self, timeout_s: float = 180.0, lease_s: float | None = None) -> Iterator[list[int]]:
         """Hold the coordinator's resize lock; yields the active DP ranks (no expand/shrink meanwhile)."""
-        token, active = call(self.coordinator.acquire_resize_lock.remote(timeout_s, lease_s), "acquire_resize_lock",
-                             timeout_s + RPC_TIMEOUT_S)
+        token, active = self.acquire_resize_lock(timeout_s, lease_s)
         try:
-            yield list(active)
+            yield active
         finally:
-            call(self.coordinator.release_resize_lock.remote(token), "release_resize_lock")
+            self.release_resize_lock(token)
 
     def unregister(self, reason: str = "unregistered by its pipeline") -> bool:
         return self.control_plane.unregister_pipeline(self.pipeline_id, reason)

@@ -88,6 +88,8 @@ class PipelineRuntime:
         self.publisher: VersionPublisher | None = None
         #: The pipeline's weight versions; this runtime is their only writer (:mod:`.versions`).
         self.versions = VersionLedger()
+        #: The resize lock's token from before_weight_sync until after_training published (no expand in between).
+        self._sync_lock: str | None = None
         self._holds_train = False
         self._ended = False
         self._stop = threading.Event()
@@ -255,29 +257,48 @@ class PipelineRuntime:
         if self.weights is None:
             raise RlixError("before_weight_sync before start()")
         t0 = time.perf_counter()
-        self.versions = self.versions.cache_rebuilding()
-        built = self.weights.build_cache(cache_version_after_step(step), self.config.sync_timeout_s)
-        self.versions = self.versions.cache_built(built)
+        # The resize lock is held from here until after_training has published: an expand in between would sync the
+        # new weights (or read a cache being overwritten) and label them with the old version. It waits instead.
+        self._release_sync_lock()
+        self._sync_lock, _ = self.pipe.acquire_resize_lock(self.config.resize_lock_timeout_s)
+        try:
+            self.versions = self.versions.cache_rebuilding()
+            built = self.weights.build_cache(cache_version_after_step(step), self.config.sync_timeout_s)
+            self.versions = self.versions.cache_built(built)
+        except BaseException:
+            self._release_sync_lock()
+            raise
         self._timed("build_cache", step, t0)
         return built
 
     def after_training(self, step: int, *, offload: Callable[[], None] | None = None) -> int:
-        """Offload → in-flight refresh of the active ranks (under the resize lock) → the version to publish."""
-        versions = self.versions.after_step(step)  # refused before anything moves (no cache, wrong version)
-        t0 = time.perf_counter()
-        if offload is not None:
-            offload()
-        self._timed("offload", step, t0)
-        t1 = time.perf_counter()
-        with self.pipe.resize_lock(timeout_s=self.config.resize_lock_timeout_s):
+        """Offload → in-flight refresh of the active ranks → the version to publish, all under the resize lock
+        ``before_weight_sync`` took (it is released here, on errors too)."""
+        try:
+            versions = self.versions.after_step(step)  # refused before anything moves (no cache, wrong version)
+            if self._sync_lock is None:
+                raise RlixError(f"after_training(step={step}) without before_weight_sync({step}) holding the resize "
+                                "lock; call before_weight_sync first")
+            t0 = time.perf_counter()
+            if offload is not None:
+                offload()
+            self._timed("offload", step, t0)
+            t1 = time.perf_counter()
             _get(self.resizer.refresh_active.remote(), "in-flight refresh of the active ranks",
                  self.config.sync_timeout_s + _RPC_S)
             # Inside the lock: an expand right after it already publishes the new version, never the old one.
             _get(self.resizer.set_versions.remote(versions), "resizer.set_versions", _RPC_S)
+        finally:
+            self._release_sync_lock()
         self.versions = versions
         self._timed("refresh_active", step, t1)
         assert versions.published is not None  # after_step sets it
         return versions.published
+
+    def _release_sync_lock(self) -> None:
+        token, self._sync_lock = self._sync_lock, None
+        if token is not None:
+            self.pipe.release_resize_lock(token)
 
     def on_published(self, step: int, version: int) -> None:
         """The collector has ``version``: only now may the training GPUs go (publish, then release: DESIGN §3)."""
@@ -308,6 +329,8 @@ class PipelineRuntime:
         if self._watchdog is not None:
             self._watchdog.join(timeout=self.config.watchdog_interval_s + _RPC_S)
         steps: list[tuple[str, Callable[[], Any]]] = []
+        if self._sync_lock is not None:  # ended between before_weight_sync and after_training
+            steps.append(("release the resize lock", self._release_sync_lock))
         if self._holds_train:
             steps.append(("release training GPUs", lambda: self.pipe.release_gpus(TRAIN_CLUSTER, timeout_s=_RPC_S)))
         steps += [

@@ -257,3 +257,24 @@ def test_end_logs_and_returns_what_failed_with_the_pipeline_id(control_plane: Co
     assert len(errors) == 1 and errors[0].startswith("read the resize history: "), errors
     assert any(rt.pipeline_id in r.getMessage() and "read the resize history" in r.getMessage() for r in caplog.records)
     assert rt.pipeline_id not in control_plane.status()["pipelines"]
+
+
+def test_an_expand_between_the_cache_build_and_the_publish_waits_and_publishes_the_new_version(
+        control_plane: ControlPlane) -> None:
+    """A GPU frees up after before_weight_sync(0) built version 1 but before after_training(0) published it: the expand
+    of a rank there must not label version 1's weights as version 0. It waits for the publish instead."""
+    rt, rec = _runtime(control_plane, [0], [0, 1, 2])
+    other, _ = make_pipeline(control_plane, train=[2], infer=[2])
+    assert other.request_gpus("actor_train", Priority.ACTOR_TRAINING, step=0, timeout_s=20) == [2]
+    rt.attach_collector(RecordingPublisher(rec))
+    rt.before_training(0)
+    assert rt.before_weight_sync(0) == 1
+    other.release_gpus("actor_train", step=0)  # GPU 2 is free: the scheduler expands rank 2 of rt
+    time.sleep(3)  # an expand that does not wait for the publish happens meanwhile
+    assert 2 not in _active(rt), "rank 2 was routed before its version was published"
+    rt.on_published(0, rt.after_training(0))
+    wait_for(lambda: 2 in _active(rt), timeout_s=15, what="rank 2 expanded after the publish")
+    expands = [e for e in ray.get(rt.resizer.history.remote(), timeout=10) if e["op"] == "expand"]
+    assert expands and all(e["published"] == max(e["version"], 0) for e in expands), expands
+    rt.end()
+    other.unregister("test over")
