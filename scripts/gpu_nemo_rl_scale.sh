@@ -12,7 +12,8 @@
 # weights), STEPS=8, NEW_TOKENS=512, EAGER=true (false: the stock recipe's CUDA graphs, compiled at start-up),
 # STANDALONE_ORDER="unpatched patched" (reverse it to pair with an earlier run), UTIL= (time-shared runs:
 # `rlix recipe --gpu-memory-utilization UTIL`; empty: the stock recipe's share, at which a 1.5B rollout does not fit
-# next to a training step). Every run keeps the recipe's batch: 32 prompts x 16 generations per step.
+# next to a training step), GPUS=0 (the time-shared runs' GPUs, e.g. 0,1: `rlix recipe --gpus`; standalone uses
+# the first). Every run keeps the recipe's batch: 32 prompts x 16 generations per step.
 # Each run leaves DIR/console_<p>.log (time-stamped), DIR/logs_<p> (NeMo RL's metrics), DIR/nvml.csv (GPU busy share,
 # GPU and host memory, sampled), DIR/trace.jsonl + status.json + gpu_after.csv (time-shared runs) and DIR/report.txt.
 set -u
@@ -24,6 +25,8 @@ STEPS=${STEPS:-8}
 NEW_TOKENS=${NEW_TOKENS:-512}
 EAGER=${EAGER:-true}
 UTIL=${UTIL:-}
+GPUS=${GPUS:-0}                       # the GPUs the time-shared runs share (`rlix recipe --gpus`), e.g. 0,1
+NGPU=$(tr ',' '\n' <<<"$GPUS" | wc -l)
 DATA=$WORK/data_$SHAPE
 mkdir -p "$ROOT" "$WORK"
 ray() { python3 -c 'import sys; from ray.scripts.scripts import main; sys.argv[0] = "ray"; sys.exit(main())' "$@"; }
@@ -57,7 +60,7 @@ REAL=(policy.dtensor_cfg._v2=false policy.sequence_packing.enabled=false
   policy.generation.vllm_cfg.enforce_eager="$EAGER" grpo.max_num_steps="$STEPS" grpo.val_period=0
   checkpointing.enabled=false data.train.dataset_name=ResponseDataset ++data.train.data_path="$DATA/train.jsonl"
   ++data.train.input_key=input ++data.train.output_key=output data.default.prompt_file=null env.math.num_workers=2
-  logger.monitor_gpus=false logger.tensorboard_enabled=true cluster.gpus_per_node=1)
+  logger.monitor_gpus=false logger.tensorboard_enabled=true)
 
 stamp() { python3 -u -c 'import sys, time
 for line in sys.stdin: sys.stdout.write(f"{time.time():.3f} {line}")'; }
@@ -66,7 +69,7 @@ driver() {  # driver NAME DIR CHECKOUT CONFIG [env...]: one run_grpo.py driver, 
   local name=$1 dir=$2 src=$3 config=$4; shift 4
   (cd "$src" && env PYTHONPATH="$src:$PYTHONPATH" "$@" timeout -k 10 "${DRIVER_TIMEOUT_S:-3000}" \
      python3 "$REPO/scripts/gpu/nemo_rl_system_python.py" examples/run_grpo.py --config "$config" "${REAL[@]}" \
-     logger.log_dir="$dir/logs_$name" 2>&1 | stamp >"$dir/console_$name.log")
+     "${MORE[@]}" logger.log_dir="$dir/logs_$name" 2>&1 | stamp >"$dir/console_$name.log")
 }
 
 sample() { python3 "$REPO/scripts/gpu/nvml_sampler.py" "$1" >/dev/null 2>&1 & echo $!; }  # sample FILE.csv
@@ -78,13 +81,13 @@ finish() {  # finish DIR RC: report, pack
   touch "$dir/DONE"
 }
 
-run_standalone() {
-  local dir=$ROOT/standalone rc=0
+run_standalone() {  # one pipeline on the first of GPUS
+  local dir=$ROOT/standalone rc=0 MORE=(cluster.gpus_per_node=1)
   mkdir -p "$dir"
   for which in ${STANDALONE_ORDER:-unpatched patched}; do
     local src=$NEMO_RL_SRC
     [ $which = patched ] && src=$WORK/patched
-    ray start --head --num-gpus 1 --num-cpus 64 --include-dashboard=false --disable-usage-stats >"$dir/ray_$which.log" 2>&1
+    CUDA_VISIBLE_DEVICES="${GPUS%%,*}" ray start --head --num-gpus 1 --num-cpus 64 --include-dashboard=false --disable-usage-stats >"$dir/ray_$which.log" 2>&1
     local sampler
     sampler=$(sample "$dir/nvml_$which.csv")
     driver "$which" "$dir" "$src" "examples/configs/$(basename "$STOCK")" env -u RLIX_CONTROL_PLANE || rc=$((rc + 1))
@@ -94,13 +97,13 @@ run_standalone() {
   finish "$dir" $rc
 }
 
-run_shared() {  # run_shared NAME N MODE (together | sequential)
-  local name=$1 n=$2 mode=$3 dir=$ROOT/$1 cfgdir=$WORK/patched/examples/configs/rlix rc=0 pids=() p
+run_shared() {  # run_shared NAME N MODE (together | sequential): on GPUS, cluster.gpus_per_node from the overlays
+  local name=$1 n=$2 mode=$3 dir=$ROOT/$1 cfgdir=$WORK/patched/examples/configs/rlix rc=0 pids=() p MORE=()
   mkdir -p "$dir"
-  python3 -m rlix_plugins.cli recipe "$STOCK" --pipelines "$n" --gpus 0 --out "$cfgdir" \
+  python3 -m rlix_plugins.cli recipe "$STOCK" --pipelines "$n" --gpus "$GPUS" --out "$cfgdir" \
     ${UTIL:+--gpu-memory-utilization "$UTIL"} >"$dir/recipe.log" 2>&1 ||
     { cat "$dir/recipe.log"; finish "$dir" recipe; return 1; }
-  ray start --head --num-gpus 1 --num-cpus 64 --include-dashboard=false --disable-usage-stats >"$dir/ray_start.log" 2>&1
+  ray start --head --num-gpus "$NGPU" --num-cpus 64 --include-dashboard=false --disable-usage-stats >"$dir/ray_start.log" 2>&1
   export RAY_ADDRESS=127.0.0.1:6379
   python3 -m rlix_plugins.cli up --address "$RAY_ADDRESS" >"$dir/rlix_up.log" 2>&1 || { finish "$dir" up; return 1; }
   local sampler

@@ -78,18 +78,28 @@ def samples(path: Path) -> list[dict[str, float]]:
             len(head) - 1]
 
 
-def nvml_figures(rows: list[dict[str, float]], t0: float, t1: float) -> dict[str, float]:
-    """GPU 0's busy share over [t0, t1] (mean NVML utilization) and the GPU / host memory peaks of the whole run."""
-    inside = [r["util_0"] for r in rows if t0 <= r["time"] <= t1]
-    return {"gpu_busy_share_steps_phase": sum(inside) / len(inside) / 100 if inside else float("nan"),
-            "gpu_memory_peak_gib": max((r["mem_0"] for r in rows), default=0) / 2**30,
+def sampled_gpus(rows: list[dict[str, float]]) -> list[int]:
+    return sorted(int(k.removeprefix("util_")) for k in (rows[0] if rows else {}) if k.startswith("util_"))
+
+
+def nvml_figures(rows: list[dict[str, float]], t0: float, t1: float) -> dict[str, Any]:
+    """Busy share over [t0, t1] (mean NVML utilization) per GPU and over all of them, and the GPU (per GPU, largest)
+    and host memory peaks of the whole run."""
+    gpus = sampled_gpus(rows)
+    inside = [r for r in rows if t0 <= r["time"] <= t1]
+    busy = {g: sum(r[f"util_{g}"] for r in inside) / len(inside) / 100 if inside else float("nan") for g in gpus}
+    peaks = {g: max((r[f"mem_{g}"] for r in rows), default=0) / 2**30 for g in gpus}
+    return {"gpu_busy_share_steps_phase": sum(busy.values()) / len(busy) if busy else float("nan"),
+            "gpu_busy_share_by_gpu": busy,
+            "gpu_memory_peak_gib": max(peaks.values(), default=0.0), "gpu_memory_peak_gib_by_gpu": peaks,
             "host_memory_peak_gib": max((r["host_used"] for r in rows), default=0) / 2**30,
             "samples": len(inside)}
 
 
 def phase_busy(spans: list[tuple[float, float, int]], rows: list[dict[str, float]], t0: float,
-               t1: float) -> dict[str, dict[str, float]]:
-    """Seconds and mean NVML utilization of GPU 0 over [t0, t1] by what held it: start-up, training, rollout, no one."""
+               t1: float, gpu: int = 0) -> dict[str, dict[str, float]]:
+    """Seconds and mean NVML utilization of ``gpu`` over [t0, t1] by what held it: start-up, training, rollout, both
+    (a rollout next to a training step), no one."""
     names = {0: "start-up", 6: "rollout"}
     out: dict[str, list[float]] = {}
     for r in rows:
@@ -97,25 +107,20 @@ def phase_busy(spans: list[tuple[float, float, int]], rows: list[dict[str, float
             continue
         held = sorted({names.get(prio, "training") for a, b, prio in spans if a <= r["time"] <= b})
         kind = " + ".join(held) if held else "no one"  # "rollout + training": a rollout next to a training step
-        out.setdefault(kind, []).append(r["util_0"])
+        out.setdefault(kind, []).append(r[f"util_{gpu}"])
     dt = (t1 - t0) / max(sum(len(v) for v in out.values()), 1)
     return {k: {"seconds": round(len(v) * dt, 1), "busy": round(sum(v) / len(v) / 100, 3)} for k, v in out.items()}
 
 
-def trace_figures(path: Path, t0: float, t1: float, rows: list[dict[str, float]] | None = None) -> dict[str, Any]:
-    """Allocated share of GPU 0 over [t0, t1] (some cluster held it), fairness and, with NVML ``rows``, the busy
-    share by what held the GPU, from the scheduler's trace."""
-    from rlix_plugins.control.capacity.fairness import fairness
+def held_spans(events: list[Any], gpu: int, t1: float) -> list[tuple[float, float, int]]:
+    """(since, until, priority) of every cluster's hold of ``gpu``, from the trace (spans may overlap: a rollout next
+    to a training step)."""
     from rlix_plugins.control.trace import OCCUPY_OPS, VACATE_OPS
-    from rlix_plugins.control.types import TraceEvent
 
-    events = [TraceEvent(**{**json.loads(line), "gpus": tuple(json.loads(line)["gpus"])})
-              for line in path.read_text().splitlines() if line.strip()]
-    events.sort(key=lambda e: e.time)
-    held: dict[str, tuple[float, int]] = {}  # cluster holding GPU 0 -> (since, priority)
+    held: dict[str, tuple[float, int]] = {}  # cluster holding the GPU -> (since, priority)
     spans: list[tuple[float, float, int]] = []
     for e in events:
-        if 0 not in e.gpus and e.op not in ("unregister", "fail"):
+        if gpu not in e.gpus and e.op not in ("unregister", "fail"):
             continue
         if e.op in OCCUPY_OPS:
             held.setdefault(e.cluster_id, (e.time, int(e.priority if e.priority is not None else 6)))
@@ -124,17 +129,36 @@ def trace_figures(path: Path, t0: float, t1: float, rows: list[dict[str, float]]
             for c in gone:
                 since, prio = held.pop(c)
                 spans.append((since, e.time, prio))
-    spans += [(since, t1, prio) for since, prio in held.values()]
-    busy, edge = 0.0, t0  # the union of the spans: a rollout next to a training step counts once
+    return spans + [(since, t1, prio) for since, prio in held.values()]
+
+
+def union_share(spans: list[tuple[float, float, int]], t0: float, t1: float) -> float:
+    """Share of [t0, t1] inside at least one span (a rollout next to a training step counts once)."""
+    busy, edge = 0.0, t0
     for a, b, _ in sorted(spans):
         a, b = max(a, edge), min(b, t1)
         if b > a:
             busy += b - a
             edge = b
-    out: dict[str, Any] = {"gpu_allocated_share_steps_phase": busy / (t1 - t0) if t1 > t0 else float("nan"),
-                           "fairness": fairness(events).as_dict()}
+    return busy / (t1 - t0) if t1 > t0 else float("nan")
+
+
+def trace_figures(path: Path, t0: float, t1: float, rows: list[dict[str, float]] | None = None) -> dict[str, Any]:
+    """Allocated share of each GPU over [t0, t1] (some cluster held it) and over all, fairness and, with NVML
+    ``rows``, the busy share by what held each GPU, from the scheduler's trace."""
+    from rlix_plugins.control.capacity.fairness import fairness
+    from rlix_plugins.control.types import TraceEvent
+
+    events = [TraceEvent(**{**json.loads(line), "gpus": tuple(json.loads(line)["gpus"])})
+              for line in path.read_text().splitlines() if line.strip()]
+    events.sort(key=lambda e: e.time)
+    gpus = sampled_gpus(rows) if rows else sorted({g for e in events for g in e.gpus})
+    spans = {g: held_spans(events, g, t1) for g in gpus}
+    shares = {g: union_share(s, t0, t1) for g, s in spans.items()}
+    out: dict[str, Any] = {"gpu_allocated_share_steps_phase": sum(shares.values()) / len(shares) if shares else 0.0,
+                           "gpu_allocated_share_by_gpu": shares, "fairness": fairness(events).as_dict()}
     if rows:
-        out["busy_by_holder"] = phase_busy(spans, rows, t0, t1)
+        out["busy_by_holder"] = {g: phase_busy(s, rows, t0, t1, g) for g, s in spans.items()}
     return out
 
 
@@ -164,8 +188,8 @@ def main() -> int:
                 if own:
                     summary[csv.stem] = nvml_figures(rows, own[0], own[1])
         if (d / "trace.jsonl").exists():
-            rows = samples(d / "nvml.csv") if (d / "nvml.csv").exists() else None
-            summary.update(trace_figures(d / "trace.jsonl", t0, t1, rows))
+            shared_rows = samples(d / "nvml.csv") if (d / "nvml.csv").exists() else None
+            summary.update(trace_figures(d / "trace.jsonl", t0, t1, shared_rows))
     gpu_after = (d / "gpu_after.csv").read_text() if (d / "gpu_after.csv").exists() else ""
     summary["gpu_after"] = gpu_after
     if (d / "status.json").exists():
@@ -185,15 +209,18 @@ def main() -> int:
               f" steps/h; wall {summary['wall_s']:.1f} s -> {summary['steps_per_hour_wall']:.0f} steps/h")
     for key in sorted(k for k in summary if k.startswith("nvml")):
         f = summary[key]
-        print(f"{key}: GPU busy {f['gpu_busy_share_steps_phase']:.3f} of the steps phase ({f['samples']} samples); "
-              f"peaks: GPU {f['gpu_memory_peak_gib']:.1f} GiB, host {f['host_memory_peak_gib']:.1f} GiB")
+        per_gpu = ", ".join(f"GPU {g} {b:.3f}" for g, b in f["gpu_busy_share_by_gpu"].items())
+        print(f"{key}: GPU busy {f['gpu_busy_share_steps_phase']:.3f} of the steps phase ({per_gpu}; {f['samples']} "
+              f"samples); peaks: GPU {f['gpu_memory_peak_gib']:.1f} GiB, host {f['host_memory_peak_gib']:.1f} GiB")
     if "gpu_allocated_share_steps_phase" in summary:
         fair = summary["fairness"]
         print(f"GPU allocated {summary['gpu_allocated_share_steps_phase']:.3f} of the steps phase (trace); fairness: "
               f"at most {fair['max_steps_watched']} steps of another while one waited {fair['worst_pair']}, longest "
               f"wait {fair['longest_wait_s']:.1f} s ({fair['longest_waiter']})")
-        for holder, f in summary.get("busy_by_holder", {}).items():
-            print(f"  GPU held by {holder}: {f['seconds']:.0f} s of the steps phase, busy {f['busy']:.3f}")
+        for gpu, holders in summary.get("busy_by_holder", {}).items():
+            print(f"  GPU {gpu}: allocated {summary['gpu_allocated_share_by_gpu'][gpu]:.3f}")
+            for holder, f in holders.items():
+                print(f"    held by {holder}: {f['seconds']:.0f} s of the steps phase, busy {f['busy']:.3f}")
     print("GPU after:", gpu_after.replace("\n", " | "))
     return 0
 
