@@ -225,7 +225,8 @@ class Grant:
 
 @dataclass(frozen=True)
 class CyclePlan:
-    """What one scheduling cycle decided. Executed as: all shrinks → all expands → commit → signal grants."""
+    """What one scheduling cycle decided. Executed as: all shrinks → training-type grants → all expands → commit →
+    GENERATION grants."""
 
     shrinks: tuple[ShrinkOp, ...] = ()
     expands: tuple[ExpandOp, ...] = ()

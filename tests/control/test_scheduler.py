@@ -412,3 +412,29 @@ def test_rollout_runs_next_to_another_pipelines_training_when_memory_fits(contro
     assert st["allocations"][b.cluster_id("actor_infer")]["gpus"] == [3]
     assert a.cluster_id("actor_infer") not in st["allocations"]
     a.release_gpus("actor_train", step=0)
+
+
+def test_a_training_grant_does_not_wait_for_another_pipelines_slow_expand(control_plane: client.ControlPlane) -> None:
+    """One cycle grants A's training and wakes B's rollout rank next to it (co-residence); B's wake takes 2 s. A's
+    grant returns once the shrinks are done, before B's expand ends: one pipeline's slow expand never holds back
+    another pipeline's training."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    cp = control_plane
+    fits = {name: {**figures, "gpu_gib": 110} for name, figures in _FITS.items()}
+    c, _ = make_pipeline(cp, train=[3], infer=[3], memory=fits)
+    b, hb = make_pipeline(cp, train=[3], infer=[3], memory=fits, delay_s=2.0)
+    a, _ = make_pipeline(cp, train=[3], infer=[3], memory=fits)
+    assert c.request_gpus("actor_infer", Priority.INITIALIZATION, step=-1, timeout_s=10) == [3]
+    with ThreadPoolExecutor(2) as ex:
+        b_rollout = ex.submit(b.request_gpus, "actor_infer", GEN, step_target_estimate=8, timeout_s=20)
+        wait_for(lambda: len(cp.status()["pending"]) == 1, what="B's rollout request pending")
+        a_train = ex.submit(lambda: (a.request_gpus("actor_train", Priority.ACTOR_TRAINING, step=0, timeout_s=20),
+                                     time.time()))
+        wait_for(lambda: len(cp.status()["pending"]) == 2, what="A's training request pending")
+        c.release_gpus("actor_infer", step=-1)
+        gpus, a_granted_at = a_train.result(timeout=30)
+        assert gpus == [3] and b_rollout.result(timeout=30) == [3]
+    ((start, end, _, added),) = ray.get(hb.spans.remote(), timeout=10)
+    assert added == [0] and a_granted_at < end, (a_granted_at, start, end)
+    a.release_gpus("actor_train", step=0)

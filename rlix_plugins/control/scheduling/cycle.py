@@ -332,6 +332,9 @@ class SchedulerCycle:
             for pid, reason in failed.items():
                 self._fail(pid, reason)
             return
+        self._trace_shrinks(snapshot, plan, shrinks)
+        if expands:
+            self._grant_before_expands(snapshot, plan, shrinks)
         await self._resize_all(snapshot, expands, expand=True, failed=failed)
         for pid, reason in failed.items():
             self._fail(pid, reason)
@@ -350,8 +353,8 @@ class SchedulerCycle:
                 if not fut.done():
                     fut.set_result(sorted(snapshot.allocations[cid].gpus) if cid in snapshot.allocations else [])
 
-    def _trace_plan(self, snapshot: SchedulerSnapshot, plan: CyclePlan, shrinks: dict[str, tuple[int, ...]],
-                    expands: dict[str, tuple[int, ...]], alive: set[str]) -> None:
+    def _trace_shrinks(self, snapshot: SchedulerSnapshot, plan: CyclePlan,
+                       shrinks: dict[str, tuple[int, ...]]) -> None:
         reasons: dict[str, set[str]] = {}
         for op in plan.shrinks:
             reasons.setdefault(op.cluster_id, set()).add(op.reason)
@@ -360,6 +363,36 @@ class SchedulerCycle:
             self._trace.record("shrink", pipeline_id=spec.pipeline_id, cluster_id=cid, gpus=spec.gpus_of(ranks),
                                priority=Priority.GENERATION,
                                detail=f"{'+'.join(sorted(reasons[cid]))} ranks={list(ranks)}")
+
+    def _grant_before_expands(self, snapshot: SchedulerSnapshot, plan: CyclePlan,
+                              shrinks: dict[str, tuple[int, ...]]) -> None:
+        """Signal the training-type (non-GENERATION) grants once the shrinks are done: they need nothing the expands
+        do, so one pipeline's slow expand (a wake and weight sync, or one waiting for its pipeline's resize lock) never
+        holds another pipeline's training back. Their allocations, and the shrinks, are committed first, so a release
+        that comes while the expands run finds them (and the final commit leaves released ones out)."""
+        early = [g for g in plan.grants if g.priority != Priority.GENERATION and g.seq in self._pending]
+        if not early:
+            return
+        for cid, ranks in shrinks.items():
+            if cid in self._allocations:
+                left = apply_shrink(self._allocations[cid], snapshot.clusters[cid], ranks)
+                if left.active_dp_ranks:
+                    self._allocations[cid] = left
+                else:
+                    del self._allocations[cid]
+        alive = {cid for p in self._pipelines.values() for cid in p.clusters}
+        for grant in early:
+            waiter = self._pending.pop(grant.seq)
+            if grant.cluster_id not in alive or waiter.future.done():
+                continue
+            self._allocations[grant.cluster_id] = plan.allocations[grant.cluster_id]
+            spec = snapshot.clusters[grant.cluster_id]
+            self._trace.record("allocate", pipeline_id=spec.pipeline_id, cluster_id=grant.cluster_id,
+                               gpus=grant.gpus, priority=grant.priority, detail=f"seq={grant.seq}")
+            waiter.future.set_result(sorted(grant.gpus))
+
+    def _trace_plan(self, snapshot: SchedulerSnapshot, plan: CyclePlan, shrinks: dict[str, tuple[int, ...]],
+                    expands: dict[str, tuple[int, ...]], alive: set[str]) -> None:
         for cid, ranks in expands.items():
             if cid in alive:
                 spec = snapshot.clusters[cid]

@@ -22,8 +22,9 @@
 5. **Generation grants**: each pending GENERATION request whose cluster has ≥1 active rank after this plan is
    granted (partial grants; the wake-only signal of the reference that fixed its deadlock).
 
-The scheduler executes a plan as: all shrinks → all expands → commit ``plan.allocations`` → signal grants and
-releases. ``validate_plan`` (re-exported here) checks a plan against its snapshot and must pass first.
+The scheduler executes a plan as: all shrinks → training-type grants committed and signalled → all expands →
+commit ``plan.allocations`` → signal the GENERATION grants and releases. ``validate_plan`` (re-exported here) checks a
+plan against its snapshot and must pass first.
 """
 
 from __future__ import annotations
