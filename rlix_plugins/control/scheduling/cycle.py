@@ -319,14 +319,9 @@ class SchedulerCycle:
         done = await self._resize_all(snapshot, shrinks, expand=False, failed=failed)
         if failed:
             # Commit only what happened (the successful shrinks), fail the culprits, re-plan next cycle.
+            self._commit_shrinks(snapshot, done)
             for cid, ranks in done.items():
                 spec = snapshot.clusters[cid]
-                if cid in self._allocations:
-                    left = apply_shrink(self._allocations[cid], spec, ranks)
-                    if left.active_dp_ranks:
-                        self._allocations[cid] = left
-                    else:
-                        del self._allocations[cid]
                 self._trace.record("shrink", pipeline_id=spec.pipeline_id, cluster_id=cid,
                                    gpus=spec.gpus_of(ranks), detail=f"ranks={list(ranks)} partial-plan")
             for pid, reason in failed.items():
@@ -342,7 +337,7 @@ class SchedulerCycle:
         alive = {cid for p in self._pipelines.values() for cid in p.clusters}
         self._allocations = {cid: a for cid, a in plan.allocations.items() if cid not in removed and cid in alive}
         self._note_init_holds()
-        self._trace_plan(snapshot, plan, shrinks, expands, alive)
+        self._trace_plan(snapshot, plan, expands, alive)
         for grant in plan.grants:
             waiter = self._pending.pop(grant.seq, None)
             if waiter is not None and not waiter.future.done() and grant.cluster_id in alive:
@@ -364,6 +359,16 @@ class SchedulerCycle:
                                priority=Priority.GENERATION,
                                detail=f"{'+'.join(sorted(reasons[cid]))} ranks={list(ranks)}")
 
+    def _commit_shrinks(self, snapshot: SchedulerSnapshot, shrinks: dict[str, tuple[int, ...]]) -> None:
+        """Take the DP ranks put to sleep out of the committed allocations (before the rest of the plan commits)."""
+        for cid, ranks in shrinks.items():
+            if cid in self._allocations:
+                left = apply_shrink(self._allocations[cid], snapshot.clusters[cid], ranks)
+                if left.active_dp_ranks:
+                    self._allocations[cid] = left
+                else:
+                    del self._allocations[cid]
+
     def _grant_before_expands(self, snapshot: SchedulerSnapshot, plan: CyclePlan,
                               shrinks: dict[str, tuple[int, ...]]) -> None:
         """Signal the training-type (non-GENERATION) grants once the shrinks are done: they need nothing the expands
@@ -373,13 +378,7 @@ class SchedulerCycle:
         early = [g for g in plan.grants if g.priority != Priority.GENERATION and g.seq in self._pending]
         if not early:
             return
-        for cid, ranks in shrinks.items():
-            if cid in self._allocations:
-                left = apply_shrink(self._allocations[cid], snapshot.clusters[cid], ranks)
-                if left.active_dp_ranks:
-                    self._allocations[cid] = left
-                else:
-                    del self._allocations[cid]
+        self._commit_shrinks(snapshot, shrinks)
         alive = {cid for p in self._pipelines.values() for cid in p.clusters}
         for grant in early:
             waiter = self._pending.pop(grant.seq)
@@ -391,8 +390,8 @@ class SchedulerCycle:
                                gpus=grant.gpus, priority=grant.priority, detail=f"seq={grant.seq}")
             waiter.future.set_result(sorted(grant.gpus))
 
-    def _trace_plan(self, snapshot: SchedulerSnapshot, plan: CyclePlan, shrinks: dict[str, tuple[int, ...]],
-                    expands: dict[str, tuple[int, ...]], alive: set[str]) -> None:
+    def _trace_plan(self, snapshot: SchedulerSnapshot, plan: CyclePlan, expands: dict[str, tuple[int, ...]],
+                    alive: set[str]) -> None:
         for cid, ranks in expands.items():
             if cid in alive:
                 spec = snapshot.clusters[cid]
