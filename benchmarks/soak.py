@@ -3,7 +3,7 @@
     python benchmarks/soak.py --minutes 30 --pipelines 2 --gpus 2 --out soak.json
 
 Pipeline ``i`` trains on GPU ``i mod G`` and rolls out on every GPU (the demo's topology). At random times
-(exponential, mean ``--mean-gap-s``) one fault of :data:`rlix_plugins.demo.chaos.FAULTS` hits a random running
+(exponential, mean ``--mean-gap-s``) one fault of :data:`tests.harness.chaos.FAULTS` hits a random running
 pipeline (the scheduler kill hits them all; ``rlix up`` then restarts the control plane). A pipeline that failed
 or finished is started again, so the soak keeps going. Checked all along:
 
@@ -39,7 +39,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rlix_plugins.control.admin import ray_auth
-from rlix_plugins.demo.chaos import BENCH_RUNTIME, FAULTS, RESOLVE_S, Bench, Run, inject
+from tests.harness.chaos import BENCH_RUNTIME, FAULTS, RESOLVE_S, Bench, Run, inject
 
 #: A pipeline must start (engines up, first expand) within this: the runtime's init bound plus slack.
 START_S = BENCH_RUNTIME.init_timeout_s + 120.0

@@ -1,7 +1,8 @@
 """Built-in demo host: tiny Qwen2 pipelines time-sharing GPUs through the shared pipeline runtime.
 
 It is the worked example of a host (:mod:`rlix_plugins.pipeline`) and the machine the fault matrix and the chaos
-soak break. ``rlix demo`` → :func:`run_demo` (:mod:`.run`).
+soak break (their fault injection is test harness, outside the package: ``tests/harness``). ``rlix demo`` →
+:func:`run_demo` (:mod:`.run`).
 
 What it offers (the names below are importable from here; each is loaded on first use)
 ------------------------------------------------------------------------------------
@@ -12,13 +13,11 @@ What it offers (the names below are importable from here; each is loaded on firs
 * The pieces of a pipeline: :mod:`.engine` (vLLM DP-rank actors and the fleet), :mod:`.trainer`
   (policy-gradient step + CPU bucket cache owner), :mod:`.collector` (async-GRPO-shaped rollout through the
   router), :mod:`.pipeline` (the driver loop, in the patched NeMo RL hook order).
-* Fault injection: :mod:`.chaos` (the fault matrix and soak), :mod:`.fault_file` and :mod:`.fault_worker`
-  (the vLLM worker that breaks on demand).
 
 What it must never import
 -------------------------
 NeMo RL (the demo is the host that runs without it). Importing this package imports none of Ray, torch or vLLM:
-its modules are imported where they run (vLLM worker processes import :mod:`.fault_worker` by qualified name).
+its modules are imported where they run (vLLM worker processes import their ``worker_cls`` by qualified name).
 """
 
 from __future__ import annotations

@@ -92,7 +92,7 @@ class PipelineSpec:
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     coordinator: CoordinatorConfig | None = None
     #: vLLM ``worker_cls`` of the engines (None: the rlix receiver worker of the platform) and extra engine
-    #: environment: the chaos tools (``demo/chaos.py``) put their fault-injecting worker here
+    #: environment: the chaos tools (``tests/harness/chaos.py``) put their fault-injecting worker here
     worker_cls: str | None = None
     engine_env: dict[str, str] = field(default_factory=dict)
 

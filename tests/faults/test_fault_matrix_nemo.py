@@ -5,7 +5,7 @@ NeMo RL's worker surfaces (``tests/nemo_rl/without_nemo/standins.py``) with real
 this process (trains GPU 0, rolls out on GPUs 0 and 1; its steps are driven here, as the patched loop would) and is
 shared by the rows. Each row starts a victim ``V`` in its own driver process (``tests/faults/nemo_victim.py``:
 trains and rolls out on GPU 0), breaks it through a real mechanism (SIGKILL/SIGSTOP of its pid, a vLLM worker that
-is SIGKILLed mid-sync or flips a byte of the bucket it received: ``demo/fault_worker.py``) and checks what the
+is SIGKILLed mid-sync or flips a byte of the bucket it received: ``tests/harness/fault_worker.py``) and checks what the
 built-in rows check: V is failed within a bound and ``rlix status`` names it and why, nothing stays allocated to or
 pending for it, its driver returns, and S trains on with its published versions complete and in order.
 """
@@ -28,9 +28,9 @@ import ray
 
 from rlix_plugins.control.client import ControlPlane, connect
 from rlix_plugins.control.types import cluster_id
-from rlix_plugins.demo.chaos import BENCH_SCHEDULER, FAULTS, RESOLVE_S
 from rlix_plugins.nemo_rl.hooks import NemoRLHooks
 from tests.control._ray_helpers import kill_control_plane
+from tests.harness.chaos import BENCH_SCHEDULER, FAULTS, RESOLVE_S
 from tests.nemo_rl.without_nemo.standins import (
     StandinCollector,
     StandinGeneration,

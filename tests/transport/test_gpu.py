@@ -8,8 +8,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from rlix_plugins.testing.local_receiver import SubprocessReceiver
 from rlix_plugins.transport import VersionedBucketCache, build_comm_plan, sync_weights, wait_for_teardowns
+from tests.harness.local_receiver import SubprocessReceiver
 
 pytestmark = pytest.mark.gpu
 

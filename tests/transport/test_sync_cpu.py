@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from rlix_plugins.errors import TransportError, WeightVerificationError
-from rlix_plugins.testing.local_receiver import SubprocessReceiver
 from rlix_plugins.transport import VersionedBucketCache, build_comm_plan, sync_weights
 from rlix_plugins.transport import _sender as sender_mod
+from tests.harness.local_receiver import SubprocessReceiver
 
 BUCKET = 32 << 10
 PLAN = build_comm_plan((0, 0), {0: [(0, 0)], 1: [(0, 1)], 2: [(1, 0)]}, "cpu_serialize")

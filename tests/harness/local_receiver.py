@@ -1,7 +1,7 @@
 """``SubprocessReceiver``: a ``ReceiverEndpoint`` whose workers are spawned local processes.
 
-The reference endpoint for tests and benchmarks (the vLLM extension is the production one; no product API,
-see :mod:`rlix_plugins.testing`): one process per local rank, each a tiny "model" that loads received tensors
+The reference endpoint for tests and benchmarks (the vLLM extension is the production one; test harness, not in
+the package: see :mod:`tests.harness`): one process per local rank, each a tiny "model" that loads received tensors
 into persistent parameters (``param.copy_(received)``, like vLLM's ``load_weights``) and records their checksums.
 A host_pull bucket lands in one copy instead: this model owns its parameter storage, so the parameters of a bucket
 layout are views of one buffer laid out like the bucket (the vLLM receiver, which does not own its storage, copies

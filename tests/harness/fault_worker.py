@@ -2,8 +2,8 @@
 
 ``FaultCPUWorker`` is :class:`~rlix_plugins.vllm.cpu_worker.RlixCPUWorker` (the demo's own worker) plus one
 check at three points: a bucket arriving at the receiver (``update``: both transports pass ``_rlix_accept``),
-``sleep`` and ``wake``. The check (:func:`~rlix_plugins.demo.fault_file.claim_fault`) reads the JSON file named by ``RLIX_FAULT_FILE`` (written by
-:mod:`rlix_plugins.demo.chaos` when it injects a fault), e.g. ``{"op": "update", "action": "hang"}``:
+``sleep`` and ``wake``. The check (:func:`~tests.harness.fault_file.claim_fault`) reads the JSON file named by ``RLIX_FAULT_FILE`` (written by
+:mod:`tests.harness.chaos` when it injects a fault), e.g. ``{"op": "update", "action": "hang"}``:
 
 * ``hang``: never return (a receiver that stops answering); ``slow``: sleep ``seconds`` first (a window in
   which the chaos tools kill a process mid-operation); ``corrupt``: flip one byte of the received bucket
@@ -18,8 +18,8 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
-from rlix_plugins.demo.fault_file import claim_fault
 from rlix_plugins.vllm.cpu_worker import RlixCPUWorker
+from tests.harness.fault_file import claim_fault
 
 if TYPE_CHECKING:
     import torch
