@@ -1,9 +1,11 @@
-"""A built wheel carries the NeMo RL patch series, so ``rlix patch`` works for a user who pip-installed rlix-plugins
-(no checkout, no ``RLIX_PATCHES_DIR``)."""
+"""What the wheel carries: the NeMo RL patch series, so ``rlix patch`` works for a user who pip-installed rlix-plugins
+(no checkout, no ``RLIX_PATCHES_DIR``); and no test harness (``tests/harness``)."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import re
 import subprocess
 import sys
 import zipfile
@@ -14,6 +16,10 @@ import pytest
 from tests._repo import copy_tracked
 
 REPO = Path(__file__).resolve().parents[1]
+#: Test harness that once shipped in the wheel (it now lives in tests/harness): it drives or breaks the product and
+#: no ``rlix`` command uses it.
+HARNESS = ("rlix_plugins.testing", "rlix_plugins.testing.local_receiver", "rlix_plugins.demo.chaos",
+           "rlix_plugins.demo.fault_file", "rlix_plugins.demo.fault_worker")
 
 
 @pytest.mark.timeout(300)
@@ -45,3 +51,17 @@ def test_wheel_contains_the_patch_series(tmp_path: Path) -> None:
     assert run.returncode == 0, run.stderr
     root, found = run.stdout.splitlines()
     assert root.startswith(str(site)) and found == "['7ea279a']"
+
+
+def test_test_harness_stays_out_of_the_package() -> None:
+    """The wheel ships every module under ``rlix_plugins/`` (``packages.find`` includes ``rlix_plugins*``), so the
+    harness must not be there; and no shipped module may import it (``tests`` is not installed for users)."""
+    pkg = REPO / "rlix_plugins"
+    modules = {".".join(p.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__") for p in pkg.rglob("*.py")}
+    back = sorted(set(HARNESS) & modules)
+    assert not back, f"test harness in the package (it would ship in the wheel): {back}; it belongs in tests/harness"
+    importers = sorted(str(p.relative_to(REPO)) for p in pkg.rglob("*.py")
+                       if re.search(r"^\s*(from|import)\s+tests\b", p.read_text(), re.MULTILINE))
+    assert not importers, f"shipped modules import the test harness: {importers}"
+    for name in ("tests.harness.chaos", "tests.harness.fault_worker", "tests.harness.local_receiver"):
+        assert importlib.util.find_spec(name) is not None, name
