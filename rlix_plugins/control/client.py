@@ -266,7 +266,7 @@ class ControlPlane:
         pid = pipeline_id or self.allocate_pipeline_id(kind)
         specs: dict[str, ClusterSpec] = call(
             self.orchestrator.register_pipeline.remote(pid, cluster_tp_configs, cluster_device_mappings,
-                                                       cluster_memory),
+                                                       cluster_memory, ray.get_runtime_context().get_job_id()),
             "register_pipeline",
         )
         try:

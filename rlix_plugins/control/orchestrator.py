@@ -93,13 +93,18 @@ class Orchestrator:
         cluster_tp_configs: dict[str, int],
         cluster_device_mappings: dict[str, list[int]],
         cluster_memory: dict[str, dict[str, float]] | None = None,
+        job_id: str | None = None,
     ) -> dict[str, ClusterSpec]:
-        """Validate and register; returns the canonical cluster specs by name. Raises ``RlixConfigError``."""
+        """Validate and register; returns the canonical cluster specs by name. Raises ``RlixConfigError``.
+
+        ``job_id``: the registering driver's Ray job (hex); when the scheduler fails the pipeline, its GPUs stay
+        fenced until that job's processes are gone (``scheduling.fences``)."""
         specs = build_cluster_specs(
             pipeline_id, cluster_tp_configs, cluster_device_mappings,
             num_gpus=self._num_gpus, gpus_per_node=self._gpus_per_node, cluster_memory=cluster_memory,
         )
-        _get(self._scheduler.register_pipeline.remote(pipeline_id, list(specs.values())), "register_pipeline")
+        _get(self._scheduler.register_pipeline.remote(pipeline_id, list(specs.values()), job_id=job_id),
+             "register_pipeline")
         self._ids.add(pipeline_id)
         return specs
 

@@ -16,6 +16,8 @@ Ops recorded (``TraceEvent.op``) and what ``gpus`` means for each:
 ``release``     the cluster gave back ``gpus`` (``detail`` = "planned" for ``await_release``)
 ``unregister``  the pipeline left; ``gpus`` = GPUs it still held, now idle
 ``fail``        the pipeline was failed by the scheduler (dead/failing coordinator); ``gpus`` as unregister
+``fence``       the failed pipeline's ``gpus`` take no new grant until its Ray job's processes are gone
+``unfence``     they are gone; ``gpus`` may be granted again
 ``wait``        the pipeline began (``detail`` "begin") or stopped ("end") waiting with work (fair turns)
 ``timeout``     a request or planned release ran out of time; nothing changed
 ``error``       the planner or the loop raised; nothing was executed

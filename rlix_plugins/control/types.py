@@ -178,6 +178,9 @@ class SchedulerSnapshot:
     #: releasing pipeline usually asks again within a second, e.g. back-to-back async steps; lending them would
     #: cost a wake + weight sync + shrink for nothing). Non-generation requests may take them at once.
     release_grace_gpus: frozenset[int] = frozenset()
+    #: GPUs a failed pipeline held whose processes may still hold their memory (``scheduling.fences``): no
+    #: allocation newly takes them (holders keep them); a request that needs one waits.
+    fenced_gpus: frozenset[int] = frozenset()
     #: Generation clusters that want rollout and have no active rank -> when they started waiting (a logical
     #: clock: smaller = waiting longer; ``scheduling.gap_ratio.note_generation_waits`` keeps it). When bundles are too few
     #: for every waiting cluster (two pipelines on one GPU) the longest waiter is woken first, so co-tenants take

@@ -6,6 +6,7 @@ from dataclasses import replace
 
 import pytest
 from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from rlix_plugins.control.registration import validate_spec
 from rlix_plugins.control.scheduling.planner import (
@@ -215,3 +216,29 @@ def test_more_invariants_are_named() -> None:
     plan = plan_cycle(snap)
     validate_plan(snap, plan)
     _bad(snap, replace(plan, shrinks=(), allocations=dict(snap.allocations)), "planned release")
+
+
+@SETTINGS
+@given(snapshots(), st.data())
+def test_fenced_gpus_are_never_newly_allocated(snap, data) -> None:
+    """GPUs a failed pipeline's processes may still hold (``scheduling.fences``): any subset of the pool, held or
+    idle. No plan newly allocates one (holders keep theirs); the plan passes the invariants."""
+    fenced = frozenset(data.draw(st.lists(st.sampled_from(sorted(snap.gpus)), unique=True)))
+    snap = replace(snap, fenced_gpus=fenced, release_grace_gpus=snap.release_grace_gpus - fenced)
+    plan = plan_cycle(snap)
+    validate_plan(snap, plan)
+    for cid, alloc in plan.allocations.items():
+        before = snap.allocations.get(cid)
+        assert not (alloc.gpus - (before.gpus if before else frozenset())) & fenced, cid
+
+
+def test_a_plan_that_takes_a_fenced_gpu_is_refused() -> None:
+    c = pipeline("a", [0], range(2))
+    unfenced = snapshot(2, c, [], [PendingRequest("a_actor_train", Priority.ACTOR_TRAINING, 1)])
+    plan = plan_cycle(unfenced)
+    assert plan.allocations["a_actor_train"].gpus == {0}
+    fenced = replace(unfenced, fenced_gpus=frozenset({0}))
+    _bad(fenced, plan, "fence")
+    assert "a_actor_train" not in plan_cycle(fenced).allocations  # it waits for GPU 0
+    woken = plan_cycle(replace(fenced, pending=(PendingRequest("a_actor_infer", GEN, 2, step_target_estimate=4),)))
+    assert woken.allocations["a_actor_infer"].gpus == {1}  # no rank wakes on the fenced GPU

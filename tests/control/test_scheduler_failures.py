@@ -6,6 +6,7 @@ Real Ray actors throughout; the Ray cluster must survive every test (checked at 
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import pytest
 import ray
@@ -179,3 +180,80 @@ def test_a_start_that_hangs_under_its_initialization_grant_is_failed_and_the_gpu
         b.release_gpus("actor_infer", step=-1)
     finally:
         a.stop_keep_alive()
+
+
+_HUNG_DRIVER = """
+import sys, time
+import ray
+from dataclasses import replace
+from rlix_plugins.control.client import connect
+from rlix_plugins.control.types import Priority
+from tests.control._ray_helpers import FAST_COORDINATOR
+
+cp = connect(sys.argv[1], timeout_s=60)
+pipe = cp.register_pipeline({"actor_train": 1, "actor_infer": 1}, {"actor_train": [0], "actor_infer": [0, 1]},
+                            coordinator_config=replace(FAST_COORDINATOR, heartbeat_lease_s=1.0))
+pipe.request_gpus("actor_train", Priority.ACTOR_TRAINING, timeout_s=30)
+
+
+@ray.remote(num_cpus=0)
+class Worker:  # stands for a training worker that still holds the GPU's memory
+    def pid(self):
+        import os
+        return os.getpid()
+
+
+worker = Worker.remote()
+worker_pid = ray.get(worker.pid.remote(), timeout=60)
+ray.get(pipe.coordinator.heartbeat.remote(), timeout=10)  # one beat, then the driver hangs
+with open(sys.argv[2], "w") as f:
+    f.write(f"{pipe.pipeline_id} {worker_pid}")
+time.sleep(600)
+"""
+
+
+def test_a_hung_drivers_gpus_are_not_granted_until_its_processes_are_gone(
+        control_plane: client.ControlPlane, tmp_path: Any) -> None:
+    """A driver in its own Ray job holds GPU 0 for training and hangs with a live worker: its lease expires and it
+    is failed, but GPU 0 stays fenced (its worker may still hold the memory): another job's training waits for it and
+    no rollout rank wakes there; ``rlix status`` names the worker. Once the driver is stopped its worker dies, the
+    fence lifts and the waiting training gets GPU 0."""
+    import os
+    import subprocess
+    import sys
+
+    from rlix_plugins.control.admin.commands import format_status
+    from rlix_plugins.errors import RlixTimeoutError
+
+    cp = control_plane
+    ready = tmp_path / "ready"
+    env = {k: v for k, v in os.environ.items() if k != "RAY_AUTH_MODE"}
+    env["PYTHONPATH"] = os.pathsep.join([os.getcwd(), env.get("PYTHONPATH", "")])
+    driver = subprocess.Popen([sys.executable, "-c", _HUNG_DRIVER, ray.get_runtime_context().gcs_address, str(ready)],
+                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: ready.exists() and ready.read_text(), 90, "the hung driver holding GPU 0")
+        hung_pid, worker_pid = ready.read_text().split()
+        b, _ = make_pipeline(cp, train=[0], infer=[0, 1])
+        wait_for(lambda: hung_pid in cp.status()["failed"], 15, "the hung driver's lease to expire")
+        assert "lease expired" in cp.status()["failed"][hung_pid]["reason"]
+
+        assert b.request_gpus("actor_infer", GEN, step_target_estimate=8, timeout_s=10) == [1]  # GPU 0 is not lent
+        b.release_gpus("actor_infer")
+        with pytest.raises(RlixTimeoutError):
+            b.request_gpus("actor_train", TRAIN, timeout_s=4)
+        fence = wait_for(lambda: next((f for f in cp.status().get("fences", {}).values() if f["processes"]), None),
+                         10, "the fence's process check")
+        assert fence["gpus"] == [0] and any(f"pid {worker_pid}" in p for p in fence["processes"]), fence
+        assert "FENCED GPUS" in format_status(cp.status()) and f"pid {worker_pid}" in format_status(cp.status())
+
+        driver.kill()
+        driver.wait(30)
+        assert b.request_gpus("actor_train", TRAIN, timeout_s=60) == [0]
+        assert not cp.status().get("fences")
+        assert "unfence" in _ops(cp, hung_pid)
+        _still_serving(cp, b)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+            driver.wait(30)

@@ -225,6 +225,14 @@ def format_status(st: dict[str, Any]) -> str:
              for pid, f in st["failed"].items()],
             empty="",
         ))
+    if st.get("fences"):
+        lines.append("")
+        lines.append(_table(
+            ["FENCED GPUS", "OF FAILED PIPELINE", "UNTIL GONE (its Ray job's live processes; stop its driver to free them)"],
+            [[_ids(f["gpus"]), key.split("/")[0], "; ".join(f["processes"]) or f"job {f['job_id']} (not checked yet)"]
+             for key, f in st["fences"].items()],
+            empty="",
+        ))
     if st.get("invariant_violations"):
         lines.append(f"\nINVARIANT VIOLATIONS (an rlix bug, please report): {st['invariant_violations'][-3:]}")
     return "\n".join(lines)

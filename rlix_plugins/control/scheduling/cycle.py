@@ -21,6 +21,7 @@ import ray
 
 from rlix_plugins.control.scheduling import planner
 from rlix_plugins.control.scheduling.config import SchedulerConfig
+from rlix_plugins.control.scheduling.fences import Fence, fenced_gpus, live_processes
 from rlix_plugins.control.scheduling.gap_ratio import note_generation_waits
 from rlix_plugins.control.scheduling.invariants import PlanInvariantError, validate_snapshot
 from rlix_plugins.control.scheduling.rebalance import rebalance_reason
@@ -60,6 +61,7 @@ class _Pipeline:
     clusters: dict[str, ClusterSpec]  # by cluster id
     admitted: bool = False
     registered_at: float = field(default_factory=time.time)
+    job_id: str | None = None  #: the Ray job of the driver that registered it (``fences``)
 
 
 class SchedulerCycle:
@@ -99,6 +101,8 @@ class SchedulerCycle:
         self._stopped = False
         #: pipelines the scheduler failed, and why (newest last; ``rlix status`` names them)
         self._failed: dict[str, dict[str, Any]] = {}
+        #: failed pipelines whose GPUs take no new grant until their processes are gone (``fences``)
+        self._fences: dict[str, Fence] = {}
         #: committed states checked against the invariants after a cycle, and those that broke one
         self._invariant_checks = 0
         self._invariant_violations: list[str] = []
@@ -160,6 +164,10 @@ class SchedulerCycle:
             self._failed[pipeline_id] = {"reason": detail, "time": time.time(), "gpus_freed": sorted(freed)}
             while len(self._failed) > FAILED_KEPT:
                 del self._failed[next(iter(self._failed))]
+            if freed and pipe.job_id is not None:  # its processes may still hold the memory: the health check lifts it
+                self._fences[f"{pipeline_id}/{pipe.job_id}"] = Fence(pipeline_id, pipe.job_id, frozenset(freed), detail)
+                self._trace.record("fence", pipeline_id=pipeline_id, gpus=freed,
+                                   detail=f"until the processes of Ray job {pipe.job_id} are gone")
         if self._wake is not None:
             self._wake.set()
         return True
@@ -203,8 +211,9 @@ class SchedulerCycle:
         owed = self._turns.owed(clusters)
         # A pipeline that owes a turn keeps no grace window: the waiter takes its GPUs at once.
         grace = frozenset(g for g, (_, pid) in self._grace.items() if pid not in owed)
+        fenced = fenced_gpus(self._fences, (p.job_id for p in self._pipelines.values())) if self._fences else frozenset()
         return replace(snap, generation_waiting_since=dict(self._gen_waiting), turns_owed=owed,
-                       release_grace_gpus=grace)
+                       release_grace_gpus=grace - fenced, fenced_gpus=fenced)
 
     def _start_grace(self, gpus: frozenset[int], pipeline_id: str) -> None:
         if self._cfg.release_grace_s > 0:
@@ -480,6 +489,7 @@ class SchedulerCycle:
         and registered longer than the grace below, means its driver is gone: fail it, or its GPUs never return.
         """
         self._check_init_holds()
+        await self._check_fences()
         grace_s = 2 * self._cfg.health_interval_s + self._cfg.health_timeout_s
         probes: dict[str, Any] = {}
         for pid, pipe in list(self._pipelines.items()):
@@ -502,6 +512,26 @@ class SchedulerCycle:
                 self._fail(pid, res)
             elif isinstance(res, BaseException):
                 self._trace.record("error", pipeline_id=pid, detail=f"health probe: {_describe(res)}")
+
+
+    async def _check_fences(self) -> None:
+        """Lift each fence whose job has no live process left (``fences``); keep the ones still seen, and any whose
+        check did not answer (the GPUs stay fenced: granting them could run the next tenant out of memory)."""
+        for key, fence in list(self._fences.items()):
+            try:
+                alive = await asyncio.wait_for(asyncio.to_thread(live_processes, fence.job_id),
+                                               self._cfg.health_timeout_s)
+            except Exception as exc:
+                self._trace.record("error", pipeline_id=fence.pipeline_id, detail=f"fence check: {_describe(exc)}")
+                continue
+            if alive:
+                fence.processes = alive
+                continue
+            del self._fences[key]
+            self._trace.record("unfence", pipeline_id=fence.pipeline_id, gpus=fence.gpus,
+                               detail=f"the processes of Ray job {fence.job_id} are gone")
+            if self._wake is not None:
+                self._wake.set()
 
 
 def _describe(exc: BaseException) -> str:

@@ -314,6 +314,7 @@ def _activate_one(
     idx = donors_info.rank_of[cid]
     my_bundles = donors_info.bundles[cid]
     protected, free, reserved = state.protected, state.free, state.reserved
+    fenced = state.snap.fenced_gpus
     owner = state.owner
     rank_of = donors_info.rank_of
     best: tuple[int, int, int] | None = None
@@ -354,12 +355,14 @@ def _activate_one(
                     capped = done = True
                     break
                 # The donor ranks this candidate would shrink (a bundle holds few GPUs: a list), and the lowest
-                # demand among their donors; invalid (break) on a reserved idle GPU, a GPU of a cluster that may
-                # not give (no budget: non-generation holders included), a rank woken this cycle, or more ranks
-                # of one donor than its budget.
+                # demand among their donors; invalid (break) on a reserved idle GPU, a fenced GPU (``fences``), a
+                # GPU of a cluster that may not give (no budget: non-generation holders included), a rank woken
+                # this cycle, or more ranks of one donor than its budget.
                 victims: list[tuple[str, int]] = []
                 min_donor_demand = -1
                 for g in my_bundles[r]:
+                    if g in fenced:
+                        break
                     if g in free:
                         if g in reserved:
                             break

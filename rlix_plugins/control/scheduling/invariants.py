@@ -32,6 +32,7 @@ INVARIANTS = (
     "grant consistency",
     "priority order",
     "planned release",
+    "fence",
 )
 
 
@@ -264,6 +265,13 @@ def validate_plan(snapshot: SchedulerSnapshot, plan: CyclePlan) -> None:
                         raise PlanInvariantError(
                             "priority order", f"{cid} rank {rank} woke on idle GPU {g} that a waiting request reserves"
                         )
+
+    # --- fences: no allocation newly takes a GPU a failed pipeline's processes may still hold -------------------
+    for cid, a in after.items():
+        b = before.get(cid)
+        taken = (a.gpus - (b.gpus if b is not None else frozenset())) & snapshot.fenced_gpus
+        if taken:
+            raise PlanInvariantError("fence", f"{cid} newly holds fenced GPUs {sorted(taken)}")
 
     # --- planned releases --------------------------------------------------------------------------------
     if not plan.released <= snapshot.planned_releases:

@@ -119,6 +119,7 @@ class PlanState:
                     coresident[g], owner[g] = prev, cid
         free = set(snap.gpus)
         free.difference_update(owner)
+        free.difference_update(snap.fenced_gpus)  # neither idle nor lendable (``fences``)
         return cls(snap=snap, owner=owner, gen_active=gen_active, nongen=nongen, free=free, coresident=coresident,
                    tenants=gpu_tenants(snap.clusters.values()))
 
@@ -134,7 +135,8 @@ class PlanState:
                 del self.coresident[g]  # the non-generation holder keeps the GPU
                 continue
             del self.owner[g]
-            self.free.add(g)
+            if g not in self.snap.fenced_gpus:
+                self.free.add(g)
         self.shrunk.setdefault(cid, set()).add(rank)
         old = self.shrink_reason.get(cid)
         if old is None or _REASON_RANK[reason] < _REASON_RANK[old]:

@@ -22,6 +22,10 @@
 5. **Generation grants**: each pending GENERATION request whose cluster has ≥1 active rank after this plan is
    granted (partial grants; the wake-only signal of the reference that fixed its deadlock).
 
+Fenced GPUs (``snapshot.fenced_gpus``, ``scheduling.fences``: a failed pipeline's processes may still hold their
+memory) are neither idle nor lendable in any phase: a request that needs one waits (and reserves), no rank wakes on
+one, and a rank shrunk there leaves it unheld.
+
 The scheduler executes a plan as: all shrinks → training-type grants committed and signalled → all expands →
 commit ``plan.allocations`` → signal the GENERATION grants and releases. ``validate_plan`` (re-exported here) checks a
 plan against its snapshot and must pass first.
@@ -104,7 +108,7 @@ def _non_generation(state: PlanState) -> None:
             continue
         if deferred(snap, owed, req):
             continue  # fair turns: it owes a waiter these GPUs; it waits without reserving them
-        blocked = bool(need & state.reserved) or any(
+        blocked = bool(need & (state.reserved | snap.fenced_gpus)) or any(
             (o := state.owner.get(g)) is not None and o in state.nongen for g in need
         )
         if blocked:
@@ -159,7 +163,8 @@ def _coresident_fill(state: PlanState) -> None:
 
 def _coresidable(state: PlanState, gpu: int, spec: ClusterSpec) -> bool:
     host = state.owner.get(gpu)
-    if host is None or gpu in state.coresident or gpu in state.reserved or host not in state.nongen:
+    if host is None or gpu in state.coresident or gpu in state.reserved or gpu in state.snap.fenced_gpus or \
+            host not in state.nongen:
         return False
     hspec = state.snap.clusters[host]
     return sharing_problem(state.tenants, gpu, spec, hspec, Priority(state.nongen[host].priority)) is None

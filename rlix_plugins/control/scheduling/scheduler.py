@@ -68,6 +68,7 @@ class Scheduler(SchedulerCycle):
             extra={"cycles": self._cycles, "last_plan_ms": round(self._last_plan_ms, 3),
                    "trace_events": len(self._trace), "trace_dropped": self._trace.dropped,
                    "failed": {pid: dict(f) for pid, f in self._failed.items()},
+                   "fences": {key: f.status() for key, f in self._fences.items()},
                    "invariant_checks": self._invariant_checks,
                    "invariant_violations": list(self._invariant_violations)},
         )
@@ -85,7 +86,7 @@ class Scheduler(SchedulerCycle):
             self._loop_task.cancel()
 
     # ------------------------------------------------------------------ registration
-    async def register_pipeline(self, pipeline_id: str, clusters: list[ClusterSpec]) -> None:
+    async def register_pipeline(self, pipeline_id: str, clusters: list[ClusterSpec], job_id: str | None = None) -> None:
         self._ensure_loop()
         if pipeline_id in self._pipelines:
             raise RlixConfigError(
@@ -95,7 +96,7 @@ class Scheduler(SchedulerCycle):
             raise RlixConfigError(f"pipeline {pipeline_id}: clusters must be non-empty and belong to the pipeline")
         # The one place specs are validated (pool bounds included): they are frozen, so no cycle re-checks them.
         planner.validate_cluster_specs(clusters, self._gpus, self._gpus_per_node)
-        self._pipelines[pipeline_id] = _Pipeline(clusters={s.cluster_id: s for s in clusters})
+        self._pipelines[pipeline_id] = _Pipeline(clusters={s.cluster_id: s for s in clusters}, job_id=job_id)
         self._failed.pop(pipeline_id, None)
         gpus = {g for s in clusters for g in s.device_mapping}
         self._trace.record("register", pipeline_id=pipeline_id, gpus=gpus,
