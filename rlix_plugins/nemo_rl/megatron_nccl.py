@@ -4,15 +4,27 @@ Released GPUs are only a bookkeeping state: a long-lived Megatron worker keeps i
 device buffers) until it destroys them, and the next tenant's vLLM wake-up then runs out of memory. So after
 each step's offload every training worker runs :func:`destroy_groups` (through ``__ray_call__``, in the worker
 process where ``megatron.core.parallel_state`` lives - never in the driver), and before the next step's first
-use :func:`rebuild_groups` re-runs ``initialize_model_parallel`` with the sizes recorded at destroy time.
+use :func:`rebuild_groups` replays the ``initialize_model_parallel`` call that built the layout.
 
+* Record (:func:`record_initialize_calls`): wraps the module attribute ``parallel_state.initialize_model_parallel``
+  (Megatron-Bridge's ``_initialize_distributed`` calls it through that attribute), so each call that returns keeps
+  its positional and keyword arguments as given: sizes, virtual pipeline size, ``order`` (``tp-cp-ep-pp-dp`` with
+  ``use_tp_pp_dp_mapping``), optimizer instances, hierarchical CP sizes, timeout, embedding-rank callbacks, NCCL
+  options, the gloo switch - whatever the installed megatron-core takes. It must run in the worker before
+  Megatron's setup; no rlix-plugins code runs in NeMo RL's Megatron workers that early today (they are reached
+  only through ``__ray_call__`` after their construction), so there the rebuild uses the fall-back below.
 * Destroy: every DISTINCT process group held by a ``parallel_state`` global whose backend is in ``backends``
   (default: NCCL only; Gloo groups are CPU-only and stay) is destroyed once, then ``destroy_model_parallel``
-  resets the globals. Idempotent; a no-op when model parallel is not initialized.
-* Rebuild: ``initialize_model_parallel(**snapshot.sizes)`` with the recorded sizes and whether Megatron's own gloo
-  groups existed (NeMo RL's ``megatron_cfg.use_gloo_process_groups``, off in its recipes: Megatron's default, on,
-  would add groups the first layout never had and the old-to-new matching below would fail). Lockstep: every rank of the
-  default process group must call each of these together (group creation is collective).
+  resets the globals. The snapshot keeps the recorded call (or, when none was recorded, a fall-back derived from
+  ``parallel_state``: TP/PP/CP/EP/ETP sizes, the virtual pipeline size and whether Megatron's own gloo groups
+  existed - logged as such; every other argument, ``order`` and the callbacks included, is then Megatron's
+  default) and the ranks of every group. Idempotent; a no-op when model parallel is not initialized.
+* Rebuild: the snapshot's call is replayed, then every group's ranks (and the virtual pipeline size) are compared
+  with those before the destroy, and the ranks agree (one all-reduce over the default group) on whether any of
+  them failed. If one did (the replay raised or built another layout), every rank undoes its replay (the groups
+  it created are destroyed, ``parallel_state`` reset) and raises :class:`MegatronRebuildError`; the snapshot is
+  kept, so the rebuild can be retried. Lockstep: every rank of the default process group must call destroy and
+  rebuild together, retries included (group creation is collective).
 * Refresh (:func:`refresh_group_handles`): ``parallel_state`` is not the only holder of the groups. Megatron
   modules keep ``pg_collection`` (a ``ProcessGroupCollection``, what NeMo RL's worker reads with
   ``get_pg_collection(self.model)``) and ``tp_group`` / ``cp_group`` attributes, the model config keeps
@@ -34,7 +46,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-__all__ = ["NcclSnapshot", "destroy_groups", "rebuild_groups", "refresh_group_handles"]
+from rlix_plugins.errors import RlixError
+
+__all__ = ["InitCall", "MegatronRebuildError", "NcclSnapshot", "destroy_groups", "rebuild_groups",
+           "record_initialize_calls", "recorded_initialize_call", "refresh_group_handles"]
 
 logger = logging.getLogger(__name__)
 
@@ -49,18 +64,78 @@ _SIZE_GETTERS = {
 MAX_WALK: Final = 5_000_000
 _LEAVES: Final = (str, bytes, bytearray, int, float, complex, bool, type(None), type, types.ModuleType,
                   types.BuiltinFunctionType, range, memoryview)
+_RECORDER_MARK: Final = "_rlix_records_calls"
+
+
+class MegatronRebuildError(RlixError, RuntimeError):
+    """Rebuilding Megatron's groups failed on this rank; what it created was undone and the snapshot kept, so
+    :func:`rebuild_groups` may be called again (on every rank together)."""
+
+
+@dataclass(frozen=True)
+class InitCall:
+    """One ``initialize_model_parallel`` call: its arguments as given (``recorded``), or the fall-back's."""
+
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    recorded: bool = True
+
+    def describe(self, limit: int = 400) -> str:
+        text = ", ".join([repr(a) for a in self.args] + [f"{k}={v!r}" for k, v in self.kwargs.items()])
+        return f"initialize_model_parallel({text[:limit]}{'...' if len(text) > limit else ''})"
+
+
+#: The latest call of this process that returned (the one that built the current layout).
+_last_call: InitCall | None = None
+_fallback_logged = False
+
+
+def record_initialize_calls() -> bool:
+    """Wrap ``megatron.core.parallel_state.initialize_model_parallel`` so that every call that returns is recorded
+    for :func:`rebuild_groups`. Idempotent (returns False when already installed). Callers that bound the function
+    before this ran (``from ... import initialize_model_parallel``) are not seen."""
+    from megatron.core import parallel_state as ps
+
+    original = ps.initialize_model_parallel
+    if getattr(original, _RECORDER_MARK, False):
+        return False
+
+    @functools.wraps(original)  # keeps __wrapped__: Megatron-Bridge inspects the signature for optional arguments
+    def initialize_model_parallel(*args: Any, **kwargs: Any) -> Any:
+        global _last_call
+        call = InitCall(tuple(args), dict(kwargs))
+        result = original(*args, **kwargs)
+        _last_call = call
+        return result
+
+    setattr(initialize_model_parallel, _RECORDER_MARK, True)
+    ps.initialize_model_parallel = initialize_model_parallel
+    return True
+
+
+def recorded_initialize_call() -> InitCall | None:
+    """The call :func:`rebuild_groups` will replay after the next destroy; None when none was recorded."""
+    return _last_call
 
 
 @dataclass
 class NcclSnapshot:
     initialized_before: bool
-    #: ``initialize_model_parallel``'s arguments that reproduce the layout (sizes, and the gloo switch)
+    #: the derived sizes (TP/PP/CP/EP/ETP and the gloo switch), for reports; the rebuild replays ``call``
     sizes: dict[str, int | bool] = field(default_factory=dict)
+    #: what the rebuild replays: the recorded call, else the fall-back derived at destroy time
+    call: InitCall | None = None
     groups_destroyed: int = 0
     backends_destroyed: list[str] = field(default_factory=list)
     #: every ``parallel_state`` global that held groups, with its value before the destroy (kept alive until the
     #: rebuild so the old groups' identities stay unique while references to them are replaced)
     globals_before: dict[str, Any] = field(default_factory=dict)
+    #: the global ranks of each of those groups, checked against the rebuilt ones
+    ranks_before: dict[str, list[list[int] | None]] = field(default_factory=dict)
+    virtual_pipeline_size: int | None = None
+    #: the replay succeeded and was checked (a failed refresh then retries only the refresh)
+    replayed: bool = False
+    rebuilt: bool = False
 
 
 def _backend(group: Any) -> str:
@@ -72,11 +147,35 @@ def _backend(group: Any) -> str:
         return "unknown"
 
 
+def _ranks(group: Any) -> list[int] | None:
+    import torch.distributed as dist
+
+    try:
+        return list(dist.get_process_group_ranks(group))
+    except Exception:
+        return None
+
+
 def _groups_of(value: Any) -> list[Any]:
     import torch.distributed as dist
 
     items = value if isinstance(value, list | tuple) else [value]
     return [g for g in items if isinstance(g, dist.ProcessGroup)]
+
+
+def _fallback_call(ps: Any, sizes: dict[str, int | bool]) -> InitCall:
+    global _fallback_logged
+    kwargs: dict[str, Any] = dict(sizes)
+    vpp = ps.get_virtual_pipeline_model_parallel_world_size()
+    if vpp is not None:
+        kwargs["virtual_pipeline_model_parallel_size"] = int(vpp)
+    if not _fallback_logged:
+        _fallback_logged = True
+        logger.warning("rlix: no initialize_model_parallel call was recorded in this process (record_initialize_calls "
+                       "did not run before Megatron's setup); the Megatron rebuild replays sizes derived from "
+                       "parallel_state instead: %s. Its order, embedding-rank callbacks, timeout and NCCL options are "
+                       "Megatron's defaults; a layout they changed fails the rebuild's rank check", kwargs)
+    return InitCall((), kwargs, recorded=False)
 
 
 def destroy_groups(backends: tuple[str, ...] = ("nccl",)) -> NcclSnapshot:
@@ -86,18 +185,21 @@ def destroy_groups(backends: tuple[str, ...] = ("nccl",)) -> NcclSnapshot:
 
     if not ps.model_parallel_is_initialized():
         return NcclSnapshot(initialized_before=False)
-    sizes = {k: int(getattr(ps, g)()) for k, g in _SIZE_GETTERS.items()}
+    sizes: dict[str, int | bool] = {k: int(getattr(ps, g)()) for k, g in _SIZE_GETTERS.items()}
     # Megatron creates its data-parallel gloo groups only when asked; rebuild the same way.
     sizes["create_gloo_process_groups"] = getattr(ps, "_DATA_PARALLEL_GROUP_GLOO", None) is not None
-    seen: set[int] = set()
-    snap = NcclSnapshot(initialized_before=True, sizes=sizes)
-    world = dist.group.WORLD
+    snap = NcclSnapshot(initialized_before=True, sizes=sizes, call=_last_call or _fallback_call(ps, sizes),
+                        virtual_pipeline_size=ps.get_virtual_pipeline_model_parallel_world_size())
     for name in sorted(vars(ps)):
         value = getattr(ps, name)
         groups = _groups_of(value)
         if groups:
             snap.globals_before[name] = list(value) if isinstance(value, list | tuple) else value
-        for group in groups:
+            snap.ranks_before[name] = [_ranks(g) for g in groups]  # all before any destroy: globals share groups
+    seen: set[int] = set()
+    world = dist.group.WORLD
+    for value in snap.globals_before.values():
+        for group in _groups_of(value):
             if group is world or id(group) in seen:
                 continue
             seen.add(id(group))
@@ -113,34 +215,123 @@ def destroy_groups(backends: tuple[str, ...] = ("nccl",)) -> NcclSnapshot:
 
 def rebuild_groups(snapshot: NcclSnapshot, worker: Any = None) -> bool:
     """Re-create the groups :func:`destroy_groups` tore down, then point every holder reachable from ``worker`` (and
-    from ``megatron.*`` module globals) at the new ones; returns False when there was nothing to rebuild."""
+    from ``megatron.*`` module globals) at the new ones; returns False when there was nothing to rebuild. Raises
+    :class:`MegatronRebuildError` with the snapshot intact: call it again (on every rank) to retry."""
     from megatron.core import parallel_state as ps
 
-    if not snapshot.initialized_before or ps.model_parallel_is_initialized():
+    if not snapshot.initialized_before or snapshot.rebuilt:
         return False
-    ps.initialize_model_parallel(**snapshot.sizes)
+    if not snapshot.replayed:
+        if ps.model_parallel_is_initialized():
+            return False
+        _replay(snapshot, ps)
+        snapshot.replayed = True
     mapping = _old_to_new(snapshot, ps)
     roots: list[Any] = [m.__dict__ for n, m in list(sys.modules.items())
                         if n.startswith("megatron.") and n != ps.__name__ and m is not None]
     if worker is not None:
         roots.append(worker)
     t0 = time.perf_counter()
-    replaced = refresh_group_handles(mapping, roots)
-    logger.info("rlix: Megatron groups rebuilt; %d references to old groups replaced in %.3f s", replaced,
+    try:
+        replaced = refresh_group_handles(mapping, roots)
+    except Exception as e:
+        raise MegatronRebuildError(f"Megatron's groups were rebuilt but pointing their holders at them failed: {e}; "
+                                   "the snapshot is kept: rebuilding again redoes only this refresh") from e
+    logger.info("rlix: Megatron groups rebuilt (%s call); %d references to old groups replaced in %.3f s",
+                "recorded" if snapshot.call is not None and snapshot.call.recorded else "fall-back", replaced,
                 time.perf_counter() - t0)
     snapshot.globals_before.clear()
+    snapshot.rebuilt = True
     return True
 
 
+def _replay(snapshot: NcclSnapshot, ps: Any) -> None:
+    """Replay the snapshot's call and check the layout; when that failed on ANY rank, undo and raise on every rank
+    (a rank that kept its rebuilt groups would skip the retry the others then run: a hang)."""
+    call = snapshot.call or InitCall((), dict(snapshot.sizes), recorded=False)
+    error: Exception | None = None
+    differences = ""
+    try:
+        ps.initialize_model_parallel(*call.args, **call.kwargs)
+        differences = _layout_differences(snapshot, ps)
+    except Exception as e:
+        error = e
+    try:
+        failed_somewhere = _any_rank_failed(error is not None or bool(differences))
+    except Exception as e:  # no agreement possible: undo here and say why
+        failed_somewhere, error = True, error or RuntimeError(f"the ranks could not agree on the outcome: {e!r}")
+    if not failed_somewhere:
+        return
+    _undo_replay(snapshot, ps)
+    retry = ("The groups it had created were destroyed and parallel_state reset; the snapshot is kept, so the rebuild "
+             "may be retried (on every rank together)")
+    if error is not None:
+        raise MegatronRebuildError(f"rebuilding Megatron's groups with {call.describe()} failed: {error!r}. "
+                                   f"{retry}") from error
+    if differences:
+        how = ("the recorded call" if call.recorded else
+               "a fall-back derived from parallel_state, because no call was recorded: run record_initialize_calls() "
+               "in the worker before Megatron's setup")
+        raise MegatronRebuildError(f"rebuilding Megatron's groups with {call.describe()} ({how}) did not reproduce "
+                                   f"the layout before the destroy: {differences}. {retry} (a retry replays the same "
+                                   "call)")
+    raise MegatronRebuildError(f"rebuilding Megatron's groups failed on another rank (see its error); this rank's "
+                               f"rebuild was undone as well. {retry}")
+
+
+def _any_rank_failed(failed: bool) -> bool:
+    """Every rank's verdict, through the default process group (which the destroy never touches)."""
+    import torch
+    import torch.distributed as dist
+
+    on_cpu = "gloo" in str(dist.get_backend()).lower() or not torch.cuda.is_available()
+    flag = torch.tensor([int(failed)], device="cpu" if on_cpu else torch.device("cuda", torch.cuda.current_device()))
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
+
+
+def _layout_differences(snapshot: NcclSnapshot, ps: Any) -> str:
+    """What differs from the layout before the destroy ('' when nothing): the globals, then the first few in full."""
+    differ = {}
+    for name in sorted(set(snapshot.ranks_before) | {n for n in vars(ps) if _groups_of(getattr(ps, n))}):
+        before = snapshot.ranks_before.get(name, [])
+        after = [_ranks(g) for g in _groups_of(getattr(ps, name, None))]
+        if after != before:
+            differ[name] = (before, after)
+    text = [f"the group ranks of parallel_state.{', '.join(differ)} differ"] if differ else []
+    text += [f"{name} {before} before, {after} now" for name, (before, after) in list(differ.items())[:3]]
+    vpp = ps.get_virtual_pipeline_model_parallel_world_size()
+    if vpp != snapshot.virtual_pipeline_size:
+        text.append(f"the virtual pipeline size was {snapshot.virtual_pipeline_size} and is {vpp}")
+    return "; ".join(text)
+
+
+def _undo_replay(snapshot: NcclSnapshot, ps: Any) -> None:
+    """Destroy every group a (partly) failed replay left in ``parallel_state`` (mcore's ``_global_process_group_list``
+    holds those not assigned to a global yet), then reset it, so that a retry starts from the destroyed state."""
+    import torch.distributed as dist
+
+    old = {id(g) for value in snapshot.globals_before.values() for g in _groups_of(value)}
+    seen: set[int] = set()
+    world = dist.group.WORLD
+    for name in sorted(vars(ps)):
+        for group in _groups_of(getattr(ps, name)):
+            if group is world or id(group) in old or id(group) in seen:
+                continue
+            seen.add(id(group))
+            try:
+                dist.destroy_process_group(group)
+            except Exception as e:  # keep undoing: the reset below must happen
+                logger.warning("rlix: could not destroy a group of parallel_state.%s while undoing a failed rebuild: "
+                               "%s", name, e)
+    ps.destroy_model_parallel()
+
+
 def _old_to_new(snapshot: NcclSnapshot, ps: Any) -> dict[int, Any]:
+    """Old group (by id) -> the new group of the same global and position (the layout was checked by the replay)."""
     mapping: dict[int, Any] = {}
     for name, old in snapshot.globals_before.items():
-        new = getattr(ps, name, None)
-        olds, news = _groups_of(old), _groups_of(new)
-        if len(olds) != len(news):
-            raise RuntimeError(f"parallel_state.{name} held {len(olds)} groups before the rebuild and {len(news)} "
-                               "after: the rebuild did not reproduce the layout (same sizes expected)")
-        for o, n in zip(olds, news, strict=True):
+        for o, n in zip(_groups_of(old), _groups_of(getattr(ps, name, None)), strict=True):
             if o is not n:
                 mapping[id(o)] = n
     return mapping

@@ -198,14 +198,16 @@ def megatron_destroy_nccl(worker: Any) -> dict[str, Any]:
 
 
 def megatron_rebuild_nccl(worker: Any) -> bool:
-    """Before the next use of the training GPUs: rebuild what :func:`megatron_destroy_nccl` destroyed."""
+    """Before the next use of the training GPUs: rebuild what :func:`megatron_destroy_nccl` destroyed. A failed
+    rebuild raises and keeps the snapshot, so calling this again (on every worker) retries it."""
     from rlix_plugins.nemo_rl.megatron_nccl import rebuild_groups
 
     snap = getattr(worker, "_rlix_nccl", None)
     if snap is None:
         return False
-    worker._rlix_nccl = None
-    return rebuild_groups(snap, worker)
+    rebuilt = rebuild_groups(snap, worker)
+    worker._rlix_nccl = None  # only once rebuilt: a snapshot dropped before would make a failed rebuild final
+    return rebuilt
 
 
 # ---------------------------------------------------------------------------------------------- replay buffer
