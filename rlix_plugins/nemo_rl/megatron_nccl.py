@@ -11,8 +11,29 @@ use :func:`rebuild_groups` replays the ``initialize_model_parallel`` call that b
   its positional and keyword arguments as given: sizes, virtual pipeline size, ``order`` (``tp-cp-ep-pp-dp`` with
   ``use_tp_pp_dp_mapping``), optimizer instances, hierarchical CP sizes, timeout, embedding-rank callbacks, NCCL
   options, the gloo switch - whatever the installed megatron-core takes. It must run in the worker before
-  Megatron's setup; no rlix-plugins code runs in NeMo RL's Megatron workers that early today (they are reached
-  only through ``__ray_call__`` after their construction), so there the rebuild uses the fall-back below.
+  Megatron's setup, and our code reaches NeMo RL's Megatron workers only through ``__ray_call__`` after their
+  construction, so it is installed by Ray's worker-process setup hook (:func:`worker_process_setup_hook`), which
+  runs in the worker process at its start, before Ray loads the actor class and runs its constructor.
+* Why that hook, and how it gets there: NeMo RL builds each Megatron policy worker's ``runtime_env`` itself
+  (``RayWorkerGroup._create_workers_from_bundle_indices``: only ``env_vars`` and ``py_executable``), and the only
+  part of it a config reaches is ``env_vars``: ``Policy`` passes ``policy.megatron_cfg.env_vars`` to its worker
+  group, which adds the driver's environment for every other key. Ray's ``worker_process_setup_hook`` is itself
+  carried by one environment variable (``ray_constants.WORKER_PROCESS_SETUP_HOOK_ENV_VAR``: ``ray.init`` turns the
+  ``runtime_env`` field into it, and ``default_worker.py`` imports and calls the ``module.function`` it names at
+  start), so :func:`.placement.nemo_rl_placement` - the ``rlix_placement`` hook, which runs only when
+  ``RLIX_CONTROL_PLANE=rlix`` and before ``setup()`` creates the ``Policy`` - writes it into
+  ``policy.megatron_cfg.env_vars`` (:func:`megatron_worker_env`). No patch line is needed; standalone NeMo RL
+  never calls our placement, so nothing of ours is set or imported there. Not the alternatives: a worker
+  extension class (``Policy(worker_extension_cls_fqn=...)``) needs its own ``ACTOR_ENVIRONMENT_REGISTRY`` entry,
+  and NeMo RL builds one uv venv per worker class name (a second Megatron venv) and it would replace the
+  quantized-worker override; the ``nemo_rl.rlix_hooks`` entry point is loaded only in the driver (``setup()``,
+  ``async_grpo_train``); a ``.pth`` file would load in standalone mode. A setup hook the job already had (the
+  same variable inherited from the driver's environment or set in ``megatron_cfg.env_vars``) is kept and run
+  first (:data:`CHAINED_SETUP_HOOK_ENV`). The variable reaches only the policy worker group (NeMo RL's
+  worker initializer actors get ``HF_HOME``/``HF_MODULES_CACHE``/``PYTHONPATH`` only); a process it reaches
+  without megatron-core installs nothing. The variable's name is Ray's own (read from ``ray_constants``, so a Ray
+  that renames it fails at placement, loudly); ``tests/nemo_rl/without_nemo/test_megatron_setup_hook.py`` runs
+  the route on a real Ray worker.
 * Destroy: every DISTINCT process group held by a ``parallel_state`` global whose backend is in ``backends``
   (default: NCCL only; Gloo groups are CPU-only and stay) is destroyed once, then ``destroy_model_parallel``
   resets the globals. The snapshot keeps the recorded call (or, when none was recorded, a fall-back derived from
@@ -39,6 +60,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import sys
 import time
 import types
@@ -48,8 +70,9 @@ from typing import Any, Final
 
 from rlix_plugins.errors import RlixError
 
-__all__ = ["InitCall", "MegatronRebuildError", "NcclSnapshot", "destroy_groups", "rebuild_groups",
-           "record_initialize_calls", "recorded_initialize_call", "refresh_group_handles"]
+__all__ = ["CHAINED_SETUP_HOOK_ENV", "SETUP_HOOK", "InitCall", "MegatronRebuildError", "NcclSnapshot",
+           "destroy_groups", "megatron_worker_env", "rebuild_groups", "record_initialize_calls",
+           "recorded_initialize_call", "refresh_group_handles", "worker_process_setup_hook"]
 
 logger = logging.getLogger(__name__)
 
@@ -113,6 +136,51 @@ def record_initialize_calls() -> bool:
     return True
 
 
+#: What Ray's worker-process setup hook names (``module.function``): :func:`worker_process_setup_hook`.
+SETUP_HOOK: Final = f"{__name__}.worker_process_setup_hook"
+#: A setup hook the worker had before ours (Ray's variable's old value): run first by ours.
+CHAINED_SETUP_HOOK_ENV: Final = "RLIX_CHAINED_WORKER_PROCESS_SETUP_HOOK"
+
+
+def _ray_setup_hook_env() -> str:
+    from ray._private import ray_constants
+
+    return str(ray_constants.WORKER_PROCESS_SETUP_HOOK_ENV_VAR)
+
+
+def megatron_worker_env(env_vars: dict[str, str] | None, inherited: dict[str, str] | None = None) -> dict[str, str]:
+    """``policy.megatron_cfg.env_vars`` with Ray's setup-hook variable naming :func:`worker_process_setup_hook`
+    (see the module docstring). A hook already named there or in ``inherited`` (default: this process's
+    environment, which NeMo RL's worker group copies into its workers for keys the config lacks) is chained."""
+    env, key = dict(env_vars or {}), _ray_setup_hook_env()
+    previous = env.get(key, (os.environ if inherited is None else inherited).get(key))
+    if previous and previous != SETUP_HOOK:
+        env[CHAINED_SETUP_HOOK_ENV] = previous
+    env[key] = SETUP_HOOK
+    return env
+
+
+def worker_process_setup_hook() -> None:
+    """Ray runs this at the start of every worker process whose environment names it (NeMo RL's Megatron policy
+    workers, in time-sharing mode): runs a chained hook, then :func:`record_initialize_calls` when
+    ``RLIX_CONTROL_PLANE=rlix`` and megatron-core is importable (a process without it installs nothing)."""
+    chained = os.environ.get(CHAINED_SETUP_HOOK_ENV)
+    if chained:
+        from ray._private.runtime_env.setup_hook import load_and_execute_setup_hook
+
+        error = load_and_execute_setup_hook(chained)
+        if error is not None:
+            raise RuntimeError(f"the worker-process setup hook rlix chains ({chained}) failed: {error}")
+    if os.environ.get("RLIX_CONTROL_PLANE") != "rlix":
+        return
+    try:
+        import megatron.core.parallel_state  # noqa: F401
+    except ImportError:
+        logger.info("rlix: megatron-core is not importable in this worker; no initialize_model_parallel recorder")
+        return
+    record_initialize_calls()
+
+
 def recorded_initialize_call() -> InitCall | None:
     """The call :func:`rebuild_groups` will replay after the next destroy; None when none was recorded."""
     return _last_call
@@ -172,7 +240,8 @@ def _fallback_call(ps: Any, sizes: dict[str, int | bool]) -> InitCall:
     if not _fallback_logged:
         _fallback_logged = True
         logger.warning("rlix: no initialize_model_parallel call was recorded in this process (record_initialize_calls "
-                       "did not run before Megatron's setup); the Megatron rebuild replays sizes derived from "
+                       "did not run before Megatron's setup: was this worker started without rlix's setup hook, "
+                       "policy.megatron_cfg.env_vars from nemo_rl_placement?); the Megatron rebuild replays sizes derived from "
                        "parallel_state instead: %s. Its order, embedding-rank callbacks, timeout and NCCL options are "
                        "Megatron's defaults; a layout they changed fails the rebuild's rank check", kwargs)
     return InitCall((), kwargs, recorded=False)
@@ -271,7 +340,7 @@ def _replay(snapshot: NcclSnapshot, ps: Any) -> None:
     if differences:
         how = ("the recorded call" if call.recorded else
                "a fall-back derived from parallel_state, because no call was recorded: run record_initialize_calls() "
-               "in the worker before Megatron's setup")
+               "in the worker before Megatron's setup (worker_process_setup_hook, which nemo_rl_placement installs)")
         raise MegatronRebuildError(f"rebuilding Megatron's groups with {call.describe()} ({how}) did not reproduce "
                                    f"the layout before the destroy: {differences}. {retry} (a retry replays the same "
                                    "call)")

@@ -18,7 +18,9 @@ worker groups read.
   the train adapter (one group per ``rlix.train_devices`` GPU, in order: Megatron rank i on GPU i), the inference
   adapter (one per ``rlix.infer_devices`` GPU: vLLM DP rank r on ``infer_devices[r]``) and the ``name_prefix``
   keywords of ``Policy`` / ``VllmGeneration``. It fixes the pipeline id here (``rlix.pipeline_id`` or a fresh one)
-  so the names and the registration agree.
+  so the names and the registration agree. With a Megatron policy it also names Ray's worker-process setup hook in
+  ``policy.megatron_cfg.env_vars``, so each Megatron worker records its ``initialize_model_parallel`` call before
+  its model setup (:func:`.megatron_nccl.megatron_worker_env`; why there: that module's docstring).
 * The start-up grant (:mod:`rlix_plugins.control.start_gate`): :func:`nemo_rl_placement` registers the pipeline and
   returns at once, so setup() starts its worker processes (imports, model conversion, engine creation) while other
   pipelines keep running; only each vLLM rank's device set-up waits for INITIALIZATION of the pipeline's inference
@@ -287,7 +289,14 @@ def nemo_rl_placement(master_config: Any) -> tuple[VirtualClusterAdapter, Virtua
     creation); both bounded by ``rlix.init_timeout_s``.
     """
     from rlix_plugins.control import client
-    from rlix_plugins.nemo_rl.config import load_run_config, scope_data_plane
+    from rlix_plugins.nemo_rl.config import (
+        cfg_path,
+        cfg_set,
+        load_run_config,
+        policy_trainer,
+        scope_data_plane,
+    )
+    from rlix_plugins.nemo_rl.megatron_nccl import megatron_worker_env
     from rlix_plugins.nemo_rl.topology import validate_topology
 
     cfg = load_run_config(master_config)
@@ -301,6 +310,9 @@ def nemo_rl_placement(master_config: Any) -> tuple[VirtualClusterAdapter, Virtua
     pid = cfg.pipeline_id or cp.allocate_pipeline_id()
     cfg = dataclasses.replace(cfg, pipeline_id=pid)
     scope_data_plane(master_config, pid)  # the pipeline's own TransferQueue actors (before TQPolicy starts them)
+    if policy_trainer(master_config) == "megatron":  # before setup() creates the Policy's workers
+        cfg_set(master_config, "policy.megatron_cfg.env_vars",
+                megatron_worker_env(cfg_path(master_config, "policy.megatron_cfg.env_vars")))
     gpus = sorted(set(cfg.train_devices) | set(cfg.infer_devices))
     pool, dead = placement_pool(), "the placement pool actor died; `rlix down` and start again"
     groups = ray_get(pool.groups.remote(gpus), f"shared placement groups of GPUs {gpus}", cfg.runtime.init_timeout_s,
