@@ -312,6 +312,12 @@ class ControlPlane:
         """Unregister a pipeline as failed: ``rlix status`` lists it with ``reason``. False when not registered."""
         return bool(call(self.scheduler.fail_pipeline.remote(pipeline_id, reason), "fail_pipeline", dead=SCHEDULER_DEAD))
 
+    def lift_fences(self, pipeline_id: str | None = None) -> list[str]:
+        """Lift the fences of a failed pipeline (all fences when None) once you know its processes' GPU memory is
+        free (e.g. they were killed outside Ray); returns the fences lifted. The health check lifts a fence by itself
+        when the failed driver's Ray job has no live process left."""
+        return list(call(self.scheduler.lift_fences.remote(pipeline_id), "lift_fences", dead=SCHEDULER_DEAD))
+
     def kill_pipeline(self, pipeline_id: str) -> list[str]:
         return list(call(self.orchestrator.kill_pipeline.remote(pipeline_id), "kill_pipeline", 90.0))
 

@@ -134,9 +134,11 @@ def _shared_control_plane() -> ControlPlane:
 
 
 def reset_control_plane(cp: ControlPlane) -> None:
-    """Unregister every pipeline and kill every pipeline-namespace actor and test handler."""
+    """Unregister every pipeline, lift the fences of the ones failed (their job, this test process, lives on), and
+    kill every pipeline-namespace actor and test handler."""
     for pid in cp.status()["pipelines"]:
         cp.unregister_pipeline(pid, reason="test cleanup")
+    cp.lift_fences()
     for entry in ray.util.list_named_actors(all_namespaces=True):
         ns = entry.get("namespace") or ""
         if ns.startswith("pipeline_"):

@@ -71,6 +71,12 @@ def test_dead_coordinator_holding_training_gpus_is_reaped(control_plane: client.
     assert b.request_gpus("actor_train", TRAIN, timeout_s=15) == [0]
     assert "fail" in _ops(cp, a.pipeline_id)
     _still_serving(cp, b)
+    # A's GPU is fenced for other jobs (this test process, A's job, lives on), not for B: one job is trusted with its
+    # own memory. An operator may lift the fence.
+    fences = cp.status()["fences"]
+    assert [f["gpus"] for k, f in fences.items() if k.startswith(a.pipeline_id)] == [[0]], fences
+    assert cp.lift_fences(a.pipeline_id) and not cp.status()["fences"]
+    assert cp.lift_fences(a.pipeline_id) == []
 
 
 def test_driver_dead_before_its_coordinator_was_ever_probed_is_reaped(control_plane: client.ControlPlane) -> None:

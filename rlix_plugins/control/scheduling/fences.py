@@ -12,6 +12,7 @@ processes is alive (a driver's non-detached actors die with it; stopping the hun
   pipelines of one driver process, as in tests and ``rlix demo``, keep today's behaviour).
 * The scheduler's health check asks the GCS for the job's live actors (:func:`live_processes`) and lifts the fence
   once there are none; ``rlix status`` shows each fence with the processes that keep it and how to end them.
+  ``ControlPlane.lift_fences`` lifts one on an operator's word (its processes were killed outside Ray, say).
 """
 
 from __future__ import annotations

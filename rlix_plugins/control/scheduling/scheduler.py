@@ -124,6 +124,17 @@ class Scheduler(SchedulerCycle):
         self._ensure_loop()
         return self._fail(pipeline_id, reason)
 
+    async def lift_fences(self, pipeline_id: str | None = None) -> list[str]:
+        """Lift the fences of ``pipeline_id`` (every fence when None) on an operator's word (``scheduling.fences``)."""
+        self._ensure_loop()
+        lifted = [k for k, f in self._fences.items() if pipeline_id is None or f.pipeline_id == pipeline_id]
+        for key in lifted:
+            fence = self._fences.pop(key)
+            self._trace.record("unfence", pipeline_id=fence.pipeline_id, gpus=fence.gpus, detail="lifted by request")
+        if lifted:
+            self._kick()
+        return lifted
+
     # ------------------------------------------------------------------ requests
     async def request_gpus(
         self,
