@@ -21,8 +21,8 @@ may run next to another pipeline's training step where both fit (co-residence, D
 A GPU fits its pipelines when ``sum(asleep) + max(awake - asleep) <= GPU memory x GPU_SHARE``; the host fits them
 when ``sum(host) <= host memory x HOST_SHARE - RAY_HOST_GIB``. The figures were measured on an H200 with NeMo RL's
 stock ``grpo_math_1B`` (DTensor v1, micro-batch 4 x 1,024 tokens) at the Qwen2.5-1.5B shape, two pipelines on one GPU
-(``benchmarks/results/h200-2026-11-26-real-scale/``), and rounded up; a refusal names the budget that binds and its
-figures.
+(``benchmarks/results/h200-2026-11-26-real-scale/``), and rounded up; the host figures fit two shapes (1.5B and
+0.5B). A refusal names the budget that binds and its figures.
 """
 
 from __future__ import annotations
@@ -47,12 +47,16 @@ TRAINER_LOADED_BYTES_PER_PARAM: Final = 8
 #: stock micro-batch (42.7 GiB measured at 1.54 B: 29.7 bytes per parameter). Activations follow the micro-batch and
 #: the sequence length, not the parameters: a recipe with larger ones needs more.
 TRAINER_STEP_BYTES_PER_PARAM: Final = 30
-#: The trainer process on the host (42.1 GB resident measured at 1.54 B, the bucket cache included).
-TRAINER_HOST_BYTES_PER_PARAM: Final = 28
-#: One pipeline's other processes on the host (driver, engine, collector, replay buffer, reward workers; ~10 GB).
-PROCESSES_HOST_GIB: Final = 10.0
-#: Ray's own processes on the node (GCS, raylet, agents, object store in use).
-RAY_HOST_GIB: Final = 4.0
+#: A pipeline's host memory grows with the model by this much (its trainer's offloaded weights, gradients, Adam
+#: moments, reference model and the bucket cache) on top of :data:`PROCESSES_HOST_GIB`. Both come from a fit to two
+#: measured shapes (peak host use per pipeline over a whole run): 49.5 GiB at 1.54 B parameters (two pipelines),
+#: 27.8 GiB at 0.49 B (four pipelines; 27.5 alone).
+TRAINER_HOST_BYTES_PER_PARAM: Final = 22
+#: A pipeline's host memory that does not follow the model: its processes (driver, engine, collector, replay buffer,
+#: reward workers) and the trainer's fixed part (libraries, CUDA host state).
+PROCESSES_HOST_GIB: Final = 17.5
+#: Ray's own processes on the node (GCS, raylet, agents, the control plane: 2.2 GiB used before the first driver).
+RAY_HOST_GIB: Final = 2.5
 #: Shares of the memory the pipelines may plan for (the rest: allocator fragmentation, the OS, other users).
 GPU_SHARE: Final = 0.95
 HOST_SHARE: Final = 0.9
