@@ -96,65 +96,36 @@ def nvml_figures(rows: list[dict[str, float]], t0: float, t1: float) -> dict[str
             "samples": len(inside)}
 
 
-def phase_busy(spans: list[tuple[float, float, int]], rows: list[dict[str, float]], t0: float,
-               t1: float, gpu: int = 0) -> dict[str, dict[str, float]]:
-    """Seconds and mean NVML utilization of ``gpu`` over [t0, t1] by what held it: start-up, training, rollout, both
-    (a rollout next to a training step), no one."""
-    names = {0: "start-up", 6: "rollout"}
+def phase_busy(spans: list[Any], rows: list[dict[str, float]], t0: float, t1: float,
+               gpu: int = 0) -> dict[str, dict[str, float]]:
+    """Seconds and mean NVML utilization of ``gpu`` over [t0, t1] by what held it (``timeline.occupancy_spans`` of
+    that GPU): start-up, training, rollout, both (a rollout next to a training step), no one."""
+    names = {"init": "start-up", "rollout": "rollout"}
     out: dict[str, list[float]] = {}
     for r in rows:
         if not t0 <= r["time"] <= t1:
             continue
-        held = sorted({names.get(prio, "training") for a, b, prio in spans if a <= r["time"] <= b})
+        held = sorted({names.get(s.phase, "training") for s in spans if s.start <= r["time"] <= s.end})
         kind = " + ".join(held) if held else "no one"  # "rollout + training": a rollout next to a training step
         out.setdefault(kind, []).append(r[f"util_{gpu}"])
     dt = (t1 - t0) / max(sum(len(v) for v in out.values()), 1)
     return {k: {"seconds": round(len(v) * dt, 1), "busy": round(sum(v) / len(v) / 100, 3)} for k, v in out.items()}
 
 
-def held_spans(events: list[Any], gpu: int, t1: float) -> list[tuple[float, float, int]]:
-    """(since, until, priority) of every cluster's hold of ``gpu``, from the trace (spans may overlap: a rollout next
-    to a training step)."""
-    from rlix_plugins.control.trace import OCCUPY_OPS, VACATE_OPS
-
-    held: dict[str, tuple[float, int]] = {}  # cluster holding the GPU -> (since, priority)
-    spans: list[tuple[float, float, int]] = []
-    for e in events:
-        if gpu not in e.gpus and e.op not in ("unregister", "fail"):
-            continue
-        if e.op in OCCUPY_OPS:
-            held.setdefault(e.cluster_id, (e.time, int(e.priority if e.priority is not None else 6)))
-        elif e.op in VACATE_OPS:
-            gone = [c for c in held if c == e.cluster_id or (e.op in ("unregister", "fail") and c.startswith(e.pipeline_id))]
-            for c in gone:
-                since, prio = held.pop(c)
-                spans.append((since, e.time, prio))
-    return spans + [(since, t1, prio) for since, prio in held.values()]
-
-
-def union_share(spans: list[tuple[float, float, int]], t0: float, t1: float) -> float:
-    """Share of [t0, t1] inside at least one span (a rollout next to a training step counts once)."""
-    busy, edge = 0.0, t0
-    for a, b, _ in sorted(spans):
-        a, b = max(a, edge), min(b, t1)
-        if b > a:
-            busy += b - a
-            edge = b
-    return busy / (t1 - t0) if t1 > t0 else float("nan")
-
-
 def trace_figures(path: Path, t0: float, t1: float, rows: list[dict[str, float]] | None = None) -> dict[str, Any]:
     """Allocated share of each GPU over [t0, t1] (some cluster held it) and over all, fairness and, with NVML
     ``rows``, the busy share by what held each GPU, from the scheduler's trace."""
     from rlix_plugins.control.capacity.fairness import fairness
+    from rlix_plugins.control.capacity.timeline import held_seconds, occupancy_spans
     from rlix_plugins.control.types import TraceEvent
 
     events = [TraceEvent(**{**json.loads(line), "gpus": tuple(json.loads(line)["gpus"])})
               for line in path.read_text().splitlines() if line.strip()]
     events.sort(key=lambda e: e.time)
     gpus = sampled_gpus(rows) if rows else sorted({g for e in events for g in e.gpus})
-    spans = {g: held_spans(events, g, t1) for g in gpus}
-    shares = {g: union_share(s, t0, t1) for g, s in spans.items()}
+    every = occupancy_spans(events)
+    spans = {g: [s for s in every if s.gpu == g] for g in gpus}
+    shares = {g: held_seconds(s, [g], t0, t1) / (t1 - t0) if t1 > t0 else float("nan") for g, s in spans.items()}
     out: dict[str, Any] = {"gpu_allocated_share_steps_phase": sum(shares.values()) / len(shares) if shares else 0.0,
                            "gpu_allocated_share_by_gpu": shares, "fairness": fairness(events).as_dict()}
     if rows:
