@@ -6,14 +6,18 @@ One instance = one pipeline = one training run. NeMo RL never imports this modul
 of NeMo RL. The contract is :class:`.hookspec.RLixHookSpec` (patch 0001 is generated from it; the seam checks this
 class against it when it registers it).
 
-The hooks keep the bookkeeping (grants held, history, end at exit) and hand the work to a :class:`HookRuntime`,
-chosen at ``rlix_pipeline_start``:
+The hooks keep the bookkeeping (the checkpoint grant, history, end at exit) and hand the work to a
+:class:`HookRuntime`, chosen at ``rlix_pipeline_start``. Whether the step's ACTOR_TRAINING grant is held is recorded
+in one place, the runtime's :class:`~rlix_plugins.pipeline.runtime.PipelineRuntime` (``runtime.rt.holds_train_grant``);
+the hooks read it there and call that runtime directly for what it does alone (the cache build, the release after the
+publish):
 
 * :class:`.runtime_adapter.NemoRuntime` (a real ``VllmGeneration`` and ``Policy``: both hold a ``worker_group``):
   the shared pipeline runtime (:mod:`rlix_plugins.pipeline`) - weights cached in the Megatron or DTensor workers,
   partial sleep/wake of vLLM DP ranks, routing installed on ``policy_generation`` before it is pickled into the
   collector, progress from the replay buffer, watchdog, planned shrink at the end;
-* :class:`ControlOnlyRuntime` (anything else, e.g. NeMo RL's unit-test mocks): the GPU grants alone.
+* :class:`ControlOnlyRuntime` (anything else, e.g. NeMo RL's unit-test mocks): the GPU grants alone (its ``rt`` is a
+  :class:`~rlix_plugins.pipeline.runtime.GrantOnlyRuntime`).
 
 ::
 
@@ -25,9 +29,9 @@ chosen at ``rlix_pipeline_start``:
                                runtime.start(start_step) (init phases under the setup grant, then released)
     on_trajectory_collector_created → (runtime: GENERATION; the first expand syncs real weights; progress thread)
     before_training(N)       → request ACTOR_TRAINING (blocks until granted; donors slept first)
-    before_weight_sync(N)    → (runtime: CPU cache of version N + 1 while the parameters are on GPU)
+    before_weight_sync(N)    → (runtime.rt: CPU cache of version N + 1 while the parameters are on GPU)
     after_training(N)        → offload (runtime: + NCCL teardown, in-flight refresh) → return N + 1
-    on_weight_version_published(N, v) → release ACTOR_TRAINING → return the step's ``rlix/`` metrics (NeMo RL logs
+    on_weight_version_published(N, v) → runtime.rt releases ACTOR_TRAINING → return the step's ``rlix/`` metrics (NeMo RL logs
                                them with its training metrics: ``train/rlix/...``)
     before/after_checkpoint  → request / release ACTOR_TRAINING around policy.save_checkpoint
     on_pipeline_end          → release a checkpoint grant → runtime.stop (full: watchdog off, shrink to zero;
@@ -49,7 +53,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Final, Protocol, final
+from typing import TYPE_CHECKING, Any, Final, Protocol, final
 
 import pluggy
 
@@ -60,6 +64,9 @@ from rlix_plugins.nemo_rl.hookspec import PROJECT_NAME
 from rlix_plugins.nemo_rl.topology import validate_topology
 from rlix_plugins.pipeline.versions import version_after_step
 
+if TYPE_CHECKING:
+    from rlix_plugins.pipeline.runtime import PipelineRuntime
+
 logger = logging.getLogger(__name__)
 
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
@@ -68,7 +75,13 @@ _RPC_S: Final = 60.0
 
 class HookRuntime(Protocol):
     """The work behind the hooks (:class:`.runtime_adapter.NemoRuntime`, :class:`ControlOnlyRuntime`). Methods named
-    after a hook take its arguments, under the same names."""
+    after a hook take its arguments, under the same names. What the pipeline runtime ``rt`` does alone
+    (``before_weight_sync``, ``on_published``) the hooks call on it directly."""
+
+    @property
+    def rt(self) -> PipelineRuntime | None:
+        """The pipeline runtime (set by :meth:`register`): the one record of the step's training grant."""
+        ...
 
     def register(self, cp: Any, held: Any) -> Any:
         """Register the pipeline (or adopt ``held``, setup()'s registration holding INITIALIZATION); its handle."""
@@ -81,19 +94,13 @@ class HookRuntime(Protocol):
         """Block until ACTOR_TRAINING of ``step`` is granted; the GPUs granted."""
         ...
 
-    def before_weight_sync(self, step: int) -> None: ...
     def after_training(self, step: int) -> int: ...
-
-    def on_weight_version_published(self, step: int, weight_version: int) -> None:
-        """Release the ACTOR_TRAINING grant of ``step``."""
-        ...
-
     def step_metrics(self, step: int) -> dict[str, float]: ...
     def before_checkpoint(self, step: int) -> None: ...
     def after_checkpoint(self, step: int) -> None: ...
 
     def stop(self, error: str | None = None) -> None:
-        """Release what the runtime holds and unregister the pipeline (as failed, with ``error`` as the reason,
+        """Release what the runtime holds (the step's grant among it) and unregister the pipeline (as failed, with ``error`` as the reason,
         when the run raised); raise what failed."""
         ...
 
@@ -112,14 +119,17 @@ class ControlOnlyRuntime:
         self.config = config
         self.policy = policy
         self.pipe: Any = None
-        self._holds_train = False
+        self.rt: PipelineRuntime | None = None
 
     def register(self, cp: Any, held: Any) -> Any:
+        from rlix_plugins.pipeline.runtime import GrantOnlyRuntime
+
         if held is not None:  # no init phases: give back the start-up grant its vLLM ranks may have taken
             held.release_gpus(GENERATION_CLUSTER, step=-1, timeout_s=_RPC_S)
             self.pipe = held
         else:
             self.pipe = cp.register_pipeline(**self.config.registration())
+        self.rt = GrantOnlyRuntime(self.pipe, self.config.runtime)
         return self.pipe
 
     def start(self, master_config: Any, policy: Any, policy_generation: Any, start_step: int) -> None:
@@ -129,21 +139,13 @@ class ControlOnlyRuntime:
         """Nothing to attach: generation is NeMo RL's own."""
 
     def before_training(self, step: int) -> list[int]:
-        gpus = self.pipe.request_gpus(TRAIN_CLUSTER, Priority.ACTOR_TRAINING, step=step,
-                                      timeout_s=self.config.runtime.request_timeout_s)
-        self._holds_train = True
-        return list(gpus)
-
-    def before_weight_sync(self, step: int) -> None:
-        """No weight cache to build."""
+        assert self.rt is not None  # set by register
+        return list(self.rt.before_training(step))
 
     def after_training(self, step: int) -> int:
         if self.policy is not None:
             self.policy.offload_after_refit()
         return version_after_step(step)
-
-    def on_weight_version_published(self, step: int, weight_version: int) -> None:
-        self._release(step)
 
     def step_metrics(self, step: int) -> dict[str, float]:
         return {}
@@ -155,16 +157,12 @@ class ControlOnlyRuntime:
         """Nothing to release but the hooks' grant."""
 
     def stop(self, error: str | None = None) -> None:
-        self._release(None)
+        if self.rt is not None:
+            self.rt.release_training(None)
         if error:
             self.pipe.fail(f"the NeMo RL run failed: {error}")
         else:
             self.pipe.unregister("the NeMo RL run ended")
-
-    def _release(self, step: int | None) -> None:
-        if self._holds_train:
-            self.pipe.release_gpus(TRAIN_CLUSTER, step=step, timeout_s=_RPC_S)
-            self._holds_train = False
 
 
 @dataclass(frozen=True)
@@ -187,7 +185,6 @@ class NemoRLHooks:
     history: list[HookEvent] = field(default_factory=list)
     _config: RlixRunConfig | None = None
     _pipe: Any = None  # client.PipelineHandle
-    _holds_train: bool = False  # the step's ACTOR_TRAINING grant (the runtime requested it)
     _checkpoint_grant: bool = False  # the hooks' own ACTOR_TRAINING grant around a checkpoint
     _train_wait_s: float = 0.0
     _ended: bool = False
@@ -200,7 +197,19 @@ class NemoRLHooks:
 
     @property
     def holds_training_gpus(self) -> bool:
-        return self._holds_train or self._checkpoint_grant
+        return self._holds_step_grant or self._checkpoint_grant
+
+    @property
+    def _holds_step_grant(self) -> bool:
+        """The step's ACTOR_TRAINING grant, as the pipeline runtime (its one record) has it; none once ended."""
+        rt = None if self._pipe is None or self.runtime is None else self.runtime.rt
+        return rt is not None and rt.holds_train_grant
+
+    def _pipeline_runtime(self, hook: str) -> PipelineRuntime:
+        rt = self._started(hook).rt
+        if rt is None:
+            raise RlixError(f"{hook}: the runtime has no pipeline runtime (register did not run)")
+        return rt
 
     def _record(self, name: str, step: int | None, gpus: list[int] | tuple[int, ...] = ()) -> None:
         self.history.append(HookEvent(name, step, time.time(), tuple(gpus)))
@@ -280,19 +289,18 @@ class NemoRLHooks:
         """Call site: before ``policy.prepare_for_lp_inference`` of ``step``. Blocks until ACTOR_TRAINING is granted."""
         runtime = self._started("before_training")
         t0 = time.perf_counter()
-        gpus = runtime.before_training(step)  # the runtime requests (and later releases) the step's grant
-        self._holds_train = True
+        gpus = runtime.before_training(step)  # the pipeline runtime requests (and later releases) the step's grant
         self._train_wait_s = time.perf_counter() - t0
         self._record("train_granted", step, gpus)
 
     @hookimpl
     def before_weight_sync(self, step: int) -> None:
         """Call site: after ``policy.train`` of ``step``, parameters still on GPU, before any offload."""
-        runtime = self._started("before_weight_sync")
-        if not self._holds_train:
+        rt = self._pipeline_runtime("before_weight_sync")
+        if not rt.holds_train_grant:
             raise RlixError(f"before_weight_sync(step={step}) without the training GPUs: before_training did not run")
         self._record("weights_on_gpu", step)
-        runtime.before_weight_sync(step)
+        rt.before_weight_sync(step)
 
     @hookimpl
     def after_training(self, step: int) -> int:
@@ -311,10 +319,10 @@ class NemoRLHooks:
         """Call site: after the collector received ``weight_version``. Releases ACTOR_TRAINING; returns the step's
         ``rlix/`` metrics, which the patched loop merges into the metrics it hands NeMo RL's logger."""
         runtime = self._started("on_weight_version_published")
+        rt = self._pipeline_runtime("on_weight_version_published")
         self._record("published", step)
-        if self._holds_train:
-            runtime.on_weight_version_published(step, weight_version)  # releases ACTOR_TRAINING
-            self._holds_train = False
+        if rt.holds_train_grant:
+            rt.on_published(step, weight_version)  # releases ACTOR_TRAINING
             self._record("train_released", step)
         metrics = {"rlix/published_version": float(weight_version), "rlix/wait_train_grant_s": self._train_wait_s}
         try:
@@ -376,7 +384,7 @@ class NemoRLHooks:
                 fn()
             except Exception as exc:
                 errors.append(f"{what}: {exc}")
-        self._holds_train = self._checkpoint_grant = False
+        self._checkpoint_grant = False
         self._record(event, None)
         self._pipe = None
         atexit.unregister(self._end_at_exit)

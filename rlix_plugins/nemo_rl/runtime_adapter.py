@@ -50,7 +50,9 @@ _PROGRESS_PERIOD_S: Final = 1.0
 
 class NemoRuntime:
     """See the module docstring. One per pipeline (driver process); a :class:`.hooks.HookRuntime`. The weight
-    versions are the shared runtime's (``rt.versions``): this class reads them, never keeps its own."""
+    versions and whether the step's training grant is held are the shared runtime's (``rt.versions``,
+    ``rt.holds_train_grant``): this class reads them, never keeps its own. What the shared runtime does alone (the
+    cache build of ``before_weight_sync``, the release after the publish) the hooks call on ``rt`` directly."""
 
     def __init__(self, config: RlixRunConfig) -> None:
         self.config = config
@@ -142,14 +144,8 @@ class NemoRuntime:
         assert self.weights is not None
         self.weights.release_comm_groups(self.config.runtime.sync_timeout_s)
 
-    def before_weight_sync(self, step: int) -> None:
-        self.rt.before_weight_sync(step)
-
     def after_training(self, step: int) -> int:
         return self.rt.after_training(step, offload=self._offload)
-
-    def on_weight_version_published(self, step: int, weight_version: int) -> None:
-        self.rt.on_published(step, weight_version)
 
     def step_metrics(self, step: int) -> dict[str, float]:
         """The ``rlix/`` figures of ``step`` (since the previous call): expands (ranks woken + synced, their

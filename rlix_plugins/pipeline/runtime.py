@@ -47,9 +47,14 @@ from rlix_plugins.pipeline.config import RuntimeConfig
 from rlix_plugins.pipeline.protocols import RolloutFleet, VersionPublisher, WeightSource
 from rlix_plugins.pipeline.resizer import FleetResizer, resizer_name
 from rlix_plugins.pipeline.router import ROUTER_MAX_CONCURRENCY, RolloutRouter, RouterClient, router_name
-from rlix_plugins.pipeline.versions import VersionLedger, cache_version_after_step, initial_cache_version
+from rlix_plugins.pipeline.versions import (
+    VersionLedger,
+    cache_version_after_step,
+    initial_cache_version,
+    version_after_step,
+)
 
-__all__ = ["PipelineRuntime", "ProgressReporter"]
+__all__ = ["GrantOnlyRuntime", "PipelineRuntime", "ProgressReporter"]
 
 logger = logging.getLogger(__name__)
 _RPC_S: Final = 60.0
@@ -90,6 +95,8 @@ class PipelineRuntime:
         self.versions = VersionLedger()
         #: The resize lock's token from before_weight_sync until after_training published (no expand in between).
         self._sync_lock: str | None = None
+        #: The step's ACTOR_TRAINING grant is held: the one record of it (:attr:`holds_train_grant`); set by
+        #: before_training, cleared by release_training (on_published, end).
         self._holds_train = False
         self._ended = False
         self._stop = threading.Event()
@@ -305,6 +312,10 @@ class PipelineRuntime:
         if version != self.versions.published:
             raise RlixError(f"on_published(step={step}, version={version}): after_training returned "
                             f"{self.versions.published}; publish exactly the version it returned")
+        self.release_training(step)
+
+    def release_training(self, step: int | None = None) -> None:
+        """Release the step's ACTOR_TRAINING grant if it is held (a failed release keeps it recorded as held)."""
         if self._holds_train:
             self.pipe.release_gpus(TRAIN_CLUSTER, step=step, timeout_s=_RPC_S)
             self._holds_train = False
@@ -332,7 +343,7 @@ class PipelineRuntime:
         if self._sync_lock is not None:  # ended between before_weight_sync and after_training
             steps.append(("release the resize lock", self._release_sync_lock))
         if self._holds_train:
-            steps.append(("release training GPUs", lambda: self.pipe.release_gpus(TRAIN_CLUSTER, timeout_s=_RPC_S)))
+            steps.append(("release training GPUs", self.release_training))
         steps += [
             ("planned shrink to zero", lambda: self.pipe.await_release(GENERATION_CLUSTER,
                                                                        timeout_s=self.config.release_timeout_s)),
@@ -377,6 +388,12 @@ class PipelineRuntime:
         return list(_get(self.resizer.history.remote(since), "resizer.history", _RPC_S))
 
     @property
+    def holds_train_grant(self) -> bool:
+        """Whether the step's ACTOR_TRAINING grant is held (granted by :meth:`before_training`, not yet released).
+        The only record of it: the NeMo RL hooks read it here."""
+        return self._holds_train
+
+    @property
     def published(self) -> int | None:
         return self.versions.published
 
@@ -387,3 +404,19 @@ class PipelineRuntime:
     @property
     def watchdog_requests(self) -> int:
         return self._watchdog_requests
+
+
+class GrantOnlyRuntime(PipelineRuntime):
+    """A :class:`PipelineRuntime` for a host with neither weight cache nor fleet (NeMo RL's unit-test mocks, behind
+    :class:`rlix_plugins.nemo_rl.hooks.ControlOnlyRuntime`): the step's training grant alone, kept in the same one
+    place (:attr:`holds_train_grant`). Never started; the host publishes its own versions."""
+
+    def before_weight_sync(self, step: int) -> int:
+        """No cache to build; the grant must be held all the same."""
+        if not self._holds_train:
+            raise RlixError(f"before_weight_sync(step={step}) without the training GPUs: call before_training first")
+        return version_after_step(step)
+
+    def on_published(self, step: int, version: int) -> None:
+        """No ledger to check ``version`` against: release the grant."""
+        self.release_training(step)
