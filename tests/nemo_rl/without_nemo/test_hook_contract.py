@@ -65,17 +65,35 @@ def test_every_implementation_receives_every_spec_argument(seam: ModuleType) -> 
     assert implemented == set(seam.HOOK_NAMES), set(seam.HOOK_NAMES) - implemented
 
 
+def _recording_pipeline_runtime(pipe: Any, calls: list[tuple[Any, ...]]) -> Any:
+    """The real grant-only pipeline runtime (the training grant's one record), recording what the hooks call on it."""
+    from rlix_plugins.pipeline.runtime import GrantOnlyRuntime
+
+    class Recording(GrantOnlyRuntime):
+        def before_weight_sync(self, step: int) -> int:
+            calls.append(("build_cache", step))
+            return super().before_weight_sync(step)
+
+        def on_published(self, step: int, version: int) -> None:
+            calls.append(("on_published", step, version))
+            super().on_published(step, version)
+
+    return Recording(pipe)
+
+
 class RecordingRuntime:
-    """A ``HookRuntime`` (hooks.py Protocol) that records every argument the hooks hand it and does the
-    control-plane part of each call (the grants), so the hooks run on the real control plane."""
+    """A ``HookRuntime`` (hooks.py Protocol) that records every argument the hooks hand it (and its pipeline runtime
+    ``rt``) and does the control-plane part of each call (the grants), so the hooks run on the real control plane."""
 
     def __init__(self) -> None:
         self.calls: list[tuple[Any, ...]] = []
         self.pipe: Any = None
+        self.rt: Any = None
 
     def register(self, cp: Any, held: Any) -> Any:
         self.calls.append(("register", held is not None))
         self.pipe = held
+        self.rt = _recording_pipeline_runtime(held, self.calls)
         return held
 
     def start(self, master_config: Any, policy: Any, policy_generation: Any, start_step: int) -> None:
@@ -88,23 +106,12 @@ class RecordingRuntime:
         self.calls.append(("attach_collector", collector, replay_buffer))
 
     def before_training(self, step: int) -> list[int]:
-        from rlix_plugins.control.types import TRAIN_CLUSTER, Priority
-
         self.calls.append(("before_training", step))
-        return self.pipe.request_gpus(TRAIN_CLUSTER, Priority.ACTOR_TRAINING, step=step, timeout_s=60)
-
-    def before_weight_sync(self, step: int) -> None:
-        self.calls.append(("build_cache", step))
+        return list(self.rt.before_training(step))
 
     def after_training(self, step: int) -> int:
         self.calls.append(("after_training", step))
         return step + 1
-
-    def on_weight_version_published(self, step: int, weight_version: int) -> None:
-        from rlix_plugins.control.types import TRAIN_CLUSTER
-
-        self.calls.append(("on_published", step, weight_version))
-        self.pipe.release_gpus(TRAIN_CLUSTER, step=step, timeout_s=60)
 
     def step_metrics(self, step: int) -> dict[str, float]:
         self.calls.append(("step_metrics", step))
