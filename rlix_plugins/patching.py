@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from rlix_plugins import envs
 from rlix_plugins._patch_series import Patch, Series, discover_series
 from rlix_plugins.errors import PatchError
 
@@ -158,8 +159,7 @@ def series_status(checkout: Path, head: str, series_root: Path | None = None) ->
 
 
 def _series_root() -> Path:
-    env = os.environ.get("RLIX_PATCHES_DIR")
-    return Path(env) if env else DEFAULT_SERIES_ROOT
+    return envs.patches_dir() or DEFAULT_SERIES_ROOT
 
 
 def _dirty(checkout: Path, paths: Sequence[str]) -> list[str]:

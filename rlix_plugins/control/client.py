@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import socket
 import threading
 from collections.abc import Iterator
@@ -44,11 +43,13 @@ from typing import Any, Final
 
 import ray
 
+from rlix_plugins import envs
 from rlix_plugins.control.admin import ray_auth
 from rlix_plugins.control.coordinator import Coordinator, CoordinatorConfig
 from rlix_plugins.control.orchestrator import Orchestrator
 from rlix_plugins.control.rpc import ray_get
 from rlix_plugins.control.scheduling.config import SchedulerConfig, to_priority
+from rlix_plugins.control.timeouts import CONTROL_RPC_TIMEOUT_S
 from rlix_plugins.control.types import (
     GENERATION_CLUSTER,
     ORCHESTRATOR_NAME,
@@ -64,8 +65,6 @@ from rlix_plugins.control.types import (
 )
 from rlix_plugins.errors import RlixError, SchedulerError
 
-#: Short control RPCs (register, status, release, ...).
-RPC_TIMEOUT_S: Final = 60.0
 #: Default wait of request_gpus / await_release.
 DEFAULT_WAIT_S: Final = 1800.0
 #: A Ray GCS at an explicit address must answer within this (``ray.init`` alone retries ~20 s or waits forever).
@@ -124,7 +123,7 @@ def check_reachable(address: str, timeout_s: float = CONNECT_TIMEOUT_S) -> None:
     Without grpcio only the HTTP/2 handshake is checked and token mode is on whenever a token exists.
     Other addresses ("auto", "ray://...") and TLS clusters pass."""
     host, sep, port = address.rpartition(":")
-    if not sep or not port.isdigit() or "://" in address or not host or os.environ.get("RAY_USE_TLS") == "1":
+    if not sep or not port.isdigit() or "://" in address or not host or envs.ray_use_tls():
         return
     host = host.strip("[]")
     try:
@@ -154,7 +153,7 @@ def ensure_ray(address: str | None = None) -> None:
     ``CONNECT_TIMEOUT_S`` with a one-line error."""
     if ray.is_initialized():
         return
-    target = address or os.environ.get("RAY_ADDRESS") or "auto"
+    target = address or envs.ray_address() or "auto"
     check_reachable(target)
     try:
         ray.init(address=target, log_to_driver=False, logging_level=logging.WARNING)
@@ -169,7 +168,7 @@ def ensure_ray(address: str | None = None) -> None:
 SCHEDULER_DEAD: Final = "the rlix scheduler actor is dead; restart the control plane with `rlix up`"
 
 
-def call(ref: Any, what: str, timeout_s: float = RPC_TIMEOUT_S, *, dead: str = "the actor serving it is dead") -> Any:
+def call(ref: Any, what: str, timeout_s: float = CONTROL_RPC_TIMEOUT_S, *, dead: str = "the actor serving it is dead") -> Any:
     """``ray.get`` with a timeout; control-plane errors come back as rlix errors."""
     return ray_get(ref, what, timeout_s, unwrap=RlixError, dead=dead,
                    hint=" (is the control plane overloaded or hung? `rlix status`)")
@@ -424,7 +423,7 @@ class PipelineHandle:
         """Take the coordinator's resize lock (no expand/shrink until :meth:`release_resize_lock`, or until its lease
         ends); returns its token and the active DP ranks."""
         token, active = call(self.coordinator.acquire_resize_lock.remote(timeout_s, lease_s), "acquire_resize_lock",
-                             timeout_s + RPC_TIMEOUT_S)
+                             timeout_s + CONTROL_RPC_TIMEOUT_S)
         return str(token), list(active)
 
     def release_resize_lock(self, token: str) -> None:

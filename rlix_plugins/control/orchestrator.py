@@ -21,14 +21,13 @@ from rlix_plugins.control.registration import build_cluster_specs, validate_pipe
 from rlix_plugins.control.rpc import ray_get
 from rlix_plugins.control.scheduling.config import SchedulerConfig
 from rlix_plugins.control.scheduling.scheduler import Scheduler
+from rlix_plugins.control.timeouts import CONTROL_RPC_TIMEOUT_S
 from rlix_plugins.control.types import RLIX_NAMESPACE, SCHEDULER_NAME, ClusterSpec, pipeline_namespace
 from rlix_plugins.errors import RlixConfigError, RlixTimeoutError
 
 logger = logging.getLogger(__name__)
 
 PIPELINE_KINDS: Final = ("ft", "lora")
-#: Bounded waits of the orchestrator's own RPCs to the scheduler.
-RPC_TIMEOUT_S: Final = 60.0
 
 
 def discover_pool(wait_s: float = 10.0) -> tuple[int, int]:
@@ -147,7 +146,7 @@ def _create_scheduler(num_gpus: int, gpus_per_node: int, config: SchedulerConfig
         return ray.get_actor(SCHEDULER_NAME, namespace=RLIX_NAMESPACE)
 
 
-def _get(ref: Any, what: str, timeout_s: float = RPC_TIMEOUT_S) -> Any:
+def _get(ref: Any, what: str, timeout_s: float = CONTROL_RPC_TIMEOUT_S) -> Any:
     return ray_get(ref, f"scheduler {what}", timeout_s,
                    dead="the scheduler actor is dead; restart the control plane with `rlix up`")
 

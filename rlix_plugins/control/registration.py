@@ -31,6 +31,27 @@ from rlix_plugins.errors import RlixConfigError
 _PIPELINE_ID_RE: Final = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,99}$")
 
 
+def pipeline_registration(
+    train_devices: Iterable[int],
+    infer_devices: Iterable[int],
+    *,
+    infer_tp: int = 1,
+    pipeline_id: str | None = None,
+    coordinator_config: Any = None,
+    cluster_memory: Mapping[str, Mapping[str, float]] | None = None,
+) -> dict[str, Any]:
+    """The keyword arguments of ``ControlPlane.register_pipeline`` for an rlix pipeline: its training cluster (TP 1)
+    on ``train_devices`` and its generation cluster (TP ``infer_tp``) on ``infer_devices``. Every host builds its
+    registration here (the demo's ``PipelineRuntime.register``, NeMo RL's ``RlixRunConfig.registration``)."""
+    return {
+        "cluster_tp_configs": {TRAIN_CLUSTER: 1, GENERATION_CLUSTER: infer_tp},
+        "cluster_device_mappings": {TRAIN_CLUSTER: list(train_devices), GENERATION_CLUSTER: list(infer_devices)},
+        "pipeline_id": pipeline_id,
+        "coordinator_config": coordinator_config,
+        "cluster_memory": None if cluster_memory is None else {k: dict(v) for k, v in cluster_memory.items()},
+    }
+
+
 def validate_pipeline_id(pipeline_id: Any) -> str:
     if not isinstance(pipeline_id, str) or not _PIPELINE_ID_RE.match(pipeline_id):
         raise RlixConfigError(

@@ -16,32 +16,32 @@ The worker learns its pipeline from :data:`PIPELINE_ENV` (set by the NeMo RL pla
 from __future__ import annotations
 
 import logging
-import os
 import time
 from typing import Final
+
+from rlix_plugins import envs
 
 __all__ = ["INIT_TIMEOUT_ENV", "PIPELINE_ENV", "hold_start_grant"]
 
 logger = logging.getLogger(__name__)
 
 #: The pipeline a vLLM worker serves (its start-up waits for the pipeline's INITIALIZATION grant).
-PIPELINE_ENV: Final = "RLIX_PIPELINE_ID"
+PIPELINE_ENV: Final = envs.RLIX_PIPELINE_ID
 #: How long that wait may take (seconds; default: ``RuntimeConfig.init_timeout_s``'s default).
-INIT_TIMEOUT_ENV: Final = "RLIX_INIT_TIMEOUT_S"
-_DEFAULT_TIMEOUT_S: Final = 900.0
+INIT_TIMEOUT_ENV: Final = envs.RLIX_INIT_TIMEOUT_S
 
 
 def hold_start_grant() -> float | None:
     """Block until this process's pipeline (:data:`PIPELINE_ENV`) holds INITIALIZATION of its GPUs; return the
     seconds waited, or None when the process serves no time-shared pipeline. Raises ``RlixTimeoutError`` (bounded by
     :data:`INIT_TIMEOUT_ENV`) and ``PipelineUnregisteredError`` (the pipeline was failed meanwhile)."""
-    pipeline_id = os.environ.get(PIPELINE_ENV)
+    pipeline_id = envs.pipeline_id()
     if not pipeline_id:
         return None
     from rlix_plugins.control import client
     from rlix_plugins.control.types import GENERATION_CLUSTER, Priority
 
-    timeout_s = float(os.environ.get(INIT_TIMEOUT_ENV) or _DEFAULT_TIMEOUT_S)
+    timeout_s = envs.init_timeout_s()
     t0 = time.perf_counter()
     pipe = client.connect(create_if_missing=False).pipeline(pipeline_id)
     pipe.request_gpus(GENERATION_CLUSTER, Priority.INITIALIZATION, step=-1, timeout_s=timeout_s)

@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
+from rlix_plugins import envs
 from rlix_plugins.demo.capacity import check_fits
 from rlix_plugins.errors import RlixConfigError, RlixTimeoutError
 from rlix_plugins.out_dir import make_out_dir
@@ -199,7 +200,7 @@ def _start_ray(gpus: int, address: str | None, on_gpu: bool) -> bool:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if ray.is_initialized():
         return False
-    target = address or os.environ.get("RAY_ADDRESS")
+    target = address or envs.ray_address()
     if target:
         ensure_ray(target)
         return False
@@ -279,11 +280,11 @@ def run_demo(pipelines: int = 2, gpus: int = 2, steps: int = 3, out: str | os.Pa
     if pipelines < 1 or gpus < 1 or steps < 1:
         raise RlixConfigError(f"--pipelines {pipelines}, --gpus {gpus}, --steps {steps} must all be >= 1")
     check_dependencies()
-    on_gpu = _check_gpus(gpus, local=not (address or os.environ.get("RAY_ADDRESS")))
+    on_gpu = _check_gpus(gpus, local=not (address or envs.ray_address()))
     runtime = RuntimeConfig(sleep_level=sleep_level, route_timeout_s=_ROUTE_TIMEOUT_S)
     check_fits(pipelines, gpus, init_timeout_s=runtime.init_timeout_s,
                gpu_memory_gib=_gpu_memory_gib(gpus) if on_gpu else None)
-    target = address or os.environ.get("RAY_ADDRESS")
+    target = address or envs.ray_address()
     if target:
         from rlix_plugins.control.client import check_reachable
 

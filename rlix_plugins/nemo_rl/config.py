@@ -16,7 +16,7 @@ from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, Final, Literal
 
-from rlix_plugins.control.registration import parse_cluster_memory
+from rlix_plugins.control.registration import parse_cluster_memory, pipeline_registration
 from rlix_plugins.control.types import GENERATION_CLUSTER, TRAIN_CLUSTER
 from rlix_plugins.errors import RlixConfigError
 from rlix_plugins.pipeline.config import RuntimeConfig
@@ -59,15 +59,15 @@ class RlixRunConfig:
     memory: Mapping[str, Mapping[str, float]] | None = None
 
     def registration(self) -> dict[str, Any]:
-        """The keyword arguments of ``ControlPlane.register_pipeline`` for this run (its one place)."""
-        return {
-            "cluster_tp_configs": {TRAIN_CLUSTER: 1, GENERATION_CLUSTER: self.infer_tp},
-            "cluster_device_mappings": {TRAIN_CLUSTER: list(self.train_devices),
-                                        GENERATION_CLUSTER: list(self.infer_devices)},
-            "pipeline_id": self.pipeline_id,
-            "coordinator_config": self.coordinator_config(),
-            "cluster_memory": None if self.memory is None else {k: dict(v) for k, v in self.memory.items()},
-        }
+        """The keyword arguments of ``ControlPlane.register_pipeline`` for this run (``pipeline_registration``)."""
+        return pipeline_registration(self.train_devices, self.infer_devices, infer_tp=self.infer_tp,
+                                     pipeline_id=self.pipeline_id, coordinator_config=self.coordinator_config(),
+                                     cluster_memory=self.memory)
+
+    def register(self, cp: Any) -> Any:
+        """Register + admit this run's pipeline on the control plane ``cp`` (a ``client.ControlPlane``); returns
+        its ``PipelineHandle``. The one way the NeMo RL host registers (setup()'s placement, the loop's hooks)."""
+        return cp.register_pipeline(**self.registration())
 
     def coordinator_config(self) -> CoordinatorConfig | None:
         """The pipeline coordinator's config (None: the defaults)."""

@@ -53,10 +53,11 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Final, Protocol, final
+from typing import TYPE_CHECKING, Any, Protocol, final
 
 import pluggy
 
+from rlix_plugins.control.timeouts import CONTROL_RPC_TIMEOUT_S
 from rlix_plugins.control.types import GENERATION_CLUSTER, TRAIN_CLUSTER, Priority
 from rlix_plugins.errors import RlixError
 from rlix_plugins.nemo_rl.config import RlixRunConfig, load_run_config
@@ -70,7 +71,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
-_RPC_S: Final = 60.0
 
 
 class HookRuntime(Protocol):
@@ -125,10 +125,10 @@ class ControlOnlyRuntime:
         from rlix_plugins.pipeline.runtime import GrantOnlyRuntime
 
         if held is not None:  # no init phases: give back the start-up grant its vLLM ranks may have taken
-            held.release_gpus(GENERATION_CLUSTER, step=-1, timeout_s=_RPC_S)
+            held.release_gpus(GENERATION_CLUSTER, step=-1, timeout_s=CONTROL_RPC_TIMEOUT_S)
             self.pipe = held
         else:
-            self.pipe = cp.register_pipeline(**self.config.registration())
+            self.pipe = self.config.register(cp)
         self.rt = GrantOnlyRuntime(self.pipe, self.config.runtime)
         return self.pipe
 
@@ -362,7 +362,7 @@ class NemoRLHooks:
 
     # ------------------------------------------------------------------ internals
     def _release_checkpoint_grant(self, step: int | None) -> None:
-        gpus = self._pipe.release_gpus(TRAIN_CLUSTER, step=step, timeout_s=_RPC_S)
+        gpus = self._pipe.release_gpus(TRAIN_CLUSTER, step=step, timeout_s=CONTROL_RPC_TIMEOUT_S)
         self._checkpoint_grant = False
         self._record("checkpoint_released", step, gpus)
 

@@ -24,6 +24,7 @@ from typing import Any, Final
 import ray
 
 from rlix_plugins.control.rpc import ray_get
+from rlix_plugins.control.timeouts import PROGRESS_RPC_TIMEOUT_S
 from rlix_plugins.errors import RlixConfigError
 from rlix_plugins.nemo_rl import worker_ops
 from rlix_plugins.nemo_rl.config import cfg_path
@@ -36,7 +37,6 @@ __all__ = ["LoopSurface", "loop_surface", "sampler_ready_groups", "tq_partition_
 #: TransferQueue's controller actor name and its default Ray namespace (``transfer_queue/interface.py`` at c516143).
 TQ_CONTROLLER: Final = "TransferQueueController"
 TQ_DEFAULT_NAMESPACE: Final = "transfer_queue"
-_RPC_S: Final = 10.0
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,7 @@ def loop_surface(loop: str | None, master_config: Any, collector: Any, replay_bu
     if loop == ASYNC_GRPO:
         def count_replay(version: int) -> int:
             return int(ray_get(replay_buffer.__ray_call__.remote(worker_ops.count_intended_for, version),
-                               "replay_buffer.count_intended_for", _RPC_S, dead="the replay buffer died"))
+                               "replay_buffer.count_intended_for", PROGRESS_RPC_TIMEOUT_S, dead="the replay buffer died"))
 
         return LoopSurface(loop, CollectorPublisher(collector), count_replay, target,
                            lambda: ray.kill(collector, no_restart=True))
@@ -94,7 +94,7 @@ class _TqPartitionCount:
         if self._controller is None:  # TQPolicy starts the controller before the loop starts
             self._controller = ray.get_actor(TQ_CONTROLLER, namespace=self.namespace)
         n = ray_get(self._controller.__ray_call__.remote(tq_partition_samples, self.partition_id),
-                    f"samples of TransferQueue partition {self.partition_id!r}", _RPC_S,
+                    f"samples of TransferQueue partition {self.partition_id!r}", PROGRESS_RPC_TIMEOUT_S,
                     dead="the TransferQueue controller died")
         return int(n) // self.group_size
 

@@ -68,6 +68,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Final
 
+from rlix_plugins import envs
 from rlix_plugins.errors import RlixError
 
 __all__ = ["CHAINED_SETUP_HOOK_ENV", "SETUP_HOOK", "InitCall", "MegatronRebuildError", "NcclSnapshot",
@@ -139,7 +140,7 @@ def record_initialize_calls() -> bool:
 #: What Ray's worker-process setup hook names (``module.function``): :func:`worker_process_setup_hook`.
 SETUP_HOOK: Final = f"{__name__}.worker_process_setup_hook"
 #: A setup hook the worker had before ours (Ray's variable's old value): run first by ours.
-CHAINED_SETUP_HOOK_ENV: Final = "RLIX_CHAINED_WORKER_PROCESS_SETUP_HOOK"
+CHAINED_SETUP_HOOK_ENV: Final = envs.RLIX_CHAINED_WORKER_PROCESS_SETUP_HOOK
 
 
 def _ray_setup_hook_env() -> str:
@@ -164,14 +165,14 @@ def worker_process_setup_hook() -> None:
     """Ray runs this at the start of every worker process whose environment names it (NeMo RL's Megatron policy
     workers, in time-sharing mode): runs a chained hook, then :func:`record_initialize_calls` when
     ``RLIX_CONTROL_PLANE=rlix`` and megatron-core is importable (a process without it installs nothing)."""
-    chained = os.environ.get(CHAINED_SETUP_HOOK_ENV)
+    chained = envs.chained_setup_hook()
     if chained:
         from ray._private.runtime_env.setup_hook import load_and_execute_setup_hook
 
         error = load_and_execute_setup_hook(chained)
         if error is not None:
             raise RuntimeError(f"the worker-process setup hook rlix chains ({chained}) failed: {error}")
-    if os.environ.get("RLIX_CONTROL_PLANE") != "rlix":
+    if not envs.time_sharing():
         return
     try:
         import megatron.core.parallel_state  # noqa: F401

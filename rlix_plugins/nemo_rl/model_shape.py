@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
+from rlix_plugins import envs
 from rlix_plugins.errors import RlixConfigError
 from rlix_plugins.nemo_rl.config import DEFAULT_BUCKET_SIZE_BYTES
 
@@ -131,11 +132,12 @@ def read_config(config: dict[str, Any]) -> ModelShape | None:
 
 def _hub_cache() -> Path:
     """The hub cache directory, from the environment as it is now (``huggingface_hub`` reads it once, at import)."""
-    if os.environ.get("HF_HUB_CACHE"):
-        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
-    if os.environ.get("HF_HOME"):
-        return Path(os.environ["HF_HOME"]).expanduser() / "hub"
-    xdg = os.environ.get("XDG_CACHE_HOME") or "~/.cache"
+    hub, home = envs.hf_hub_cache(), envs.hf_home()
+    if hub:
+        return Path(hub).expanduser()
+    if home:
+        return Path(home).expanduser() / "hub"
+    xdg = envs.xdg_cache_home() or "~/.cache"
     return Path(xdg).expanduser() / "huggingface" / "hub"
 
 

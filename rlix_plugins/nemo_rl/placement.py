@@ -230,7 +230,7 @@ def _register_setup(cp: Any, master_config: Any, cfg: RlixRunConfig) -> None:
     env = cfg_path(master_config, "policy.generation.vllm_cfg.env_vars") or {}
     cfg_set(master_config, "policy.generation.vllm_cfg.env_vars",
             {**env, PIPELINE_ENV: cfg.pipeline_id, INIT_TIMEOUT_ENV: str(cfg.runtime.init_timeout_s)})
-    pipe = cp.register_pipeline(**cfg.registration())
+    pipe = cfg.register(cp)
     pipe.keep_alive()  # the lease runs from here: its vLLM ranks take the start-up grant while setup() goes on
     with _SETUP_LOCK:
         _SETUP_GRANTS[cfg.pipeline_id] = SetupGrant(master_config, cfg, pipe)

@@ -79,7 +79,7 @@ class NemoRuntime:
         if held is not None:
             self.rt, self._init_held = PipelineRuntime(held, cfg.runtime), True
         else:
-            self.rt = PipelineRuntime(cp.register_pipeline(**cfg.registration()), cfg.runtime)
+            self.rt = PipelineRuntime(cfg.register(cp), cfg.runtime)
         return self.rt.pipe
 
     def start(self, master_config: Any, policy: Any, policy_generation: Any, start_step: int = 0) -> None:

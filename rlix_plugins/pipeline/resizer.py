@@ -28,6 +28,7 @@ from collections.abc import Iterator
 from typing import Any, Final
 
 from rlix_plugins.control.rpc import ray_get
+from rlix_plugins.control.timeouts import ROLLOUT_RPC_TIMEOUT_S
 from rlix_plugins.errors import RlixError, RlixTimeoutError, SchedulerError, WeightVerificationError
 from rlix_plugins.pipeline.config import RuntimeConfig
 from rlix_plugins.pipeline.protocols import RolloutFleet, SyncResult, VersionPublisher, WeightSource
@@ -36,7 +37,6 @@ from rlix_plugins.transport import wait_all
 
 __all__ = ["FleetResizer", "resizer_name"]
 
-_RPC_S: Final = 30.0
 #: A shrink re-aborts its ranks this often while their tickets are still out (see ``_abort_and_drain``).
 ABORT_REPEAT_S: Final = 1.0
 
@@ -89,7 +89,7 @@ class FleetResizer:
             self._history.append(event)
         return event
 
-    def _router_call(self, method: str, *args: Any, timeout_s: float = _RPC_S) -> Any:
+    def _router_call(self, method: str, *args: Any, timeout_s: float = ROLLOUT_RPC_TIMEOUT_S) -> Any:
         return ray_get(getattr(self._router, method).remote(*args), f"pipeline {self._pid}: router.{method}",
                        timeout_s, dead="the router actor is dead; the pipeline ended or crashed")
 
@@ -133,7 +133,7 @@ class FleetResizer:
             first = held if first is None else first
             wait_s = min(ABORT_REPEAT_S, max(deadline - time.monotonic(), 0.0))
             try:
-                self._router_call("wait_drained", ranks, wait_s, timeout_s=wait_s + _RPC_S)
+                self._router_call("wait_drained", ranks, wait_s, timeout_s=wait_s + ROLLOUT_RPC_TIMEOUT_S)
                 return first
             except RlixTimeoutError:
                 if time.monotonic() < deadline:
@@ -209,7 +209,7 @@ class FleetResizer:
                 version = published_version(result.version)
             if self._publisher is not None:
                 # The version the pipeline already published (no bump: one number per cache).
-                self._publisher.set_weight_version(version, _RPC_S)
+                self._publisher.set_weight_version(version, ROLLOUT_RPC_TIMEOUT_S)
         except BaseException as exc:
             with self._state:
                 self._dirty |= set(ranks)

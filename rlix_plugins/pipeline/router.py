@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from typing import Any, Final, TypeVar
 
 from rlix_plugins.control.rpc import ray_aget, ray_get
+from rlix_plugins.control.timeouts import ROLLOUT_RPC_TIMEOUT_S
 from rlix_plugins.errors import PipelineUnregisteredError, RlixConfigError, RlixTimeoutError
 from rlix_plugins.pipeline.protocols import ShardPreemptedError
 
@@ -54,7 +55,6 @@ ROUTER_MAX_CONCURRENCY: Final = 1_000_000
 #: training step of any co-tenant on its rank's GPU (with one rank, the one-GPU topology, every retry waits for
 #: that same rank), so "one attempt per rank" would fail requests that only waited their turn.
 MIN_ROUTE_ATTEMPTS: Final = 8
-_RPC_S: Final = 30.0
 T = TypeVar("T")
 
 
@@ -224,16 +224,16 @@ class RouterClient:
 
 
     def acquire(self, exclude: list[int] | None = None) -> tuple[int, int]:
-        rank, ticket = self._get(self.router.acquire.remote(self.timeout_s, exclude), "acquire", self.timeout_s + _RPC_S)
+        rank, ticket = self._get(self.router.acquire.remote(self.timeout_s, exclude), "acquire", self.timeout_s + ROLLOUT_RPC_TIMEOUT_S)
         return int(rank), int(ticket)
 
     def try_acquire(self) -> tuple[int, int] | None:
         """A ticket on an active rank, or None at once when every rank is asleep."""
-        got = self._get(self.router.try_acquire.remote(), "try_acquire", _RPC_S)
+        got = self._get(self.router.try_acquire.remote(), "try_acquire", ROLLOUT_RPC_TIMEOUT_S)
         return None if got is None else (int(got[0]), int(got[1]))
 
     def release(self, ticket: int, ok: bool = True) -> bool:
-        return bool(self._get(self.router.release.remote(ticket, ok), "release", _RPC_S))
+        return bool(self._get(self.router.release.remote(ticket, ok), "release", ROLLOUT_RPC_TIMEOUT_S))
 
     # Event-loop variants (a collector's ``async`` dispatch): no thread is held while they wait.
     async def acquire_async(self, exclude: list[int] | None = None) -> tuple[int, int]:
@@ -241,7 +241,7 @@ class RouterClient:
         still waits for an active rank, the ticket it grants later is handed straight back (never leaked)."""
         ref = self.router.acquire.remote(self.timeout_s, exclude)
         try:
-            rank, ticket = await ray_aget(ref, "router: acquire", self.timeout_s + _RPC_S,
+            rank, ticket = await ray_aget(ref, "router: acquire", self.timeout_s + ROLLOUT_RPC_TIMEOUT_S,
                                           dead="the router actor is dead; the pipeline ended or crashed")
         except BaseException:
             ref.future().add_done_callback(self._give_back_granted)
@@ -253,7 +253,7 @@ class RouterClient:
             self.router.release.remote(int(future.result()[1]), False)
 
     async def release_async(self, ticket: int, ok: bool = True) -> bool:
-        return bool(await ray_aget(self.router.release.remote(ticket, ok), "router: release", _RPC_S,
+        return bool(await ray_aget(self.router.release.remote(ticket, ok), "router: release", ROLLOUT_RPC_TIMEOUT_S,
                                    dead="the router actor is dead; the pipeline ended or crashed"))
 
     def release_nowait(self, ticket: int) -> None:

@@ -28,13 +28,15 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any, Final
+from typing import Any
 
 import ray
 
 from rlix_plugins.control.client import ControlPlane, PipelineHandle
 from rlix_plugins.control.coordinator import CoordinatorConfig
+from rlix_plugins.control.registration import pipeline_registration
 from rlix_plugins.control.rpc import ray_get
+from rlix_plugins.control.timeouts import CONTROL_RPC_TIMEOUT_S
 from rlix_plugins.control.types import GENERATION_CLUSTER, TRAIN_CLUSTER, Priority, pipeline_namespace
 from rlix_plugins.errors import (
     ActorDeadError,
@@ -57,7 +59,6 @@ from rlix_plugins.pipeline.versions import (
 __all__ = ["GrantOnlyRuntime", "PipelineRuntime", "ProgressReporter"]
 
 logger = logging.getLogger(__name__)
-_RPC_S: Final = 60.0
 
 
 def _get(ref: Any, what: str, timeout_s: float) -> Any:
@@ -118,9 +119,9 @@ class PipelineRuntime:
             raise RlixError(
                 f"train devices {train_devices} must be a subset of infer devices {infer_devices} (partial overlap)"
             )
-        pipe = cp.register_pipeline({TRAIN_CLUSTER: 1, GENERATION_CLUSTER: infer_tp},
-                                    {TRAIN_CLUSTER: list(train_devices), GENERATION_CLUSTER: list(infer_devices)},
-                                    pipeline_id=pipeline_id, coordinator_config=coordinator_config)
+        pipe = cp.register_pipeline(**pipeline_registration(train_devices, infer_devices, infer_tp=infer_tp,
+                                                            pipeline_id=pipeline_id,
+                                                            coordinator_config=coordinator_config))
         return cls(pipe, config)
 
     def _timed(self, what: str, step: int | None, t0: float) -> None:
@@ -144,11 +145,11 @@ class PipelineRuntime:
             self.router = ray.remote(RolloutRouter).options(
                 name=router_name(self.pipeline_id), namespace=ns, num_cpus=0,
                 max_concurrency=ROUTER_MAX_CONCURRENCY, max_restarts=0).remote(self.num_dp_ranks)
-            _get(self.router.ping.remote(), "starting the router", _RPC_S)
+            _get(self.router.ping.remote(), "starting the router", CONTROL_RPC_TIMEOUT_S)
             self._init_phases(weights, fleet, offload, start_step, held=init_held)
         finally:
             if init_held:
-                self.pipe.release_gpus(GENERATION_CLUSTER, step=-1, timeout_s=_RPC_S)
+                self.pipe.release_gpus(GENERATION_CLUSTER, step=-1, timeout_s=CONTROL_RPC_TIMEOUT_S)
         self.pipe.set_resize_handler(self.resizer)
 
     @contextlib.contextmanager
@@ -159,7 +160,7 @@ class PipelineRuntime:
             yield
         finally:
             if not held:
-                self.pipe.release_gpus(cluster, step=-1, timeout_s=_RPC_S)
+                self.pipe.release_gpus(cluster, step=-1, timeout_s=CONTROL_RPC_TIMEOUT_S)
 
     def _init_phases(self, weights: WeightSource, fleet: RolloutFleet | Callable[[], RolloutFleet],
                      offload: Callable[[], None] | None, start_step: int, *, held: bool) -> None:
@@ -201,9 +202,9 @@ class PipelineRuntime:
             raise RlixError("attach_collector before start(): the fleet and resize handler do not exist yet")
         self.publisher = publisher
         publisher.wait_ready(self.config.init_timeout_s)  # not inside the first expand, which holds a GPU grant
-        _get(self.resizer.set_publisher.remote(publisher), "resizer.set_publisher", _RPC_S)
+        _get(self.resizer.set_publisher.remote(publisher), "resizer.set_publisher", CONTROL_RPC_TIMEOUT_S)
         self.versions = self.versions.collector_attached()
-        _get(self.resizer.set_versions.remote(self.versions), "resizer.set_versions", _RPC_S)
+        _get(self.resizer.set_versions.remote(self.versions), "resizer.set_versions", CONTROL_RPC_TIMEOUT_S)
         t0 = time.perf_counter()
         # Returns after the first expand synced real weights into >= 1 rank. A higher-priority request may take that
         # rank again right away (grants are one-shot): then the scheduler's standing request and the watchdog bring
@@ -222,7 +223,7 @@ class PipelineRuntime:
             try:
                 if request is not None and request.is_alive():
                     continue
-                if _get(self.router.active.remote(), "router.active", _RPC_S):
+                if _get(self.router.active.remote(), "router.active", CONTROL_RPC_TIMEOUT_S):
                     continue
                 request = threading.Thread(target=self._rerequest, daemon=True)
                 request.start()
@@ -242,7 +243,7 @@ class PipelineRuntime:
             # so the rollout loop and the host's wait for a batch end now instead of at their timeouts.
             if not self._stop.is_set():
                 with contextlib.suppress(Exception):
-                    _get(self.router.close.remote(str(exc)), "router.close", _RPC_S)
+                    _get(self.router.close.remote(str(exc)), "router.close", CONTROL_RPC_TIMEOUT_S)
         except (RlixTimeoutError, SchedulerError):  # pending already / unregistered at the end
             pass
 
@@ -292,9 +293,9 @@ class PipelineRuntime:
             self._timed("offload", step, t0)
             t1 = time.perf_counter()
             _get(self.resizer.refresh_active.remote(), "in-flight refresh of the active ranks",
-                 self.config.sync_timeout_s + _RPC_S)
+                 self.config.sync_timeout_s + CONTROL_RPC_TIMEOUT_S)
             # Inside the lock: an expand right after it already publishes the new version, never the old one.
-            _get(self.resizer.set_versions.remote(versions), "resizer.set_versions", _RPC_S)
+            _get(self.resizer.set_versions.remote(versions), "resizer.set_versions", CONTROL_RPC_TIMEOUT_S)
         finally:
             self._release_sync_lock()
         self.versions = versions
@@ -317,7 +318,7 @@ class PipelineRuntime:
     def release_training(self, step: int | None = None) -> None:
         """Release the step's ACTOR_TRAINING grant if it is held (a failed release keeps it recorded as held)."""
         if self._holds_train:
-            self.pipe.release_gpus(TRAIN_CLUSTER, step=step, timeout_s=_RPC_S)
+            self.pipe.release_gpus(TRAIN_CLUSTER, step=step, timeout_s=CONTROL_RPC_TIMEOUT_S)
             self._holds_train = False
 
     def report_progress(self, collected: int, step_target: int, step: int | None = None,
@@ -338,7 +339,7 @@ class PipelineRuntime:
         errors: list[str] = []
         self._stop.set()
         if self._watchdog is not None:
-            self._watchdog.join(timeout=self.config.watchdog_interval_s + _RPC_S)
+            self._watchdog.join(timeout=self.config.watchdog_interval_s + CONTROL_RPC_TIMEOUT_S)
         steps: list[tuple[str, Callable[[], Any]]] = []
         if self._sync_lock is not None:  # ended between before_weight_sync and after_training
             steps.append(("release the resize lock", self._release_sync_lock))
@@ -359,10 +360,10 @@ class PipelineRuntime:
         # Figures for the report, then the actors: a failure is logged and returned, never raised (see above).
         if self.resizer is not None:
             with self._logged("read the resize history", errors):
-                self._final_history = list(_get(self.resizer.history.remote(0), "resizer.history", _RPC_S))
+                self._final_history = list(_get(self.resizer.history.remote(0), "resizer.history", CONTROL_RPC_TIMEOUT_S))
         if self.router is not None:
             with self._logged("read the router's counters", errors):
-                self.router_stats = dict(_get(self.router.stats.remote(), "router.stats", _RPC_S))
+                self.router_stats = dict(_get(self.router.stats.remote(), "router.stats", CONTROL_RPC_TIMEOUT_S))
         for name, actor in (("resizer", self.resizer), ("router", self.router)):
             if actor is not None:
                 with self._logged(f"kill the {name} actor", errors):
@@ -385,7 +386,7 @@ class PipelineRuntime:
     def resize_history(self, since: int = 0) -> list[dict[str, Any]]:
         if self._ended or self.resizer is None:
             return self._final_history[since:]
-        return list(_get(self.resizer.history.remote(since), "resizer.history", _RPC_S))
+        return list(_get(self.resizer.history.remote(since), "resizer.history", CONTROL_RPC_TIMEOUT_S))
 
     @property
     def holds_train_grant(self) -> bool:

@@ -18,12 +18,12 @@ same GPU differently. ``handle`` is a pickle: accept payloads only from the clus
 from __future__ import annotations
 
 import inspect
-import os
 import pickle
 from typing import Any
 
 import torch
 
+from rlix_plugins import envs
 from rlix_plugins.errors import TransportError
 from rlix_plugins.transport._bucket import BucketMeta, BucketRecord, unpack_bucket
 from rlix_plugins.transport._same_gpu import BucketTransport
@@ -51,7 +51,7 @@ def local_index_for_uuid(uuid: str) -> int:
             return i
     raise TransportError(
         f"cuda_ipc: GPU {uuid} is not visible in this process (CUDA_VISIBLE_DEVICES="
-        f"{os.environ.get('CUDA_VISIBLE_DEVICES')!r}); cuda_ipc works only for a receiver on the "
+        f"{envs.cuda_visible_devices()!r}); cuda_ipc works only for a receiver on the "
         "sender's physical GPU: fix the comm plan's device mapping or use same_gpu_transport='cpu_serialize'"
     )
 

@@ -36,10 +36,12 @@ from typing import Final
 
 import torch
 
+from rlix_plugins import envs
+
 log = logging.getLogger(__name__)
 
 #: set to ``0`` to keep the torch path (read on every use, so it can be flipped at run time)
-ENV_SWITCH: Final = "RLIX_NATIVE_CHECKSUM"
+ENV_SWITCH: Final = envs.RLIX_NATIVE_CHECKSUM
 SOURCE: Final = Path(__file__).with_name("_pack_checksum.c")
 #: the kernel's row: ``ROW_BYTES`` of ``_checksum`` (not imported: ``_checksum`` imports this module)
 ROW_BYTES: Final = 512
@@ -79,7 +81,7 @@ def available() -> bool:
     """Whether :func:`copy_sums` may be used: not switched off, and the kernel compiled, loaded and self-checked
     (the first call does that, once per process)."""
     global _said_off
-    if os.environ.get(ENV_SWITCH, "1") == "0":
+    if not envs.native_checksum():
         if not _said_off:
             _said_off = True
             log.info("native pack checksum kernel switched off (%s=0): using the torch path", ENV_SWITCH)
@@ -135,7 +137,7 @@ def _load() -> Kernel | None:
 
 
 def _cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    base = envs.xdg_cache_home() or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "rlix-plugins"
 
 
@@ -176,7 +178,7 @@ def _cpu_tag() -> str:
 
 def _build_and_open() -> Kernel:
     source = SOURCE.read_text(encoding="utf-8")
-    cc = os.environ.get("CC", "cc")
+    cc = envs.c_compiler()
     cache = _private_cache_dir()
     errors = []
     for flags in _FLAG_SETS:

@@ -53,7 +53,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from rlix_plugins import transport
+from rlix_plugins import envs, transport
 from rlix_plugins.errors import RlixConfigError, TransportError, WeightVerificationError, carried_in_text
 from rlix_plugins.transport import finish_checksums, start_checksums, verify_checksums
 from rlix_plugins.transport._checksum import segment_checksums
@@ -789,16 +789,16 @@ def group_ranges(meta: Any) -> list[tuple[list[int], int, int]]:
 
 
 #: ``RLIX_PROFILE_PULL=N``: profile this worker's N-th host_pull with the torch profiler (where a sync's time goes)
-_PROFILE_PULL = int(os.environ.get("RLIX_PROFILE_PULL", "0") or 0)
+_PROFILE_PULL = envs.profile_pull()
 #: ``RLIX_PROFILE_CALLS=1``: profile the host Python of every pull and finish call (cProfile, to ``RLIX_PROFILE_DIR``)
-_PROFILE_CALLS = os.environ.get("RLIX_PROFILE_CALLS", "") not in ("", "0")
+_PROFILE_CALLS = envs.profile_calls()
 
 
 @contextlib.contextmanager
 def python_profiled(name: str, active: bool) -> Iterator[None]:
     """When ``active`` and ``RLIX_PROFILE_DIR`` is set: cProfile around the block, the 40 costliest calls by
     cumulative time to ``<dir>/<name>_<pid>.txt`` (where host time goes in Python: the torch profiler sees ops)."""
-    out = os.environ.get("RLIX_PROFILE_DIR")
+    out = envs.profile_dir()
     if not (active and out):
         yield
         return
@@ -832,7 +832,7 @@ def profiled(name: str, active: bool) -> Iterator[None]:
         yield
     table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
     logger.warning("rlix: profile of %s\n%s", name, table)
-    out = os.environ.get("RLIX_PROFILE_DIR")
+    out = envs.profile_dir()
     if out:
         with open(os.path.join(out, f"{name}_{os.getpid()}.txt"), "w", encoding="utf-8") as fh:
             fh.write(table)

@@ -8,12 +8,12 @@ one ``rlix up`` started or joined (recorded by ``control/admin/local_cluster.py`
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from pathlib import Path
 from typing import Any, Final
 
+from rlix_plugins import envs
 from rlix_plugins.control.admin import local_cluster, ray_auth
 from rlix_plugins.control.admin.local_cluster import ClusterRecord
 from rlix_plugins.errors import RlixConfigError, SchedulerError
@@ -34,7 +34,7 @@ NO_AUTH_WARNING: Final = (
 
 def _check_auth_choice(insecure_no_auth: bool) -> None:
     """Before starting a head: a ``RAY_AUTH_MODE`` the user set must agree with the flag (one way to opt out)."""
-    mode = os.environ.get(ray_auth.MODE_ENV)
+    mode = envs.ray_auth_mode()
     if mode is None or (mode.lower() == "disabled") == insecure_no_auth:
         return
     if insecure_no_auth:
@@ -47,7 +47,7 @@ def _check_auth_choice(insecure_no_auth: bool) -> None:
 
 def _target(address: str | None) -> tuple[str, ClusterRecord | None]:
     """The cluster a command acts on, and the record when it is the head ``rlix up`` started."""
-    explicit = address or os.environ.get("RAY_ADDRESS")
+    explicit = address or envs.ray_address()
     if explicit:
         return explicit, None
     record = local_cluster.load()
@@ -83,7 +83,7 @@ def up(address: str | None, num_gpus: int | None, num_cpus: int | None, insecure
 
     from rlix_plugins.control.client import connect
 
-    explicit = address or os.environ.get("RAY_ADDRESS")
+    explicit = address or envs.ray_address()
     if explicit is not None and (num_gpus is not None or num_cpus is not None or insecure_no_auth):
         raise RlixConfigError(
             "--num-gpus/--num-cpus/--insecure-no-auth only apply when `rlix up` starts a local Ray cluster; "
@@ -138,7 +138,7 @@ def up(address: str | None, num_gpus: int | None, num_cpus: int | None, insecure
 
 def _auth_note() -> str:
     """How clients authenticate to the cluster this process joined (token mode: its GCS demanded the token)."""
-    if os.environ.get(ray_auth.MODE_ENV, "").lower() != "token":
+    if (envs.ray_auth_mode() or "").lower() != "token":
         return " (no token authentication)"
     return f" and this cluster's auth token ({ray_auth.token_source()} here)"
 

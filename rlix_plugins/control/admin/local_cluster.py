@@ -28,10 +28,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Final
 
+from rlix_plugins import envs
 from rlix_plugins.control.admin import ray_auth
 from rlix_plugins.errors import RlixConfigError, SchedulerError
 
-STATE_DIR_ENV: Final = "RLIX_STATE_DIR"
+STATE_DIR_ENV: Final = envs.RLIX_STATE_DIR
 #: ``ray start`` must finish within this.
 RAY_START_TIMEOUT_S: Final = 120.0
 #: SIGTERM grace before SIGKILL when stopping a head (its GCS keeps no state worth a longer wait).
@@ -50,8 +51,7 @@ class ClusterRecord:
 
 
 def state_path() -> Path:
-    root = os.environ.get(STATE_DIR_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "rlix")
-    return Path(root) / "cluster.json"
+    return envs.state_dir() / "cluster.json"
 
 
 def load() -> ClusterRecord | None:
@@ -114,7 +114,7 @@ def start_head(num_gpus: int | None, num_cpus: int | None, token_auth: bool = Tr
     With ``token_auth`` (the default) the head demands Ray's auth token: ``ray start --head`` only uses one, so a
     missing token file is created first, private (``ray_auth.ensure_private_token``; Ray's own generator writes
     it readable by every local user)."""
-    exe = shutil.which("ray", path=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+    exe = shutil.which("ray", path=os.path.dirname(sys.executable) + os.pathsep + envs.search_path())
     if exe is None:
         raise SchedulerError("the `ray` command is not installed next to this Python; `pip install 'ray[default]'`")
     if token_auth:

@@ -27,11 +27,12 @@ import stat
 from pathlib import Path
 from typing import Final
 
+from rlix_plugins import envs
 from rlix_plugins.errors import RlixConfigError
 
-MODE_ENV: Final = "RAY_AUTH_MODE"
-TOKEN_ENV: Final = "RAY_AUTH_TOKEN"
-TOKEN_PATH_ENV: Final = "RAY_AUTH_TOKEN_PATH"
+MODE_ENV: Final = envs.RAY_AUTH_MODE
+TOKEN_ENV: Final = envs.RAY_AUTH_TOKEN
+TOKEN_PATH_ENV: Final = envs.RAY_AUTH_TOKEN_PATH
 DEFAULT_TOKEN_FILE: Final = "~/.ray/auth_token"
 #: How a user gets the token of a cluster onto the machine of a client.
 WHERE_TOKENS_GO: Final = (
@@ -42,17 +43,18 @@ WHERE_TOKENS_GO: Final = (
 
 def token_source() -> str:
     """Where Ray reads this process's token from (the first of its three places that is set)."""
-    if os.environ.get(TOKEN_ENV):
+    if envs.ray_auth_token():
         return TOKEN_ENV
-    if os.environ.get(TOKEN_PATH_ENV):
-        return f"{TOKEN_PATH_ENV}={os.environ[TOKEN_PATH_ENV]}"
+    path = envs.ray_auth_token_path()
+    if path:
+        return f"{TOKEN_PATH_ENV}={path}"
     return DEFAULT_TOKEN_FILE
 
 
 def token_file() -> Path:
     """The file Ray reads this process's token from when ``RAY_AUTH_TOKEN`` is unset (Ray expands no ``~`` in
     ``RAY_AUTH_TOKEN_PATH``)."""
-    return Path(os.environ.get(TOKEN_PATH_ENV) or os.path.expanduser(DEFAULT_TOKEN_FILE))
+    return Path(envs.ray_auth_token_path() or os.path.expanduser(DEFAULT_TOKEN_FILE))
 
 
 def _refuse(path: Path, why: str, fix: str) -> RlixConfigError:
@@ -100,7 +102,7 @@ def ensure_private_token() -> None:
     256 random bits as hex), mode 0600 from its first byte, its directory 0700 when that is missing too; an
     existing one is used as it is if :func:`check_private` passes. Nothing to do when ``RAY_AUTH_TOKEN`` holds the
     token itself."""
-    if os.environ.get(TOKEN_ENV):
+    if envs.ray_auth_token():
         return
     path = token_file()
     try:
@@ -124,7 +126,7 @@ def ensure_private_token() -> None:
 def local_token() -> str | None:
     """This process's token as Ray loads it (None: none anywhere). A ``RAY_AUTH_TOKEN_PATH`` naming a missing or
     empty file, or a token file others could read or replace (:func:`check_private`), is a one-line error."""
-    if not os.environ.get(TOKEN_ENV) and os.path.lexists(token_file()):
+    if not envs.ray_auth_token() and os.path.lexists(token_file()):
         check_private(token_file())
     from ray._raylet import AuthenticationTokenLoader  # type: ignore[attr-defined]  # compiled, no stub
     from ray.exceptions import AuthenticationError
@@ -137,14 +139,14 @@ def local_token() -> str | None:
         return str(loader.get_raw_token(ignore_auth_mode=True))
     except AuthenticationError:
         raise RlixConfigError(
-            f"{TOKEN_PATH_ENV}={os.environ.get(TOKEN_PATH_ENV)} names no readable, non-empty token file; "
+            f"{TOKEN_PATH_ENV}={envs.ray_auth_token_path()} names no readable, non-empty token file; "
             f"fix or unset {TOKEN_PATH_ENV}"
         ) from None
 
 
 def token_for(address: str) -> str:
     """The token to join ``address``, whose GCS demands one; a one-line error when this process cannot send one."""
-    mode = os.environ.get(MODE_ENV)
+    mode = envs.ray_auth_mode()
     if mode is not None and mode.lower() != "token":
         raise RlixConfigError(
             f"the Ray cluster at {address} requires its auth token, but {MODE_ENV}={mode} is set here; "
@@ -175,5 +177,5 @@ def enable_token_mode() -> None:
 def enable_if_token_exists() -> None:
     """Where the GCS cannot be asked (no grpcio): token mode when the mode is unset and a token exists, which
     joins a cluster with or without authentication alike."""
-    if os.environ.get(MODE_ENV) is None and local_token() is not None:
+    if envs.ray_auth_mode() is None and local_token() is not None:
         enable_token_mode()
