@@ -10,10 +10,12 @@ too, returning the raw value: their owners define what a value means. Environmen
 Ray ``runtime_env``'s environment) stay where they are built.
 
 Not read here, on purpose: ``rlix_plugins/nemo_rl/hookspec.py`` reads ``RLIX_CONTROL_PLANE`` itself and validates
-it, because it is the source of NeMo RL's seam file (patch 0001), which never imports rlix-plugins.
+it, because it is the source of NeMo RL's seam file (patch 0001), which never imports rlix-plugins; and
+``rlix_plugins/vllm/plugin.py`` reads it too, because vLLM imports that entry point in standalone processes, where
+nothing else of ours may be imported.
 
-This module imports only the standard library and :mod:`rlix_plugins.errors`: ``control/``, ``transport/`` and the
-vLLM general plugin (loaded in every vLLM process) import it.
+This module imports only the standard library and :mod:`rlix_plugins.errors`: ``control/`` and ``transport/`` import
+it.
 """
 
 from __future__ import annotations

@@ -19,6 +19,8 @@ ALLOWED = {
     ("rlix_plugins/envs.py", None): "the one reader",
     ("rlix_plugins/nemo_rl/hookspec.py", 'value = os.environ.get(ENV_VAR, "")'):
         "the source of NeMo RL's seam file (patch 0001), which never imports rlix_plugins",
+    ("rlix_plugins/vllm/plugin.py", 'return os.environ.get(CONTROL_PLANE_ENV) == "rlix"'):
+        "vLLM's entry point, imported in standalone processes too, where nothing else of ours may be imported",
     ("rlix_plugins/nemo_rl/megatron_nccl.py",
      "previous = env.get(key, (os.environ if inherited is None else inherited).get(key))"):
         "the environment a Ray worker inherits, as a mapping, to build that worker's env",

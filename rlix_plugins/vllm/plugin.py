@@ -27,19 +27,18 @@ from __future__ import annotations
 import logging
 import os
 
-from rlix_plugins import envs
-
 __all__ = ["CONTROL_PLANE_ENV", "enabled", "loaded_here", "register"]
 
 #: Environment variable that switches rlix-plugins on; any other value than ``"rlix"`` means standalone.
-CONTROL_PLANE_ENV = envs.RLIX_CONTROL_PLANE
+CONTROL_PLANE_ENV = "RLIX_CONTROL_PLANE"
 
 _loaded = False
 
 
 def enabled() -> bool:
-    """True when this process runs under the rlix control plane."""
-    return envs.time_sharing()
+    """True when this process runs under the rlix control plane. Read here, not through ``rlix_plugins.envs``: vLLM
+    imports this module in every process, standalone ones included, where nothing else of ours may be imported."""
+    return os.environ.get(CONTROL_PLANE_ENV) == "rlix"
 
 
 def loaded_here() -> bool:
