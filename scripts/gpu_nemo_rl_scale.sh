@@ -1,19 +1,27 @@
 #!/usr/bin/env bash
-# Real NeMo RL at the stock recipe's real scale on one GPU, under `bash scripts/gpu_kit.sh run` (vLLM, Ray and the
+# Real NeMo RL at the stock recipe's real scale on one GPU or several, under `bash scripts/gpu_kit.sh run` (vLLM, Ray and the
 # pinned NeMo RL in place; docs/gpu.md "Real scale"). A run outlasts one 10-minute command, so runs go detached:
 #   bash scripts/gpu_kit.sh run bash scripts/gpu_nemo_rl_scale.sh start RUN...   queue RUNs (one after another) in a
 #                                                                                 new session; returns at once
 #   bash scripts/gpu_kit.sh run bash scripts/gpu_nemo_rl_scale.sh wait [S]       wait up to S s (default 560) and
 #                                                                                 copy every finished run's files to $OUT
+#   bash scripts/gpu_kit.sh run bash scripts/gpu_nemo_rl_scale.sh snapshot       the unfinished runs as they stand
+#                                                                                 (their trace, report, logs) to $OUT
+# A RUN argument may join runs: A+B runs A and B at the same time (on different GPUs), A,B one after the other
+# inside its branch; e.g. `shared2+transport,split2` (the shared run on GPUS while the transport benchmark and then
+# the static split use SPLIT_GPUS). Each Ray cluster gets its own ports, so runs on one machine never meet.
 # RUN: standalone          the stock grpo_math_1B.yaml (synchronous, colocated), unpatched then patched + variable unset
 #      shared<N>           N pipelines from `rlix recipe ... --pipelines N --gpus 0`, all at once, one control plane
 #      sequential<N>       the same N drivers one after another (the baseline)
+#      split<N>            the static split: the stock recipe, unpatched, one driver per GPU of SPLIT_GPUS, all at once
+#      transport           benchmarks/transport.py on SPLIT_GPUS (per-sync NCCL broadcast vs raw, group set-up)
 # Settings (environment): SHAPE=qwen2.5-1.5b|qwen2.5-0.5b (the model's real architecture and vocabulary, random
 # weights), STEPS=8, NEW_TOKENS=512, EAGER=true (false: the stock recipe's CUDA graphs, compiled at start-up),
 # STANDALONE_ORDER="unpatched patched" (reverse it to pair with an earlier run), UTIL= (time-shared runs:
 # `rlix recipe --gpu-memory-utilization UTIL`; empty: the stock recipe's share, at which a 1.5B rollout does not fit
 # next to a training step), GPUS=0 (the time-shared runs' GPUs, e.g. 0,1: `rlix recipe --gpus`; standalone uses
-# the first). Every run keeps the recipe's batch: 32 prompts x 16 generations per step.
+# the first), SPLIT_GPUS=$GPUS (the static split's GPUs, one pipeline each; may be other GPUs than GPUS, so that
+# both run at once). Every run keeps the recipe's batch: 32 prompts x 16 generations per step.
 # Each run leaves DIR/console_<p>.log (time-stamped), DIR/logs_<p> (NeMo RL's metrics), DIR/nvml.csv (GPU busy share,
 # GPU and host memory, sampled), DIR/trace.jsonl + status.json + gpu_after.csv (time-shared runs) and DIR/report.txt.
 set -u
@@ -27,6 +35,7 @@ EAGER=${EAGER:-true}
 UTIL=${UTIL:-}
 GPUS=${GPUS:-0}                       # the GPUs the time-shared runs share (`rlix recipe --gpus`), e.g. 0,1
 NGPU=$(tr ',' '\n' <<<"$GPUS" | wc -l)
+SPLIT_GPUS=${SPLIT_GPUS:-$GPUS}       # the static split's GPUs, one pipeline on each
 DATA=$WORK/data_$SHAPE
 mkdir -p "$ROOT" "$WORK"
 ray() { python3 -c 'import sys; from ray.scripts.scripts import main; sys.argv[0] = "ray"; sys.exit(main())' "$@"; }
@@ -72,7 +81,18 @@ driver() {  # driver NAME DIR CHECKOUT CONFIG [env...]: one run_grpo.py driver, 
      "${MORE[@]}" logger.log_dir="$dir/logs_$name" 2>&1 | stamp >"$dir/console_$name.log")
 }
 
-sample() { python3 "$REPO/scripts/gpu/nvml_sampler.py" "$1" >/dev/null 2>&1 & echo $!; }  # sample FILE.csv
+sample() { python3 "$REPO/scripts/gpu/nvml_sampler.py" "$1" --gpus "$2" >/dev/null 2>&1 & echo $!; }  # sample CSV GPUS
+
+ray_head() {  # ray_head DIR K GPUS: a Ray head of its own (K: 0 shared runs, 1 static split, 2 standalone) on GPUS
+  # Its ports, client server and worker ports differ by K, so several clusters run on one machine at once; the
+  # drivers find theirs by RAY_ADDRESS (DIR/ray_address), never by "the latest cluster".
+  local dir=$1 k=$2 gpus=$3 port=$((6379 + 10 * $2)) more=()
+  [ "$k" -gt 0 ] && more=(--ray-client-server-port $((30000 + k)) --dashboard-agent-listen-port $((52365 + k))
+    --min-worker-port $((30100 + 4000 * k)) --max-worker-port $((34099 + 4000 * k)))
+  CUDA_VISIBLE_DEVICES=$gpus ray start --head --port "$port" --num-gpus "$(tr ',' '\n' <<<"$gpus" | wc -l)" \
+    --num-cpus 64 --include-dashboard=false --disable-usage-stats "${more[@]}" >>"$dir/ray_start.log" 2>&1
+  echo "127.0.0.1:$port" >"$dir/ray_address"
+}
 
 finish() {  # finish DIR RC: report, pack
   local dir=$1
@@ -87,12 +107,13 @@ run_standalone() {  # one pipeline on the first of GPUS
   for which in ${STANDALONE_ORDER:-unpatched patched}; do
     local src=$NEMO_RL_SRC
     [ $which = patched ] && src=$WORK/patched
-    CUDA_VISIBLE_DEVICES="${GPUS%%,*}" ray start --head --num-gpus 1 --num-cpus 64 --include-dashboard=false --disable-usage-stats >"$dir/ray_$which.log" 2>&1
+    ray_head "$dir" 2 "${GPUS%%,*}"
     local sampler
-    sampler=$(sample "$dir/nvml_$which.csv")
-    driver "$which" "$dir" "$src" "examples/configs/$(basename "$STOCK")" env -u RLIX_CONTROL_PLANE || rc=$((rc + 1))
+    sampler=$(sample "$dir/nvml_$which.csv" "${GPUS%%,*}")
+    driver "$which" "$dir" "$src" "examples/configs/$(basename "$STOCK")" env -u RLIX_CONTROL_PLANE \
+      RAY_ADDRESS="$(cat "$dir/ray_address")" || rc=$((rc + 1))
     kill "$sampler" 2>/dev/null
-    ray stop --force >/dev/null 2>&1
+    stop_head "$dir"
   done
   finish "$dir" $rc
 }
@@ -103,11 +124,12 @@ run_shared() {  # run_shared NAME N MODE (together | sequential): on GPUS, clust
   python3 -m rlix_plugins.cli recipe "$STOCK" --pipelines "$n" --gpus "$GPUS" --out "$cfgdir" \
     ${UTIL:+--gpu-memory-utilization "$UTIL"} >"$dir/recipe.log" 2>&1 ||
     { cat "$dir/recipe.log"; finish "$dir" recipe; return 1; }
-  ray start --head --num-gpus "$NGPU" --num-cpus 64 --include-dashboard=false --disable-usage-stats >"$dir/ray_start.log" 2>&1
-  export RAY_ADDRESS=127.0.0.1:6379
+  ray_head "$dir" 0 "$GPUS"
+  export RAY_ADDRESS
+  RAY_ADDRESS=$(cat "$dir/ray_address")
   python3 -m rlix_plugins.cli up --address "$RAY_ADDRESS" >"$dir/rlix_up.log" 2>&1 || { finish "$dir" up; return 1; }
   local sampler
-  sampler=$(sample "$dir/nvml.csv")
+  sampler=$(sample "$dir/nvml.csv" "$GPUS")
   local names=(a b c d e f g h)
   for p in "${names[@]:0:$n}"; do
     driver "$p" "$dir" "$WORK/patched" "examples/configs/rlix/$(basename "$STOCK" .yaml)_rlix_$p.yaml" \
@@ -121,27 +143,89 @@ run_shared() {  # run_shared NAME N MODE (together | sequential): on GPUS, clust
   python3 "$REPO/scripts/gpu/dump_trace.py" "$dir/trace.jsonl" >>"$dir/timeline.log" 2>&1
   sleep 5  # let the workers' processes exit, then read what is left on the GPU
   kill "$sampler" 2>/dev/null
-  nvidia-smi --query-compute-apps=pid,used_memory --format=csv >"$dir/gpu_after.csv"
-  nvidia-smi --query-gpu=memory.used --format=csv,noheader >>"$dir/gpu_after.csv"
-  [ $rc -ne 0 ] && cp -r /tmp/ray/session_latest/logs "$dir/ray_logs" 2>/dev/null
+  gpu_after "$dir" "$GPUS"
+  [ $rc -ne 0 ] && cp -r "$(session_dir)/logs" "$dir/ray_logs" 2>/dev/null
   python3 -m rlix_plugins.cli down --address "$RAY_ADDRESS" >/dev/null 2>&1
-  ray stop --force >/dev/null 2>&1
+  stop_head "$dir"
   unset RAY_ADDRESS
   finish "$dir" $rc
 }
 
-run() {
+gpu_after() {  # gpu_after DIR GPUS: the processes and memory left on the run's GPUs
+  nvidia-smi -i "$2" --query-compute-apps=gpu_uuid,pid,used_memory --format=csv >"$1/gpu_after.csv"
+  nvidia-smi -i "$2" --query-gpu=index,memory.used --format=csv,noheader >>"$1/gpu_after.csv"
+}
+
+session_dir() { python3 -c 'import ray, sys; ray.init(address="auto", log_to_driver=False)
+print(ray._private.worker._global_node.get_session_dir_path())' 2>/dev/null || echo /tmp/ray/session_latest; }
+
+stop_head() {  # stop_head DIR: this run's Ray head only (`ray stop` would end every cluster of the machine)
+  local port
+  port=$(cut -d: -f2 "$1/ray_address")
+  local sig
+  for sig in TERM KILL; do  # the GCS by its port, every other process of the cluster by the GCS address it names
+    pkill "-$sig" -f -- "--gcs_server_port=$port( |$)" 2>/dev/null
+    pkill "-$sig" -f -- "--gcs[-_]address=[^ ]*:$port( |$)" 2>/dev/null
+    sleep 2
+  done
+}
+
+run_split() {  # run_split NAME N: the static split, the stock recipe unpatched on one GPU per pipeline, all at once
+  local name=$1 n=$2 dir=$ROOT/$1 rc=0 pids=() p i=0 MORE=(cluster.gpus_per_node=1)
+  local gpus=(${SPLIT_GPUS//,/ })
+  mkdir -p "$dir"
+  [ "${#gpus[@]}" -ge "$n" ] || { echo "SPLIT_GPUS=$SPLIT_GPUS has fewer than $n GPUs" >"$dir/console_setup.log"; finish "$dir" gpus; return 1; }
+  local use
+  use=$(IFS=,; echo "${gpus[*]:0:$n}")
+  ray_head "$dir" 1 "$use"
+  local sampler
+  sampler=$(sample "$dir/nvml.csv" "$use")
+  for p in a b c d e f g h; do
+    [ $i -ge "$n" ] && break
+    driver "$p" "$dir" "$NEMO_RL_SRC" "examples/configs/$(basename "$STOCK")" env -u RLIX_CONTROL_PLANE \
+      RAY_ADDRESS="$(cat "$dir/ray_address")" &
+    pids+=($!) i=$((i + 1))
+  done
+  for p in "${pids[@]}"; do wait "$p" || rc=$((rc + 1)); done
+  sleep 5
+  kill "$sampler" 2>/dev/null
+  gpu_after "$dir" "$use"
+  stop_head "$dir"
+  finish "$dir" $rc
+}
+
+run_transport() {  # benchmarks/transport.py on SPLIT_GPUS: per-sync NCCL broadcast vs raw, group set-up + teardown
+  local dir=$ROOT/transport rc=0
+  mkdir -p "$dir"
+  CUDA_VISIBLE_DEVICES=$SPLIT_GPUS timeout -k 10 400 python3 "$REPO/benchmarks/transport.py" \
+    --json "$dir/transport.json" >"$dir/console.log" 2>&1 || rc=$?
+  { grep -v '^\[transport-bench' "$dir/console.log"; echo "exit: $rc"; } >"$dir/report.txt"
+  touch "$dir/DONE"
+}
+
+run_one() {
+  echo "$(date +%T) start $1"
+  case $1 in
+  standalone) run_standalone ;;
+  shared[0-9]) run_shared "$1" "${1#shared}" together ;;
+  sequential[0-9]) run_shared "$1" "${1#sequential}" sequential ;;
+  split[0-9]) run_split "$1" "${1#split}" ;;
+  transport) run_transport ;;
+  *) echo "unknown run $1" ;;
+  esac
+  echo "$(date +%T) end $1"
+}
+
+run() {  # each argument in turn; A+B: A and B at once; A,B: one after the other inside a branch
   prepare || { echo "prepare failed: $?"; return 1; }
-  local part
-  for part in "$@"; do
-    echo "$(date +%T) start $part"
-    case $part in
-    standalone) run_standalone ;;
-    shared[0-9]) run_shared "$part" "${part#shared}" together ;;
-    sequential[0-9]) run_shared "$part" "${part#sequential}" sequential ;;
-    *) echo "unknown run $part" ;;
-    esac
-    echo "$(date +%T) end $part"
+  local arg branch part pids
+  for arg in "$@"; do
+    pids=()
+    for branch in ${arg//+/ }; do
+      (for part in ${branch//,/ }; do run_one "$part"; done) &
+      pids+=($!)
+    done
+    wait "${pids[@]}"
   done
   touch "$ROOT/ALL_DONE"
 }
@@ -174,5 +258,17 @@ wait)  # returns when every run ended, when one more run ended than at the call,
   for c in "$ROOT"/*/console_*.log; do [ -f "$c" ] && { echo "== $c"; grep -aE "Step [0-9]+/|Error|Traceback|rlix" "$c" | tail -n 6; }; done
   collect
   [ -f "$ROOT/ALL_DONE" ] && echo ALL_DONE || echo STILL_RUNNING ;;
-*) echo "usage: bash scripts/gpu_nemo_rl_scale.sh start RUN... | wait [S]" >&2; exit 2 ;;
+snapshot)  # every unfinished run as it stands: the trace read from its live control plane, a report, an archive
+  export PYTHONPATH="$WORK/rlix-site:${PYTHONPATH:-}"
+  for d in "$ROOT"/*/; do
+    d=${d%/}
+    [ -f "$d/DONE" ] && continue
+    n=$(basename "$d")
+    [ -f "$d/ray_address" ] && [ -f "$d/rlix_up.log" ] &&
+      RAY_ADDRESS=$(cat "$d/ray_address") timeout 60 python3 "$REPO/scripts/gpu/dump_trace.py" "$d/trace.jsonl" >/dev/null 2>&1
+    python3 "$REPO/scripts/gpu/nemo_rl_shared_report.py" "$d" >"$d/report.txt" 2>&1
+    cp "$d/report.txt" "$OUT/${n}_partial_report.txt"
+    tar -cJf "$OUT/${n}_partial.txz" --exclude='logs_*' --exclude=ray_logs -C "$ROOT" "$n"
+  done ;;
+*) echo "usage: bash scripts/gpu_nemo_rl_scale.sh start RUN... | wait [S] | snapshot" >&2; exit 2 ;;
 esac

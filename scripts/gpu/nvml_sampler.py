@@ -1,8 +1,9 @@
 """Sample GPU busy share, GPU memory and host memory into a CSV until stopped (a GPU-run tool, not the product).
 
-    python3 scripts/gpu/nvml_sampler.py OUT.csv [--interval 0.2]     (SIGTERM/SIGINT ends it)
+    python3 scripts/gpu/nvml_sampler.py OUT.csv [--interval 0.2] [--gpus 0,1]     (SIGTERM/SIGINT ends it)
 
-Columns: unix time, then per GPU ``util_<i>`` (NVML's utilization.gpu: the percent of the last sample period in
+``--gpus``: the physical GPUs (NVML indices) of the run sampled (default: every GPU of the machine), so a run that
+shares the machine with another run on other GPUs reports only its own. Columns: unix time, then per GPU ``util_<i>`` (NVML's utilization.gpu: the percent of the last sample period in
 which a kernel ran) and ``mem_<i>`` (bytes in use), then ``host_used`` (MemTotal - MemAvailable, bytes).
 """
 
@@ -27,11 +28,13 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
     ap.add_argument("--interval", type=float, default=0.2)
+    ap.add_argument("--gpus", default="", help="comma-separated NVML indices (default: all)")
     args = ap.parse_args()
     import pynvml
 
     pynvml.nvmlInit()
-    handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
+    ids = [int(g) for g in args.gpus.split(",") if g] or list(range(pynvml.nvmlDeviceGetCount()))
+    handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in ids]
     stop = False
 
     def end(*_: object) -> None:
@@ -41,8 +44,7 @@ def main() -> int:
     signal.signal(signal.SIGTERM, end)
     signal.signal(signal.SIGINT, end)
     with open(args.out, "w", buffering=1) as f:
-        f.write(",".join(["time", *(f"util_{i}" for i in range(len(handles))),
-                          *(f"mem_{i}" for i in range(len(handles))), "host_used"]) + "\n")
+        f.write(",".join(["time", *(f"util_{i}" for i in ids), *(f"mem_{i}" for i in ids), "host_used"]) + "\n")
         while not stop:
             t = time.time()
             util = [pynvml.nvmlDeviceGetUtilizationRates(h).gpu for h in handles]
