@@ -37,8 +37,9 @@ from rlix_plugins.errors import RlixConfigError
 from rlix_plugins.nemo_rl.model_shape import ModelShape
 
 GiB: Final = 1 << 30
-#: A slept vLLM engine's device memory (0.96 GiB measured).
-ENGINE_ASLEEP_GIB: Final = 1.0
+#: A slept vLLM engine's device memory: 0.96 GiB measured on an H200 (weights taken by host_pull only), 1.18 GiB on an
+#: H100 once it had received weights over NCCL (a rollout rank outside its pipeline's training GPUs does).
+ENGINE_ASLEEP_GIB: Final = 1.25
 #: A trainer's device memory after its offload (2.7 GiB measured for a DTensor worker).
 TRAINER_OFFLOADED_GIB: Final = 3.0
 #: A trainer right after it loaded (fp32 policy and reference weights; 11.6 GiB measured at 1.54 B parameters).

@@ -369,7 +369,7 @@ def inject(bench: Bench, run: Run, kind: str) -> dict[str, Any]:
         run.arm(op="update", action="corrupt")
         run.wait_hit()
     elif kind == "sleep_keeps_memory":
-        run.arm(op="memory", action="hold", bytes=2 << 30)
+        run.arm(op="memory", action="hold", bytes=8 << 30)
         run.wait_hit()
     elif kind == "coordinator_kill":
         _kill(_pid_of(run.actors()["coordinator"]))

@@ -353,3 +353,17 @@ def test_gpu_zz_nccl_broadcast_several_syncs_two_ranks(gpus: int, engines: dict,
     _sync(weight_sets["seed1"], {1: [ENGINE_GPU]}, rpcs, via="cuda_ipc", version=15)
     assert greedy(engines["f"]) == baselines["seed1"]
     assert _info(rpcs[0])["groups"] == []
+    # What a slept engine keeps, which every shrink checks against RuntimeConfig.post_sleep_max_bytes: one that has
+    # received over NCCL (dp 0) keeps NCCL's state next to its CUDA context (a 1 GiB limit failed two healthy
+    # pipelines on an H100), one that has not (dp 1) does not. Runs last: the engines stay asleep.
+    from rlix_plugins.pipeline.config import RuntimeConfig
+    from rlix_plugins.pipeline.gpu_memory import process_tree_gpu_bytes
+
+    time.sleep(3)  # each sync's NCCL communicator is aborted on a background thread of the engine (~0.5 s)
+    held = {}
+    for label, dp, name in (("after_nccl", 0, "a"), ("without_nccl", 1, "f")):
+        engines[name].sleep(level=2)
+        held[label] = process_tree_gpu_bytes(_info(rpcs[dp])["pid"])
+    _record("asleep_bytes", held)
+    limit = RuntimeConfig().post_sleep_max_bytes
+    assert limit is not None and all(b is not None and b <= limit for b in held.values()), (held, limit)
