@@ -168,6 +168,9 @@ stop_head() {  # stop_head DIR: this run's Ray head only (`ray stop` would end e
     pkill "-$sig" -f -- "--gcs[-_]address=[^ ]*:$port( |$)" 2>/dev/null
     sleep 2
   done
+  # `ray stop` also drops the "latest cluster" file, which a later ray.init() without an address would follow
+  grep -qs ":$port\$" /tmp/ray/ray_current_cluster && rm -f /tmp/ray/ray_current_cluster
+  return 0
 }
 
 run_split() {  # run_split NAME N: the static split, the stock recipe unpatched on one GPU per pipeline, all at once
