@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Carry the GPU kits to the device machine over several calls of <= 64 MiB each, on ONE warm machine (it goes back
+# Carry the GPU kits to an offline GPU machine over several calls of <= 64 MiB each, on ONE warm machine (it goes back
 # 30 s after a call: make the calls back to back). Kits (all under .gpukit/, built here once):
 #   vLLM  (docs/gpu.md: .gpukit/p1 p2 deps stash.sh setup.sh)   Ray (scripts/make_gpu_raykit.sh: .gpukit/raykit)
 #   NeMo RL (scripts/make_gpu_nemokit.sh: .gpukit/nemokit/w1 w2 w3)   NeMo RL's other loops (scripts/make_gpu_loopskit.sh:

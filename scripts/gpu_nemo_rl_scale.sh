@@ -258,7 +258,10 @@ wait)  # returns when every run ended, when one more run ended than at the call,
   while [ ! -f "$ROOT/ALL_DONE" ] && [ $((SECONDS - t0)) -lt "$limit" ] &&
     [ "$(ls "$ROOT"/*/DONE 2>/dev/null | wc -l)" -eq "$done_at_call" ]; do sleep 5; done
   cat "$ROOT/runner.log"
-  for c in "$ROOT"/*/console_*.log; do [ -f "$c" ] && { echo "== $c"; grep -aE "Step [0-9]+/|Error|Traceback|rlix" "$c" | tail -n 6; }; done
+  for c in "$ROOT"/*/console_*.log; do  # the config echo names rlix too: left out, and every line cut short
+    [ -f "$c" ] && { echo "== $c"; grep -aE "Step [0-9]+/|Error|Traceback|rlix" "$c" | grep -v MasterConfig | cut -c1-300 |
+      tail -n 6; }
+  done
   collect
   [ -f "$ROOT/ALL_DONE" ] && echo ALL_DONE || echo STILL_RUNNING ;;
 snapshot)  # every unfinished run as it stands: the trace read from its live control plane, a report, an archive

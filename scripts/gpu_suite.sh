@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU checks of the project, batched for the device tool (after the vLLM carry kit is set up; see README "GPU").
+# The GPU checks of the project, batched into few commands of an offline GPU machine (after the vLLM carry kit is set up; see README "GPU").
 #   bash .gpukit/setup.sh bash scripts/gpu_suite.sh [transport] [expand] [wake-window] [vllm|vllm-nccl] [demo]
 #   (default: transport vllm demo)
 # One device command may run 10 minutes: run "transport vllm" in one call and "demo" in the next.
@@ -10,6 +10,8 @@
 #   2. vLLM receiver GPU tests (cuda_ipc, NCCL, sleep/wake)     -> $OUT/vllm_gpu_results.json
 #   3. rlix demo on 1 GPU and, when there are 2, on 2 GPUs      -> $OUT/g1/, $OUT/g2/ (summary.json, timeline.png)
 #   4. real NeMo RL (parts nemo-standalone, nemo-shared, nemo-sequential; scripts/gpu_nemo_rl.sh)
+#   5. nemo-pool: the stock recipe's real shape on 2 or 4 GPUs: the rlix pair on GPUs 0,1 vs the static split and the
+#      transport benchmark (scripts/gpu_nemo_rl_scale.sh; detached: later calls `... gpu_nemo_rl_scale.sh wait`)
 # Every part runs even when an earlier one fails; the exit code is the number of failed parts.
 # NCCL settings: monitoring threads off (they add to the container's pid limit), debug output to find hangs.
 set -u
@@ -58,6 +60,15 @@ for nemo in standalone shared sequential; do
       bash scripts/gpu_nemo_rl.sh "$nemo"
   fi
 done
+# The pool runs (docs/gpu.md "Several GPUs"): on 4 GPUs the static split and the transport benchmark run on GPUs 2,3
+# while the rlix pair runs on 0,1; on 2 GPUs one after the other. UTIL: a rollout next to a training step (80 GiB: 0.3).
+if [[ " $want " == *" nemo-pool "* ]]; then
+  if [ "$ngpu" -ge 4 ]; then runs="shared2+transport,split2" split=2,3; else runs="transport shared2 split2" split=0,1; fi
+  card_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits -i 0)
+  part nemo-pool 590 env GPUS=0,1 SPLIT_GPUS="$split" SHAPE="${SHAPE:-qwen2.5-1.5b}" STEPS="${STEPS:-8}" \
+    UTIL="${UTIL:-$([ "$card_mib" -gt 100000 ] && echo 0.5 || echo 0.3)}" \
+    bash -c "bash scripts/gpu_nemo_rl_scale.sh start $runs && bash scripts/gpu_nemo_rl_scale.sh wait 540"
+fi
 if [ "$failed" -gt 0 ] && [ -d /tmp/ray/session_latest/logs ]; then  # Ray's worker logs say where a run hung
   tar -czf "$OUT/ray_logs.tgz" -C /tmp/ray/session_latest logs 2>/dev/null && ls -la "$OUT/ray_logs.tgz"
 fi
