@@ -17,7 +17,10 @@
 #      transport           benchmarks/transport.py on SPLIT_GPUS (per-sync NCCL broadcast vs raw, group set-up)
 # Settings (environment): SHAPE=qwen2.5-1.5b|qwen2.5-0.5b (the model's real architecture and vocabulary, random
 # weights), STEPS=8, NEW_TOKENS=512, EAGER=true (false: the stock recipe's CUDA graphs, compiled at start-up),
-# STANDALONE_ORDER="unpatched patched" (reverse it to pair with an earlier run), UTIL= (time-shared runs:
+# FAULT=driver|engine (time-shared runs: pipeline b's driver, or one of its vLLM engine cores, is SIGKILLed
+# FAULT_DELAY_S=3 s after its log shows step FAULT_STEP=2's training grant, resp. that step's weights back on the GPU,
+# i.e. mid-training, resp. while the cache is built and the awake ranks are refreshed; DIR/fault.log says what and
+# when, DIR/status_after_fault.json what `rlix status` said 30 s later), STANDALONE_ORDER="unpatched patched" (reverse it to pair with an earlier run), UTIL= (time-shared runs:
 # `rlix recipe --gpu-memory-utilization UTIL`; empty: the stock recipe's share, at which a 1.5B rollout does not fit
 # next to a training step), GPUS=0 (the time-shared runs' GPUs, e.g. 0,1: `rlix recipe --gpus`; standalone uses
 # the first), SPLIT_GPUS=$GPUS (the static split's GPUs, one pipeline each; may be other GPUs than GPUS, so that
@@ -128,8 +131,9 @@ run_shared() {  # run_shared NAME N MODE (together | sequential): on GPUS, clust
   export RAY_ADDRESS
   RAY_ADDRESS=$(cat "$dir/ray_address")
   python3 -m rlix_plugins.cli up --address "$RAY_ADDRESS" >"$dir/rlix_up.log" 2>&1 || { finish "$dir" up; return 1; }
-  local sampler
+  local sampler watcher=
   sampler=$(sample "$dir/nvml.csv" "$GPUS")
+  [ -n "${FAULT:-}" ] && { fault_watch "$dir" & watcher=$!; }
   local names=(a b c d e f g h)
   for p in "${names[@]:0:$n}"; do
     driver "$p" "$dir" "$WORK/patched" "examples/configs/rlix/$(basename "$STOCK" .yaml)_rlix_$p.yaml" \
@@ -138,6 +142,7 @@ run_shared() {  # run_shared NAME N MODE (together | sequential): on GPUS, clust
     if [ "$mode" = sequential ]; then wait "${pids[-1]}" || rc=$((rc + 1)); fi
   done
   if [ "$mode" = together ]; then for p in "${pids[@]}"; do wait "$p" || rc=$((rc + 1)); done; fi
+  [ -n "$watcher" ] && kill "$watcher" 2>/dev/null
   python3 -m rlix_plugins.cli status --json >"$dir/status.json" 2>&1
   python3 -m rlix_plugins.cli timeline --out "$dir/timeline.png" >"$dir/timeline.log" 2>&1
   python3 "$REPO/scripts/gpu/dump_trace.py" "$dir/trace.jsonl" >>"$dir/timeline.log" 2>&1
@@ -149,6 +154,31 @@ run_shared() {  # run_shared NAME N MODE (together | sequential): on GPUS, clust
   stop_head "$dir"
   unset RAY_ADDRESS
   finish "$dir" $rc
+}
+
+fault_watch() {  # fault_watch DIR: the FAULT of pipeline b (see the settings above), then `rlix status`
+  local dir=$1 log=$1/console_b.log step=${FAULT_STEP:-2} pattern pid p
+  case $FAULT in
+  driver) pattern="train_granted step=$step " ;;
+  engine) pattern="weights_on_gpu step=$step" ;;
+  *) echo "FAULT=$FAULT: use driver or engine" >"$dir/fault.log"; return 1 ;;
+  esac
+  until grep -aq "$pattern" "$log" 2>/dev/null; do sleep 1; done
+  sleep "${FAULT_DELAY_S:-3}"
+  if [ "$FAULT" = driver ]; then  # the python3 process of b's driver (its `timeout` parent names the same arguments)
+    for p in $(pgrep -f -- "logger.log_dir=$dir/logs_b"); do
+      case $(cat "/proc/$p/comm" 2>/dev/null) in python*) pid=$p ;; esac
+    done
+  else  # an engine core of b: Ray forwards b's workers' output to b's console only
+    pid=$(grep -aoE "EngineCore pid=[0-9]+" "$log" | tail -1 | cut -d= -f2)
+  fi
+  [ -n "${pid:-}" ] || { echo "$(date +%s.%N) FAULT $FAULT: no process found" >"$dir/fault.log"; return 1; }
+  echo "$(date +%s.%N) FAULT $FAULT of pipeline b at step $step: SIGKILL pid $pid ($(cat "/proc/$pid/cmdline" 2>/dev/null |
+    tr '\0' ' ' | cut -c1-120))" >"$dir/fault.log"
+  kill -9 "$pid"
+  sleep 30
+  python3 -m rlix_plugins.cli status --json >"$dir/status_after_fault.json" 2>&1
+  nvidia-smi -i "$GPUS" --query-compute-apps=gpu_uuid,pid,used_memory --format=csv >>"$dir/fault.log" 2>&1
 }
 
 gpu_after() {  # gpu_after DIR GPUS: the processes and memory left on the run's GPUs
