@@ -161,8 +161,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the vLLM engines' share of a GPU (default: the stock recipe's); lower lets a rollout run "
                         "next to another pipeline's training step")
 
-    p = add("patch", _cmd_patch, "Apply, check or revert the pinned NeMo RL patch series.")
-    p.add_argument("action", choices=["apply", "check", "revert"])
+    p = add("patch", _cmd_patch, "Apply, check or revert the pinned NeMo RL patch series; drift: what of it no "
+            "longer fits a checkout (hunks that need fuzz or conflict, changed NeMo RL signatures).")
+    p.add_argument("action", choices=["apply", "check", "revert", "drift"])
     p.add_argument("--nemo-rl", required=True, metavar="PATH", help="path to the NeMo RL checkout")
     return parser
 

@@ -1,4 +1,5 @@
-"""``rlix patch apply|check|revert --nemo-rl PATH``: the pinned NeMo RL patch series.
+"""``rlix patch apply|check|revert|drift --nemo-rl PATH``: the pinned NeMo RL patch series (``drift``:
+``patch_drift``).
 
 A series is a directory ``patches/nemo-rl/<commit prefix>/`` of numbered ``0001-*.patch`` files (git
 format-patch output) applied in name order, then those of its ``loops/`` part (NeMo RL's TransferQueue and
@@ -106,8 +107,10 @@ def find_checkout(path: str | os.PathLike[str]) -> tuple[Path, str]:
     return root, head.stdout.strip()
 
 
-def _applies(checkout: Path, text: str, *, reverse: bool) -> bool:
-    args = ["apply", "--check", *(["--reverse"] if reverse else []), "-"]
+def _applies(checkout: Path, text: str, *, reverse: bool, context: int | None = None) -> bool:
+    """Whether ``text`` applies (``reverse``: reverts); ``context``: with only that many lines of context matching."""
+    args = ["apply", "--check", *(["--reverse"] if reverse else []), *([f"-C{context}"] if context is not None else []),
+            "-"]
     return _git(checkout, *args, stdin=text).returncode == 0
 
 
@@ -230,8 +233,15 @@ def revert(checkout: Path, head: str, series_root: Path | None = None) -> tuple[
 
 
 def run_cli(*, action: str, nemo_rl: str) -> int:
-    """``rlix patch``. Exit codes: 0 done / applied, 1 ``check``: not applied, 2 errors and drift."""
+    """``rlix patch``. Exit codes: 0 done / applied, 1 ``check``: not applied, 2 errors and drift (``drift``: see
+    ``DriftReport.exit_code``)."""
     checkout, head = find_checkout(nemo_rl)
+    if action == "drift":
+        from rlix_plugins.patch_drift import drift
+
+        report = drift(checkout, head, _series_root())
+        print(report.report())
+        return report.exit_code
     if action == "check":
         status = series_status(checkout, head)
         print(status.report())
@@ -250,4 +260,4 @@ def run_cli(*, action: str, nemo_rl: str) -> int:
         if left:
             print(f"note: your other uncommitted changes in {', '.join(left)} were kept", file=sys.stderr)
         return 0
-    raise PatchError(f"unknown action {action!r}; valid: apply, check, revert")
+    raise PatchError(f"unknown action {action!r}; valid: apply, check, revert, drift")
