@@ -274,11 +274,34 @@ def _coresidence_note(layouts: Sequence[PipelineLayout], figures: Mapping[str, M
     engine, train = figures["actor_infer"]["awake_gib"], figures["actor_train"]["awake_gib"]
     if need <= cap:
         return (f"co-residence on: a rollout ({engine:.1f} GiB) runs next to another pipeline's training step "
-                f"({train:.1f} GiB) where both fit ({need:.1f} of {cap:.1f} GiB on GPU {g})")
+                f"({train:.1f} GiB) where both fit ({need:.1f} of {cap:.1f} GiB on GPU {g})"
+                + _rollouts_per_gpu([s for s in specs if g in s.device_mapping], g))
     fit = math.floor((util - (need - cap) / gpu_memory_gib) * 20) / 20
     return (f"co-residence off: a rollout ({engine:.1f} GiB) next to another pipeline's training step ({train:.1f} "
             f"GiB) needs {need:.1f} of {cap:.1f} GiB on GPU {g}; turns on a GPU are exclusive"
             + (f" (--gpu-memory-utilization {fit:g} would let them run together)" if fit >= 0.1 else ""))
+
+
+def _rollouts_per_gpu(tenants: Sequence[Any], g: int) -> str:
+    """How many rollouts of different pipelines fit awake on GPU ``g`` together, alone and next to a training step
+    (the scheduler wakes as many as fit: ``control.scheduling.coresidence``); empty with one rollout tenant."""
+    from rlix_plugins.control.scheduling.coresidence import gpu_load
+
+    engines = [s for s in tenants if s.is_generation]
+    if len(engines) < 2:
+        return ""
+
+    def most(awake: list[str], guests: list[Any]) -> int:
+        k = 0
+        while k < len(guests) and (load := gpu_load(tenants, [*awake, *(s.cluster_id for s in guests[:k + 1])])) \
+                is not None and load[0] <= load[1]:
+            k += 1
+        return k
+
+    host = next(s for s in tenants if not s.is_generation)
+    beside = most([host.cluster_id], [s for s in engines if s.pipeline_id != host.pipeline_id])
+    return f"; up to {most([], engines)} rollouts of different pipelines awake on GPU {g} at once, {beside} next to a " \
+           "training step"
 
 
 def make_overlays(stock: Mapping[str, Any], num_pipelines: int, gpus: Sequence[int],

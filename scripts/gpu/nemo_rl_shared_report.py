@@ -16,6 +16,7 @@ import glob
 import json
 import re
 import sys
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -105,8 +106,9 @@ def phase_busy(spans: list[Any], rows: list[dict[str, float]], t0: float, t1: fl
     for r in rows:
         if not t0 <= r["time"] <= t1:
             continue
-        held = sorted({names.get(s.phase, "training") for s in spans if s.start <= r["time"] <= s.end})
-        kind = " + ".join(held) if held else "no one"  # "rollout + training": a rollout next to a training step
+        held = Counter(names.get(s.phase, "training") for s in spans if s.start <= r["time"] <= s.end)
+        # "rollout + training": a rollout next to a training step; "2 x rollout": two pipelines' rollouts
+        kind = " + ".join(k if n == 1 else f"{n} x {k}" for k, n in sorted(held.items())) or "no one"
         out.setdefault(kind, []).append(r[f"util_{gpu}"])
     dt = (t1 - t0) / max(sum(len(v) for v in out.values()), 1)
     return {k: {"seconds": round(len(v) * dt, 1), "busy": round(sum(v) / len(v) / 100, 3)} for k, v in out.items()}

@@ -1,5 +1,6 @@
-"""Co-residence (``scheduling.coresidence``): a rollout rank awake next to another pipeline's training step when their
-memory fits; the planner's two uses of it, the invariants that guard it, and a property test over random pools."""
+"""Co-residence (``scheduling.coresidence``): rollout ranks awake next to another pipeline's training step, and next to
+other pipelines' rollout ranks, when their memory fits; the planner's two uses of it, the invariants that guard it,
+and property tests over random pools."""
 
 from __future__ import annotations
 
@@ -108,6 +109,77 @@ def test_a_co_resident_rank_released_leaves_the_training_step_its_gpu() -> None:
     assert set(plan.allocations) == {"b_actor_train"} and plan.allocations["b_actor_train"].gpus == {0}
 
 
+# ---- several rollout ranks on one GPU (the 0.5 B shape is rollout-bound: DESIGN §9) ------------------------------
+def four_on_one_gpu() -> dict[str, ClusterSpec]:
+    """Four 0.5 B pipelines on one H200 as `rlix recipe --gpu-memory-utilization 0.3` declares them."""
+    pipes: dict[str, ClusterSpec] = {}
+    for p in "abcd":
+        for cid, sp in pipeline(p, [0], [0]).items():
+            pipes[cid] = replace(sp, memory=ClusterMemory(133.3, 43.7, 1.0) if sp.is_generation
+                                 else ClusterMemory(133.3, 13.9, 3.0))
+    return pipes
+
+
+def test_a_waiting_rollout_wakes_next_to_another_pipelines_rollout_instead_of_taking_its_gpu() -> None:
+    c = two_on_one_gpu(infer_awake=40.0)  # two rollouts (80) + both trainers asleep (6) = 86 <= 100
+    snap = snapshot(1, c, [gen_alloc(c["a_actor_infer"], [0])], [PendingRequest("b_actor_infer", GEN, 1)])
+    plan = plan_cycle(snap)
+    validate_plan(snap, plan)
+    assert not plan.shrinks, "the gap ratio took a's rank although b fits beside it"
+    assert [(e.cluster_id, e.dp_ranks) for e in plan.expands] == [("b_actor_infer", (0,))]
+    assert active(plan, "a_actor_infer") == {0} and active(plan, "b_actor_infer") == {0}
+    _check_holders(snap, plan.allocations)
+    assert plan_cycle(apply_plan(snap, plan)).is_noop  # and it stays so
+
+
+def test_rollouts_of_a_rollout_bound_pool_share_a_gpu_next_to_a_training_step_as_far_as_memory_goes() -> None:
+    c = four_on_one_gpu()
+    snap = snapshot(1, c, [whole_alloc(c["a_actor_train"])],
+                    [PendingRequest(f"{p}_actor_infer", GEN, i) for i, p in enumerate("bcd", start=1)])
+    plan = plan_cycle(snap)
+    validate_plan(snap, plan)
+    # a's step (13.9) + two rollouts (87.4) + the rest asleep (a's and d's engines, three trainers: 11) = 112.3 GiB;
+    # a third rollout would need 155
+    assert [e.cluster_id for e in plan.expands] == ["b_actor_infer", "c_actor_infer"]
+    assert not active(plan, "d_actor_infer")
+    _check_holders(snap, plan.allocations)
+    # a's step ends: d still does not fit beside b and c (three rollouts, the rest asleep: 3 x 43.7 + 1 + 4 x 3 = 144.1)
+    after = apply_plan(snap, plan)
+    after = replace(after, allocations={k: v for k, v in after.allocations.items() if k != "a_actor_train"})
+    plan2 = plan_cycle(after)
+    validate_plan(after, plan2)
+    assert not plan2.shrinks and not active(plan2, "d_actor_infer")
+
+
+def test_a_training_step_keeps_the_rollouts_it_fits_beside_and_preempts_the_rest() -> None:
+    c = four_on_one_gpu()
+    snap = snapshot(1, c, [gen_alloc(c[f"{p}_actor_infer"], [0]) for p in "bc"],
+                    [PendingRequest("a_actor_train", TRAIN, 1)])
+    plan = plan_cycle(snap)
+    validate_plan(snap, plan)
+    assert not plan.shrinks and [g.cluster_id for g in plan.grants] == ["a_actor_train"]
+    # b's own training: b's rollout sleeps, c's stays
+    snap2 = replace(snap, pending=(PendingRequest("b_actor_train", TRAIN, 1),))
+    plan2 = plan_cycle(snap2)
+    validate_plan(snap2, plan2)
+    assert [(s.cluster_id, s.reason) for s in plan2.shrinks] == [("b_actor_infer", "preempt")]
+    assert active(plan2, "c_actor_infer") == {0}
+
+
+def test_invariants_refuse_rollouts_that_do_not_fit_together() -> None:
+    c = two_on_one_gpu()  # two 60 GiB rollouts: 120 + 6 > 100
+    snap = snapshot(1, c, [gen_alloc(c["a_actor_infer"], [0])], [PendingRequest("b_actor_infer", GEN, 1)])
+    plan = plan_cycle(snap)
+    validate_plan(snap, plan)
+    assert not active(plan, "b_actor_infer") or not active(plan, "a_actor_infer")
+    corrupt = replace(plan, allocations={"a_actor_infer": gen_alloc(c["a_actor_infer"], [0]),
+                                         "b_actor_infer": gen_alloc(c["b_actor_infer"], [0])},
+                      shrinks=(), expands=(_expand("b_actor_infer", 0),), grants=())
+    with pytest.raises(PlanInvariantError) as info:
+        validate_plan(snap, corrupt)
+    assert info.value.invariant == "no double allocation" and "they need 126.0 GiB" in str(info.value)
+
+
 @pytest.mark.parametrize("bad", ["does not fit", "one pipeline", "start-up"])
 def test_invariants_refuse_a_pair_the_rule_forbids(bad: str) -> None:
     c = two_on_one_gpu(infer_awake=62.0 if bad == "does not fit" else 60.0)
@@ -127,22 +199,28 @@ def _expand(cid: str, rank: int) -> ExpandOp:
 
 
 def _check_holders(snap: SchedulerSnapshot, allocations: dict) -> None:
-    """Independent of the code under test: a GPU has at most one generation and one other holder; both only for
-    a training-type holder of another pipeline, and then every tenant's figures add up within the GPU."""
+    """Independent of the code under test: a GPU has at most one non-generation holder and at most one generation
+    rank per pipeline; more than one holder only next to a training-type holder of another pipeline (or none), and
+    then every tenant's figures add up within the GPU."""
     for g in snap.gpus:
         holders = [(cid, a) for cid, a in allocations.items() if g in a.gpus]
         gen = [cid for cid, a in holders if a.priority == GEN]
         other = [(cid, a) for cid, a in holders if a.priority != GEN]
-        assert len(gen) <= 1 and len(other) <= 1, f"GPU {g}: {holders}"
-        if gen and other:
-            (host, halloc), guest = other[0], gen[0]
+        assert len(other) <= 1, f"GPU {g}: {holders}"
+        pipelines = [snap.clusters[c].pipeline_id for c in gen]
+        assert len(set(pipelines)) == len(pipelines), f"GPU {g}: {holders}"
+        if len(holders) < 2:
+            continue
+        if other:
+            host, halloc = other[0]
             assert Priority.INITIALIZATION < halloc.priority < GEN
-            assert snap.clusters[host].pipeline_id != snap.clusters[guest].pipeline_id
-            tenants = [s for s in snap.clusters.values() if g in s.device_mapping]
-            assert all(s.memory is not None for s in tenants)
-            load = sum(s.memory.awake_gib if s.cluster_id in (host, guest) else s.memory.asleep_gib  # type: ignore[union-attr]
-                       for s in tenants)
-            assert load <= min(s.memory.gpu_gib for s in tenants)  # type: ignore[union-attr]
+            assert snap.clusters[host].pipeline_id not in pipelines
+        awake = {cid for cid, _ in holders}
+        tenants = [s for s in snap.clusters.values() if g in s.device_mapping]
+        assert all(s.memory is not None for s in tenants)
+        load = sum(s.memory.awake_gib if s.cluster_id in awake else s.memory.asleep_gib  # type: ignore[union-attr]
+                   for s in tenants)
+        assert load <= min(s.memory.gpu_gib for s in tenants)  # type: ignore[union-attr]
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])

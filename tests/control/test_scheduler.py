@@ -414,6 +414,26 @@ def test_rollout_runs_next_to_another_pipelines_training_when_memory_fits(contro
     a.release_gpus("actor_train", step=0)
 
 
+def test_two_pipelines_rollouts_share_a_gpu_when_memory_fits(control_plane: client.ControlPlane) -> None:
+    """Several rollout ranks on a GPU through the real scheduler: B's rollout wakes next to A's on GPU 3 instead of
+    taking it (no shrink of A's rank), and C's training step then keeps both awake beside it."""
+    cp = control_plane
+    small = {"actor_infer": {"gpu_gib": 100, "awake_gib": 30, "asleep_gib": 1},
+             "actor_train": {"gpu_gib": 100, "awake_gib": 30, "asleep_gib": 3}}  # 2 rollouts + a step + 7 asleep: 97
+    a, ha = make_pipeline(cp, train=[3], infer=[3], memory=small)
+    b, _ = make_pipeline(cp, train=[3], infer=[3], memory=small)
+    c, _ = make_pipeline(cp, train=[3], infer=[3], memory=small)
+    assert a.request_gpus("actor_infer", GEN, step_target_estimate=8, timeout_s=10) == [3]
+    assert b.request_gpus("actor_infer", GEN, step_target_estimate=8, timeout_s=10) == [3]
+    assert c.request_gpus("actor_train", Priority.ACTOR_TRAINING, step=0, timeout_s=10) == [3]
+    st = cp.status()
+    assert {cid: al["gpus"] for cid, al in st["allocations"].items()} == {
+        a.cluster_id("actor_infer"): [3], b.cluster_id("actor_infer"): [3], c.cluster_id("actor_train"): [3]}
+    assert not [call for call in calls(ha) if call[1]], "A's rank was shrunk"
+    assert not st["invariant_violations"]
+    c.release_gpus("actor_train", step=0)
+
+
 def test_a_training_grant_does_not_wait_for_another_pipelines_slow_expand(control_plane: client.ControlPlane) -> None:
     """One cycle grants A's training and wakes B's rollout rank next to it (co-residence); B's wake takes 2 s. A's
     grant returns once the shrinks are done, before B's expand ends: one pipeline's slow expand never holds back

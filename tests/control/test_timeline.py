@@ -120,3 +120,26 @@ def test_a_rollout_next_to_a_training_step_keeps_both_spans_and_counts_once(tmp_
     assert spans == [("a_actor_infer", 2.0, 8.0, None), ("b_actor_train", 1.0, 5.0, 0), ("b_actor_train", 9.0, 10.0, 1)]
     assert held_seconds(occupancy_spans(events), [0], 0.0, 10.0) == 8.0
     assert render_timeline(events, tmp_path / "t.png").stat().st_size > 0
+
+
+def test_rollouts_of_several_pipelines_on_one_gpu_each_get_a_lane_below_the_training_step(tmp_path) -> None:
+    """Co-residence of several rollout ranks: b trains on GPU 0 while the rollouts of a, c and d come and go there;
+    each span keeps its own lane (training on top), lanes are reused once free, and GPU 1 (alone) keeps one."""
+    from rlix_plugins.control.capacity.timeline import _lanes
+
+    events = [
+        TraceEvent(1.0, "b", "b_actor_train", "allocate", (0,), int(Priority.ACTOR_TRAINING)),
+        TraceEvent(2.0, "a", "a_actor_infer", "expand", (0,)),
+        TraceEvent(3.0, "c", "c_actor_infer", "expand", (0,)),
+        TraceEvent(4.0, "a", "a_actor_infer", "shrink", (0,)),
+        TraceEvent(5.0, "d", "d_actor_infer", "expand", (0, 1)),  # its second rank: GPU 1
+        TraceEvent(6.0, "b", "b_actor_train", "release", (0,), int(Priority.ACTOR_TRAINING), "step=0"),
+        TraceEvent(9.0, "c", "c_actor_infer", "shrink", (0,)),
+        TraceEvent(9.0, "d", "d_actor_infer", "shrink", (0, 1)),
+    ]
+    spans = occupancy_spans(events)
+    lanes = {(s.cluster_id, s.gpu): lane for s, lane in zip(spans, _lanes(spans), strict=True)}
+    assert lanes == {("b_actor_train", 0): (0, 3), ("a_actor_infer", 0): (1, 3), ("c_actor_infer", 0): (2, 3),
+                     ("d_actor_infer", 0): (1, 3), ("d_actor_infer", 1): (0, 1)}
+    assert held_seconds(spans, [0], 0.0, 10.0) == 8.0
+    assert render_timeline(events, tmp_path / "t.png").stat().st_size > 0

@@ -5,9 +5,9 @@ phases differ at a glance: rollout is a pale tint, training (and log-probs) the 
 outline and the step number, initialisation a grey cross-hatch. When start-up fills much of the run it gets a
 narrow panel of its own and the steps get the rest of the width. Occupancy is reconstructed from the trace:
 ``allocate``/``expand`` start a span for the event's cluster on its GPUs, ``release``/``shrink``/``unregister``/
-``fail`` end it (see ``control/trace.py``). A GPU holds at most one rollout span and one other span at a time; where
-a rollout ran next to another pipeline's training (co-residence) the GPU's row splits into two lanes, training above,
-rollout below. ``fail``/``timeout``/``error`` events are marked with red ticks (not a rollout request's timeout: its
+``fail`` end it (see ``control/trace.py``). A GPU holds at most one span other than rollout at a time and any number
+of rollout spans (of different pipelines); where spans overlapped (co-residence) the GPU's row splits into lanes,
+training on top, each rollout below it in a lane of its own. ``fail``/``timeout``/``error`` events are marked with red ticks (not a rollout request's timeout: its
 waiter asks again).
 matplotlib (Agg) is imported lazily, so importing this module is cheap.
 """
@@ -72,11 +72,12 @@ def occupancy_spans(events: Sequence[TraceEvent]) -> list[Span]:
     ordered = sorted(events, key=lambda e: e.time)
     if not ordered:
         return []
-    # (gpu, is rollout) -> (start, pipeline, cluster, phase): one rollout and one other span per GPU at a time
-    open_: dict[tuple[int, bool], tuple[float, str, str, str]] = {}
+    # (gpu, rollout cluster or "") -> (start, pipeline, cluster, phase): one span other than rollout per GPU at a time,
+    # and one rollout span per cluster (co-residence)
+    open_: dict[tuple[int, str], tuple[float, str, str, str]] = {}
     spans: list[Span] = []
 
-    def close(key: tuple[int, bool], t: float, detail: str = "") -> None:
+    def close(key: tuple[int, str], t: float, detail: str = "") -> None:
         start, pid, cid, phase = open_.pop(key)
         step = _STEP.search(detail) if phase in ("training", "log-probs") else None
         if t > start:
@@ -86,7 +87,7 @@ def occupancy_spans(events: Sequence[TraceEvent]) -> list[Span]:
         if e.op in OCCUPY_OPS:
             phase = phase_of(e.priority if e.op == "allocate" else Priority.GENERATION, e.cluster_id)
             for g in e.gpus:
-                key = (g, phase == "rollout")
+                key = (g, e.cluster_id if phase == "rollout" else "")
                 if key in open_:
                     close(key, e.time)
                 open_[key] = (e.time, e.pipeline_id, e.cluster_id, phase)
@@ -124,22 +125,31 @@ def _routine(e: TraceEvent) -> bool:
     return e.op == "timeout" and e.priority == Priority.GENERATION
 
 
-def _shared_gpus(spans: Sequence[Span]) -> set[int]:
-    """GPUs on which a rollout span overlapped another span (co-residence): their rows get two lanes."""
-    by_gpu: dict[int, list[Span]] = {}
-    for s in spans:
-        by_gpu.setdefault(s.gpu, []).append(s)
-    out: set[int] = set()
-    for g, mine in by_gpu.items():
-        rollout = sorted((s.start, s.end) for s in mine if s.phase == "rollout")
-        other = sorted((s.start, s.end) for s in mine if s.phase != "rollout")
-        i = 0
-        for a, b in other:  # two sorted sweeps
-            while i < len(rollout) and rollout[i][1] <= a:
-                i += 1
-            if i < len(rollout) and rollout[i][0] < b:
-                out.add(g)
-                break
+def _lanes(spans: Sequence[Span]) -> list[tuple[int, int]]:
+    """(lane, lanes of its GPU) for each of ``spans``: one lane on a GPU whose spans never overlapped; else lane 0
+    for the spans other than rollout (at most one at a time) when one overlapped a rollout, and the rollouts
+    packed greedily into the lanes below (co-residence)."""
+    by_gpu: dict[int, list[int]] = {}
+    for i, s in enumerate(spans):
+        by_gpu.setdefault(s.gpu, []).append(i)
+    out = [(0, 1)] * len(spans)
+    for idx in by_gpu.values():
+        rollout = sorted((i for i in idx if spans[i].phase == "rollout"), key=lambda i: (spans[i].start, spans[i].end))
+        other = [i for i in idx if spans[i].phase != "rollout"]
+        first = int(any(spans[o].start < spans[r].end and spans[r].start < spans[o].end for o in other for r in rollout))
+        ends: list[float] = []  # per rollout lane, the end of its last span
+        lane_of: dict[int, int] = {}
+        for i in rollout:
+            lane = next((k for k, end in enumerate(ends) if end <= spans[i].start), None)
+            if lane is None:
+                lane = len(ends)
+                ends.append(spans[i].end)
+            else:
+                ends[lane] = spans[i].end
+            lane_of[i] = lane + first
+        count = first + len(ends) if rollout else 1
+        for i in idx:
+            out[i] = (lane_of.get(i, 0), count)
     return out
 
 
@@ -231,15 +241,14 @@ def _draw_panel(ax: Any, spans: Sequence[Span], events: Sequence[TraceEvent], ro
                 scale: float) -> None:
     """The spans and alerts of ``[lo, hi]`` (times relative to ``t0``, in units of ``scale`` seconds)."""
     width = max(hi - lo, 1e-9)
-    shared = _shared_gpus(spans)
-    for s in spans:
+    lanes = _lanes(spans)
+    for s, (k, n) in zip(spans, lanes, strict=True):
         if s.gpu not in row_of or s.end <= lo or s.start >= hi:
             continue
         a, b = max(s.start, lo), min(s.end, hi)
         hatch, alpha, lw, edge = PHASE_STYLE.get(s.phase, ("", 0.7, 0.3, "black"))
         x, w, y = (a - t0) / scale, (b - a) / scale, row_of[s.gpu]
-        # two lanes on a GPU with co-residence: training above, rollout below
-        lane = (y - 0.4, 0.8) if s.gpu not in shared else (y, 0.4) if s.phase == "rollout" else (y - 0.4, 0.4)
+        lane = (y - 0.4 + k * 0.8 / n, 0.8 / n)  # lane k of n (co-residence): training on top, rollouts below
         # Face and hatch drawn apart: a pale face keeps a dark hatch and outline.
         ax.broken_barh([(x, w)], lane, facecolors=colour[s.pipeline_id], alpha=alpha, linewidth=0)
         ax.broken_barh([(x, w)], lane, facecolors="none", hatch=hatch, edgecolor=edge, linewidth=lw)

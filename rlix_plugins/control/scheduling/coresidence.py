@@ -1,25 +1,28 @@
-"""Co-residence: one pipeline's rollout rank stays awake on a GPU next to another pipeline's training step (pure).
+"""Co-residence: phases of different pipelines awake on one GPU at once, where their memory fits (pure).
 
 Whole-GPU turns leave a GPU idle most of the time even while it is held: a 1.5 B training step keeps an H200 busy a
-third of the time, an eager rollout a sixth (DESIGN §9). When two pipelines' phases fit in the GPU's memory together,
-running them at the same time fills those gaps. The rule (DESIGN §4, "Co-residence"):
+third of the time, an eager rollout a sixth, and a 0.5 B rollout's decode is bound by its engine's CPU side (DESIGN
+§9). When phases of different pipelines fit in the GPU's memory together, running them at the same time fills those
+gaps. The rule (DESIGN §4, "Co-residence"):
 
-* A GPU holds at most one non-GENERATION allocation and at most one GENERATION rank. It holds both only when the
-  allocation is training-type (:data:`COTENANT_PRIORITIES`: not INITIALIZATION, whose start-up profiles the free
-  memory), the two belong to different pipelines (a pipeline's own rollout ranks on its training GPUs still sleep
-  while it trains: its trainer expects the memory they free) and the GPU's memory fits them (:func:`fits`).
-* Memory of a GPU (:func:`fits`): every cluster whose mapping holds the GPU counts its ``awake_gib`` when it is one
-  of the two awake there and its ``asleep_gib`` otherwise; the sum must not exceed the smallest ``gpu_gib`` any of
-  them declared. A cluster without figures (``ClusterSpec.memory is None``) shares its GPUs with nobody.
-* The planner uses it twice: a training-type grant leaves a co-tenant's rollout rank awake instead of preempting it,
-  and after the gap ratio a rollout rank that wants a GPU wakes next to a training step it fits beside (never on a
-  GPU a waiting request reserves). A co-resident rank is never a gap-ratio donor; it leaves by a shrink like any
-  other rank (preemption by its own pipeline's training, a planned release) or stays when the training ends.
+* A GPU holds at most one non-GENERATION allocation and any number of GENERATION ranks, at most one per pipeline.
+  It holds more than one of them only when the non-GENERATION allocation, if any, is training-type
+  (:data:`COTENANT_PRIORITIES`: not INITIALIZATION, whose start-up profiles the free memory), no GENERATION rank there
+  belongs to its pipeline (a pipeline's own rollout ranks on its training GPUs sleep while it trains: its trainer
+  expects the memory they free) and the GPU's memory fits them all (:func:`fits`).
+* Memory of a GPU (:func:`fits`): every cluster whose mapping holds the GPU counts its ``awake_gib`` when it is awake
+  there and its ``asleep_gib`` otherwise; the sum must not exceed the smallest ``gpu_gib`` any of them declared. A
+  cluster without figures (``ClusterSpec.memory is None``) shares its GPUs with nobody.
+* The planner uses it twice: a training-type grant leaves co-tenants' rollout ranks awake instead of preempting them,
+  and after the gap ratio a rollout rank that wants a GPU wakes next to the GPU's holders (another pipeline's
+  training step, other pipelines' rollout ranks) where it fits (never on a GPU a waiting request reserves). A
+  co-resident rank is never a gap-ratio donor, and a GPU with a co-resident rank is never given by the gap ratio;
+  such a rank leaves by a shrink like any other (preemption, a planned release) or stays when its neighbours leave.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Final
 
 from rlix_plugins.control.scheduling.turns import TURN_PRIORITIES
@@ -66,15 +69,23 @@ def fits(tenants: Tenants, gpu: int, awake: Collection[str]) -> bool:
     return load is not None and load[0] <= load[1]
 
 
-def sharing_problem(tenants: Tenants, gpu: int, generation: ClusterSpec, host: ClusterSpec,
-                    host_priority: Priority) -> str | None:
-    """Why ``generation``'s rank may not be awake on ``gpu`` next to ``host``'s allocation at ``host_priority``
-    (None: it may)."""
-    if host_priority not in COTENANT_PRIORITIES:
-        return f"{host.cluster_id} holds it at {host_priority.name}, not training-type work"
-    if generation.pipeline_id == host.pipeline_id:
-        return f"{generation.cluster_id} and {host.cluster_id} are one pipeline (its rollout sleeps while it trains)"
-    awake = (generation.cluster_id, host.cluster_id)
+def sharing_problem(tenants: Tenants, gpu: int, generation: Sequence[ClusterSpec], host: ClusterSpec | None = None,
+                    host_priority: Priority | None = None) -> str | None:
+    """Why the GENERATION ranks of ``generation`` may not all be awake on ``gpu`` together, next to ``host``'s
+    allocation at ``host_priority`` (no host: none there); None when they may."""
+    if host is not None:
+        if host_priority not in COTENANT_PRIORITIES:
+            return f"{host.cluster_id} holds it at {Priority(host_priority).name if host_priority is not None else '?'}, " \
+                   "not training-type work"
+        own = [g.cluster_id for g in generation if g.pipeline_id == host.pipeline_id]
+        if own:
+            return f"{own[0]} and {host.cluster_id} are one pipeline (its rollout sleeps while it trains)"
+    pipelines = [g.pipeline_id for g in generation]
+    if len(set(pipelines)) != len(pipelines):
+        return f"two ranks of one pipeline on GPU {gpu}"
+    awake = [g.cluster_id for g in generation] + ([host.cluster_id] if host is not None else [])
+    if len(awake) < 2:
+        return None  # alone on the GPU: nothing is shared
     load = gpu_load(tenants.get(gpu, ()), awake)
     if load is None:
         return "a cluster on it has no memory figures"

@@ -314,7 +314,7 @@ def _activate_one(
     idx = donors_info.rank_of[cid]
     my_bundles = donors_info.bundles[cid]
     protected, free, reserved = state.protected, state.free, state.reserved
-    fenced = state.snap.fenced_gpus
+    fenced, coresident = state.snap.fenced_gpus, state.coresident
     owner = state.owner
     rank_of = donors_info.rank_of
     best: tuple[int, int, int] | None = None
@@ -361,7 +361,7 @@ def _activate_one(
                 victims: list[tuple[str, int]] = []
                 min_donor_demand = -1
                 for g in my_bundles[r]:
-                    if g in fenced:
+                    if g in fenced or g in coresident:  # a GPU with co-resident ranks is never given (coresidence)
                         break
                     if g in free:
                         if g in reserved:

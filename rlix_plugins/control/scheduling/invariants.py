@@ -81,28 +81,32 @@ def _check_alloc(cid: str, alloc: Allocation, specs: dict[str, ClusterSpec], poo
 
 
 def _holders(allocs: dict[str, Allocation], specs: dict[str, ClusterSpec], where: str,
-             tenants: Tenants | None = None) -> tuple[dict[int, str], dict[int, str]]:
-    """(GPU -> generation holder, GPU -> non-generation holder). A GPU has at most one of each, and both only when
-    the generation rank may co-reside with the other (``coresidence.sharing_problem``)."""
-    gen: dict[int, str] = {}
+             tenants: Tenants | None = None) -> tuple[dict[int, frozenset[str]], dict[int, str]]:
+    """(GPU -> generation holders, GPU -> non-generation holder). A GPU has at most one non-generation holder, and
+    more than one holder in all only where they may co-reside (``coresidence.sharing_problem``)."""
+    gen: dict[int, set[str]] = {}
     other: dict[int, str] = {}
     for cid, alloc in allocs.items():
-        dest = gen if is_generation_alloc(alloc) else other
         for g in alloc.gpus:
-            prev = dest.get(g)
+            if is_generation_alloc(alloc):
+                gen.setdefault(g, set()).add(cid)
+                continue
+            prev = other.get(g)
             if prev is not None:
                 raise PlanInvariantError("no double allocation", f"{where}: GPU {g} held by both {prev} and {cid}")
-            dest[g] = cid
-    both = gen.keys() & other.keys()
-    if both:
+            other[g] = cid
+    shared = sorted(g for g, held in gen.items() if len(held) + (g in other) > 1)
+    if shared:
         tenants = gpu_tenants(specs.values()) if tenants is None else tenants
-        for g in sorted(both):
-            host = other[g]
-            problem = sharing_problem(tenants, g, specs[gen[g]], specs[host], Priority(allocs[host].priority))
+        for g in shared:
+            host = other.get(g)
+            problem = sharing_problem(tenants, g, [specs[c] for c in sorted(gen[g])], specs[host] if host else None,
+                                      Priority(allocs[host].priority) if host else None)
             if problem is not None:
+                held = sorted(gen[g]) + ([host] if host else [])
                 raise PlanInvariantError("no double allocation",
-                                         f"{where}: GPU {g} held by both {host} and {gen[g]}: {problem}")
-    return gen, other
+                                         f"{where}: GPU {g} held by {' and '.join(held)}: {problem}")
+    return {g: frozenset(c) for g, c in gen.items()}, other
 
 
 def validate_snapshot(snap: SchedulerSnapshot) -> None:
@@ -212,13 +216,14 @@ def validate_plan(snapshot: SchedulerSnapshot, plan: CyclePlan) -> None:
 
     # --- GPU conservation: every ownership change is explained by an op or a grant -------------------------
     for g in pool:
-        gb, ga = gen_before.get(g), gen_after.get(g)
-        if gb != ga:
-            if gb is not None and rank_index(specs[gb])[g] not in shrunk.get(gb, ()):
-                raise PlanInvariantError("gpu conservation", f"GPU {g} left {gb} rank {rank_index(specs[gb])[g]} "
+        gb, ga = gen_before.get(g, frozenset()), gen_after.get(g, frozenset())
+        for c in sorted(gb - ga):
+            if rank_index(specs[c])[g] not in shrunk.get(c, ()):
+                raise PlanInvariantError("gpu conservation", f"GPU {g} left {c} rank {rank_index(specs[c])[g]} "
                                          "without a shrink")
-            if ga is not None and rank_index(specs[ga])[g] not in expanded.get(ga, ()):
-                raise PlanInvariantError("gpu conservation", f"GPU {g} joined {ga} rank {rank_index(specs[ga])[g]} "
+        for c in sorted(ga - gb):
+            if rank_index(specs[c])[g] not in expanded.get(c, ()):
+                raise PlanInvariantError("gpu conservation", f"GPU {g} joined {c} rank {rank_index(specs[c])[g]} "
                                          "without an expand")
         ob, oa = other_before.get(g), other_after.get(g)
         if ob != oa:
@@ -261,7 +266,7 @@ def validate_plan(snapshot: SchedulerSnapshot, plan: CyclePlan) -> None:
         for cid, ranks in expanded.items():
             for rank in ranks:
                 for g in specs[cid].bundle(rank):
-                    if g in reserved and gen_before.get(g) is None:
+                    if g in reserved and not gen_before.get(g):
                         raise PlanInvariantError(
                             "priority order", f"{cid} rank {rank} woke on idle GPU {g} that a waiting request reserves"
                         )

@@ -81,7 +81,7 @@ _REASON_RANK = {"release": 0, "preempt": 1, "rebalance": 2}
 @dataclass
 class PlanState:
     snap: SchedulerSnapshot
-    owner: dict[int, str]  #: allocated GPU → cluster id (the non-generation holder where a rank co-resides)
+    owner: dict[int, str]  #: allocated GPU → cluster id (its non-generation holder if any, else one generation rank)
     gen_active: dict[str, set[int]]  #: generation cluster → active DP ranks (GENERATION allocations only)
     nongen: dict[str, Allocation]  #: non-GENERATION allocations
     free: set[int]  #: idle GPUs
@@ -92,15 +92,15 @@ class PlanState:
     protected: set[tuple[str, int]] = field(default_factory=set)  #: ranks woken this cycle (never shrunk again)
     grants: list[Grant] = field(default_factory=list)
     released: set[str] = field(default_factory=set)
-    #: GPU → generation cluster whose rank is awake there next to the non-generation ``owner`` (``coresidence``)
-    coresident: dict[int, str] = field(default_factory=dict)
+    #: GPU → generation clusters whose ranks are awake there next to its ``owner`` (``coresidence``); never empty
+    coresident: dict[int, set[str]] = field(default_factory=dict)
     #: GPU → clusters mapped on it; empty when no cluster declared memory figures (``coresidence.gpu_tenants``)
     tenants: dict[int, tuple[ClusterSpec, ...]] = field(default_factory=dict)
 
     @classmethod
     def from_snapshot(cls, snap: SchedulerSnapshot) -> PlanState:
         owner: dict[int, str] = {}
-        coresident: dict[int, str] = {}
+        coresident: dict[int, set[str]] = {}
         gen_active: dict[str, set[int]] = {}
         nongen: dict[str, Allocation] = {}
         for cid, alloc in snap.allocations.items():
@@ -113,10 +113,11 @@ class PlanState:
                 prev = owner.get(g)
                 if prev is None:
                     owner[g] = cid
-                elif gen:  # a non-generation holder came first: this rank co-resides with it
-                    coresident[g] = cid
-                else:
-                    coresident[g], owner[g] = prev, cid
+                elif gen:  # another holder came first: this rank co-resides with it
+                    coresident.setdefault(g, set()).add(cid)
+                else:  # the non-generation holder owns the GPU; the rank that came first co-resides
+                    coresident.setdefault(g, set()).add(prev)
+                    owner[g] = cid
         free = set(snap.gpus)
         free.difference_update(owner)
         free.difference_update(snap.fenced_gpus)  # neither idle nor lendable (``fences``)
@@ -131,24 +132,30 @@ class PlanState:
         if not active:
             del self.gen_active[cid]
         for g in spec.bundle(rank):
-            if self.coresident.get(g) == cid:
-                del self.coresident[g]  # the non-generation holder keeps the GPU
-                continue
-            del self.owner[g]
-            if g not in self.snap.fenced_gpus:
-                self.free.add(g)
+            guests = self.coresident.get(g)
+            if guests is not None and cid in guests:
+                guests.discard(cid)  # the owner keeps the GPU
+            elif guests:
+                self.owner[g] = min(guests)  # a rank that stays awake there holds it now
+                guests.discard(self.owner[g])
+            else:
+                del self.owner[g]
+                if g not in self.snap.fenced_gpus:
+                    self.free.add(g)
+            if guests is not None and not guests:
+                del self.coresident[g]
         self.shrunk.setdefault(cid, set()).add(rank)
         old = self.shrink_reason.get(cid)
         if old is None or _REASON_RANK[reason] < _REASON_RANK[old]:
             self.shrink_reason[cid] = reason
 
     def expand(self, cid: str, rank: int, *, coresident: bool = False) -> None:
-        """Wake ``rank`` of ``cid`` on idle GPUs, or (``coresident``) next to the non-generation holders of its
-        GPUs (the caller checked ``coresidence.sharing_problem``)."""
+        """Wake ``rank`` of ``cid`` on idle GPUs, or (``coresident``) next to the holders of its GPUs (the caller
+        checked ``coresidence.sharing_problem``)."""
         spec = self.snap.clusters[cid]
         for g in spec.bundle(rank):
             if coresident:
-                self.coresident[g] = cid
+                self.coresident.setdefault(g, set()).add(cid)
             else:
                 self.free.remove(g)
                 self.owner[g] = cid
@@ -156,20 +163,28 @@ class PlanState:
         self.expanded.setdefault(cid, set()).add(rank)
         self.protected.add((cid, rank))
 
+    def generation_holders(self, gpu: int) -> list[str]:
+        """The generation clusters awake on ``gpu`` (sorted)."""
+        owner = self.owner.get(gpu)
+        held = set(self.coresident.get(gpu, ()))
+        if owner is not None and owner not in self.nongen:
+            held.add(owner)
+        return sorted(held)
+
     def active_gpus(self, cid: str) -> int:
         ranks = self.gen_active.get(cid)
         return len(ranks) * self.snap.clusters[cid].tp_size if ranks else 0
 
     # ---- non-generation --------------------------------------------------------------------------------
     def allocate(self, cid: str, priority: Priority, gpus: frozenset[int]) -> None:
-        """Grant ``gpus`` to ``cid``: idle ones, and ones whose generation rank stays awake next to it (the caller
+        """Grant ``gpus`` to ``cid``: idle ones, and ones whose generation ranks stay awake next to it (the caller
         shrank every rank that may not)."""
         for g in gpus:
             held = self.owner.get(g)
             if held is None:
                 self.free.remove(g)
             else:
-                self.coresident[g] = held
+                self.coresident.setdefault(g, set()).add(held)
             self.owner[g] = cid
         self.nongen[cid] = Allocation(cluster_id=cid, priority=priority, gpus=gpus)
 

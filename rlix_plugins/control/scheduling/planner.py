@@ -15,10 +15,13 @@
    until it can really start). A request whose cluster already holds its whole mapping is granted at once.
    Fair turns (``scheduling.turns``): a training-type request of a pipeline that owes a waiting pipeline a turn
    waits, without reserving, while it needs a GPU of that waiter.
-3. **Gap ratio** (``gap_ratio.plan_gap_ratio``): divides rollout GPUs by remaining work x TP. Idle GPUs in
+3. **Gap ratio** (``gap_ratio.plan_gap_ratio``), after a first co-resident fill (4.) of the rollout clusters with no
+   active rank and no idle GPU to take: one that can wake next to other holders does, instead of the gap ratio
+   shrinking another pipeline's rank for it (and that pipeline then waking next to it in the next cycle): divides rollout GPUs by remaining work x TP. Idle GPUs in
    ``snapshot.release_grace_gpus`` (released by a training cluster moments ago) are not lent to rollout yet.
-4. **Co-resident fill** (``scheduling.coresidence``): rollout ranks that want GPUs wake next to another pipeline's
-   training-type allocation where memory fits (never on a reserved GPU).
+4. **Co-resident fill** (``scheduling.coresidence``): rollout ranks that want GPUs wake next to a GPU's holders
+   (another pipeline's training-type allocation, other pipelines' rollout ranks) where memory fits (never on a
+   reserved GPU).
 5. **Generation grants**: each pending GENERATION request whose cluster has ≥1 active rank after this plan is
    granted (partial grants; the wake-only signal of the reference that fixed its deadlock).
 
@@ -70,6 +73,7 @@ def plan_cycle(snapshot: SchedulerSnapshot) -> CyclePlan:
     _planned_releases(state)
     _non_generation(state)
     state.reserved |= snapshot.release_grace_gpus & state.free
+    _coresident_fill(state, starving_only=True)
     plan_gap_ratio(state)
     _coresident_fill(state)
     _generation_grants(state)
@@ -115,32 +119,40 @@ def _non_generation(state: PlanState) -> None:
             state.reserved |= need
             continue
         # Preempt every generation rank that overlaps the mapping (own pipeline's overlap ranks included), unless
-        # it may stay awake next to this work (co-residence).
+        # it may stay awake next to this work and the ranks kept before it (co-residence).
+        kept: dict[int, list[ClusterSpec]] = {}
         for g in sorted(need):
-            owner = state.owner.get(g)
-            if owner is not None:
-                rank = rank_index(clusters[owner])[g]
-                if not _may_stay(state, owner, rank, spec, Priority(req.priority), need):
-                    state.shrink(owner, rank, "preempt")
+            for gen_cid in state.generation_holders(g):
+                gen_spec = clusters[gen_cid]
+                if gen_spec in kept.get(g, ()):
+                    continue  # kept for an earlier GPU of its bundle
+                rank = rank_index(gen_spec)[g]
+                if _may_stay(state, gen_spec, rank, spec, Priority(req.priority), need, kept):
+                    for h in gen_spec.bundle(rank):
+                        if h in need:
+                            kept.setdefault(h, []).append(gen_spec)
+                else:
+                    state.shrink(gen_cid, rank, "preempt")
         state.allocate(req.cluster_id, Priority(req.priority), need)
         state.grants.append(Grant(req.cluster_id, Priority(req.priority), req.seq, need))
 
 
-def _may_stay(state: PlanState, gen_cid: str, rank: int, host: ClusterSpec, priority: Priority,
-              need: frozenset[int]) -> bool:
-    """Whether ``gen_cid``'s ``rank`` may stay awake on the GPUs of ``need`` that ``host`` is granted now."""
+def _may_stay(state: PlanState, spec: ClusterSpec, rank: int, host: ClusterSpec, priority: Priority,
+              need: frozenset[int], kept: dict[int, list[ClusterSpec]]) -> bool:
+    """Whether ``spec``'s ``rank`` may stay awake on the GPUs of ``need`` that ``host`` is granted now, next to the
+    ranks ``kept`` there so far."""
     if not state.tenants:
         return False
-    spec = state.snap.clusters[gen_cid]
-    return all(sharing_problem(state.tenants, g, spec, host, priority) is None
+    return all(sharing_problem(state.tenants, g, [*kept.get(g, ()), spec], host, priority) is None
                for g in spec.bundle(rank) if g in need)
 
 
-def _coresident_fill(state: PlanState) -> None:
-    """Wake rollout ranks that want a GPU next to training-type work they fit beside (``coresidence``).
+def _coresident_fill(state: PlanState, *, starving_only: bool = False) -> None:
+    """Wake rollout ranks that want a GPU next to the GPU's holders where they fit (``coresidence``).
 
     Clusters with no active rank go first (the longest waiter first), then the others, by pipeline id; a cluster
     takes every rank it can. Never on a GPU a waiting request reserves, never one of its ranks shrunk this cycle.
+    ``starving_only``: only clusters with no active rank and no idle, unreserved GPU in their mapping.
     """
     if not state.tenants:
         return
@@ -148,7 +160,9 @@ def _coresident_fill(state: PlanState) -> None:
     clusters = snap.clusters
     demands = cluster_demands(state)
     waiting = snap.generation_waiting_since
-    order = sorted((c for c, d in demands.items() if d > 0),
+    usable = state.free - state.reserved
+    order = sorted((c for c, d in demands.items() if d > 0 and not (
+                       starving_only and (c in state.gen_active or not usable.isdisjoint(clusters[c].device_mapping)))),
                    key=lambda c: (c in state.gen_active, waiting.get(c, -1), clusters[c].pipeline_id, c))
     for cid in order:
         spec = clusters[cid]
@@ -162,12 +176,15 @@ def _coresident_fill(state: PlanState) -> None:
 
 
 def _coresidable(state: PlanState, gpu: int, spec: ClusterSpec) -> bool:
-    host = state.owner.get(gpu)
-    if host is None or gpu in state.coresident or gpu in state.reserved or gpu in state.snap.fenced_gpus or \
-            host not in state.nongen:
+    """Whether a rank of ``spec`` may wake on ``gpu`` next to its holders (an idle GPU is the gap ratio's)."""
+    owner = state.owner.get(gpu)
+    if owner is None or gpu in state.reserved or gpu in state.snap.fenced_gpus:
         return False
-    hspec = state.snap.clusters[host]
-    return sharing_problem(state.tenants, gpu, spec, hspec, Priority(state.nongen[host].priority)) is None
+    clusters = state.snap.clusters
+    host = state.nongen.get(owner)
+    generation = [clusters[c] for c in state.generation_holders(gpu)]
+    return sharing_problem(state.tenants, gpu, [*generation, spec], clusters[owner] if host else None,
+                           Priority(host.priority) if host else None) is None
 
 
 def _generation_grants(state: PlanState) -> None:

@@ -118,6 +118,11 @@ def test_four_pipelines_on_one_gpu_when_memory_allows(stock: Path, tmp_path: Pat
     out = capsys.readouterr().out
     assert rc == 0 and len(files) == 4, out
     assert "memory: 4 x 0.49 B-parameter pipelines need" in out
+    # at a third of the GPU per engine, two rollouts fit together, also next to a step (DESIGN §9's four-pipeline run)
+    rc, _ = _recipe(small, tmp_path / "four_shared", "--pipelines", "4", "--gpus", "0", "--gpu-memory-gib", "139.8",
+                    "--host-memory-gib", "500", "--gpu-memory-utilization", "0.3")
+    out = capsys.readouterr().out
+    assert rc == 0 and "up to 2 rollouts of different pipelines awake on GPU 0 at once, 2 next to a training" in out
     cfg["policy"]["model_name"] = "Qwen/Qwen2.5-1.5B"
     small.write_text(yaml.safe_dump(cfg))
     rc, files = _recipe(small, tmp_path / "four_big", "--pipelines", "4", "--gpus", "0", "--gpu-memory-gib", "139",
