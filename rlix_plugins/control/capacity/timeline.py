@@ -7,8 +7,8 @@ narrow panel of its own and the steps get the rest of the width. Occupancy is re
 ``allocate``/``expand`` start a span for the event's cluster on its GPUs, ``release``/``shrink``/``unregister``/
 ``fail`` end it (see ``control/trace.py``). A GPU holds at most one span other than rollout at a time and any number
 of rollout spans (of different pipelines); where spans overlapped (co-residence) the GPU's row splits into lanes,
-training on top, each rollout below it in a lane of its own. ``fail``/``timeout``/``error`` events are marked with red ticks (not a rollout request's timeout: its
-waiter asks again).
+training on top, each rollout below it in a lane of its own. ``fail``/``timeout``/``error`` events are marked with
+red ticks (not a rollout request's timeout: its waiter asks again).
 matplotlib (Agg) is imported lazily, so importing this module is cheap.
 """
 

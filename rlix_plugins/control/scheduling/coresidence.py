@@ -13,9 +13,10 @@ gaps. The rule (DESIGN §4, "Co-residence"):
 * Memory of a GPU (:func:`fits`): every cluster whose mapping holds the GPU counts its ``awake_gib`` when it is awake
   there and its ``asleep_gib`` otherwise; the sum must not exceed the smallest ``gpu_gib`` any of them declared. A
   cluster without figures (``ClusterSpec.memory is None``) shares its GPUs with nobody.
-* The planner uses it twice: a training-type grant leaves co-tenants' rollout ranks awake instead of preempting them,
-  and after the gap ratio a rollout rank that wants a GPU wakes next to the GPU's holders (another pipeline's
-  training step, other pipelines' rollout ranks) where it fits (never on a GPU a waiting request reserves). A
+* The planner uses it twice: a training-type grant leaves co-tenants' rollout ranks awake instead of preempting them
+  (as many as fit), and a rollout rank that wants a GPU wakes next to the GPU's holders (another pipeline's training
+  step, other pipelines' rollout ranks) where it fits, never on a GPU a waiting request reserves: before the gap
+  ratio for a cluster with no rank and no idle GPU to take, after it for every cluster. A
   co-resident rank is never a gap-ratio donor, and a GPU with a co-resident rank is never given by the gap ratio;
   such a rank leaves by a shrink like any other (preemption, a planned release) or stays when its neighbours leave.
 """
@@ -75,8 +76,8 @@ def sharing_problem(tenants: Tenants, gpu: int, generation: Sequence[ClusterSpec
     allocation at ``host_priority`` (no host: none there); None when they may."""
     if host is not None:
         if host_priority not in COTENANT_PRIORITIES:
-            return f"{host.cluster_id} holds it at {Priority(host_priority).name if host_priority is not None else '?'}, " \
-                   "not training-type work"
+            held = host_priority.name if host_priority is not None else "an unknown priority"
+            return f"{host.cluster_id} holds it at {held}, not training-type work"
         own = [g.cluster_id for g in generation if g.pipeline_id == host.pipeline_id]
         if own:
             return f"{own[0]} and {host.cluster_id} are one pipeline (its rollout sleeps while it trains)"

@@ -15,10 +15,11 @@
    until it can really start). A request whose cluster already holds its whole mapping is granted at once.
    Fair turns (``scheduling.turns``): a training-type request of a pipeline that owes a waiting pipeline a turn
    waits, without reserving, while it needs a GPU of that waiter.
-3. **Gap ratio** (``gap_ratio.plan_gap_ratio``), after a first co-resident fill (4.) of the rollout clusters with no
-   active rank and no idle GPU to take: one that can wake next to other holders does, instead of the gap ratio
-   shrinking another pipeline's rank for it (and that pipeline then waking next to it in the next cycle): divides rollout GPUs by remaining work x TP. Idle GPUs in
-   ``snapshot.release_grace_gpus`` (released by a training cluster moments ago) are not lent to rollout yet.
+3. **Gap ratio** (``gap_ratio.plan_gap_ratio``): divides rollout GPUs by remaining work x TP. Idle GPUs in
+   ``snapshot.release_grace_gpus`` (released by a training cluster moments ago) are not lent to rollout yet. Before
+   it, the co-resident fill (4.) runs for the rollout clusters with no active rank and no idle GPU to take: one that
+   fits next to a GPU's holders wakes there, instead of the gap ratio shrinking another pipeline's rank for it
+   (which would then wake next to it in the next cycle).
 4. **Co-resident fill** (``scheduling.coresidence``): rollout ranks that want GPUs wake next to a GPU's holders
    (another pipeline's training-type allocation, other pipelines' rollout ranks) where memory fits (never on a
    reserved GPU).
