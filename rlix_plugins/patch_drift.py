@@ -23,7 +23,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from rlix_plugins._patch_series import Hunk, Series, discover_series
+from rlix_plugins._patch_series import Hunk, Series
 from rlix_plugins.errors import PatchError
 
 APPLIED = "applied"
@@ -131,22 +131,27 @@ def signatures(source: str) -> dict[str, str]:
     return out
 
 
-def _enclosing(source: str, line: int) -> str | None:
-    """The qualified name of the innermost function or class whose lines hold ``line`` (1-based)."""
-    best: tuple[int, str] | None = None
+def _definitions(source: str) -> list[tuple[int, int, str]]:
+    """(first line, last line, qualified name) of every function and class of a module's source, outer ones first
+    (nested functions left out, as in :func:`signatures`)."""
+    out: list[tuple[int, int, str]] = []
 
     def visit(body: Iterable[ast.stmt], prefix: str) -> None:
-        nonlocal best
         for node in body:
             if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
                 start = min([node.lineno, *(d.lineno for d in node.decorator_list)])
-                if start <= line <= (node.end_lineno or node.lineno):
-                    best = (start, prefix + node.name)  # deeper nodes start later: the innermost wins
-                    if isinstance(node, ast.ClassDef):
-                        visit(node.body, f"{prefix}{node.name}.")
+                out.append((start, node.end_lineno or node.lineno, prefix + node.name))
+                if isinstance(node, ast.ClassDef):
+                    visit(node.body, f"{prefix}{node.name}.")
 
     visit(ast.parse(source).body, "")
-    return best[1] if best else None
+    return out
+
+
+def _enclosing(definitions: list[tuple[int, int, str]], line: int) -> str | None:
+    """The qualified name of the innermost definition whose lines hold ``line`` (1-based)."""
+    holding = [(start, name) for start, end, name in definitions if start <= line <= end]
+    return max(holding)[1] if holding else None  # deeper definitions start later: the innermost wins
 
 
 def _changed_lines(hunk: Hunk) -> tuple[list[int], list[int]]:
@@ -157,7 +162,8 @@ def _changed_lines(hunk: Hunk) -> tuple[list[int], list[int]]:
     old = int(m.group(1))
     removed: list[int] = []
     inserted: list[int] = []
-    for line in hunk.text.splitlines()[hunk.text.splitlines().index(hunk.header) + 1:]:
+    lines = hunk.text.splitlines()
+    for line in lines[lines.index(hunk.header) + 1:]:
         if line.startswith("-"):
             removed.append(old)
             old += 1
@@ -172,15 +178,17 @@ def _hunk_names(series: Series, checkout: Path) -> dict[str, set[str]]:
     """File -> the functions and classes the series' hunks change, as the files stand in ``checkout``: those holding
     a removed line, and those holding the line an insertion follows."""
     out: dict[str, set[str]] = {}
+    parsed: dict[str, list[tuple[int, int, str]]] = {}
     for patch in series.patches:
         for h in patch.hunks:
             path = checkout / h.path
             removed, inserted = _changed_lines(h)
             if not path.is_file() or h.header.startswith("@@ -0,0 "):
                 continue  # a new file: nothing of NeMo RL's there
-            source = path.read_text(encoding="utf-8")
-            names = {_enclosing(source, n) for n in removed}
-            names |= {_enclosing(source, n - 1) for n in inserted}
+            if h.path not in parsed:
+                parsed[h.path] = _definitions(path.read_text(encoding="utf-8"))
+            names = {_enclosing(parsed[h.path], n) for n in removed}
+            names |= {_enclosing(parsed[h.path], n - 1) for n in inserted}
             if names - {None}:
                 out.setdefault(h.path, set()).update(n for n in names if n)
     return out
@@ -268,17 +276,12 @@ def _api_drift(checkout: Path, recorded: Mapping[str, Mapping[str, str]],
     return out
 
 
-def _pick_series(head: str, series_root: Path) -> Series:
-    candidates = discover_series(series_root)
-    if not candidates:
-        raise PatchError(f"no patch series found under {series_root}; reinstall rlix-plugins")
-    pinned = [s for s in candidates if head.startswith(s.name)]
-    return pinned[0] if pinned else candidates[-1]
-
-
 def drift(checkout: Path, head: str, series_root: Path) -> DriftReport:
     """The drift of ``checkout`` from the series pinned to its HEAD, else from the newest series."""
-    series = _pick_series(head, series_root)
+    from rlix_plugins.patching import candidate_series
+
+    pinned, candidates = candidate_series(head, series_root)
+    series = pinned or candidates[-1]
     hunks = tuple(HunkDrift(f"{p.part + '/' if p.part else ''}{p.name}", h, _hunk_state(checkout, h))
                   for p in series.patches for h in p.hunks)
     record = series.directory / APIS_FILE

@@ -137,15 +137,19 @@ def _states(checkout: Path, series: Series) -> tuple[PatchState, ...]:
     return tuple(_patch_state(checkout, p) for p in series.patches)
 
 
+def candidate_series(head: str, series_root: Path) -> tuple[Series | None, list[Series]]:
+    """(the series pinned to ``head`` or None, every series under ``series_root``, newest name last)."""
+    candidates = discover_series(series_root)
+    if not candidates:
+        raise PatchError(f"no patch series found under {series_root}; reinstall rlix-plugins")
+    return next((s for s in candidates if head.startswith(s.name)), None), candidates
+
+
 def series_status(checkout: Path, head: str, series_root: Path | None = None) -> SeriesStatus:
     """The state of the series matching ``head`` (or, failing that, the one that fits the files)."""
-    candidates = discover_series(series_root or _series_root())
-    if not candidates:
-        raise PatchError(f"no patch series found under {series_root or _series_root()}; reinstall rlix-plugins")
-    pinned = [s for s in candidates if head.startswith(s.name)]
-    if pinned:
-        series = pinned[0]
-        return SeriesStatus(checkout, head, series, _states(checkout, series), True)
+    pinned, candidates = candidate_series(head, series_root or _series_root())
+    if pinned is not None:
+        return SeriesStatus(checkout, head, pinned, _states(checkout, pinned), True)
     fallback: SeriesStatus | None = None
     for series in candidates:
         status = SeriesStatus(checkout, head, series, _states(checkout, series), False)

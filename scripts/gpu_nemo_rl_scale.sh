@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Real NeMo RL at the stock recipe's real scale on one GPU or several, under `bash scripts/gpu_kit.sh run` (vLLM, Ray and the
-# pinned NeMo RL in place; docs/gpu.md "Real scale"). A run outlasts one 10-minute command, so runs go detached:
+# Real NeMo RL at the stock recipe's real scale on one GPU or several, under `bash scripts/gpu_kit.sh run` (vLLM, Ray
+# and the pinned NeMo RL in place; docs/gpu.md "Real scale"). A run outlasts one 10-minute command, so runs go detached:
 #   bash scripts/gpu_kit.sh run bash scripts/gpu_nemo_rl_scale.sh start RUN...   queue RUNs (one after another) in a
 #                                                                                 new session; returns at once
 #   bash scripts/gpu_kit.sh run bash scripts/gpu_nemo_rl_scale.sh wait [S]       wait up to S s (default 560) and
@@ -20,7 +20,8 @@
 # FAULT=driver|engine (time-shared runs: pipeline b's driver, or one of its vLLM engine cores, is SIGKILLed
 # FAULT_DELAY_S=3 s after its log shows step FAULT_STEP=2's training grant, resp. that step's weights back on the GPU,
 # i.e. mid-training, resp. while the cache is built and the awake ranks are refreshed; DIR/fault.log says what and
-# when, DIR/status_after_fault.json what `rlix status` said 30 s later), STANDALONE_ORDER="unpatched patched" (reverse it to pair with an earlier run), UTIL= (time-shared runs:
+# when, DIR/status_after_fault.json what `rlix status` said 30 s later), STANDALONE_ORDER="unpatched patched"
+# (reverse it to pair with an earlier run), UTIL= (time-shared runs:
 # `rlix recipe --gpu-memory-utilization UTIL`; empty: the stock recipe's share, at which a 1.5B rollout does not fit
 # next to a training step), GPUS=0 (the time-shared runs' GPUs, e.g. 0,1: `rlix recipe --gpus`; standalone uses
 # the first), SPLIT_GPUS=$GPUS (the static split's GPUs, one pipeline each; may be other GPUs than GPUS, so that
@@ -37,7 +38,6 @@ NEW_TOKENS=${NEW_TOKENS:-512}
 EAGER=${EAGER:-true}
 UTIL=${UTIL:-}
 GPUS=${GPUS:-0}                       # the GPUs the time-shared runs share (`rlix recipe --gpus`), e.g. 0,1
-NGPU=$(tr ',' '\n' <<<"$GPUS" | wc -l)
 SPLIT_GPUS=${SPLIT_GPUS:-$GPUS}       # the static split's GPUs, one pipeline on each
 DATA=$WORK/data_$SHAPE
 mkdir -p "$ROOT" "$WORK"
@@ -204,20 +204,23 @@ stop_head() {  # stop_head DIR: this run's Ray head only (`ray stop` would end e
 }
 
 run_split() {  # run_split NAME N: the static split, the stock recipe unpatched on one GPU per pipeline, all at once
-  local name=$1 n=$2 dir=$ROOT/$1 rc=0 pids=() p i=0 MORE=(cluster.gpus_per_node=1)
+  local name=$1 n=$2 dir=$ROOT/$1 rc=0 pids=() p MORE=(cluster.gpus_per_node=1) names=(a b c d e f g h)
   local gpus=(${SPLIT_GPUS//,/ })
   mkdir -p "$dir"
-  [ "${#gpus[@]}" -ge "$n" ] || { echo "SPLIT_GPUS=$SPLIT_GPUS has fewer than $n GPUs" >"$dir/console_setup.log"; finish "$dir" gpus; return 1; }
+  if [ "${#gpus[@]}" -lt "$n" ]; then
+    echo "SPLIT_GPUS=$SPLIT_GPUS has fewer than $n GPUs" >"$dir/console_setup.log"
+    finish "$dir" gpus
+    return 1
+  fi
   local use
   use=$(IFS=,; echo "${gpus[*]:0:$n}")
   ray_head "$dir" 1 "$use"
   local sampler
   sampler=$(sample "$dir/nvml.csv" "$use")
-  for p in a b c d e f g h; do
-    [ $i -ge "$n" ] && break
+  for p in "${names[@]:0:$n}"; do
     driver "$p" "$dir" "$NEMO_RL_SRC" "examples/configs/$(basename "$STOCK")" env -u RLIX_CONTROL_PLANE \
       RAY_ADDRESS="$(cat "$dir/ray_address")" &
-    pids+=($!) i=$((i + 1))
+    pids+=($!)
   done
   for p in "${pids[@]}"; do wait "$p" || rc=$((rc + 1)); done
   sleep 5

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The GPU checks of the project, batched into few commands of an offline GPU machine (after the vLLM carry kit is set up; see README "GPU").
+# The GPU checks of the project, batched into few commands of an offline GPU machine (after the vLLM carry kit is
+# set up; see README "GPU").
 #   bash .gpukit/setup.sh bash scripts/gpu_suite.sh [transport] [expand] [wake-window] [vllm|vllm-nccl] [demo]
 #   (default: transport vllm demo)
 # One device command may run 10 minutes: run "transport vllm" in one call and "demo" in the next.

@@ -3,8 +3,9 @@
     python3 scripts/gpu/nvml_sampler.py OUT.csv [--interval 0.2] [--gpus 0,1]     (SIGTERM/SIGINT ends it)
 
 ``--gpus``: the physical GPUs (NVML indices) of the run sampled (default: every GPU of the machine), so a run that
-shares the machine with another run on other GPUs reports only its own. Columns: unix time, then per GPU ``util_<i>`` (NVML's utilization.gpu: the percent of the last sample period in
-which a kernel ran) and ``mem_<i>`` (bytes in use), then ``host_used`` (MemTotal - MemAvailable, bytes).
+shares the machine with another run on other GPUs reports only its own. Columns: unix time, then per GPU
+``util_<i>`` (NVML's utilization.gpu: the percent of the last sample period in which a kernel ran) and ``mem_<i>``
+(bytes in use), then ``host_used`` (MemTotal - MemAvailable, bytes).
 """
 
 from __future__ import annotations
