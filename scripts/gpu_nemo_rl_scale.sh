@@ -84,6 +84,13 @@ driver() {  # driver NAME DIR CHECKOUT CONFIG [env...]: one run_grpo.py driver, 
      "${MORE[@]}" logger.log_dir="$dir/logs_$name" 2>&1 | stamp >"$dir/console_$name.log")
 }
 
+fresh_dir() {  # fresh_dir DIR: an empty run directory; an earlier run's (its files came back with its wait) moves aside
+  # A rerun on the same machine must not read the last run's logs: FAULT's watcher would match its console at once,
+  # and the report would add its NeMo RL metrics to this run's.
+  [ -e "$1" ] && mkdir -p "$ROOT/earlier" && mv "$1" "$ROOT/earlier/$(basename "$1").$(date +%s)"
+  mkdir -p "$1"
+}
+
 sample() { python3 "$REPO/scripts/gpu/nvml_sampler.py" "$1" --gpus "$2" >/dev/null 2>&1 & echo $!; }  # sample CSV GPUS
 
 ray_head() {  # ray_head DIR K GPUS: a Ray head of its own (K: 0 shared runs, 1 static split, 2 standalone) on GPUS
@@ -106,7 +113,7 @@ finish() {  # finish DIR RC: report, pack
 
 run_standalone() {  # one pipeline on the first of GPUS
   local dir=$ROOT/standalone rc=0 MORE=(cluster.gpus_per_node=1)
-  mkdir -p "$dir"
+  fresh_dir "$dir"
   for which in ${STANDALONE_ORDER:-unpatched patched}; do
     local src=$NEMO_RL_SRC
     [ $which = patched ] && src=$WORK/patched
@@ -123,7 +130,7 @@ run_standalone() {  # one pipeline on the first of GPUS
 
 run_shared() {  # run_shared NAME N MODE (together | sequential): on GPUS, cluster.gpus_per_node from the overlays
   local name=$1 n=$2 mode=$3 dir=$ROOT/$1 cfgdir=$WORK/patched/examples/configs/rlix rc=0 pids=() p MORE=()
-  mkdir -p "$dir"
+  fresh_dir "$dir"
   python3 -m rlix_plugins.cli recipe "$STOCK" --pipelines "$n" --gpus "$GPUS" --out "$cfgdir" \
     ${UTIL:+--gpu-memory-utilization "$UTIL"} >"$dir/recipe.log" 2>&1 ||
     { cat "$dir/recipe.log"; finish "$dir" recipe; return 1; }
@@ -203,10 +210,21 @@ stop_head() {  # stop_head DIR: this run's Ray head only (`ray stop` would end e
   return 0
 }
 
+engine_bound() {  # engine_bound CONSOLE: until that driver's first vLLM engine holds its rendezvous port (<= 180 s)
+  # Stock NeMo RL starts every job's first engine at VLLM_PORT 7000 (virtual_cluster.py); vLLM probes the port, then
+  # binds it seconds later, so two stock jobs starting at once on one host can both pick 7000 and one dies with
+  # EADDRINUSE. The static split starts its drivers one engine start apart (this costs its whole-run figure that
+  # wait, never its steps phase). The rlix runs are not exposed: their engines bind ports the kernel assigns (their
+  # logs show it).
+  local t0=$SECONDS
+  until grep -aq "distributed_init_method=" "$1" 2>/dev/null || [ $((SECONDS - t0)) -ge 180 ]; do sleep 1; done
+  sleep 5
+}
+
 run_split() {  # run_split NAME N: the static split, the stock recipe unpatched on one GPU per pipeline, all at once
   local name=$1 n=$2 dir=$ROOT/$1 rc=0 pids=() p MORE=(cluster.gpus_per_node=1) names=(a b c d e f g h)
   local gpus=(${SPLIT_GPUS//,/ })
-  mkdir -p "$dir"
+  fresh_dir "$dir"
   if [ "${#gpus[@]}" -lt "$n" ]; then
     echo "SPLIT_GPUS=$SPLIT_GPUS has fewer than $n GPUs" >"$dir/console_setup.log"
     finish "$dir" gpus
@@ -217,10 +235,13 @@ run_split() {  # run_split NAME N: the static split, the stock recipe unpatched 
   ray_head "$dir" 1 "$use"
   local sampler
   sampler=$(sample "$dir/nvml.csv" "$use")
+  local prev=
   for p in "${names[@]:0:$n}"; do
+    [ -n "$prev" ] && engine_bound "$dir/console_$prev.log"
     driver "$p" "$dir" "$NEMO_RL_SRC" "examples/configs/$(basename "$STOCK")" env -u RLIX_CONTROL_PLANE \
       RAY_ADDRESS="$(cat "$dir/ray_address")" &
     pids+=($!)
+    prev=$p
   done
   for p in "${pids[@]}"; do wait "$p" || rc=$((rc + 1)); done
   sleep 5
@@ -232,7 +253,7 @@ run_split() {  # run_split NAME N: the static split, the stock recipe unpatched 
 
 run_transport() {  # benchmarks/transport.py on SPLIT_GPUS: per-sync NCCL broadcast vs raw, group set-up + teardown
   local dir=$ROOT/transport rc=0
-  mkdir -p "$dir"
+  fresh_dir "$dir"
   CUDA_VISIBLE_DEVICES=$SPLIT_GPUS timeout -k 10 400 python3 "$REPO/benchmarks/transport.py" \
     --json "$dir/transport.json" >"$dir/console.log" 2>&1 || rc=$?
   { grep -v '^\[transport-bench' "$dir/console.log"; echo "exit: $rc"; } >"$dir/report.txt"
