@@ -17,14 +17,15 @@ groups)
   echo "call 1: .gpukit/p1 .gpukit/stash.sh .gpukit/raykit/deps .gpukit/raykit/ray_setup.sh   (bash scripts/gpu_kit.sh stash)"
   echo "call 2: .gpukit/nemokit/w1                                                            (bash scripts/gpu_kit.sh stash)"
   echo "call 3: .gpukit/p2 .gpukit/deps .gpukit/setup.sh .gpukit/nemokit/w2                    (bash scripts/gpu_kit.sh stash)"
-  echo "call 4: .gpukit/raykit/ray.tar.xz .gpukit/nemokit/w3 .gpukit/loopskit .gpukit/megakit (bash scripts/gpu_kit.sh run ...)"
-  echo "        (.gpukit/loopskit and .gpukit/megakit: needed only by scripts/gpu_nemo_rl_loops.sh; sizes below count what exists)"
+  echo "call 4: .gpukit/raykit/ray.tar.xz .gpukit/nemokit/w3                             (bash scripts/gpu_kit.sh run ...)"
+  echo "call 5: .gpukit/loopskit .gpukit/megakit   (only for scripts/gpu_nemo_rl_loops.sh: call 4 stashes, call 5 runs)"
+  echo "        (sizes below count what exists)"
   # Each call carries the repository too: the working tree's files count against the same 64 MiB.
   repo=$(git ls-files -co --exclude-standard -z | du -cb --files0-from=- 2>/dev/null | tail -1 | cut -f1)
   n=0
   for parts in ".gpukit/p1 .gpukit/stash.sh .gpukit/raykit/deps .gpukit/raykit/ray_setup.sh" \
     ".gpukit/nemokit/w1" ".gpukit/p2 .gpukit/deps .gpukit/setup.sh .gpukit/nemokit/w2" \
-    ".gpukit/raykit/ray.tar.xz .gpukit/nemokit/w3 .gpukit/loopskit .gpukit/megakit"; do
+    ".gpukit/raykit/ray.tar.xz .gpukit/nemokit/w3" ".gpukit/loopskit .gpukit/megakit"; do
     n=$((n + 1))
     # shellcheck disable=SC2086
     kit=$(du -cbL $parts 2>/dev/null | tail -1 | cut -f1)
