@@ -1,4 +1,4 @@
-"""The NeMo RL GPU report (scripts/gpu/nemo_rl_shared_report.py) over a stored H200 run: its trace figures come from
+"""The NeMo RL GPU report (tools/gpu-offline/gpu/nemo_rl_shared_report.py) over a stored H200 run: its trace figures come from
 the timeline's own span reconstruction (``occupancy_spans``/``held_seconds``) and match the report written then."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ def test_report_of_the_stored_coresident_run(tmp_path: Path) -> None:
                 shutil.copyfileobj(src, dst)
         elif f.name in ("summary.json", "status.json", "gpu_after.csv"):
             shutil.copy(f, tmp_path / f.name)
-    out = subprocess.run([sys.executable, "scripts/gpu/nemo_rl_shared_report.py", str(tmp_path)], capture_output=True,
+    out = subprocess.run([sys.executable, "tools/gpu-offline/gpu/nemo_rl_shared_report.py", str(tmp_path)], capture_output=True,
                          text=True, timeout=120, check=True, cwd=RUN.parents[3]).stdout
     stored = (RUN / "report.txt").read_text()
     for line in ("steps 16; step phase 898.8 s -> 64 steps/h", "GPU busy 0.618 of the steps phase",

@@ -1,4 +1,4 @@
-"""scripts/gpukit/wheel_trim.py (the Megatron GPU kit's wheel shrinker) on a synthetic ELF fat binary and wheel."""
+"""tools/gpu-offline/gpukit/wheel_trim.py (the Megatron GPU kit's wheel shrinker) on a synthetic ELF fat binary and wheel."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 
 from tests._repo import load_script
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpukit" / "wheel_trim.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "tools" / "gpu-offline" / "gpukit" / "wheel_trim.py"
 ELF, PTX = 2, 1
 ENTRY_HEADER = 64
 

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Real NeMo RL on the GPU machine, under `bash scripts/gpu_kit.sh run` (vLLM, Ray and the pinned NeMo RL in place).
-#   bash scripts/gpu_kit.sh run bash scripts/gpu_nemo_rl.sh standalone     stock grpo_math_1B, unpatched vs patched
-#   bash scripts/gpu_kit.sh run bash scripts/gpu_nemo_rl.sh shared         two pipelines time-sharing the GPU
-#   bash scripts/gpu_kit.sh run bash scripts/gpu_nemo_rl.sh sequential     the same two, one after the other
+# Real NeMo RL on the GPU machine, under `bash tools/gpu-offline/gpu_kit.sh run` (vLLM, Ray and the pinned NeMo RL in place).
+#   bash tools/gpu-offline/gpu_kit.sh run bash tools/gpu-offline/gpu_nemo_rl.sh standalone     stock grpo_math_1B, unpatched vs patched
+#   bash tools/gpu-offline/gpu_kit.sh run bash tools/gpu-offline/gpu_nemo_rl.sh shared         two pipelines time-sharing the GPU
+#   bash tools/gpu-offline/gpu_kit.sh run bash tools/gpu-offline/gpu_nemo_rl.sh sequential     the same two, one after the other
 # Every NeMo RL run: the stock recipe (DTensor v1 policy) scaled down to a tiny local Qwen2 and local arithmetic
 # prompts (no hub on the machine); each writes its console log and NeMo RL's metrics under $OUT.
 set -u
@@ -18,7 +18,7 @@ if [ ! -d "$WORK/rlix-site/rlix_plugins" ]; then
   python3 -m pip install -q --no-deps --no-build-isolation --no-compile --target "$WORK/rlix-site" "$REPO" || exit 3
 fi
 export PYTHONPATH="$WORK/rlix-site:$PYTHONPATH" VLLM_RAY_EXTRA_ENV_VARS_TO_COPY=PYTHONPATH
-[ -d "$WORK/data/model" ] || python3 scripts/gpu/nemo_rl_data.py "$WORK/data" || exit 3
+[ -d "$WORK/data/model" ] || python3 tools/gpu-offline/gpu/nemo_rl_data.py "$WORK/data" || exit 3
 if [ ! -d "$WORK/patched/nemo_rl" ]; then  # the pinned series on a copy (the kit's source is no git checkout)
   mkdir -p "$WORK/patched" && cp -a "$NEMO_RL_SRC/." "$WORK/patched/"
   cat rlix_plugins/patches/nemo-rl/7ea279a/0*.patch >"$WORK/series.patch"
@@ -41,7 +41,7 @@ grpo_run() {  # grpo_run NAME CHECKOUT LIMIT_S [overrides...]: one run_grpo.py d
   local t0=$SECONDS
   # An external cluster (NeMo RL's init_ray joins it): its own would start Ray's dashboard, which the trimmed kit lacks.
   ray start --head --num-gpus 1 --include-dashboard=false --disable-usage-stats >"$OUT/$name/ray_start.log" 2>&1
-  (cd "$src" && PYTHONPATH="$src:$PYTHONPATH" timeout -k 10 "$limit" python3 "$REPO/scripts/gpu/nemo_rl_system_python.py" \
+  (cd "$src" && PYTHONPATH="$src:$PYTHONPATH" timeout -k 10 "$limit" python3 "$REPO/tools/gpu-offline/gpu/nemo_rl_system_python.py" \
      examples/run_grpo.py --config examples/configs/grpo_math_1B.yaml "${TINY[@]}" \
      logger.log_dir="$OUT/$name/logs" "$@") >"$OUT/$name/console.log" 2>&1
   local rc=$?
@@ -66,7 +66,7 @@ shared_runs() {  # shared_runs NAME MODE: MODE "together" (both drivers at once)
   local t0=$SECONDS pids=() p rc=0
   for p in a b; do
     (cd "$WORK/patched" && PYTHONPATH="$WORK/patched:$PYTHONPATH" RLIX_CONTROL_PLANE=rlix \
-       VLLM_RAY_EXTRA_ENV_VARS_TO_COPY=PYTHONPATH timeout -k 10 "${DRIVER_TIMEOUT_S:-420}" python3 "$REPO/scripts/gpu/nemo_rl_system_python.py" \
+       VLLM_RAY_EXTRA_ENV_VARS_TO_COPY=PYTHONPATH timeout -k 10 "${DRIVER_TIMEOUT_S:-420}" python3 "$REPO/tools/gpu-offline/gpu/nemo_rl_system_python.py" \
        examples/run_grpo.py --config "examples/configs/rlix/grpo_math_1B_rlix_$p.yaml" "${TINY[@]}" \
        logger.log_dir="$dir/logs_$p" 2>&1 | stamp >"$dir/console_$p.log") &
     pids+=($!)
@@ -76,13 +76,13 @@ shared_runs() {  # shared_runs NAME MODE: MODE "together" (both drivers at once)
   echo "=== $name ($mode): $rc failed drivers, $((SECONDS - t0)) s wall"
   python3 -m rlix_plugins.cli status --json >"$dir/status.json" 2>&1
   python3 -m rlix_plugins.cli timeline --out "$OUT/${name}_timeline.png" >"$dir/timeline.log" 2>&1
-  python3 "$REPO/scripts/gpu/dump_trace.py" "$dir/trace.jsonl" >>"$dir/timeline.log" 2>&1
+  python3 "$REPO/tools/gpu-offline/gpu/dump_trace.py" "$dir/trace.jsonl" >>"$dir/timeline.log" 2>&1
   sleep 5  # let the workers' processes exit, then read what is left on the GPU
   nvidia-smi --query-compute-apps=pid,used_memory --format=csv >"$dir/gpu_after.csv"
   nvidia-smi --query-gpu=memory.used --format=csv,noheader >>"$dir/gpu_after.csv"
-  python3 "$REPO/scripts/gpu/nemo_rl_shared_report.py" "$dir" | tee "$OUT/${name}_report.txt"
+  python3 "$REPO/tools/gpu-offline/gpu/nemo_rl_shared_report.py" "$dir" | tee "$OUT/${name}_report.txt"
   cp "$dir/summary.json" "$OUT/${name}_summary.json" 2>/dev/null
-  # Everything else in one archive (the device returns at most 8 files); Ray's actor logs when a driver failed.
+  # Everything else in one archive (fewer files to bring back: at most 8 where transfers are limited); Ray's actor logs when a driver failed.
   [ $rc -ne 0 ] && cp -r /tmp/ray/session_latest/logs "$dir/ray_logs" 2>/dev/null
   tar -czf "$OUT/$name.tgz" -C "$OUT" "$name" && rm -rf "${dir:?}"
   python3 -m rlix_plugins.cli down --address "$RAY_ADDRESS" >/dev/null 2>&1

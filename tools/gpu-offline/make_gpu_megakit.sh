@@ -1,27 +1,27 @@
 #!/usr/bin/env bash
 # Build .gpukit/megakit: the Megatron stack NeMo RL's Megatron policy worker needs (the SingleController's streaming
-# train step lives only there) for the offline GPU machine, small enough to ride in one device call (~25 MiB).
-# Run here, from the repo root, with PyPI reachable and the two source mirrors on disk. The lead first calls the
-# `fetch` tool for github:NVIDIA-NeMo/Megatron-Bridge and github:NVIDIA/Megatron-LM (this script never fetches):
-#   bash scripts/make_gpu_megakit.sh
+# train step lives only there) for an offline GPU machine, small enough to travel as one part (~25 MiB).
+# Run here, from the repo root, with PyPI reachable and the two source mirrors on disk. Clone github.com/NVIDIA-NeMo/Megatron-Bridge
+# and github.com/NVIDIA/Megatron-LM first (MB_MIRROR, MLM_MIRROR; this script never fetches):
+#   bash tools/gpu-offline/make_gpu_megakit.sh
 # Pins (NeMo RL 7ea279a): Megatron-Bridge = its 3rdparty submodule commit $MB_COMMIT; Megatron-LM = Bridge's own
 # 3rdparty submodule commit $MLM_COMMIT (NeMo RL's megatron-core); Transformer Engine $TE_VERSION (default 2.12.0,
 # PyPI). Not NeMo RL's 2.14.1 / release_v2.15: every transformer-engine-cu13 from 2.13.0 on needs
 # cublasLtGroupedMatrixLayoutInit_internal, which cuBLAS has from 13.2 (CUDA 13.1) on, and the image's torch 2.11.0
-# pins nvidia-cublas 13.1.0.3 (scripts/gpukit/image_cuda_symbols.txt; the check below refuses such a core). What
+# pins nvidia-cublas 13.1.0.3 (tools/gpu-offline/gpukit/image_cuda_symbols.txt; the check below refuses such a core). What
 # Megatron-LM 14346b6 gates on TE >= 2.13/2.14 is MoE only (grouped-weight experts, sqrtsoftplus router fusion).
 # What it writes:
 #   megatron_bridge.tar.xz  Bridge's src/ (+ pyproject, LICENSE): PYTHONPATH=<x>/Megatron-Bridge/src
 #   megatron_lm.tar.xz      Megatron-LM's megatron/ (+ setup.py, pyproject, LICENSE): PYTHONPATH=<x>/Megatron-LM
 #   wheels/                 transformer-engine (pure Python), transformer-engine-cu13 trimmed to sm_90
-#                           (scripts/gpukit/wheel_trim.py: 177 -> ~20 MiB; H100/H200 only), nvidia-modelopt 0.46.0,
+#                           (tools/gpu-offline/gpukit/wheel_trim.py: 177 -> ~20 MiB; H100/H200 only), nvidia-modelopt 0.46.0,
 #                           pulp 3.3.2 without its bundled solver binaries (modelopt.torch imports it, nothing here runs CBC)
 #   transformer_engine_torch-$TE_VERSION.tar.gz  the PyTorch extension, PyPI has it only as source: built on the GPU
-#                           machine by scripts/gpu_megakit.sh build (a prebuilt wheel of the same version dropped into
+#                           machine by tools/gpu-offline/gpu_megakit.sh build (a prebuilt wheel of the same version dropped into
 #                           prebuilt/ skips that; prebuilt wheels of another version are left out of the kit)
 # Then it installs each wheel into a scratch --target (pip --no-deps) and imports the trees as far as a CPU allows.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 MB_MIRROR=${MB_MIRROR:-/work/.mirror/NVIDIA-NeMo+Megatron-Bridge/repo}
 MLM_MIRROR=${MLM_MIRROR:-/work/.mirror/NVIDIA+Megatron-LM/repo}
 MB_COMMIT=8c46dc4259080c510b7455f43e836fdff222c5d3
@@ -81,12 +81,12 @@ if not target.exists() or hashlib.sha256(target.read_bytes()).hexdigest() != wan
 assert hashlib.sha256(target.read_bytes()).hexdigest() == want, f"{target}: sha256 differs from PyPI's"
 PYEOF
 cp "$DL/transformer_engine-$TE_VERSION-py3-none-any.whl" "$DL"/nvidia_modelopt-0.46.0-*.whl "$KIT/wheels/"
-# A module the GPU machine turns out to lack (scripts/gpu_megakit.sh's import check names it): MEGAKIT_EXTRA="x==1 y==2"
+# A module the GPU machine turns out to lack (tools/gpu-offline/gpu_megakit.sh's import check names it): MEGAKIT_EXTRA="x==1 y==2"
 # shellcheck disable=SC2086
 [ -z "${MEGAKIT_EXTRA:-}" ] || pipdl --only-binary=:all: -d "$KIT/wheels" $MEGAKIT_EXTRA
 cp "$DL/transformer_engine_torch-$TE_VERSION.tar.gz" "$KIT/"
-"$PY" scripts/gpukit/wheel_trim.py "$DL"/transformer_engine_cu13-"$TE_VERSION"-*.whl "$KIT/wheels" --arch 90
-"$PY" scripts/gpukit/wheel_trim.py "$DL"/pulp-3.3.2-*.whl "$KIT/wheels" --drop pulp/solverdir/
+"$PY" tools/gpu-offline/gpukit/wheel_trim.py "$DL"/transformer_engine_cu13-"$TE_VERSION"-*.whl "$KIT/wheels" --arch 90
+"$PY" tools/gpu-offline/gpukit/wheel_trim.py "$DL"/pulp-3.3.2-*.whl "$KIT/wheels" --drop pulp/solverdir/
 
 # Check: the TE core needs from cuBLAS/cudart only symbols the image's versions define (a missing one fails its
 # import on the GPU machine: "undefined symbol: ..., version libcublasLt.so.13").
@@ -95,11 +95,11 @@ unzip -q -o -j "$KIT"/wheels/transformer_engine_cu13-*.whl '*/libtransformer_eng
 missing=$(readelf --dyn-syms -W "$core/libtransformer_engine.so" |
   awk '$7 == "UND" && $8 ~ /@lib(cublas|cublasLt|cudart)\.so/ { split($8, s, "@"); print s[2], s[1] }' |
   LC_ALL=C sort -u |
-  LC_ALL=C comm -23 - <(grep -v '^#' scripts/gpukit/image_cuda_symbols.txt | LC_ALL=C sort -u))
+  LC_ALL=C comm -23 - <(grep -v '^#' tools/gpu-offline/gpukit/image_cuda_symbols.txt | LC_ALL=C sort -u))
 rm -rf "$core"
 [ -z "$missing" ] || { echo "transformer-engine-cu13 $TE_VERSION needs what the GPU image's CUDA libraries lack:" \
   $missing "(pick another TE_VERSION)" >&2; exit 3; }
-echo "TE $TE_VERSION core: the image's cuBLAS/cudart define all it needs (scripts/gpukit/image_cuda_symbols.txt)"
+echo "TE $TE_VERSION core: the image's cuBLAS/cudart define all it needs (tools/gpu-offline/gpukit/image_cuda_symbols.txt)"
 
 # Check: every wheel installs (no deps, as on the GPU machine), and the three TE dists agree on their version.
 check=$(mktemp -d)
@@ -112,5 +112,5 @@ du -sh "$KIT"
 echo "import check (CPU, no TE extension) with CHECK_PYTHON=${CHECK_PYTHON:-(unset: skipped)}"
 if [ -n "${CHECK_PYTHON:-}" ]; then
   PYTHONPATH="$check/Megatron-LM:$check/Megatron-Bridge/src:$check/site${NEMO_RL_SRC:+:$NEMO_RL_SRC}" \
-    "$CHECK_PYTHON" scripts/gpukit/megakit_import_check.py || true
+    "$CHECK_PYTHON" tools/gpu-offline/gpukit/megakit_import_check.py || true
 fi

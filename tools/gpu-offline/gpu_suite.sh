@@ -1,18 +1,18 @@
 #!/usr/bin/env bash
 # The GPU checks of the project, batched into few commands of an offline GPU machine (after the vLLM carry kit is
 # set up; see README "GPU").
-#   bash .gpukit/setup.sh bash scripts/gpu_suite.sh [transport] [expand] [wake-window] [vllm|vllm-nccl] [demo]
+#   bash .gpukit/setup.sh bash tools/gpu-offline/gpu_suite.sh [transport] [expand] [wake-window] [vllm|vllm-nccl] [demo]
 #   (default: transport vllm demo)
-# One device command may run 10 minutes: run "transport vllm" in one call and "demo" in the next.
+# Where one command may run 10 minutes at most, run "transport vllm" in one command and "demo" in the next.
 # Runs under .gpukit/setup.sh (vLLM + deps on PYTHONPATH), installs the trimmed Ray kit, then:
 #   1. transport GPU tests + benchmarks/transport.py           -> $OUT/transport.json
 #   1b. benchmarks/expand.py (expand vs wake on real vLLM)      -> $OUT/expand.json
 #   1c. benchmarks/wake_window.py (what a wake does to copies)   -> $OUT/wake_window.json
 #   2. vLLM receiver GPU tests (cuda_ipc, NCCL, sleep/wake)     -> $OUT/vllm_gpu_results.json
 #   3. rlix demo on 1 GPU and, when there are 2, on 2 GPUs      -> $OUT/g1/, $OUT/g2/ (summary.json, timeline.png)
-#   4. real NeMo RL (parts nemo-standalone, nemo-shared, nemo-sequential; scripts/gpu_nemo_rl.sh)
+#   4. real NeMo RL (parts nemo-standalone, nemo-shared, nemo-sequential; tools/gpu-offline/gpu_nemo_rl.sh)
 #   5. nemo-pool: the stock recipe's real shape on 2 or 4 GPUs: the rlix pair on GPUs 0,1 vs the static split and the
-#      transport benchmark (scripts/gpu_nemo_rl_scale.sh; detached: later calls `... gpu_nemo_rl_scale.sh wait`)
+#      transport benchmark (tools/gpu-offline/gpu_nemo_rl_scale.sh; detached: later commands `... gpu_nemo_rl_scale.sh wait`)
 # Every part runs even when an earlier one fails; the exit code is the number of failed parts.
 # NCCL settings: monitoring threads off (they add to the container's pid limit), debug output to find hangs.
 set -u
@@ -52,13 +52,13 @@ if [[ " $want " == *" demo "* ]]; then
     part demo-2gpu 270 python3 -m rlix_plugins.cli demo --gpus 2 --out "$OUT/g2"
   fi
 fi
-# Real NeMo RL (needs the NeMo RL kit: run under `bash scripts/gpu_kit.sh run`, see docs/gpu.md), one part per call:
+# Real NeMo RL (needs the NeMo RL kit: run under `bash tools/gpu-offline/gpu_kit.sh run`, see docs/gpu.md), one part per call:
 #   nemo-standalone: stock grpo_math_1B (DTensor v1) 5 steps, unpatched then patched, variable unset
 #   nemo-shared / nemo-sequential: two `rlix recipe` pipelines time-sharing one GPU / the same two one after another
 for nemo in standalone shared sequential; do
   if [[ " $want " == *" nemo-$nemo "* ]]; then
     part "nemo-$nemo" 590 env OUT="$OUT" DRIVER_TIMEOUT_S="$([ $nemo = sequential ] && echo 285 || echo 420)" \
-      bash scripts/gpu_nemo_rl.sh "$nemo"
+      bash tools/gpu-offline/gpu_nemo_rl.sh "$nemo"
   fi
 done
 # The pool runs (docs/gpu.md "Several GPUs"): on 4 GPUs the static split and the transport benchmark run on GPUs 2,3
@@ -68,7 +68,7 @@ if [[ " $want " == *" nemo-pool "* ]]; then
   card_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits -i 0)
   part nemo-pool 590 env GPUS=0,1 SPLIT_GPUS="$split" SHAPE="${SHAPE:-qwen2.5-1.5b}" STEPS="${STEPS:-8}" \
     UTIL="${UTIL:-$([ "$card_mib" -gt 100000 ] && echo 0.5 || echo 0.3)}" \
-    bash -c "bash scripts/gpu_nemo_rl_scale.sh start $runs && bash scripts/gpu_nemo_rl_scale.sh wait 540"
+    bash -c "bash tools/gpu-offline/gpu_nemo_rl_scale.sh start $runs && bash tools/gpu-offline/gpu_nemo_rl_scale.sh wait 540"
 fi
 if [ "$failed" -gt 0 ] && [ -d /tmp/ray/session_latest/logs ]; then  # Ray's worker logs say where a run hung
   tar -czf "$OUT/ray_logs.tgz" -C /tmp/ray/session_latest logs 2>/dev/null && ls -la "$OUT/ray_logs.tgz"

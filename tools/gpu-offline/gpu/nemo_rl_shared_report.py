@@ -1,13 +1,13 @@
-"""Summarise NeMo RL runs on the GPU machine (scripts/gpu_nemo_rl.sh, scripts/gpu_nemo_rl_scale.sh).
+"""Summarise NeMo RL runs on the GPU machine (tools/gpu-offline/gpu_nemo_rl.sh, tools/gpu-offline/gpu_nemo_rl_scale.sh).
 
 Reads DIR/console_<p>.log (one per driver, lines prefixed with a UNIX time), the rlix metrics NeMo RL's logger wrote
 to tensorboard (DIR/logs_<p>/**/events.*: ``train/rlix/*``), and when present DIR/status.json, DIR/gpu_after.csv,
-DIR/trace.jsonl (the scheduler's trace) and DIR/nvml*.csv (scripts/gpu/nvml_sampler.py); writes DIR/summary.json
+DIR/trace.jsonl (the scheduler's trace) and DIR/nvml*.csv (tools/gpu-offline/gpu/nvml_sampler.py); writes DIR/summary.json
 plus a few lines: steps per pipeline, the steps phase (first step started -> last step's reward logged) and the
 whole run, steps/hour over each, GPU busy share over the steps phase (NVML samples) and allocated share (trace),
 GPU and host memory peaks, fairness (trace), the rlix figures, the GPU memory left after the drivers ended.
 
-    python3 scripts/gpu/nemo_rl_shared_report.py DIR
+    python3 tools/gpu-offline/gpu/nemo_rl_shared_report.py DIR
 """
 
 from __future__ import annotations

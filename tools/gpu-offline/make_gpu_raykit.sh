@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# Build .gpukit/raykit: the GPU device image has no Ray and cannot download. A trimmed Ray 2.60 cp312 wheel
+# Build .gpukit/raykit: an offline GPU machine whose image has no Ray. A trimmed Ray 2.60 cp312 wheel
 # (~27 MiB as xz) plus the wheels of its missing dependencies travel next to the vLLM carry kit
-# (.gpukit/p2 + .gpukit/deps), under the device's 64 MiB per-call limit. Run once, here, from the repo root:
-#   bash scripts/make_gpu_raykit.sh
-# On the device, scripts/gpu_suite.sh runs .gpukit/raykit/ray_setup.sh (unpacks into /tmp/site).
+# (.gpukit/p2 + .gpukit/deps), each part under 64 MiB (gpu_kit.sh groups). Run once, here, from the repo root:
+#   bash tools/gpu-offline/make_gpu_raykit.sh
+# On the GPU machine, tools/gpu-offline/gpu_suite.sh runs .gpukit/raykit/ray_setup.sh (unpacks into /tmp/site).
 # Trimmed: Java jars, the dashboard web client, rllib/tune/serve/train/data/llm, bytecode: nothing the control
 # plane, the demo or the tests load.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 KIT=${RAYKIT_DIR:-.gpukit/raykit}
 PY=${PYTHON:-python3}
 WHEEL_TAGS=(--only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64
@@ -37,7 +37,7 @@ tar -cJf "$KIT/ray.tar.xz" -C "$tmp/site" ./ray ./ray-2.60.0.dist-info
 cat >"$KIT/ray_setup.sh" <<'EOF'
 #!/bin/bash
 # GPU machine (the image has no Ray): unpack the trimmed Ray 2.60 cp312 into /tmp/site (on PYTHONPATH via
-# .gpukit/setup.sh) and install its missing dependencies. Built by scripts/make_gpu_raykit.sh.
+# .gpukit/setup.sh) and install its missing dependencies. Built by tools/gpu-offline/make_gpu_raykit.sh.
 set -u
 python3 -c "import ray" 2>/dev/null && exit 0
 mkdir -p /tmp/site && tar -xJf .gpukit/raykit/ray.tar.xz -C /tmp/site || exit 3

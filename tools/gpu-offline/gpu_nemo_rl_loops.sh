@@ -1,23 +1,23 @@
 #!/usr/bin/env bash
 # NeMo RL's other GRPO loops on the GPU machine, each time-shared on ONE GPU with an async-GRPO pipeline (the
-# docs/loops.md GPU run; modelled on scripts/gpu_nemo_rl.sh), under `bash scripts/gpu_kit.sh run`:
-#   bash scripts/gpu_kit.sh run bash scripts/gpu_nemo_rl_loops.sh data_plane          grpo_train_sync + async GRPO
-#   bash scripts/gpu_kit.sh run bash scripts/gpu_nemo_rl_loops.sh single_controller   SingleController + async GRPO
+# docs/loops.md GPU run; modelled on tools/gpu-offline/gpu_nemo_rl.sh), under `bash tools/gpu-offline/gpu_kit.sh run`:
+#   bash tools/gpu-offline/gpu_kit.sh run bash tools/gpu-offline/gpu_nemo_rl_loops.sh data_plane          grpo_train_sync + async GRPO
+#   bash tools/gpu-offline/gpu_kit.sh run bash tools/gpu-offline/gpu_nemo_rl_loops.sh single_controller   SingleController + async GRPO
 # Pipeline a: the stock grpo_math_1B.yaml as async GRPO (rlix recipe --gpus 0); pipeline b: the loop, from the
 # overlays `rlix recipe` writes (recipes/nemo_rl/loops_1gpu_*.yaml are the same, checked in). Both scaled down to
-# the tiny local Qwen2 and prompts of scripts/gpu/nemo_rl_data.py; logs, metrics and the report under $OUT.
+# the tiny local Qwen2 and prompts of tools/gpu-offline/gpu/nemo_rl_data.py; logs, metrics and the report under $OUT.
 #
 # What the machine needs beyond .gpukit/nemokit (no network there: carried wheels in $LOOPS_WHEELS, default
-# .gpukit/loopskit, built by `bash scripts/make_gpu_loopskit.sh` on a machine with PyPI):
+# .gpukit/loopskit, built by `bash tools/gpu-offline/make_gpu_loopskit.sh` on a machine with PyPI):
 # * both loops: TransferQueue (NeMo RL pins git c516143 = the v0.1.9 release: PyPI transferqueue==0.1.9, pure
 #   Python) and msgspec (its one dependency not in the kits). mooncake-transfer-engine-cuda13 (PyPI, NeMo RL pins
 #   0.3.11.post1) only for data_plane.backend=mooncake_cpu; these runs keep the stock backend "simple".
 # * single_controller: the Megatron stack - the SC's streaming train step (begin_train_step /
 #   train_microbatch_from_meta / finish_train_step) exists only in NeMo RL's Megatron policy worker: Megatron-LM and
 #   Megatron-Bridge at NeMo RL's submodule commits and Transformer Engine 2.12 with its PyTorch extension, carried as
-#   .gpukit/megakit (scripts/make_gpu_megakit.sh) and installed once per machine by `scripts/gpu_megakit.sh build`,
+#   .gpukit/megakit (tools/gpu-offline/make_gpu_megakit.sh) and installed once per machine by `tools/gpu-offline/gpu_megakit.sh build`,
 #   which this part runs first (it returns at once when done; building the TE extension takes minutes, so on a fresh
-#   machine run that step in a call of its own, or carry the wheel it left in $OUT: docs/loops.md). Without the kit
+#   machine run that step in a command of its own, or carry the wheel it left in $OUT: docs/loops.md). Without the kit
 #   the part stops with exit 5 naming what is missing.
 set -u
 REPO=$PWD
@@ -34,10 +34,10 @@ fi
 export PYTHONPATH="$WORK/rlix-site:$PYTHONPATH" VLLM_RAY_EXTRA_ENV_VARS_TO_COPY=PYTHONPATH
 if ! python3 -c "import transfer_queue, msgspec" 2>/dev/null; then
   ls "$LOOPS_WHEELS"/transferqueue-*.whl >/dev/null 2>&1 || {
-    echo "TransferQueue is not installed and $LOOPS_WHEELS has no wheel: bash scripts/make_gpu_loopskit.sh"; exit 5; }
+    echo "TransferQueue is not installed and $LOOPS_WHEELS has no wheel: bash tools/gpu-offline/make_gpu_loopskit.sh"; exit 5; }
   python3 -m pip install -q --no-index --no-deps --no-compile "$LOOPS_WHEELS"/*.whl || exit 5
 fi
-[ -d "$WORK/data/model" ] || python3 scripts/gpu/nemo_rl_data.py "$WORK/data" || exit 3
+[ -d "$WORK/data/model" ] || python3 tools/gpu-offline/gpu/nemo_rl_data.py "$WORK/data" || exit 3
 if [ ! -f "$WORK/patched-loops/.applied" ]; then  # both parts of the pinned series on a copy
   rm -rf "$WORK/patched-loops" && mkdir -p "$WORK/patched-loops" && cp -a "$NEMO_RL_SRC/." "$WORK/patched-loops/"
   cat rlix_plugins/patches/nemo-rl/7ea279a/0*.patch rlix_plugins/patches/nemo-rl/7ea279a/loops/0*.patch \
@@ -48,7 +48,7 @@ if [ ! -f "$WORK/patched-loops/.applied" ]; then  # both parts of the pinned ser
 fi
 SRC=$WORK/patched-loops
 
-# The stock recipes, scaled down (as scripts/gpu_nemo_rl.sh): tiny model and batches (4 prompts x 4 generations =
+# The stock recipes, scaled down (as tools/gpu-offline/gpu_nemo_rl.sh): tiny model and batches (4 prompts x 4 generations =
 # the train batch, which the SingleController checks), eager vLLM, no checkpoints or validation.
 TINY=(policy.model_name="$WORK/data/model" policy.sequence_packing.enabled=false policy.max_total_sequence_length=256
   policy.generation.max_new_tokens=48 policy.train_global_batch_size=16 policy.train_micro_batch_size=4
@@ -70,8 +70,8 @@ loop_run() {  # loop_run PART: async GRPO (a) + the PART loop (b), both drivers 
   single_controller)
     [ -d "$REPO/.gpukit/megakit" ] || [ -f /tmp/megatron/.ready ] || {
       echo "=== $name: the SingleController trains with Megatron only: carry .gpukit/megakit" \
-           "(bash scripts/make_gpu_megakit.sh; see the header)"; return 5; }
-    bash "$REPO/scripts/gpu_megakit.sh" build || { echo "=== $name: the Megatron kit did not install"; return 5; }
+           "(bash tools/gpu-offline/make_gpu_megakit.sh; see the header)"; return 5; }
+    bash "$REPO/tools/gpu-offline/gpu_megakit.sh" build || { echo "=== $name: the Megatron kit did not install"; return 5; }
     # shellcheck disable=SC1091
     [ -f /tmp/megatron/nvte.env ] && source /tmp/megatron/nvte.env  # TE attention fallbacks the kit's smoke test chose
     export NRL_MEGATRON_CHECKPOINT_DIR=$WORK/mcore_from_hf  # the HF -> Megatron conversion of the tiny model
@@ -91,12 +91,12 @@ loop_run() {  # loop_run PART: async GRPO (a) + the PART loop (b), both drivers 
   python3 -m rlix_plugins.cli up --address "$RAY_ADDRESS" >"$dir/rlix_up.log" 2>&1 || { cat "$dir/rlix_up.log"; return 1; }
   local t0=$SECONDS rc=0 pa pb
   (cd "$SRC" && PYTHONPATH="$SRC:$PYTHONPATH" RLIX_CONTROL_PLANE=rlix timeout -k 10 "${DRIVER_TIMEOUT_S:-480}" \
-     python3 "$REPO/scripts/gpu/nemo_rl_system_python.py" examples/run_grpo.py \
+     python3 "$REPO/tools/gpu-offline/gpu/nemo_rl_system_python.py" examples/run_grpo.py \
      --config "$cfg/a/grpo_math_1B_rlix_a.yaml" "${TINY[@]}" "${DTENSOR_V1[@]}" logger.log_dir="$dir/logs_a" 2>&1 |
      stamp >"$dir/console_a.log") &
   pa=$!
   (cd "$SRC" && PYTHONPATH="$SRC:$PYTHONPATH" RLIX_CONTROL_PLANE=rlix timeout -k 10 "${DRIVER_TIMEOUT_S:-480}" \
-     python3 "$REPO/scripts/gpu/nemo_rl_system_python.py" "$entry" \
+     python3 "$REPO/tools/gpu-offline/gpu/nemo_rl_system_python.py" "$entry" \
      --config "$cfg/$part/${stock%.yaml}_rlix_a.yaml" "${TINY[@]}" "${b_tiny[@]}" logger.log_dir="$dir/logs_b" 2>&1 |
      stamp >"$dir/console_b.log") &
   pb=$!
@@ -108,7 +108,7 @@ loop_run() {  # loop_run PART: async GRPO (a) + the PART loop (b), both drivers 
   sleep 5
   nvidia-smi --query-compute-apps=pid,used_memory --format=csv >"$dir/gpu_after.csv"
   nvidia-smi --query-gpu=memory.used --format=csv,noheader >>"$dir/gpu_after.csv"
-  python3 "$REPO/scripts/gpu/nemo_rl_shared_report.py" "$dir" | tee "$OUT/${name}_report.txt"
+  python3 "$REPO/tools/gpu-offline/gpu/nemo_rl_shared_report.py" "$dir" | tee "$OUT/${name}_report.txt"
   [ $rc -ne 0 ] && cp -r /tmp/ray/session_latest/logs "$dir/ray_logs" 2>/dev/null
   for p in a b; do grep -v "^[0-9.]* *$" "$dir/console_$p.log" | grep -E "Error|Traceback|rlix" | tail -n 15; done
   tar -czf "$OUT/$name.tgz" -C "$OUT" "$name" && rm -rf "${dir:?}"

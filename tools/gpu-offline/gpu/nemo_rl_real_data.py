@@ -1,6 +1,6 @@
 """Real-shape local inputs for NeMo RL's stock GRPO recipe on a machine without a hub.
 
-    python3 scripts/gpu/nemo_rl_real_data.py OUT_DIR [--shape qwen2.5-1.5b|qwen2.5-0.5b] [--prompts N]
+    python3 tools/gpu-offline/gpu/nemo_rl_real_data.py OUT_DIR [--shape qwen2.5-1.5b|qwen2.5-0.5b] [--prompts N]
       -> OUT_DIR/model/ (config, random bf16 weights, tokenizer), OUT_DIR/train.jsonl
 
 The model has the stock recipe's real architecture (Qwen2.5-1.5B: 1,543,714,304 parameters, vocabulary 151,936;

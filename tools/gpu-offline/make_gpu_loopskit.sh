@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# Build .gpukit/loopskit: the wheels scripts/gpu_nemo_rl_loops.sh needs beyond .gpukit/nemokit (the GPU machine has
+# Build .gpukit/loopskit: the wheels tools/gpu-offline/gpu_nemo_rl_loops.sh needs beyond .gpukit/nemokit (the GPU machine has
 # no network). Run here, from the repo root, with PyPI reachable:
-#   bash scripts/make_gpu_loopskit.sh
+#   bash tools/gpu-offline/make_gpu_loopskit.sh
 # TransferQueue: NeMo RL pins git c516143, the commit of the v0.1.9 release (PyPI transferqueue==0.1.9); msgspec:
 # its one dependency that neither the GPU image nor the kits provide (the others: ray, tensordict, pyzmq, hydra-core,
 # omegaconf, numpy, psutil, prometheus-client). Not here: the Megatron stack the SingleController needs (see the
-# header of scripts/gpu_nemo_rl_loops.sh).
+# header of tools/gpu-offline/gpu_nemo_rl_loops.sh).
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 KIT=.gpukit/loopskit
 PY=${PYTHON:-python3}
 rm -rf "$KIT" && mkdir -p "$KIT"

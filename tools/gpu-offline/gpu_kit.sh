@@ -1,26 +1,28 @@
 #!/usr/bin/env bash
-# Carry the GPU kits to an offline GPU machine over several calls of <= 64 MiB each, on ONE warm machine (it goes back
-# 30 s after a call: make the calls back to back). Kits (all under .gpukit/, built here once):
-#   vLLM  (docs/gpu.md: .gpukit/p1 p2 deps stash.sh setup.sh)   Ray (scripts/make_gpu_raykit.sh: .gpukit/raykit)
-#   NeMo RL (scripts/make_gpu_nemokit.sh: .gpukit/nemokit/w1 w2 w3)   NeMo RL's other loops (scripts/make_gpu_loopskit.sh:
-#   .gpukit/loopskit)   Megatron for the SingleController (scripts/make_gpu_megakit.sh: .gpukit/megakit; installed by
-#   scripts/gpu_megakit.sh build, which scripts/gpu_nemo_rl_loops.sh single_controller runs when TE is missing)
-#   bash scripts/gpu_kit.sh groups           here: the carry lists, one per call (each under the limit)
-#   bash scripts/gpu_kit.sh stash            device, every call but the last: park the carried kit parts in /tmp/gpukit
-#   bash scripts/gpu_kit.sh run CMD...       device, last call: restore the parked parts, install what is missing
-#                                            (once per machine) and run CMD with vLLM, Ray and NeMo RL importable
+# Carry the GPU kits to an offline GPU machine in parts of <= 64 MiB each (for machines that take files in
+# transfers of limited size), one command per part, all on the SAME machine (the parts wait in /tmp/gpukit there).
+# Kits (all under .gpukit/, built here once by the scripts beside this one):
+#   vLLM (docs/gpu.md: .gpukit/p1 p2 deps stash.sh setup.sh)   Ray (make_gpu_raykit.sh: .gpukit/raykit)
+#   NeMo RL (make_gpu_nemokit.sh: .gpukit/nemokit/w1 w2 w3)   NeMo RL's other loops (make_gpu_loopskit.sh:
+#   .gpukit/loopskit)   Megatron for the SingleController (make_gpu_megakit.sh: .gpukit/megakit; installed by
+#   gpu_megakit.sh build, which gpu_nemo_rl_loops.sh single_controller runs when TE is missing)
+#   bash tools/gpu-offline/gpu_kit.sh groups      here: the carry lists, one per part (each under the limit)
+#   bash tools/gpu-offline/gpu_kit.sh stash       GPU machine, every part but the last: park it in /tmp/gpukit
+#   bash tools/gpu-offline/gpu_kit.sh run CMD...  GPU machine, last part: restore the parked parts, install what is
+#                                                 missing (once per machine), run CMD with vLLM, Ray, NeMo RL importable
 set -u
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 STASH=/tmp/gpukit
 case "${1:-}" in
 groups)
-  echo "call 1: .gpukit/p1 .gpukit/stash.sh .gpukit/raykit/deps .gpukit/raykit/ray_setup.sh   (bash scripts/gpu_kit.sh stash)"
-  echo "call 2: .gpukit/nemokit/w1                                                            (bash scripts/gpu_kit.sh stash)"
-  echo "call 3: .gpukit/p2 .gpukit/deps .gpukit/setup.sh .gpukit/nemokit/w2                    (bash scripts/gpu_kit.sh stash)"
-  echo "call 4: .gpukit/raykit/ray.tar.xz .gpukit/nemokit/w3                             (bash scripts/gpu_kit.sh run ...)"
-  echo "call 5: .gpukit/loopskit .gpukit/megakit   (only for scripts/gpu_nemo_rl_loops.sh: call 4 stashes, call 5 runs)"
+  k="bash tools/gpu-offline/gpu_kit.sh"
+  echo "part 1: .gpukit/p1 .gpukit/stash.sh .gpukit/raykit/deps .gpukit/raykit/ray_setup.sh   ($k stash)"
+  echo "part 2: .gpukit/nemokit/w1                                                            ($k stash)"
+  echo "part 3: .gpukit/p2 .gpukit/deps .gpukit/setup.sh .gpukit/nemokit/w2                    ($k stash)"
+  echo "part 4: .gpukit/raykit/ray.tar.xz .gpukit/nemokit/w3                                  ($k run ...)"
+  echo "part 5: .gpukit/loopskit .gpukit/megakit   (gpu_nemo_rl_loops.sh only: part 4 stashes, part 5 runs)"
   echo "        (sizes below count what exists)"
-  # Each call carries the repository too: the working tree's files count against the same 64 MiB.
+  # Each part travels with the repository: the working tree's files count against the same 64 MiB.
   repo=$(git ls-files -co --exclude-standard -z | du -cb --files0-from=- 2>/dev/null | tail -1 | cut -f1)
   n=0
   for parts in ".gpukit/p1 .gpukit/stash.sh .gpukit/raykit/deps .gpukit/raykit/ray_setup.sh" \
@@ -30,7 +32,7 @@ groups)
     # shellcheck disable=SC2086
     kit=$(du -cbL $parts 2>/dev/null | tail -1 | cut -f1)
     total=$((kit + repo))
-    echo "call $n: $((total / 1048576)) MiB with the repository ($((repo / 1048576)) MiB)$([ $total -gt 67108864 ] &&
+    echo "part $n: $((total / 1048576)) MiB with the repository ($((repo / 1048576)) MiB)$([ $total -gt 67108864 ] &&
       echo ": OVER the 64 MiB limit")"
   done ;;
 stash)
@@ -45,7 +47,7 @@ run)
   bash .gpukit/raykit/ray_setup.sh || exit 5
   if [ -d .gpukit/nemokit/w2 ] && [ ! -f /tmp/nemo-rl/.kit-installed ]; then
     mkdir -p /tmp/nemo-rl && tar -xJf .gpukit/nemokit/w2/nemo_rl.tar.xz -C /tmp/nemo-rl || exit 6
-    # The closure was resolved when the kit was built (scripts/gpu_nemokit_closure.py): install it as is. pip's
+    # The closure was resolved when the kit was built (tools/gpu-offline/gpu_nemokit_closure.py): install it as is. pip's
     # resolver would refuse soft pins against what the image and the vLLM/Ray kits hold (mlflow-skinny: cachetools<8,
     # swanlab: protobuf<7), none of which bites on the imports NeMo RL's GRPO path makes.
     python3 -m pip install -q --no-index --no-deps --no-compile .gpukit/nemokit/w1/*.whl .gpukit/nemokit/w2/*.whl || exit 7
@@ -59,5 +61,5 @@ run)
   export NEMO_RL_SRC=/tmp/nemo-rl NEMO_RL_PY_EXECUTABLES_SYSTEM=1
   [ $# -gt 0 ] && exec "$@" ;;
 *)
-  echo "usage: bash scripts/gpu_kit.sh groups|stash|run CMD..." >&2; exit 2 ;;
+  echo "usage: bash tools/gpu-offline/gpu_kit.sh groups|stash|run CMD..." >&2; exit 2 ;;
 esac

@@ -1,7 +1,7 @@
 """Tiny local inputs for NeMo RL's stock GRPO recipes on a machine without a hub: a random Qwen2 with a locally
 trained tokenizer (rlix_plugins.demo.tiny_model) and a jsonl of arithmetic prompts in ResponseDataset's format.
 
-    python3 scripts/gpu/nemo_rl_data.py OUT_DIR        -> OUT_DIR/model/, OUT_DIR/train.jsonl
+    python3 tools/gpu-offline/gpu/nemo_rl_data.py OUT_DIR        -> OUT_DIR/model/, OUT_DIR/train.jsonl
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Import the Megatron stack of .gpukit/megakit as far as this machine allows and say where each import stops.
 
-Run by scripts/make_gpu_megakit.sh with the kit's trees and wheels on PYTHONPATH (on a CPU machine the TE extension
+Run by tools/gpu-offline/make_gpu_megakit.sh with the kit's trees and wheels on PYTHONPATH (on a CPU machine the TE extension
 is absent, so whatever imports ``transformer_engine.pytorch`` stops there); on the GPU machine everything must pass.
 """
 

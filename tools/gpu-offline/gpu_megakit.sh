@@ -1,33 +1,33 @@
 #!/usr/bin/env bash
-# The Megatron stack on the offline GPU machine, from .gpukit/megakit (built here by scripts/make_gpu_megakit.sh),
-# once per machine, under `bash scripts/gpu_kit.sh run` (the kit's carry list: `bash scripts/gpu_kit.sh groups`):
-#   bash scripts/gpu_kit.sh run bash scripts/gpu_megakit.sh build
+# The Megatron stack on the offline GPU machine, from .gpukit/megakit (built here by tools/gpu-offline/make_gpu_megakit.sh),
+# once per machine, under `bash tools/gpu-offline/gpu_kit.sh run` (the kit's carry list: `bash tools/gpu-offline/gpu_kit.sh groups`):
+#   bash tools/gpu-offline/gpu_kit.sh run bash tools/gpu-offline/gpu_megakit.sh build
 # 1. unpacks Megatron-LM and Megatron-Bridge into /tmp/megatron and puts both on every python3's path through a .pth
 #    file in the image's site-packages (Ray's workers and NeMo RL's Megatron policy actors included, whatever
 #    environment they are started with);
 # 2. installs the carried wheels (transformer-engine, -cu13 trimmed to sm_90, nvidia-modelopt, pulp);
 # 3. installs transformer-engine-torch of the kit's TE version (its sdist's name): the wheel of that version in
 #    .gpukit/megakit/prebuilt/ if there is one (also as *.whl.part-* pieces; another version's is ignored), else
-#    builds it from the carried sdist (g++ only, 16 jobs, at most $TE_BUILD_TIMEOUT_S = 360 s a call; a build cut
-#    short resumes in the next call on the same machine) and copies the wheel to $OUT (in 15 MiB pieces if larger):
+#    builds it from the carried sdist (g++ only, 16 jobs, at most $TE_BUILD_TIMEOUT_S = 360 s a command; a build cut
+#    short resumes in the next command on the same machine) and copies the wheel to $OUT (in 15 MiB pieces if larger):
 #    put those files into .gpukit/megakit/prebuilt/ here and later machines skip the build;
-# 4. smoke-tests TE (scripts/gpukit/te_smoke.py: bf16 Linear and attention forward+backward); if attention fails
+# 4. smoke-tests TE (tools/gpu-offline/gpukit/te_smoke.py: bf16 Linear and attention forward+backward); if attention fails
 #    with TE's defaults, retries with NVTE_FUSED_ATTN=0 and NVTE_FLASH_ATTN=0 (the unfused path) and, if that passes,
-#    writes those settings to /tmp/megatron/nvte.env, which scripts/gpu_nemo_rl_loops.sh sources (with CUDNN_HOME:
+#    writes those settings to /tmp/megatron/nvte.env, which tools/gpu-offline/gpu_nemo_rl_loops.sh sources (with CUDNN_HOME:
 #    torch's own cuDNN, which TE must load instead of the toolkit's older one);
 # 5. builds Megatron's dataset helpers (what megatron.core.datasets.utils.compile_helpers runs at start-up);
-# 6. imports NeMo RL's Megatron policy worker (scripts/gpukit/megakit_import_check.py).
+# 6. imports NeMo RL's Megatron policy worker (tools/gpu-offline/gpukit/megakit_import_check.py).
 # Exit codes: 2 kit or machine missing a part, 3 install, 4 TE torch build, 5 TE smoke, 6 dataset helpers, 7 imports.
-# Done once: /tmp/megatron/.ready (a later call returns at once).
+# Done once: /tmp/megatron/.ready (a later command returns at once).
 set -u
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 KIT=${MEGAKIT:-.gpukit/megakit}
 TREES=/tmp/megatron
 OUT=${OUT:-/tmp/rlix_gpu_out}
 fail() { echo "megakit: $2" >&2; exit "$1"; }
-[ "${1:-}" = build ] || fail 2 "usage: bash scripts/gpu_megakit.sh build"
+[ "${1:-}" = build ] || fail 2 "usage: bash tools/gpu-offline/gpu_megakit.sh build"
 [ -f "$TREES/.ready" ] && { echo "megakit: ready (/tmp/megatron/.ready)"; exit 0; }
-[ -d "$KIT/wheels" ] || fail 2 "no $KIT/wheels: carry .gpukit/megakit (bash scripts/make_gpu_megakit.sh builds it)"
+[ -d "$KIT/wheels" ] || fail 2 "no $KIT/wheels: carry .gpukit/megakit (bash tools/gpu-offline/make_gpu_megakit.sh builds it)"
 t0=$SECONDS
 mkdir -p "$OUT"
 
@@ -44,7 +44,7 @@ python3 -m pip list 2>/dev/null | grep -iE '^(nvidia-cudnn|transformer.engine|nv
 
 # 3. transformer-engine-torch: the carried wheel of the kit's TE version, or a build from the sdist
 sdist=$(ls "$KIT"/transformer_engine_torch-*.tar.gz 2>/dev/null | head -1)
-[ -n "$sdist" ] || fail 2 "no transformer_engine_torch-*.tar.gz in $KIT (bash scripts/make_gpu_megakit.sh)"
+[ -n "$sdist" ] || fail 2 "no transformer_engine_torch-*.tar.gz in $KIT (bash tools/gpu-offline/make_gpu_megakit.sh)"
 TE_VERSION=$(basename "$sdist" .tar.gz) && TE_VERSION=${TE_VERSION#transformer_engine_torch-}
 wheel_dir=/tmp/te-torch-wheel
 rm -rf "$wheel_dir" && mkdir -p "$wheel_dir"
@@ -69,7 +69,7 @@ print(":".join(sorted(set(glob.glob(site + "/nvidia/*/include") + glob.glob(site
   echo "megakit: building transformer-engine-torch (CUDA_HOME=$CUDA_HOME, $(nproc) cores)"
   b0=$SECONDS
   # Built in place from a source tree kept in /tmp: a build cut short by the timeout resumes (ninja keeps the objects
-  # made) when the next call on this machine runs this step again.
+  # made) when the next command on this machine runs this step again.
   src=/tmp/te-torch-build
   [ -d "$src/transformer_engine_torch-$TE_VERSION/csrc" ] || { mkdir -p "$src" &&
     tar -xzf "$sdist" -C "$src"; } || fail 2 "unpack the TE torch sdist"
@@ -104,11 +104,11 @@ export CUDNN_HOME=$(dirname "$(dirname "$cudnn_lib")")
 export LD_LIBRARY_PATH="$(dirname "$cudnn_lib")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 printf 'export CUDNN_HOME=%s\nexport LD_LIBRARY_PATH=%s\n' "$CUDNN_HOME" "$LD_LIBRARY_PATH" >"$TREES/nvte.env"
 echo "megakit: torch's cuDNN is $cudnn_lib"
-NVTE_DEBUG=1 NVTE_DEBUG_LEVEL=1 python3 scripts/gpukit/te_smoke.py
+NVTE_DEBUG=1 NVTE_DEBUG_LEVEL=1 python3 tools/gpu-offline/gpukit/te_smoke.py
 rc=$?
 if [ $rc -eq 2 ]; then
   echo "megakit: attention failed with TE's defaults; retrying on the unfused path"
-  NVTE_FUSED_ATTN=0 NVTE_FLASH_ATTN=0 python3 scripts/gpukit/te_smoke.py || fail 5 "TE attention fails also unfused"
+  NVTE_FUSED_ATTN=0 NVTE_FLASH_ATTN=0 python3 tools/gpu-offline/gpukit/te_smoke.py || fail 5 "TE attention fails also unfused"
   echo "export NVTE_FUSED_ATTN=0 NVTE_FLASH_ATTN=0" >>"$TREES/nvte.env"
 elif [ $rc -ne 0 ]; then
   fail 5 "TE smoke test (trimmed libtransformer_engine.so or the extension)"
@@ -121,7 +121,7 @@ make -s -C "$TREES/Megatron-LM/megatron/core/datasets" \
 python3 -c "from megatron.core.datasets import helpers_cpp" || fail 6 "import megatron.core.datasets.helpers_cpp"
 
 # 6. the imports NeMo RL's Megatron worker makes
-PYTHONPATH="${NEMO_RL_SRC:-/tmp/nemo-rl}${PYTHONPATH:+:$PYTHONPATH}" python3 scripts/gpukit/megakit_import_check.py ||
+PYTHONPATH="${NEMO_RL_SRC:-/tmp/nemo-rl}${PYTHONPATH:+:$PYTHONPATH}" python3 tools/gpu-offline/gpukit/megakit_import_check.py ||
   fail 7 "imports (above)"
 touch "$TREES/.ready"
 echo "megakit: ready in $((SECONDS - t0)) s"

@@ -1,6 +1,6 @@
 """Sample GPU busy share, GPU memory and host memory into a CSV until stopped (a GPU-run tool, not the product).
 
-    python3 scripts/gpu/nvml_sampler.py OUT.csv [--interval 0.2] [--gpus 0,1]     (SIGTERM/SIGINT ends it)
+    python3 tools/gpu-offline/gpu/nvml_sampler.py OUT.csv [--interval 0.2] [--gpus 0,1]     (SIGTERM/SIGINT ends it)
 
 ``--gpus``: the physical GPUs (NVML indices) of the run sampled (default: every GPU of the machine), so a run that
 shares the machine with another run on other GPUs reports only its own. Columns: unix time, then per GPU

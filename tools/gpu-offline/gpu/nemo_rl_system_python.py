@@ -5,7 +5,7 @@ covers only the vLLM/Megatron/SGLang/TRT-LLM workers, not the DTensor policy wor
 collector and the replay buffer. This launcher points every ``PY_EXECUTABLES`` entry at ``sys.executable`` before
 the registry reads them, then runs the script as ``__main__``. A GPU-kit tool, not part of the product:
 
-    python3 scripts/gpu/nemo_rl_system_python.py examples/run_grpo.py --config ... key=value ...
+    python3 tools/gpu-offline/gpu/nemo_rl_system_python.py examples/run_grpo.py --config ... key=value ...
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Write the rlix scheduler's trace of the Ray cluster at RAY_ADDRESS as JSON lines (a GPU-run tool).
 
-    python3 scripts/gpu/dump_trace.py OUT.jsonl
+    python3 tools/gpu-offline/gpu/dump_trace.py OUT.jsonl
 """
 
 from __future__ import annotations

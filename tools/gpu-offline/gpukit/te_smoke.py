@@ -1,7 +1,7 @@
 """Smoke-test Transformer Engine's PyTorch side on the GPU: versions, a bf16 Linear and an attention forward+backward.
 
-Run by ``scripts/gpu_megakit.sh build`` after the kit is installed. It checks the sm_90-trimmed core library
-(scripts/gpukit/wheel_trim.py) and the locally built extension together: a kernel missing from the trimmed library
+Run by ``tools/gpu-offline/gpu_megakit.sh build`` after the kit is installed. It checks the sm_90-trimmed core library
+(tools/gpu-offline/gpukit/wheel_trim.py) and the locally built extension together: a kernel missing from the trimmed library
 fails here, not inside a NeMo RL worker. Exit 0: all passed; 1: Linear failed; 2: attention failed with the
 current NVTE_* settings (the caller retries with the fallbacks).
 """

@@ -1,7 +1,7 @@
-"""Shrink a wheel for the device calls: drop folders it does not need there, and keep one GPU architecture's code.
+"""Shrink a wheel for an offline GPU machine's kit: drop folders it does not need there, and keep one GPU architecture's code.
 
 transformer-engine-cu13's libtransformer_engine.so is 559 MB, nearly all of it cubins for a dozen architectures;
-one device call carries at most 64 MiB. The CUDA runtime picks the cubin (or PTX) of the device's own architecture
+one part of the kit carries at most 64 MiB. The CUDA runtime picks the cubin (or PTX) of the device's own architecture
 from each fat binary and never reads the others, so their payloads are zeroed in place (the layout, the offsets
 and every header stay as they were) and the wheel is re-deflated: zeros compress to almost nothing. Kept: every
 cubin of the kept architecture, and PTX of it or an older one (JIT fallback) only in a fat binary with no such cubin
@@ -9,7 +9,7 @@ cubin of the kept architecture, and PTX of it or an older one (JIT fallback) onl
 the members under PREFIX (pulp's bundled CBC solver binaries: 15 MiB that modelopt's import of pulp never runs). The
 wheel keeps its name; RECORD is rewritten. A GPU-kit tool:
 
-    python3 scripts/gpukit/wheel_trim.py IN.whl OUTDIR [--arch 90] [--drop pulp/solverdir/ ...]
+    python3 tools/gpu-offline/gpukit/wheel_trim.py IN.whl OUTDIR [--arch 90] [--drop pulp/solverdir/ ...]
 """
 
 from __future__ import annotations

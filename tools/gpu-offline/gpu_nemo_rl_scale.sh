@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# Real NeMo RL at the stock recipe's real scale on one GPU or several, under `bash scripts/gpu_kit.sh run` (vLLM, Ray
+# Real NeMo RL at the stock recipe's real scale on one GPU or several, under `bash tools/gpu-offline/gpu_kit.sh run` (vLLM, Ray
 # and the pinned NeMo RL in place; docs/gpu.md "Real scale"). A run outlasts one 10-minute command, so runs go detached:
-#   bash scripts/gpu_kit.sh run bash scripts/gpu_nemo_rl_scale.sh start RUN...   queue RUNs (one after another) in a
+#   bash tools/gpu-offline/gpu_kit.sh run bash tools/gpu-offline/gpu_nemo_rl_scale.sh start RUN...   queue RUNs (one after another) in a
 #                                                                                 new session; returns at once
-#   bash scripts/gpu_kit.sh run bash scripts/gpu_nemo_rl_scale.sh wait [S]       wait up to S s (default 560) and
+#   bash tools/gpu-offline/gpu_kit.sh run bash tools/gpu-offline/gpu_nemo_rl_scale.sh wait [S]       wait up to S s (default 560) and
 #                                                                                 copy every finished run's files to $OUT
-#   bash scripts/gpu_kit.sh run bash scripts/gpu_nemo_rl_scale.sh snapshot       the unfinished runs as they stand
+#   bash tools/gpu-offline/gpu_kit.sh run bash tools/gpu-offline/gpu_nemo_rl_scale.sh snapshot       the unfinished runs as they stand
 #                                                                                 (their trace, report, logs) to $OUT
 # A RUN argument may join runs: A+B runs A and B at the same time (on different GPUs), A,B one after the other
 # inside its branch; e.g. `shared2+transport,split2` (the shared run on GPUS while the transport benchmark and then
@@ -50,7 +50,7 @@ prepare() {
     python3 -m pip install -q --no-deps --no-build-isolation --no-compile --target "$WORK/rlix-site" "$REPO" || return 3
   fi
   export PYTHONPATH="$WORK/rlix-site:$PYTHONPATH" VLLM_RAY_EXTRA_ENV_VARS_TO_COPY=PYTHONPATH
-  [ -f "$DATA/model/model.safetensors" ] || python3 "$REPO/scripts/gpu/nemo_rl_real_data.py" "$DATA" --shape "$SHAPE" || return 3
+  [ -f "$DATA/model/model.safetensors" ] || python3 "$REPO/tools/gpu-offline/gpu/nemo_rl_real_data.py" "$DATA" --shape "$SHAPE" || return 3
   if [ ! -d "$WORK/patched/nemo_rl" ]; then  # the pinned series on a copy (the kit's source is no git checkout)
     mkdir -p "$WORK/patched" && cp -a "$NEMO_RL_SRC/." "$WORK/patched/"
     cat "$REPO"/rlix_plugins/patches/nemo-rl/7ea279a/0*.patch >"$WORK/series.patch"
@@ -80,7 +80,7 @@ for line in sys.stdin: sys.stdout.write(f"{time.time():.3f} {line}")'; }
 driver() {  # driver NAME DIR CHECKOUT CONFIG [env...]: one run_grpo.py driver, time-stamped console in DIR
   local name=$1 dir=$2 src=$3 config=$4; shift 4
   (cd "$src" && env PYTHONPATH="$src:$PYTHONPATH" "$@" timeout -k 10 "${DRIVER_TIMEOUT_S:-3000}" \
-     python3 "$REPO/scripts/gpu/nemo_rl_system_python.py" examples/run_grpo.py --config "$config" "${REAL[@]}" \
+     python3 "$REPO/tools/gpu-offline/gpu/nemo_rl_system_python.py" examples/run_grpo.py --config "$config" "${REAL[@]}" \
      "${MORE[@]}" logger.log_dir="$dir/logs_$name" 2>&1 | stamp >"$dir/console_$name.log")
 }
 
@@ -91,7 +91,7 @@ fresh_dir() {  # fresh_dir DIR: an empty run directory; an earlier run's (its fi
   mkdir -p "$1"
 }
 
-sample() { python3 "$REPO/scripts/gpu/nvml_sampler.py" "$1" --gpus "$2" >/dev/null 2>&1 & echo $!; }  # sample CSV GPUS
+sample() { python3 "$REPO/tools/gpu-offline/gpu/nvml_sampler.py" "$1" --gpus "$2" >/dev/null 2>&1 & echo $!; }  # sample CSV GPUS
 
 ray_head() {  # ray_head DIR K GPUS: a Ray head of its own (K: 0 shared runs, 1 static split, 2 standalone) on GPUS
   # Its ports, client server and worker ports differ by K, so several clusters run on one machine at once; the
@@ -106,7 +106,7 @@ ray_head() {  # ray_head DIR K GPUS: a Ray head of its own (K: 0 shared runs, 1 
 
 finish() {  # finish DIR RC: report, pack
   local dir=$1
-  python3 "$REPO/scripts/gpu/nemo_rl_shared_report.py" "$dir" >"$dir/report.txt" 2>&1
+  python3 "$REPO/tools/gpu-offline/gpu/nemo_rl_shared_report.py" "$dir" >"$dir/report.txt" 2>&1
   echo "exit: $2" >>"$dir/report.txt"
   touch "$dir/DONE"
 }
@@ -152,7 +152,7 @@ run_shared() {  # run_shared NAME N MODE (together | sequential): on GPUS, clust
   [ -n "$watcher" ] && kill "$watcher" 2>/dev/null
   python3 -m rlix_plugins.cli status --json >"$dir/status.json" 2>&1
   python3 -m rlix_plugins.cli timeline --out "$dir/timeline.png" >"$dir/timeline.log" 2>&1
-  python3 "$REPO/scripts/gpu/dump_trace.py" "$dir/trace.jsonl" >>"$dir/timeline.log" 2>&1
+  python3 "$REPO/tools/gpu-offline/gpu/dump_trace.py" "$dir/trace.jsonl" >>"$dir/timeline.log" 2>&1
   sleep 5  # let the workers' processes exit, then read what is left on the GPU
   kill "$sampler" 2>/dev/null
   gpu_after "$dir" "$GPUS"
@@ -287,7 +287,7 @@ run() {  # each argument in turn; A+B: A and B at once; A,B: one after the other
   touch "$ROOT/ALL_DONE"
 }
 
-collect() {  # every finished run: its report and one archive into $OUT (the device returns at most 8 files)
+collect() {  # every finished run: its report and one archive into $OUT (at most 8 files, where transfers back are limited)
   local d
   for d in "$ROOT"/*/; do
     d=${d%/}
@@ -325,10 +325,10 @@ snapshot)  # every unfinished run as it stands: the trace read from its live con
     [ -f "$d/DONE" ] && continue
     n=$(basename "$d")
     [ -f "$d/ray_address" ] && [ -f "$d/rlix_up.log" ] &&
-      RAY_ADDRESS=$(cat "$d/ray_address") timeout 60 python3 "$REPO/scripts/gpu/dump_trace.py" "$d/trace.jsonl" >/dev/null 2>&1
-    python3 "$REPO/scripts/gpu/nemo_rl_shared_report.py" "$d" >"$d/report.txt" 2>&1
+      RAY_ADDRESS=$(cat "$d/ray_address") timeout 60 python3 "$REPO/tools/gpu-offline/gpu/dump_trace.py" "$d/trace.jsonl" >/dev/null 2>&1
+    python3 "$REPO/tools/gpu-offline/gpu/nemo_rl_shared_report.py" "$d" >"$d/report.txt" 2>&1
     cp "$d/report.txt" "$OUT/${n}_partial_report.txt"
     tar -cJf "$OUT/${n}_partial.txz" --exclude='logs_*' --exclude=ray_logs -C "$ROOT" "$n"
   done ;;
-*) echo "usage: bash scripts/gpu_nemo_rl_scale.sh start RUN... | wait [S] | snapshot" >&2; exit 2 ;;
+*) echo "usage: bash tools/gpu-offline/gpu_nemo_rl_scale.sh start RUN... | wait [S] | snapshot" >&2; exit 2 ;;
 esac

@@ -4,7 +4,7 @@ Downloads each missing package's wheel with ``pip download --no-deps`` and follo
 evaluated for CPython 3.12 on Linux x86-64), skipping what the GPU image, the vLLM carry kit and the Ray kit already
 provide. Resolving the whole tree with pip's resolver instead backtracks for > 10 minutes over torch's CUDA wheels.
 
-    python3 scripts/gpu_nemokit_closure.py OUT_DIR PRESENT_FILE PKG [PKG ...]
+    python3 tools/gpu-offline/gpu_nemokit_closure.py OUT_DIR PRESENT_FILE PKG [PKG ...]
 """
 
 from __future__ import annotations
