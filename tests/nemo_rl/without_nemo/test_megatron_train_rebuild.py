@@ -133,6 +133,7 @@ def _check_losses(results: dict) -> None:
         assert r["a"][1] != pytest.approx(r["a"][0], rel=1e-3), r  # the step changed the weights
 
 
+@pytest.mark.slow  # two processes that import torch and Megatron, and two models trained: ~70 s on 2 cores
 def test_step_after_rebuild_matches_a_worker_that_never_tore_down_gloo() -> None:
     _check_losses(_run("gloo"))
 
