@@ -56,7 +56,7 @@ def _cmd_recipe(args: argparse.Namespace) -> int:
     from rlix_plugins.nemo_rl.recipe import run_cli
 
     return run_cli(args.stock, args.out, args.pipelines, args.gpus, args.gpus_per_node, args.data_plane,
-                   args.gpu_memory_gib, args.host_memory_gib, args.gpu_memory_utilization)
+                   args.gpu_memory_gib, args.host_memory_gib, args.gpu_memory_utilization, args.nodes)
 
 
 def _gpu_ids(text: str) -> list[int]:
@@ -149,7 +149,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("stock", metavar="STOCK.yaml", help="the stock NeMo RL recipe (its defaults: chain is resolved)")
     p.add_argument("--pipelines", type=_positive_int, default=2, help="pipelines sharing the GPUs (default 2)")
     p.add_argument("--gpus", type=_gpu_ids, required=True, help="GPU ids they share, e.g. 0 or 0,1")
-    p.add_argument("--gpus-per-node", type=_positive_int, default=None, help="GPUs of the node (default: max id + 1)")
+    p.add_argument("--gpus-per-node", type=_positive_int, default=None,
+                   help="GPUs of each node (default on one node: max id + 1; needed with --nodes > 1)")
+    p.add_argument("--nodes", type=_positive_int, default=1,
+                   help="nodes the GPUs span (default 1); --gpus are then global ids: node rank x GPUs per node + local id")
     p.add_argument("--out", required=True, help="directory for the overlays")
     p.add_argument("--data-plane", action="store_true",
                    help="run NeMo RL's TransferQueue loop (data_plane.enabled) instead of async GRPO")
