@@ -416,7 +416,8 @@ def _overlay(stock: Mapping[str, Any], p: PipelineLayout, num_pipelines: int, gp
     _set(ov, stock, "policy.generation.vllm_cfg.sleep_level", _SLEEP_LEVEL, "patch 0003; must equal rlix.sleep_level")
     _set(ov, stock, "policy.generation.vllm_kwargs.worker_cls", _WORKER_CLS,
          "the weight receiver (rlix_plugins.vllm.nemo_rl_vllm_kwargs())")
-    _set(ov, stock, "cluster.gpus_per_node", gpus_per_node, "GPUs of each node the pipelines share")
+    _set(ov, stock, "cluster.gpus_per_node", gpus_per_node,
+         "GPUs of the node the pipelines share" if nodes == 1 else "GPUs of each node the pipelines share")
     _set(ov, stock, "cluster.num_nodes", nodes, "nodes the pipelines share (--nodes)")
     if num_pipelines > 1:
         for key in ("checkpointing.checkpoint_dir", "logger.log_dir"):
