@@ -17,7 +17,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
     from rlix_plugins.control.admin.commands import up
 
     return up(address=args.address, num_gpus=args.num_gpus, num_cpus=args.num_cpus,
-              insecure_no_auth=args.insecure_no_auth)
+              insecure_no_auth=args.insecure_no_auth, node_ip=args.node_ip_address)
 
 
 def _cmd_down(args: argparse.Namespace) -> int:
@@ -117,6 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--insecure-no-auth", action="store_true",
                    help="start the local Ray cluster WITHOUT token authentication: anyone who can reach its ports "
                         "can run code on it (default: Ray's token authentication, see README Security)")
+    p.add_argument("--node-ip-address", default=None,
+                   help="IP to start the local Ray head on and record: the address other nodes join with "
+                        "`ray start --address IP:PORT` (default: the one Ray picks for this machine)")
 
     p = add("down", _cmd_down, "Stop the rlix control plane (and, with --stop-ray, the local Ray cluster).")
     _add_address(p)
