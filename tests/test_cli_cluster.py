@@ -199,6 +199,8 @@ def test_up_status_down_act_only_on_the_head_up_started(control_plane: client.Co
 
         err = one_line_error(rlix("up", "--num-gpus", "3", state_dir=state), "up")
         assert "--num-gpus 3, but the Ray cluster `rlix up` started" in err and "declares 2" in err
+        err = one_line_error(rlix("up", "--node-ip-address", "198.51.100.7", state_dir=state), "up")
+        assert f"--node-ip-address 198.51.100.7, but the Ray head `rlix up` started runs at {record.address}" in err
         res = rlix("up", "--num-gpus", "2", state_dir=state)  # the same again: joins, starts nothing
         assert res.returncode == 0 and "control plane running" in res.stdout, res.stderr
         assert _record(state) == record

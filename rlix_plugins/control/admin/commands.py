@@ -101,6 +101,11 @@ def up(address: str | None, num_gpus: int | None, num_cpus: int | None, insecure
                 f"--insecure-no-auth only applies when `rlix up` starts a Ray cluster, and the one it started at "
                 f"{recorded.address} runs; drop the flag, or `rlix down --stop-ray` first"
             )
+        if node_ip and recorded.address.rsplit(":", 1)[0].strip("[]") != node_ip:
+            raise RlixConfigError(
+                f"--node-ip-address {node_ip}, but the Ray head `rlix up` started runs at {recorded.address}; stop "
+                f"it with `rlix down --stop-ray` and run `rlix up --node-ip-address {node_ip}` again, or drop the flag"
+            )
         _connect_ray(recorded.address)
         resources = ray.cluster_resources()
         _check_declared("--num-gpus", num_gpus, resources.get("GPU", 0.0), recorded.address)
