@@ -17,7 +17,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
     from rlix_plugins.control.admin.commands import up
 
     return up(address=args.address, num_gpus=args.num_gpus, num_cpus=args.num_cpus,
-              insecure_no_auth=args.insecure_no_auth)
+              insecure_no_auth=args.insecure_no_auth, node_ip=args.node_ip_address)
 
 
 def _cmd_down(args: argparse.Namespace) -> int:
@@ -56,7 +56,7 @@ def _cmd_recipe(args: argparse.Namespace) -> int:
     from rlix_plugins.nemo_rl.recipe import run_cli
 
     return run_cli(args.stock, args.out, args.pipelines, args.gpus, args.gpus_per_node, args.data_plane,
-                   args.gpu_memory_gib, args.host_memory_gib, args.gpu_memory_utilization)
+                   args.gpu_memory_gib, args.host_memory_gib, args.gpu_memory_utilization, args.nodes)
 
 
 def _gpu_ids(text: str) -> list[int]:
@@ -117,6 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--insecure-no-auth", action="store_true",
                    help="start the local Ray cluster WITHOUT token authentication: anyone who can reach its ports "
                         "can run code on it (default: Ray's token authentication, see README Security)")
+    p.add_argument("--node-ip-address", default=None,
+                   help="IP to start the local Ray head on and record: the address other nodes join with "
+                        "`ray start --address IP:PORT` (default: the one Ray picks for this machine)")
 
     p = add("down", _cmd_down, "Stop the rlix control plane (and, with --stop-ray, the local Ray cluster).")
     _add_address(p)
@@ -149,7 +152,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("stock", metavar="STOCK.yaml", help="the stock NeMo RL recipe (its defaults: chain is resolved)")
     p.add_argument("--pipelines", type=_positive_int, default=2, help="pipelines sharing the GPUs (default 2)")
     p.add_argument("--gpus", type=_gpu_ids, required=True, help="GPU ids they share, e.g. 0 or 0,1")
-    p.add_argument("--gpus-per-node", type=_positive_int, default=None, help="GPUs of the node (default: max id + 1)")
+    p.add_argument("--gpus-per-node", type=_positive_int, default=None,
+                   help="GPUs of each node (default on one node: max id + 1; needed with --nodes > 1)")
+    p.add_argument("--nodes", type=_positive_int, default=1,
+                   help="nodes the GPUs span (default 1); --gpus are then global ids: node rank x GPUs per node + local id")
     p.add_argument("--out", required=True, help="directory for the overlays")
     p.add_argument("--data-plane", action="store_true",
                    help="run NeMo RL's TransferQueue loop (data_plane.enabled) instead of async GRPO")

@@ -7,8 +7,11 @@ end exactly that head's processes and leave the session's cluster and control pl
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
+import socket
 import subprocess
 import sys
 import time
@@ -96,6 +99,61 @@ def test_a_head_rlix_up_starts_refuses_clients_without_its_token(tmp_path: Path)
         local_cluster.stop_head(record)
 
 
+_NODES = """
+import logging, sys, ray
+ray.init(address=sys.argv[1], log_to_driver=False, logging_level=logging.ERROR)
+print("NODES", " ".join(sorted(n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"])))
+"""
+
+
+@pytest.mark.slow
+def test_the_head_is_recorded_at_its_node_ip_where_another_node_joins(tmp_path: Path) -> None:
+    """`rlix up` records the head's node IP (before: 127.0.0.1, which another machine reads as itself), and a
+    raylet at another address (127.0.0.2, standing in for a second machine) joins the cluster at that address."""
+    ip = local_cluster.head_node_ip()
+    if ip.startswith("127.") or not _bindable("127.0.0.2"):
+        pytest.skip(f"this machine has no address other than loopback ({ip}) or cannot bind 127.0.0.2")
+    state = tmp_path / "state"
+    auth = {"RAY_AUTH_TOKEN_PATH": str(tmp_path / "tokens" / "auth_token")}
+    res = rlix("up", "--num-gpus", "1", "--num-cpus", "1", state_dir=state, timeout=240, env=auth)
+    assert res.returncode == 0, res.stderr
+    record = _record(state)
+    joined: subprocess.Popen[str] | None = None
+    try:
+        assert record.address.rsplit(":", 1)[0] == ip and f"RAY_ADDRESS={record.address}" in res.stdout
+        ray_exe = str(Path(sys.executable).parent / "ray")
+        joined = subprocess.Popen(  # --block: the raylet stays in this process's own session, ended below
+            [ray_exe, "start", f"--address={record.address}", "--node-ip-address=127.0.0.2", "--num-cpus=1",
+             "--num-gpus=1", "--block", "--disable-usage-stats"],
+            env=_env(RAY_AUTH_MODE="token", **auth), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+        nodes = ""
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and nodes != f"NODES 127.0.0.2 {ip}":
+            out = subprocess.run([sys.executable, "-c", _NODES, record.address], capture_output=True, text=True,
+                                 timeout=120, env=_env(RAY_AUTH_MODE="token", **auth)).stdout
+            nodes = next((line for line in out.splitlines() if line.startswith("NODES")), "")
+            time.sleep(1)
+        assert nodes == f"NODES 127.0.0.2 {ip}"
+    finally:
+        if joined is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(joined.pid, signal.SIGTERM)
+            try:
+                joined.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(joined.pid, signal.SIGKILL)
+        local_cluster.stop_head(record)
+
+
+def _bindable(ip: str) -> bool:
+    try:
+        with socket.socket() as s:
+            s.bind((ip, 0))
+        return True
+    except OSError:
+        return False
+
+
 @pytest.mark.slow
 def test_insecure_no_auth_is_explicit_and_warns(tmp_path: Path) -> None:
     state = tmp_path / "state"
@@ -141,6 +199,8 @@ def test_up_status_down_act_only_on_the_head_up_started(control_plane: client.Co
 
         err = one_line_error(rlix("up", "--num-gpus", "3", state_dir=state), "up")
         assert "--num-gpus 3, but the Ray cluster `rlix up` started" in err and "declares 2" in err
+        err = one_line_error(rlix("up", "--node-ip-address", "198.51.100.7", state_dir=state), "up")
+        assert f"--node-ip-address 198.51.100.7, but the Ray head `rlix up` started runs at {record.address}" in err
         res = rlix("up", "--num-gpus", "2", state_dir=state)  # the same again: joins, starts nothing
         assert res.returncode == 0 and "control plane running" in res.stdout, res.stderr
         assert _record(state) == record

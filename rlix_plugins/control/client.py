@@ -46,6 +46,7 @@ import ray
 from rlix_plugins import envs
 from rlix_plugins.control.admin import ray_auth
 from rlix_plugins.control.coordinator import Coordinator, CoordinatorConfig
+from rlix_plugins.control.nodes import NodeTable
 from rlix_plugins.control.orchestrator import Orchestrator
 from rlix_plugins.control.rpc import ray_get
 from rlix_plugins.control.scheduling.config import SchedulerConfig, to_priority
@@ -233,6 +234,12 @@ class ControlPlane:
 
     def pool(self) -> dict[str, int]:
         return dict(call(self.orchestrator.pool.remote(), "pool"))
+
+    def node_table(self) -> NodeTable:
+        """Which node and node-local GPU each pool GPU id names (``control.nodes``; owned by the orchestrator)."""
+        table = call(self.orchestrator.node_table.remote(), "node_table")
+        assert isinstance(table, NodeTable)
+        return table
 
     def status(self) -> dict[str, Any]:
         return dict(call(self.scheduler.status.remote(), "status", dead=SCHEDULER_DEAD))

@@ -1,7 +1,8 @@
 """The orchestrator actor (``rlix:orchestrator`` in namespace ``rlix``): pipeline ids, registration, kill.
 
-It owns the pool description (``ray.cluster_resources()["GPU"]`` GPUs, ids ``0..G-1``, ``gpus_per_node`` from
-the alive nodes, which must be uniform) and creates the scheduler singleton on first start. Registration input is
+It owns the pool description: the node table (``control.nodes``: GPU nodes ordered by IP then node id, the same GPU
+count on each, global GPU id = node rank x GPUs per node + local id), built once at start and handed to placement
+(``node_table``); and it creates the scheduler singleton on first start. Registration input is
 validated here (``registration.build_cluster_specs``) and handed to the scheduler as ``ClusterSpec`` records.
 
 A threaded actor: every method is short except ``kill_pipeline`` (bounded by ``kill_timeout_s``).
@@ -17,6 +18,7 @@ from typing import Any, Final
 
 import ray
 
+from rlix_plugins.control.nodes import NodeTable, current_node_table
 from rlix_plugins.control.registration import build_cluster_specs, validate_pipeline_id
 from rlix_plugins.control.rpc import ray_get
 from rlix_plugins.control.scheduling.config import SchedulerConfig
@@ -31,32 +33,17 @@ PIPELINE_KINDS: Final = ("ft", "lora")
 
 
 def discover_pool(wait_s: float = 10.0) -> tuple[int, int]:
-    """(num_gpus, gpus_per_node) of the current Ray cluster; waits up to ``wait_s`` for GPUs to appear."""
-    deadline = time.monotonic() + wait_s
-    while True:
-        total = int(ray.cluster_resources().get("GPU", 0))
-        if total > 0 or time.monotonic() >= deadline:
-            break
-        time.sleep(0.5)
-    if total <= 0:
-        raise RlixConfigError(
-            "the Ray cluster has no GPUs; start it with GPUs (`rlix up --num-gpus N` declares N on a CPU machine, "
-            "or `ray start --head --num-gpus N`)"
-        )
-    per_node = sorted({int(n["Resources"].get("GPU", 0)) for n in ray.nodes()
-                       if n.get("Alive") and n["Resources"].get("GPU", 0) > 0})
-    if len(per_node) != 1:
-        raise RlixConfigError(
-            f"GPU nodes are not uniform (GPUs per node: {per_node}); rlix needs the same GPU count on every node"
-        )
-    return total, per_node[0]
+    """(num_gpus, gpus_per_node) of the current Ray cluster's node table; waits up to ``wait_s`` for GPUs."""
+    table = current_node_table(wait_s)
+    return table.num_gpus, table.gpus_per_node
 
 
 class Orchestrator:
     """Create through ``client.connect``; methods are plain (threaded actor)."""
 
     def __init__(self, scheduler_config: SchedulerConfig | None = None) -> None:
-        self._num_gpus, self._gpus_per_node = discover_pool()
+        self._nodes = current_node_table()
+        self._num_gpus, self._gpus_per_node = self._nodes.num_gpus, self._nodes.gpus_per_node
         self._config = scheduler_config
         self._scheduler = _create_scheduler(self._num_gpus, self._gpus_per_node, scheduler_config)
         _get(self._scheduler.ping.remote(), "scheduler start")
@@ -75,6 +62,10 @@ class Orchestrator:
 
     def pool(self) -> dict[str, int]:
         return {"num_gpus": self._num_gpus, "gpus_per_node": self._gpus_per_node}
+
+    def node_table(self) -> NodeTable:
+        """The node table the pool's GPU ids refer to (the one owner of that fact; see ``control.nodes``)."""
+        return self._nodes
 
     def allocate_pipeline_id(self, kind: str = "ft") -> str:
         """A fresh id ``<kind>_<12 hex>`` (kind ``ft`` = full finetune, ``lora``)."""

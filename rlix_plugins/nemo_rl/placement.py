@@ -3,9 +3,12 @@ worker groups read.
 
 * :class:`GpuPlacementPool` - a detached named actor ``rlix:placement`` (namespace ``rlix``) that owns ONE placement
   group per GPU (one ``{"GPU": 1, "CPU": n}`` bundle each, ``n`` = worker groups per GPU), created on first use and
-  shared by every pipeline; ``groups(gpus)`` returns them keyed by the GPU id Ray actually assigned to the bundle
-  (probed once), so rlix's device ids and Ray's agree. The actor serialises creation (two drivers never create
-  two groups for one GPU).
+  shared by every pipeline. ``groups(gpus, table)`` takes rlix's global GPU ids and the control plane's node table
+  (:mod:`rlix_plugins.control.nodes`: global id = node rank x GPUs per node + local id): each new group's bundle is
+  pinned to the table's node by Ray's ``ray.io/node-id`` label, a probe in the bundle reports where it really runs
+  (node id, node IP, ``ray.get_gpu_ids()``), that is checked against the table, and the group is kept under
+  (node id, local GPU id): the local id alone repeats on every node. The actor serialises creation (two drivers
+  never create two groups for one GPU).
 * :class:`VirtualClusterAdapter` - duck-typed to the members of NeMo RL's ``RayVirtualCluster`` that
   ``RayWorkerGroup`` / ``Policy`` / ``VllmGeneration`` read (``world_size``, ``node_count``,
   ``get_placement_groups``, ``_init_placement_groups``, ``_sorted_bundle_indices``,
@@ -37,7 +40,8 @@ worker groups read.
   control plane.
 
 Limits (clear errors): vLLM TP 1 only (a TP group needs one multi-bundle placement group, NeMo RL's tied-worker
-layout), one node (the pool keys groups by node-local GPU id). Not proven on GPUs yet.
+layout; such a group will be pinned to one node the same way). Several nodes: tested on CPU with several raylets
+(``tests/nemo_rl/without_nemo/test_placement_nodes.py``), not yet on GPU machines.
 """
 
 from __future__ import annotations
@@ -50,9 +54,10 @@ import threading
 from typing import TYPE_CHECKING, Any, Final
 
 import ray
-from ray.util.placement_group import PlacementGroup, placement_group
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from rlix_plugins.control.nodes import NODE_ID_LABEL, GpuLocation, NodeTable, PlacementMismatchError
 from rlix_plugins.control.rpc import ray_get
 from rlix_plugins.errors import RlixConfigError, RlixError
 
@@ -87,8 +92,10 @@ def worker_name_prefix(pipeline_id: str, role: str) -> str:
     return f"{pipeline_id}-{role}"
 
 
-def _probe_gpu() -> list[int]:
-    return [int(g) for g in ray.get_gpu_ids()]
+def _probe_location() -> tuple[str, str, list[int]]:
+    """Where this worker really runs: (Ray node id, node IP, node-local GPU ids)."""
+    return (ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address(),
+            [int(g) for g in ray.get_gpu_ids()])
 
 
 def _free_port() -> tuple[str, int]:
@@ -107,46 +114,71 @@ class GpuPlacementPool:
             raise RlixConfigError(f"worker_groups_per_gpu={worker_groups_per_gpu} must be >= 1")
         self._timeout_s = timeout_s
         self._per_gpu = int(worker_groups_per_gpu)
-        self._by_gpu: dict[int, PlacementGroup] = {}
+        #: (Ray node id, node-local GPU id) -> its group. Never the local id alone: it repeats on every node.
+        self._by_loc: dict[tuple[str, int], PlacementGroup] = {}
 
     def worker_groups_per_gpu(self) -> int:
         return self._per_gpu
 
-    def groups(self, gpus: list[int]) -> dict[int, PlacementGroup]:
-        """Placement groups of ``gpus``, created on first use and kept. Ray picks a new bundle's GPU, so groups are
-        created (as many as GPUs are missing), probed for their GPU id, kept, until every requested GPU has one;
-        a group that landed on another GPU is kept for later requests."""
-        total = int(ray.cluster_resources().get("GPU", 0))
-        if gpus and max(gpus) >= total:
-            raise RlixConfigError(f"GPUs {sorted(gpus)} requested; the Ray cluster has {total} (ids 0..{total - 1})")
-        while need := [g for g in gpus if g not in self._by_gpu]:
-            new = [placement_group([{"GPU": 1, "CPU": self._per_gpu}], strategy="STRICT_PACK") for _ in need]
+    def groups(self, gpus: list[int], table: NodeTable) -> dict[int, PlacementGroup]:
+        """Placement groups of the global GPU ids ``gpus`` (``table``: the control plane's node table), created on
+        first use and kept. Each new group's bundle is pinned to the node the table names (Ray's node-id label);
+        Ray picks the GPU inside that node, so groups are created (one per missing GPU), probed for where they
+        really landed, checked against the table and kept, until every requested GPU has one; a group that landed
+        on another GPU of its node is kept for later requests."""
+        want = {g: table.locate(g) for g in gpus}  # a clear error for an id outside the pool, before creating any
+        while need := [loc for loc in want.values() if (loc.node_id, loc.local_gpu) not in self._by_loc]:
+            new = [placement_group([{"GPU": 1, "CPU": self._per_gpu}], strategy="STRICT_PACK",
+                                   bundle_label_selector=[{NODE_ID_LABEL: loc.node_id}]) for loc in need]
             try:
+                nodes = sorted({loc.node_ip for loc in need})
                 ray_get([pg.ready() for pg in new], f"{len(new)} per-GPU placement groups ready", self._timeout_s,
-                        hint=f" (each needs 1 free GPU and {self._per_gpu} free CPUs, one per worker group it holds; "
-                             f"GPUs {need} are missing: declare more CPUs to Ray, e.g. `ray start --num-cpus`)")
-                probes = [ray.remote(_probe_gpu).options(num_cpus=0, num_gpus=0.01, scheduling_strategy=(
+                        hint=f" (each needs 1 free GPU and {self._per_gpu} free CPUs on its node, one CPU per worker "
+                             f"group it holds; GPUs {[loc.gpu for loc in need]} on node(s) {nodes} are missing: "
+                             "free them, or declare more CPUs to Ray, e.g. `ray start --num-cpus`)")
+                probes = [ray.remote(_probe_location).options(num_cpus=0, num_gpus=0.01, scheduling_strategy=(
                     PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=0))).remote()
                     for pg in new]
-                ids = ray_get(probes, "probing the GPU ids of new placement groups", self._timeout_s)
+                found = ray_get(probes, "probing where new placement groups landed", self._timeout_s)
+                fresh = self._check_new(need, found, table)
             except BaseException:
-                from ray.util import remove_placement_group
-
                 for pg in new:
                     remove_placement_group(pg)
                 raise
-            for pg, gid in zip(new, ids, strict=True):
-                self._by_gpu[gid[0]] = pg
-        return {g: self._by_gpu[g] for g in gpus}
+            self._by_loc.update(zip(fresh, new, strict=True))
+        return {g: self._by_loc[(loc.node_id, loc.local_gpu)] for g, loc in want.items()}
+
+    def _check_new(self, need: list[GpuLocation], found: list[tuple[str, str, list[int]]],
+                   table: NodeTable) -> list[tuple[str, int]]:
+        """The (node id, local GPU) keys of new groups from what their probes reported; a group off its pinned node,
+        at an address the table does not hold, or on a GPU another group holds is an error."""
+        keys: list[tuple[str, int]] = []
+        for loc, (node_id, node_ip, local) in zip(need, found, strict=True):
+            if len(local) != 1:
+                raise PlacementMismatchError(f"a one-GPU bundle's worker on node {node_ip} sees GPUs {local}")
+            table.check_location(table.global_gpu(node_id, local[0]), node_id, node_ip, local)
+            if node_id != loc.node_id:
+                raise PlacementMismatchError(
+                    f"the group for GPU {loc.gpu} was pinned to node {loc.node_ip} ({loc.node_id[:8]}…) but landed on "
+                    f"{node_ip} ({node_id[:8]}…): Ray ignored the node label; check the nodes' labels (`ray list "
+                    "nodes --detail`)")
+            key = (node_id, local[0])
+            if key in self._by_loc or key in keys:
+                raise PlacementMismatchError(f"two placement groups report local GPU {local[0]} of node {node_ip}; "
+                                             "Ray's GPU accounting disagrees with the bundles: restart the Ray cluster")
+            keys.append(key)
+        return keys
+
+    def locations(self) -> dict[tuple[str, int], str]:
+        """(node id, local GPU) -> placement group id (hex) of every group the pool holds."""
+        return {loc: pg.id.hex() for loc, pg in self._by_loc.items()}
 
     def release_all(self) -> int:
         """Remove every group (``rlix down``; tests). Workers still placed in them are killed by Ray."""
-        from ray.util import remove_placement_group
-
-        n = len(self._by_gpu)
-        for pg in self._by_gpu.values():
+        n = len(self._by_loc)
+        for pg in self._by_loc.values():
             remove_placement_group(pg)
-        self._by_gpu.clear()
+        self._by_loc.clear()
         return n
 
 
@@ -169,7 +201,9 @@ class VirtualClusterAdapter:
         self._groups = list(groups)
         self.name = name
         self.use_gpus = True
-        self.num_gpus_per_node = 1  # one bundle per placement group
+        # Bundles per node inside ONE of these groups (one), not the machine's GPU count (the node table has that):
+        # NeMo RL compares TP·PP with it to choose a unified cross-node group, refused here (TP 1 only for now).
+        self.num_gpus_per_node = 1
         self.max_colocated_worker_groups = max_colocated_worker_groups
         self._sorted_bundle_indices = None
         self._nvlink_domain_per_bundle_index = None
@@ -315,7 +349,8 @@ def nemo_rl_placement(master_config: Any) -> tuple[VirtualClusterAdapter, Virtua
                 megatron_worker_env(cfg_path(master_config, "policy.megatron_cfg.env_vars")))
     gpus = sorted(set(cfg.train_devices) | set(cfg.infer_devices))
     pool, dead = placement_pool(), "the placement pool actor died; `rlix down` and start again"
-    groups = ray_get(pool.groups.remote(gpus), f"shared placement groups of GPUs {gpus}", cfg.runtime.init_timeout_s,
+    table = cp.node_table()  # the control plane's: the ids in rlix.*_devices are its global GPU ids
+    groups = ray_get(pool.groups.remote(gpus, table), f"shared placement groups of GPUs {gpus}", cfg.runtime.init_timeout_s,
                      dead=dead)
     per_gpu = int(ray_get(pool.worker_groups_per_gpu.remote(), "pool.worker_groups_per_gpu", 60.0, dead=dead))
     _register_setup(cp, master_config, cfg)  # last: NeMo RL creates the workers right after this returns

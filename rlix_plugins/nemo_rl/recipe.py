@@ -6,7 +6,9 @@ time-sharing changes, each with its reason as a comment. The stock recipe is res
 replaces a section) without importing NeMo RL; the result (stock + overlay) passes the same start-up checks as a
 real run (:func:`.config.load_run_config`, :func:`.topology.topology_problems`), or nothing is written.
 
-Layout of ``N`` pipelines on ``G`` GPUs (one node, vLLM TP 1: what the shared placement supports):
+Layout of ``N`` pipelines on ``G`` GPUs (vLLM TP 1: what the shared placement supports). ``--gpus`` are the control
+plane's global GPU ids (:mod:`rlix_plugins.control.nodes`: node rank x ``--gpus-per-node`` + local id), so on
+``--nodes M`` they run ``0 .. M x gpus-per-node - 1``:
 
 * ``G == 1``: every pipeline trains and rolls out on that GPU (:func:`.topology.is_one_gpu_topology`);
 * ``G >= 2``: partial overlap as in ``recipes/nemo_rl/``: every pipeline rolls out on all G GPUs and trains on
@@ -45,6 +47,7 @@ from rlix_plugins.nemo_rl.topology import (
     grpo_loop,
     topology_problems,
     training_parallel_size,
+    vllm_parallel_problems,
 )
 from rlix_plugins.pipeline.config import RuntimeConfig
 
@@ -195,7 +198,7 @@ def _set(overlay: Overlay, stock: Mapping[str, Any], key: str, value: Any, reaso
         overlay.changes[key] = (value, reason)
 
 
-def _refusals(stock: Mapping[str, Any], gpus: Sequence[int], gpus_per_node: int) -> list[str]:
+def _refusals(stock: Mapping[str, Any], gpus: Sequence[int], gpus_per_node: int, nodes: int = 1) -> list[str]:
     problems: list[str] = []
     backend = _resolved(stock, "policy.generation.backend")
     if backend not in (None, "vllm"):
@@ -205,14 +208,21 @@ def _refusals(stock: Mapping[str, Any], gpus: Sequence[int], gpus_per_node: int)
     if int(tp) != 1:
         problems.append(f"policy.generation.vllm_cfg.tensor_parallel_size={tp}: shared placement supports vLLM TP 1 "
                         "only; set it to 1 in the recipe")
-    nodes = _resolved(stock, "cluster.num_nodes") or 1
-    if int(nodes) != 1:
-        problems.append(f"cluster.num_nodes={nodes}: time-sharing runs on one node; use a one-node recipe")
+    problems += vllm_parallel_problems(_resolved(stock, "policy.generation.vllm_cfg.pipeline_parallel_size"),
+                                       _resolved(stock, "policy.generation.vllm_cfg.expert_parallel_size"), tp)
+    stock_nodes = int(_resolved(stock, "cluster.num_nodes") or 1)
+    if stock_nodes not in (1, nodes):  # a one-node recipe may be spread; a many-node one says how many it wants
+        problems.append(f"cluster.num_nodes={stock_nodes} in the recipe but --nodes {nodes}: pass --nodes "
+                        f"{stock_nodes} --gpus-per-node <GPUs of each node> (and --gpus over all of them), or set "
+                        f"cluster.num_nodes={nodes} in the recipe")
+    total = nodes * gpus_per_node
     if len(set(gpus)) != len(gpus) or any(g < 0 for g in gpus):
         problems.append(f"--gpus {list(gpus)}: list distinct GPU ids >= 0")
-    elif max(gpus) >= gpus_per_node:
-        problems.append(f"--gpus {list(gpus)} on a node of {gpus_per_node} GPUs (--gpus-per-node): GPU ids are 0.."
-                        f"{gpus_per_node - 1}")
+    elif max(gpus) >= total:
+        where = (f"a node of {gpus_per_node} GPUs (--gpus-per-node)" if nodes == 1 else
+                 f"{nodes} nodes x {gpus_per_node} GPUs (--nodes, --gpus-per-node; node rank x GPUs per node + local "
+                 "id)")
+        problems.append(f"--gpus {list(gpus)} on {where}: GPU ids are 0..{total - 1}")
     return problems
 
 
@@ -307,20 +317,26 @@ def _rollouts_per_gpu(tenants: Sequence[Any], g: int) -> str:
 def make_overlays(stock: Mapping[str, Any], num_pipelines: int, gpus: Sequence[int],
                   gpus_per_node: int | None = None, data_plane: bool = False, *,
                   gpu_memory_gib: float | None = None, host_memory_gib: float | None = None,
-                  gpu_memory_utilization: float | None = None) -> list[Overlay]:
+                  gpu_memory_utilization: float | None = None, nodes: int = 1) -> list[Overlay]:
     """The overlay of each pipeline, validated by the start-up checks and the memory budget; ``RlixConfigError``
     lists every refusal. ``data_plane``: switch the stock recipe to NeMo RL's TransferQueue loop
     (``grpo_train_sync``). ``gpu_memory_gib`` / ``host_memory_gib``: the memory of the GPUs and the host the
     pipelines will run on (None: not checked; with the GPU's, the overlays carry the scheduler's memory figures).
-    ``gpu_memory_utilization``: the vLLM engines' share of a GPU (None: the stock recipe's)."""
+    ``gpu_memory_utilization``: the vLLM engines' share of a GPU (None: the stock recipe's). ``nodes``: machines
+    the GPUs span (``gpus`` are global ids; more than one needs ``gpus_per_node``)."""
     gpus = list(gpus)
     if gpu_memory_utilization is not None:
         if not 0 < gpu_memory_utilization <= 1:
             raise RlixConfigError(f"--gpu-memory-utilization {gpu_memory_utilization}: give a share in (0, 1]")
         stock = _merge(dict(stock), {"policy": {"generation": {"vllm_cfg": {
             "gpu_memory_utilization": gpu_memory_utilization}}}})
+    if nodes < 1:
+        raise RlixConfigError(f"--nodes {nodes}: need at least 1")
+    if nodes > 1 and not gpus_per_node:
+        raise RlixConfigError(f"--nodes {nodes}: pass --gpus-per-node (every node must have the same GPU count; GPU "
+                              "ids are node rank x GPUs per node + local id)")
     per_node = gpus_per_node or (max(gpus) + 1 if gpus else 1)
-    problems = _refusals(stock, gpus, per_node)
+    problems = _refusals(stock, gpus, per_node, nodes)
     if problems:
         raise RlixConfigError("cannot time-share this recipe:\n  - " + "\n  - ".join(problems))
     trainer_size, how = training_parallel_size(stock)
@@ -329,7 +345,7 @@ def make_overlays(stock: Mapping[str, Any], num_pipelines: int, gpus: Sequence[i
     except RlixConfigError as exc:
         raise RlixConfigError(f"cannot time-share this recipe ({how}): {exc}") from None
     memory, figures = check_memory(stock, layouts, gpu_memory_gib=gpu_memory_gib, host_memory_gib=host_memory_gib)
-    overlays = [_overlay(stock, p, num_pipelines, per_node, data_plane) for p in layouts]
+    overlays = [_overlay(stock, p, num_pipelines, per_node, data_plane, nodes) for p in layouts]
     for ov in overlays:
         ov.memory = memory
         if gpu_memory_utilization is not None:
@@ -354,7 +370,7 @@ ENTRY_POINTS: Final = {ASYNC_GRPO: "examples/run_grpo.py", DATA_PLANE: "examples
 
 
 def _overlay(stock: Mapping[str, Any], p: PipelineLayout, num_pipelines: int, gpus_per_node: int,
-             data_plane: bool) -> Overlay:
+             data_plane: bool, nodes: int = 1) -> Overlay:
     ov = Overlay(p)
     loop = grpo_loop(stock)
     kept = "kept"
@@ -386,14 +402,23 @@ def _overlay(stock: Mapping[str, Any], p: PipelineLayout, num_pipelines: int, gp
              "trajectories from older weights are corrected (NeMo RL requires it with async GRPO)")
     _set(ov, stock, "policy.generation.colocated.enabled", False,
          "non-colocated vLLM; the scheduler shares GPUs instead")
-    _set(ov, stock, "policy.generation.colocated.resources.gpus_per_node", len(p.infer_devices),
-         "one vLLM rank per rlix.infer_devices GPU")
-    _set(ov, stock, "policy.generation.colocated.resources.num_nodes", 1, "one node")
+    infer_nodes = len({g // gpus_per_node for g in p.infer_devices})
+    if infer_nodes == 1:
+        _set(ov, stock, "policy.generation.colocated.resources.gpus_per_node", len(p.infer_devices),
+             "one vLLM rank per rlix.infer_devices GPU")
+        _set(ov, stock, "policy.generation.colocated.resources.num_nodes", 1, "one node")
+    else:
+        _set(ov, stock, "policy.generation.colocated.resources.gpus_per_node", gpus_per_node,
+             "vLLM ranks on whole nodes (rlix.infer_devices places each one)")
+        _set(ov, stock, "policy.generation.colocated.resources.num_nodes", infer_nodes,
+             "the nodes rlix.infer_devices spans")
     _set(ov, stock, "policy.generation.vllm_cfg.async_engine", True, "per-request routing over the active DP ranks")
     _set(ov, stock, "policy.generation.vllm_cfg.sleep_level", _SLEEP_LEVEL, "patch 0003; must equal rlix.sleep_level")
     _set(ov, stock, "policy.generation.vllm_kwargs.worker_cls", _WORKER_CLS,
          "the weight receiver (rlix_plugins.vllm.nemo_rl_vllm_kwargs())")
-    _set(ov, stock, "cluster.gpus_per_node", gpus_per_node, "GPUs of the node the pipelines share")
+    _set(ov, stock, "cluster.gpus_per_node", gpus_per_node,
+         "GPUs of the node the pipelines share" if nodes == 1 else "GPUs of each node the pipelines share")
+    _set(ov, stock, "cluster.num_nodes", nodes, "nodes the pipelines share (--nodes)")
     if num_pipelines > 1:
         for key in ("checkpointing.checkpoint_dir", "logger.log_dir"):
             base = _resolved(stock, key)
@@ -448,12 +473,12 @@ def write_overlays(stock_path: str | os.PathLike[str], out_dir: str | os.PathLik
                    gpus: Sequence[int], gpus_per_node: int | None = None,
                    data_plane: bool = False, *, gpu_memory_gib: float | None = None,
                    host_memory_gib: float | None = None,
-                   gpu_memory_utilization: float | None = None) -> list[tuple[Path, Overlay]]:
+                   gpu_memory_utilization: float | None = None, nodes: int = 1) -> list[tuple[Path, Overlay]]:
     """Validate, then write ``<out>/<stock stem>_rlix_<name>.yaml`` per pipeline (``defaults:`` relative to out)."""
     stock_path, out = Path(stock_path).resolve(), Path(out_dir)
     overlays = make_overlays(load_stock(stock_path), num_pipelines, gpus, gpus_per_node, data_plane,
                              gpu_memory_gib=gpu_memory_gib, host_memory_gib=host_memory_gib,
-                             gpu_memory_utilization=gpu_memory_utilization)
+                             gpu_memory_utilization=gpu_memory_utilization, nodes=nodes)
     out.mkdir(parents=True, exist_ok=True)
     defaults = os.path.relpath(stock_path, out.resolve())
     written = []
@@ -466,7 +491,8 @@ def write_overlays(stock_path: str | os.PathLike[str], out_dir: str | os.PathLik
 
 def run_cli(stock: str, out: str, num_pipelines: int, gpus: Sequence[int], gpus_per_node: int | None,
             data_plane: bool = False, gpu_memory_gib: float | None = None,
-            host_memory_gib: float | None = None, gpu_memory_utilization: float | None = None) -> int:
+            host_memory_gib: float | None = None, gpu_memory_utilization: float | None = None,
+            nodes: int = 1) -> int:
     """``rlix recipe``. Memory figures not given default to this machine's when it has a GPU (it is then taken to be
     where the pipelines run); on a machine without one, only what is given is checked."""
     from rlix_plugins.nemo_rl.memory_budget import local_gpu_memory_gib, local_host_memory_gib
@@ -477,7 +503,7 @@ def run_cli(stock: str, out: str, num_pipelines: int, gpus: Sequence[int], gpus_
         host_memory_gib = host_memory_gib if host_memory_gib is not None else local_host_memory_gib()
     written = write_overlays(stock, out, num_pipelines, gpus, gpus_per_node, data_plane,
                              gpu_memory_gib=gpu_memory_gib, host_memory_gib=host_memory_gib,
-                             gpu_memory_utilization=gpu_memory_utilization)
+                             gpu_memory_utilization=gpu_memory_utilization, nodes=nodes)
     for path, ov in written:
         print(f"{path}: pipeline {ov.pipeline.name}, train {list(ov.pipeline.train_devices)}, "
               f"infer {list(ov.pipeline.infer_devices)}")

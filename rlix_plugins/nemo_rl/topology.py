@@ -28,7 +28,9 @@ Checks common to both:
   training grant spans a step's chunks while its only rollout rank sleeps; one chunk per step);
 * ``vllm_cfg.sleep_level`` (patch 0003), when set, equals ``rlix.sleep_level`` (scheduler shrinks pass
   ``rlix.sleep_level`` per call; two different configured levels would only confuse);
-* ``vllm_cfg.tensor_parallel_size`` equals ``rlix.infer_tp``.
+* ``vllm_cfg.tensor_parallel_size`` equals ``rlix.infer_tp``;
+* vLLM ``pipeline_parallel_size`` 1 and ``expert_parallel_size`` at most the TP size (:func:`vllm_parallel_problems`:
+  NeMo RL itself would only fail at engine start, or not at all).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from rlix_plugins.errors import RlixConfigError
 from rlix_plugins.nemo_rl.config import RlixRunConfig, cfg_path
 
 __all__ = ["ASYNC_GRPO", "DATA_PLANE", "SINGLE_CONTROLLER", "grpo_loop", "is_one_gpu_topology", "topology_problems",
-           "training_parallel_size", "validate_topology"]
+           "training_parallel_size", "validate_topology", "vllm_parallel_problems"]
 
 #: The GRPO loops the patch series drives (:func:`grpo_loop`).
 ASYNC_GRPO, DATA_PLANE, SINGLE_CONTROLLER = "async_grpo_train", "grpo_train_sync", "single_controller"
@@ -130,6 +132,34 @@ def _streaming_on_one_gpu(master_config: Any) -> list[str]:
     return []
 
 
+def vllm_parallel_problems(pp: Any, ep: Any, tp: Any) -> list[str]:
+    """vLLM parallel sizes time-sharing cannot run (None: unset, i.e. 1), each with its fix.
+
+    * PP > 1: the scheduler grants, sleeps and wakes a vLLM DP rank as one bundle of TP GPUs, and NeMo RL counts
+      DP ranks as GPUs / (TP·PP); a rank of TP·PP GPUs would be split by the grants (and NeMo RL builds a PP engine
+      only in a unified cross-node placement group, which the shared per-GPU groups do not provide).
+    * EP > TP: vLLM's EP is its internal DP x TP, so NeMo RL runs several DP ranks inside one engine, which it allows
+      only without the async engine; rlix routes requests per engine over the async engine (and 1 < EP < TP, not a
+      multiple of TP, is refused by NeMo RL only when the engine starts).
+    """
+    problems: list[str] = []
+    tp_i = int(tp or 1)
+    if pp is not None and int(pp) > 1:
+        problems.append(f"policy.generation.vllm_cfg.pipeline_parallel_size={pp}: time-sharing grants vLLM GPUs per DP "
+                        "rank of tensor_parallel_size GPUs and cannot hold a pipeline-parallel engine; set "
+                        "policy.generation.vllm_cfg.pipeline_parallel_size=1 (fit the model with tensor parallelism, "
+                        "or more data-parallel ranks)")
+    if ep is not None and int(ep) > tp_i:
+        problems.append(f"policy.generation.vllm_cfg.expert_parallel_size={ep} > tensor_parallel_size={tp_i}: vLLM "
+                        "would run data-parallel ranks inside one engine, which needs NeMo RL's non-async engine; "
+                        f"time-sharing routes per engine with the async engine: set expert_parallel_size={tp_i} (or 1) "
+                        "and scale out with more rlix.infer_devices (DP ranks) instead")
+    elif ep is not None and 1 < int(ep) < tp_i:
+        problems.append(f"policy.generation.vllm_cfg.expert_parallel_size={ep} < tensor_parallel_size={tp_i}: NeMo RL "
+                        f"needs EP to be a multiple of TP when EP > 1; set expert_parallel_size={tp_i} (or 1)")
+    return problems
+
+
 def topology_problems(master_config: Any, run: RlixRunConfig) -> list[str]:
     """Every violated rule, each with its fix (empty list: the run may start)."""
     problems: list[str] = []
@@ -155,6 +185,9 @@ def topology_problems(master_config: Any, run: RlixRunConfig) -> list[str]:
     if vllm_tp is not None and int(vllm_tp) != tp:
         problems.append(f"rlix.infer_tp={tp} differs from policy.generation.vllm_cfg.tensor_parallel_size="
                         f"{vllm_tp}: drop rlix.infer_tp or make them equal")
+    problems += vllm_parallel_problems(cfg_path(master_config, "policy.generation.vllm_cfg.pipeline_parallel_size"),
+                                       cfg_path(master_config, "policy.generation.vllm_cfg.expert_parallel_size"),
+                                       vllm_tp if vllm_tp is not None else tp)
     loop = grpo_loop(master_config)
     if loop is None:
         problems.append("no time-shared GRPO loop selected: set grpo.async_grpo.enabled=true (async_grpo_train) or "

@@ -73,21 +73,23 @@ def _check_declared(flag: str, asked: int | None, have: float, address: str) -> 
         )
 
 
-def up(address: str | None, num_gpus: int | None, num_cpus: int | None, insecure_no_auth: bool = False) -> int:
+def up(address: str | None, num_gpus: int | None, num_cpus: int | None, insecure_no_auth: bool = False,
+       node_ip: str | None = None) -> int:
     """Join ``address`` (or the head ``rlix up`` started before); otherwise start a local Ray head and record it.
 
     A head it starts demands Ray's auth token unless ``insecure_no_auth`` (which prints ``NO_AUTH_WARNING``).
     Refuses before starting anything when the head would have no GPUs (a CPU machine needs ``--num-gpus``),
-    and refuses ``--num-gpus/--num-cpus`` that differ from what the running recorded head declares."""
+    and refuses ``--num-gpus/--num-cpus`` that differ from what the running recorded head declares. The head is
+    recorded at its node IP (``node_ip``, else the one Ray picks), the address other nodes join."""
     import ray
 
     from rlix_plugins.control.client import connect
 
     explicit = address or envs.ray_address()
-    if explicit is not None and (num_gpus is not None or num_cpus is not None or insecure_no_auth):
+    if explicit is not None and (num_gpus is not None or num_cpus is not None or insecure_no_auth or node_ip):
         raise RlixConfigError(
-            "--num-gpus/--num-cpus/--insecure-no-auth only apply when `rlix up` starts a local Ray cluster; "
-            "drop them with --address"
+            "--num-gpus/--num-cpus/--insecure-no-auth/--node-ip-address only apply when `rlix up` starts a local Ray "
+            "cluster; drop them with --address"
         )
     started: ClusterRecord | None = None
     recorded = None if explicit is not None else local_cluster.load()
@@ -98,6 +100,11 @@ def up(address: str | None, num_gpus: int | None, num_cpus: int | None, insecure
             raise RlixConfigError(
                 f"--insecure-no-auth only applies when `rlix up` starts a Ray cluster, and the one it started at "
                 f"{recorded.address} runs; drop the flag, or `rlix down --stop-ray` first"
+            )
+        if node_ip and recorded.address.rsplit(":", 1)[0].strip("[]") != node_ip:
+            raise RlixConfigError(
+                f"--node-ip-address {node_ip}, but the Ray head `rlix up` started runs at {recorded.address}; stop "
+                f"it with `rlix down --stop-ray` and run `rlix up --node-ip-address {node_ip}` again, or drop the flag"
             )
         _connect_ray(recorded.address)
         resources = ray.cluster_resources()
@@ -114,7 +121,8 @@ def up(address: str | None, num_gpus: int | None, num_cpus: int | None, insecure
             local_cluster.clear()
         if insecure_no_auth:
             print(f"rlix up: {NO_AUTH_WARNING}", file=sys.stderr)
-        started = recorded = local_cluster.start_head(num_gpus, num_cpus, token_auth=not insecure_no_auth)
+        started = recorded = local_cluster.start_head(num_gpus, num_cpus, token_auth=not insecure_no_auth,
+                                                      node_ip=node_ip)
     t0 = time.monotonic()
     try:
         if started is not None:

@@ -43,6 +43,8 @@ STOP_GRACE_S: Final = 5.0
 class ClusterRecord:
     """The Ray head ``rlix up`` started: its address and how to find its processes."""
 
+    #: ``<head node IP>:<port>``: the address other nodes join (``ray start --address``) and pipelines connect to;
+    #: never 127.0.0.1, which another machine would read as itself.
     address: str
     #: Unix session id of the head's processes (the pid of the ``ray start`` that started them).
     session_id: int
@@ -94,6 +96,17 @@ def detect_gpus() -> int:
         return int(torch.cuda.device_count())
 
 
+def head_node_ip(node_ip: str | None = None) -> str:
+    """The IP the head is started on and recorded with: ``node_ip`` when given (``rlix up --node-ip-address``, for a
+    machine with several interfaces), else the one Ray itself would pick for this node (the interface of the route
+    out, ``ray.util.get_node_ip_address``)."""
+    if node_ip:
+        return node_ip
+    import ray
+
+    return str(ray.util.get_node_ip_address())
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("", 0))
@@ -108,7 +121,8 @@ def _ray_env(token_auth: bool) -> dict[str, str]:
     return env
 
 
-def start_head(num_gpus: int | None, num_cpus: int | None, token_auth: bool = True) -> ClusterRecord:
+def start_head(num_gpus: int | None, num_cpus: int | None, token_auth: bool = True,
+               node_ip: str | None = None) -> ClusterRecord:
     """``ray start --head`` on free ports, in a new Unix session and a private temp directory; returns its record.
 
     With ``token_auth`` (the default) the head demands Ray's auth token: ``ray start --head`` only uses one, so a
@@ -120,16 +134,19 @@ def start_head(num_gpus: int | None, num_cpus: int | None, token_auth: bool = Tr
     if token_auth:
         ray_auth.ensure_private_token()
     port = _free_port()
+    ip = head_node_ip(node_ip)
     temp_dir = tempfile.mkdtemp(prefix="rlix-ray-")  # short: Ray's socket paths live under it
-    cmd = [exe, "start", "--head", f"--port={port}", f"--ray-client-server-port={_free_port()}",
-           f"--temp-dir={temp_dir}", "--disable-usage-stats", "--include-dashboard=false"]
+    cmd = [exe, "start", "--head", f"--node-ip-address={ip}", f"--port={port}",
+           f"--ray-client-server-port={_free_port()}", f"--temp-dir={temp_dir}", "--disable-usage-stats",
+           "--include-dashboard=false"]
     if num_gpus is not None:
         cmd.append(f"--num-gpus={num_gpus}")
     if num_cpus is not None:
         cmd.append(f"--num-cpus={num_cpus}")
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_ray_env(token_auth),
                             start_new_session=True)
-    record = ClusterRecord(address=f"127.0.0.1:{port}", session_id=proc.pid, temp_dir=temp_dir)
+    host = f"[{ip}]" if ":" in ip else ip
+    record = ClusterRecord(address=f"{host}:{port}", session_id=proc.pid, temp_dir=temp_dir)
     try:
         output, _ = proc.communicate(timeout=RAY_START_TIMEOUT_S)
     except subprocess.TimeoutExpired:

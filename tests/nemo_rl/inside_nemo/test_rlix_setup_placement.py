@@ -215,7 +215,7 @@ def test_two_pipelines_share_per_gpu_groups_under_unique_names(monkeypatch):
         assert cfg_path(configs["b"][0], "policy.generation.vllm_cfg.env_vars")[PIPELINE_ENV] == b_pid
         grants["a"].release_gpus(TRAIN_CLUSTER, step=0, timeout_s=60)
         grants["b"] = take_setup(configs["b"][0]).pipe
-        groups = ray.get(pool.groups.remote([0, 1]), timeout=60)
+        groups = ray.get(pool.groups.remote([0, 1], cp.node_table()), timeout=60)
         shared = {gpu: pg.id.hex() for gpu, pg in groups.items()}
         names = []
         for pid, policy, generation, train_cluster, inference_cluster, calls in pipelines.values():

@@ -7,6 +7,7 @@ import pytest
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from rlix_plugins.control.nodes import current_node_table
 from rlix_plugins.errors import RlixConfigError
 from rlix_plugins.nemo_rl.placement import VirtualClusterAdapter, placement_pool, worker_name_prefix
 
@@ -18,10 +19,10 @@ class _Worker:
 
 
 def test_two_pipelines_share_per_gpu_groups(ray_cluster: dict[str, float]) -> None:
-    pool = placement_pool()
+    pool, table = placement_pool(), current_node_table()
     try:
-        first = ray.get(pool.groups.remote([0, 1]), timeout=180)
-        again = ray.get(placement_pool().groups.remote([1, 0]), timeout=60)  # another driver: same actor, same groups
+        first = ray.get(pool.groups.remote([0, 1], table), timeout=180)
+        again = ray.get(placement_pool().groups.remote([1, 0], table), timeout=60)  # another driver: same actor, same groups
         assert {g: pg.id for g, pg in first.items()} == {g: pg.id for g, pg in again.items()}
 
         workers, names = [], set()

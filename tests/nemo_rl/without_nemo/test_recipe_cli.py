@@ -195,6 +195,30 @@ def test_two_gpus_partial_overlap(stock: Path, tmp_path: Path) -> None:
     assert [r.train_devices for r in runs] == [(0,), (1,)] and all(r.infer_devices == (0, 1) for r in runs)
 
 
+@pytest.mark.parametrize("stock_nodes", [1, 2])
+def test_two_nodes(stock_nodes: int, tmp_path: Path) -> None:
+    """--nodes 2 --gpus-per-node 2: global GPU ids 0..3 (node rank x 2 + local id); each pipeline trains on one
+    node's GPUs and rolls out on all four; a one-node recipe is spread (cluster.num_nodes written), a two-node one
+    is taken as it is."""
+    cfg = yaml.safe_load(_BASE)
+    cfg["cluster"]["num_nodes"] = stock_nodes
+    stock = tmp_path / "stock.yaml"
+    stock.write_text(yaml.safe_dump(cfg))
+    rc, files = _recipe(stock, tmp_path / "out", "--pipelines", "2", "--gpus", "0,1,2,3", "--nodes", "2",
+                        "--gpus-per-node", "2")
+    assert rc == 0 and len(files) == 2
+    runs = []
+    for f in files:
+        assert ("cluster.num_nodes" in _leaves(yaml.safe_load(f.read_text()))) == (stock_nodes == 1)
+        merged = load_stock(f)
+        run = load_run_config(merged)
+        validate_topology(merged, run)
+        assert merged["cluster"] == {"gpus_per_node": 2, "num_nodes": 2}
+        assert merged["policy"]["generation"]["colocated"]["resources"] == {"gpus_per_node": 2, "num_nodes": 2}
+        runs.append(run)
+    assert [r.train_devices for r in runs] == [(0, 1), (2, 3)] and all(r.infer_devices == (0, 1, 2, 3) for r in runs)
+
+
 @pytest.mark.parametrize(
     ("edit", "args", "fix"),
     [
@@ -206,7 +230,14 @@ def test_two_gpus_partial_overlap(stock: Path, tmp_path: Path) -> None:
         (lambda c: c["policy"].update(model_name="Qwen/Qwen2.5-1.5B"),
          ["--pipelines", "2", "--gpu-memory-gib", "40", "--host-memory-gib", "512"], "GPU memory: GPU 0 holds 2"),
         (lambda c: None, ["--pipelines", "3", "--gpus", "0,1"], "home slice of 0 GPU(s)"),
-        (lambda c: c["cluster"].update(num_nodes=2), [], "one node"),
+        (lambda c: c["cluster"].update(num_nodes=2), [], "cluster.num_nodes=2 in the recipe but --nodes 1: pass "
+                                                         "--nodes 2 --gpus-per-node"),
+        (lambda c: None, ["--gpus", "0,1", "--nodes", "2"], "--nodes 2: pass --gpus-per-node"),
+        (lambda c: None, ["--gpus", "0,4", "--nodes", "2", "--gpus-per-node", "2"], "2 nodes x 2 GPUs"),
+        (lambda c: c["policy"]["generation"]["vllm_cfg"].update(pipeline_parallel_size=2), [],
+         "set policy.generation.vllm_cfg.pipeline_parallel_size=1"),
+        (lambda c: c["policy"]["generation"]["vllm_cfg"].update(expert_parallel_size=2), [],
+         "set expert_parallel_size=1 (or 1)"),
     ],
 )
 def test_refuses_with_the_fix(edit: Any, args: list[str], fix: str, tmp_path: Path, capsys: Any) -> None:

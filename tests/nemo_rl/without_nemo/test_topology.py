@@ -61,6 +61,13 @@ def test_valid_config_and_runtime_knobs() -> None:
         (lambda c: c["loss_fn"].update(use_importance_sampling_correction=False), "importance_sampling_correction"),
         (lambda c: c["policy"]["generation"]["vllm_cfg"].update(sleep_level=1), "set both to the same value"),
         (lambda c: c["policy"]["generation"].update(backend="sglang"), "vLLM only"),
+        (lambda c: c["policy"]["generation"]["vllm_cfg"].update(pipeline_parallel_size=2),
+         "set policy.generation.vllm_cfg.pipeline_parallel_size=1"),
+        (lambda c: c["policy"]["generation"]["vllm_cfg"].update(expert_parallel_size=4),
+         "expert_parallel_size=4 > tensor_parallel_size=1"),
+        (lambda c: (c["rlix"].update(infer_devices=[0, 1, 2, 3], infer_tp=4),
+                    c["policy"]["generation"]["vllm_cfg"].update(tensor_parallel_size=4, expert_parallel_size=2)),
+         "expert_parallel_size=2 < tensor_parallel_size=4"),
     ],
 )
 def test_each_rule_names_its_fix(edit: Any, fix: str) -> None:

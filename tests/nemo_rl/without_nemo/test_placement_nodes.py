@@ -1,0 +1,155 @@
+"""Shared placement on two Ray nodes: real raylets (``ray.cluster_utils.Cluster``), 2 declared GPUs each, the
+second at another loopback address (127.0.0.2), so a group or worker on the wrong node shows a wrong address
+instead of passing by accident. One cluster for the module (starting raylets is slow on small machines).
+
+What it proves: the control plane's node table numbers GPUs node rank x 2 + local id; every per-GPU placement
+group lands on the node the table says (Ray's placement group table and the worker's own report); both nodes'
+workers report local GPU 0 (so a pool keyed by the local id, the old bug, collides and never finds GPUs 2-3);
+a table that disagrees with where workers run is a clear error that leaves no group behind; nothing leaks."""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import socket
+import tempfile
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import ray
+from ray.util.placement_group import placement_group_table
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from rlix_plugins.control.nodes import NodeTable, PlacementMismatchError, current_node_table
+from rlix_plugins.errors import RlixConfigError
+from rlix_plugins.nemo_rl.placement import placement_pool
+
+SECOND_IP = "127.0.0.2"
+
+
+def _loopback_usable(ip: str) -> bool:
+    try:
+        with socket.socket() as s:
+            s.bind((ip, 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def two_nodes() -> Iterator[Any]:
+    """Head (this machine's node IP) + a raylet at 127.0.0.2, 2 GPUs and 8 logical CPUs each; the session's own
+    Ray cluster, if one runs, is stopped for the module and started again after it."""
+    from ray.cluster_utils import Cluster
+
+    if not _loopback_usable(SECOND_IP):
+        pytest.skip(f"{SECOND_IP} cannot be bound on this machine (Linux routes 127.0.0.0/8 to lo; macOS does not)")
+    # A thread an earlier module left running (a pipeline's lease heartbeat) would auto-connect a fresh local Ray the
+    # moment the session's is shut down, and this module's ray.init would then fail; Ray's switch for that is only
+    # read at import, so it is turned off here for the module (and the lock held while the flag flips).
+    from ray._private import auto_init_hook
+
+    with auto_init_hook.auto_init_lock:
+        auto_connect, auto_init_hook.enable_auto_connect = auto_init_hook.enable_auto_connect, False
+    # The session's cluster (tests/conftest.py) is started again after the module with what it declared. (Not by
+    # importing conftest: as ``tests.conftest`` it would run again and switch the session's Ray token file.)
+    session = ray.cluster_resources() if ray.is_initialized() else None
+    if session is not None:
+        ray.shutdown()
+    # A private temp dir: Ray records a started head as "the" local cluster in its temp dir (/tmp/ray by default),
+    # where any plain ray.init() on the machine, another user's included, would then join it.
+    temp_dir = tempfile.mkdtemp(prefix="rlix-n-")
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 8, "num_gpus": 2, "include_dashboard": False,
+                                                            "temp_dir": temp_dir})
+    try:
+        cluster.add_node(num_cpus=8, num_gpus=2, node_ip_address=SECOND_IP, temp_dir=temp_dir)
+        cluster.wait_for_nodes(timeout=120)
+        ray.init(address=cluster.address, namespace="rlix_tests", log_to_driver=False)
+        yield cluster
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+        shutil.rmtree(temp_dir, ignore_errors=True)
+        if session is not None:
+            ray.init(num_cpus=int(session.get("CPU", 8)), num_gpus=int(session.get("GPU", 0)),
+                     include_dashboard=False, namespace="rlix_tests")
+        auto_init_hook.enable_auto_connect = auto_connect
+
+
+@ray.remote(num_cpus=0)
+class _Worker:
+    def where(self) -> tuple[str, str, list[int]]:
+        return (ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address(),
+                [int(g) for g in ray.get_gpu_ids()])
+
+
+def _in_group(pg: Any) -> Any:
+    return _Worker.options(num_gpus=0.25, scheduling_strategy=PlacementGroupSchedulingStrategy(
+        placement_group=pg, placement_group_bundle_index=0)).remote()
+
+
+def test_control_plane_numbers_gpus_by_node(two_nodes: Any) -> None:
+    """The orchestrator's table (the one owner) equals the one built from Ray's node list: 2 nodes x 2 GPUs,
+    ordered by IP, the second raylet at 127.0.0.2; global GPU 2 is (node 1, local GPU 0)."""
+    from rlix_plugins.control import client
+    from tests.control._ray_helpers import kill_control_plane
+
+    table = current_node_table()
+    assert (len(table.nodes), table.gpus_per_node, table.num_gpus) == (2, 2, 4)
+    assert SECOND_IP in {n.ip for n in table.nodes}
+    assert len({n.ip for n in table.nodes}) == 2  # the head is not at 127.0.0.2: the addresses tell nodes apart
+    loc = table.locate(2)
+    assert (loc.node_rank, loc.local_gpu, loc.node_id) == (1, 0, table.nodes[1].node_id)
+    try:
+        cp = client.connect()
+        assert cp.node_table() == table
+        assert cp.pool() == {"num_gpus": 4, "gpus_per_node": 2}
+    finally:
+        kill_control_plane()
+
+
+def test_every_group_lands_on_its_node_and_nothing_leaks(two_nodes: Any) -> None:
+    table = current_node_table()
+    pool = placement_pool()
+    try:
+        groups = ray.get(pool.groups.remote([0, 1, 2, 3], table), timeout=180)
+        assert len({pg.id for pg in groups.values()}) == 4
+        for g, pg in groups.items():  # Ray's own record of where the bundle is
+            assert placement_group_table(pg)["bundles_to_node_id"][0] == table.locate(g).node_id
+        workers = {g: _in_group(pg) for g, pg in groups.items()}
+        where = dict(zip(workers, ray.get([w.where.remote() for w in workers.values()], timeout=120), strict=True))
+        for g, (node_id, ip, local) in where.items():  # the worker's own report
+            table.check_location(g, node_id, ip, local)
+        assert where[2][1:] == (table.nodes[1].ip, [0])
+        # Both nodes report local GPU 0: keyed by the local id alone, GPUs 0 and 2 would be one entry.
+        assert where[0][2] == where[2][2] == [0] and where[0][0] != where[2][0]
+
+        again = ray.get(placement_pool().groups.remote([3, 2], table), timeout=60)  # another driver: same groups
+        assert {g: pg.id for g, pg in again.items()} == {g: groups[g].id for g in (3, 2)}
+        assert len(ray.get(pool.locations.remote(), timeout=30)) == 4  # no extra group was created
+        with pytest.raises(RlixConfigError, match="GPU 4 is not in the pool"):
+            ray.get(pool.groups.remote([4], table), timeout=30)
+        for w in workers.values():
+            ray.kill(w)
+    finally:
+        assert ray.get(pool.release_all.remote(), timeout=60) == 4
+        ray.kill(pool)
+    assert {e["state"] for e in placement_group_table().values()} == {"REMOVED"}
+
+
+def test_a_table_that_disagrees_with_the_workers_fails_clearly_and_leaves_nothing(two_nodes: Any) -> None:
+    """Node ids paired with the other node's address: the group lands where its label pins it, the probe reports
+    the real address, and the pool refuses (no group kept, none left in Ray)."""
+    real = current_node_table()
+    a, b = real.nodes
+    wrong = NodeTable((dataclasses.replace(a, ip=b.ip), dataclasses.replace(b, ip=a.ip)), real.gpus_per_node)
+    pool = placement_pool()
+    try:
+        with pytest.raises(PlacementMismatchError, match=r"GPU 0 should be node 0.*worker reports node"):
+            ray.get(pool.groups.remote([0], wrong), timeout=180)
+        assert ray.get(pool.locations.remote(), timeout=30) == {}
+    finally:
+        ray.get(pool.release_all.remote(), timeout=60)
+        ray.kill(pool)
+    assert {e["state"] for e in placement_group_table().values()} <= {"REMOVED"}
