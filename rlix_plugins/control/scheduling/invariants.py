@@ -33,6 +33,7 @@ INVARIANTS = (
     "priority order",
     "planned release",
     "fence",
+    "in transit",
 )
 
 
@@ -134,6 +135,11 @@ def validate_snapshot(snap: SchedulerSnapshot) -> None:
         pspec = snap.clusters.get(cid)
         if pspec is None or not pspec.is_generation:
             raise PlanInvariantError("planned release", f"planned release of non-generation/unknown cluster {cid!r}")
+    for cid, ranks in snap.expanding.items():
+        held = snap.allocations.get(cid)
+        if held is None or not is_generation_alloc(held) or not ranks or not ranks <= held.active_dp_ranks:
+            raise PlanInvariantError("in transit", f"{cid} expands ranks {sorted(ranks)} in flight that are not among "
+                                     "its active GENERATION ranks (an expand in flight keeps its GPUs allocated)")
 
 
 def validate_plan(snapshot: SchedulerSnapshot, plan: CyclePlan) -> None:
@@ -277,6 +283,16 @@ def validate_plan(snapshot: SchedulerSnapshot, plan: CyclePlan) -> None:
         taken = (a.gpus - (b.gpus if b is not None else frozenset())) & snapshot.fenced_gpus
         if taken:
             raise PlanInvariantError("fence", f"{cid} newly holds fenced GPUs {sorted(taken)}")
+
+    # --- expands in flight: their cluster's coordinator is busy; nothing of it moves until they return ---------
+    for cid in snapshot.expanding:
+        if cid in shrunk:
+            raise PlanInvariantError("in transit", f"{cid} shrinks ranks {sorted(shrunk[cid])} while an expand of "
+                                     f"ranks {sorted(snapshot.expanding[cid])} is in flight")
+        if cid in plan.released:
+            raise PlanInvariantError("in transit", f"{cid} is released while an expand of it is in flight")
+        if granted.get(cid) == Priority.GENERATION:
+            raise PlanInvariantError("in transit", f"{cid} granted GENERATION before its expand in flight returned")
 
     # --- planned releases --------------------------------------------------------------------------------
     if not plan.released <= snapshot.planned_releases:
