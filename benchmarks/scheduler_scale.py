@@ -2,12 +2,18 @@
 
     python benchmarks/scheduler_scale.py            # ~1 minute on one CPU core
     python benchmarks/scheduler_scale.py --quick    # fewer samples
+    python benchmarks/scheduler_scale.py --scale    # only the per-decision table up to 256 pipelines x 2,048 GPUs
 
 Part 1 times ``plan_cycle`` (and ``validate_plan``) in CPU time of the planner thread for (pipelines, GPUs) in
 {(2,8), (8,64), (32,256), (64,512)}; target: p99 <= 10 ms at (64,512) in every view and layout. Three views: random busy snapshots
 (adversarial: far from the planner's previous decision), "steady" re-plans of a converged state whose progress
 moved, and every call inside a simulated run. Two layouts: each pipeline's rollout mapping is a 32-GPU window
 around its training GPUs ("window"), or the whole pool ("pool", the worst case).
+
+Part 1b (``--scale``, also part of the full run) times one decision per snapshot up to 256 pipelines x 2,048 GPUs
+(``SCALE_SIZES``): p50/p99/max of ``plan_cycle`` alone and of ``plan_cycle`` + ``validate_plan`` (what the scheduler
+runs per cycle), random busy snapshots and steady re-plans, both layouts; the check it prints: plan p99 <= 50 ms
+at (256, 2048) in every view and layout.
 
 Part 2 runs ``rlix simulate``'s comparison for 2- and 4-pipeline mixes; targets: >= 1.6x aggregate steps/hour vs
 one-after-another and >= 1.25x vs a static partition on at least one realistic mix, and never below 1.0x static
@@ -41,7 +47,9 @@ from rlix_plugins.control.types import (
     SchedulerSnapshot,
 )
 
-SIZES = [(2, 8), (8, 64), (32, 256), (64, 512)]
+SIZES = [(2, 8), (8, 64), (32, 256), (64, 512)]  # also the plan digest's sizes (benchmarks/plan_digest.py)
+SCALE_SIZES = [(8, 64), (64, 512), (128, 1024), (256, 2048)]
+SCALE_TARGET_MS = 50.0
 GPUS_PER_NODE = 8
 
 
@@ -161,6 +169,51 @@ def bench_latency(samples: int) -> bool:
     return ok
 
 
+def bench_scale(samples: int) -> bool:
+    """p50/p99/max per decision at ``SCALE_SIZES``; True when plan p99 <= ``SCALE_TARGET_MS`` at the largest."""
+    print(f"\n== decision latency at scale: {samples} random busy snapshots (+{max(samples // 5, 10)} steady re-plans) "
+          "per row, CPU ms of the planner thread ==")
+    print(f"{'pipelines':>9} {'GPUs':>5} {'layout':>7} {'view':>7} {'plan p50':>9} {'plan p99':>9} {'plan max':>9} "
+          f"{'+validate p50':>14} {'+validate p99':>14} {'+validate max':>14}")
+    ok = True
+    largest = SCALE_SIZES[-1]
+    for p, g in SCALE_SIZES:
+        for layout in ("window", "pool"):
+            rnd = random.Random(1000 * p + g)
+            clusters = make_clusters(p, g, layout, rnd)
+            views: dict[str, tuple[list[float], list[float]]] = {"random": ([], []), "steady": ([], [])}
+            # untimed: the per-spec caches (GPU -> rank, bundles) are built once per registration, not per decision
+            _time_decision(random_snapshot(clusters, g, rnd), [], [])
+            for _ in range(samples):
+                _time_decision(random_snapshot(clusters, g, rnd), *views["random"])
+            for _ in range(max(samples // 5, 10)):
+                snap = random_snapshot(clusters, g, rnd)
+                for _ in range(3):
+                    snap = replace(snap, allocations=plan_cycle(snap).allocations, pending=())
+                progress = {k: replace(v, completed=min(v.step_target, v.completed + rnd.randint(0, 64)))
+                            for k, v in snap.progress.items()}
+                _time_decision(replace(snap, progress=progress), *views["steady"])
+            for view, (plan_ms, total_ms) in views.items():
+                if (p, g) == largest:
+                    ok &= _pct(plan_ms, 0.99) <= SCALE_TARGET_MS
+                print(f"{p:>9} {g:>5} {layout:>7} {view:>7} {statistics.median(plan_ms):>9.2f} "
+                      f"{_pct(plan_ms, 0.99):>9.2f} {max(plan_ms):>9.2f} {statistics.median(total_ms):>14.2f} "
+                      f"{_pct(total_ms, 0.99):>14.2f} {max(total_ms):>14.2f}")
+    print(f"target plan p99 <= {SCALE_TARGET_MS:g} ms per decision at {largest} (random and steady, both layouts): "
+          f"{'PASS' if ok else 'FAIL'}")
+    return ok
+
+
+def _time_decision(snap: SchedulerSnapshot, plan_ms: list[float], total_ms: list[float]) -> None:
+    t0 = time.thread_time()
+    plan = plan_cycle(snap)
+    t1 = time.thread_time()
+    validate_plan(snap, plan)
+    t2 = time.thread_time()
+    plan_ms.append((t1 - t0) * 1e3)
+    total_ms.append((t2 - t0) * 1e3)
+
+
 def sim_latency(pipelines: int, gpus: int) -> list[float]:
     """CPU ms of every plan_cycle call while simulating ``pipelines`` mixed jobs on ``gpus`` GPUs."""
     import rlix_plugins.control.capacity.simulation as engine
@@ -248,8 +301,12 @@ def bench_simulation(steps: int) -> bool:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer samples and steps")
+    parser.add_argument("--scale", action="store_true", help="only the per-decision table up to 2,048 GPUs")
     args = parser.parse_args(argv)
+    if args.scale:
+        return 0 if bench_scale(40 if args.quick else 200) else 1
     ok_lat = bench_latency(60 if args.quick else 300)
+    ok_lat &= bench_scale(40 if args.quick else 200)
     ok_sim = bench_simulation(5 if args.quick else 10)
     return 0 if ok_lat and ok_sim else 1
 

@@ -190,6 +190,11 @@ class SchedulerSnapshot:
     #: ``fair_turn_steps`` training steps while they waited with work on a GPU it shares). Such a pipeline gets no
     #: training-type grant on GPUs they could use, and they may take its last rollout rank.
     turns_owed: dict[str, frozenset[str]] = field(default_factory=dict)
+    #: Expands in flight (the scheduler launched them in an earlier cycle and they have not returned): generation
+    #: cluster -> its DP ranks being woken. Those ranks are in ``allocations`` (their GPUs are taken), but the
+    #: cluster's coordinator is busy: none of its ranks is shrunk (preempted, rebalanced, released) and no GENERATION
+    #: request of it is granted until the expand returns (the return starts a cycle).
+    expanding: dict[str, frozenset[int]] = field(default_factory=dict)
 
     @property
     def idle_gpus(self) -> frozenset[int]:

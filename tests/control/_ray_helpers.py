@@ -77,6 +77,11 @@ class RecordingHandler:
             self._calls.append((time.time(), list(dp_ranks_to_remove), list(dp_ranks_to_add)))
             self._spans.append((start, time.time(), list(dp_ranks_to_remove), list(dp_ranks_to_add)))
 
+    def running(self) -> int:
+        """Calls in progress now (an expand that is still waking its ranks)."""
+        with self._lock:
+            return self._inflight
+
     def calls(self) -> list[tuple[float, list[int], list[int]]]:
         """(end time, removed, added) of every completed call."""
         with self._lock:

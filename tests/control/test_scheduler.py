@@ -35,8 +35,13 @@ GEN = Priority.GENERATION
 
 
 def active_gpus(cp: client.ControlPlane, cid: str) -> list[int]:
-    alloc = cp.status()["allocations"].get(cid)
-    return alloc["gpus"] if alloc and alloc["priority"] == "GENERATION" else []
+    """GPUs of the cluster's awake rollout ranks: none while an expand of it is in flight (its allocation already
+    counts the ranks being woken)."""
+    st = cp.status()
+    alloc = st["allocations"].get(cid)
+    if not alloc or alloc["priority"] != "GENERATION" or any(e["cluster_id"] == cid for e in st["expanding"]):
+        return []
+    return alloc["gpus"]
 
 
 def calls(handler: object) -> list[tuple[float, list[int], list[int]]]:

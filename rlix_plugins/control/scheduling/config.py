@@ -40,7 +40,11 @@ class SchedulerConfig:
     #: A pipeline that holds an INITIALIZATION grant longer than this is failed and its GPUs return: its start hangs
     #: (a driver stuck in worker creation keeps its heartbeat thread, so its lease alone would never expire).
     init_hold_timeout_s: float = 1800.0
-    #: Demand share vs GPU share difference (0..1) among the least-complete half that triggers a poll cycle.
+    #: Relative drift (0..1) of a pipeline's rollout GPUs from its fair share that triggers a poll cycle
+    #: (``rebalance.rebalance_reason``). Among the least-complete half of the pipelines with rollout work, each one's
+    #: fair share is ``fair = its remaining work x TP / the sum of theirs x their active rollout GPUs``; a cycle runs
+    #: when ``|active - fair| >= max(tp_size, drift_threshold x fair)`` GPUs. Relative to the pipeline's own share,
+    #: so 0.10 means 10% of what it should hold at 4 GPUs and at 2,048 (never less than one rank, the planner's unit).
     drift_threshold: float = 0.10
     #: After a non-generation cluster releases GPUs, rollout ranks are not woken on them for this long. Back-to-back
     #: training steps then keep their GPUs instead of paying a wake + weight sync + shrink per step (0 disables).
@@ -57,8 +61,10 @@ class SchedulerConfig:
                         "default_request_timeout_s", "init_hold_timeout_s")
         if not (isinstance(self.release_grace_s, (int, float)) and 0 <= self.release_grace_s < math.inf):
             raise RlixConfigError(f"SchedulerConfig.release_grace_s={self.release_grace_s!r} must be >= 0 seconds")
-        if not 0 < self.drift_threshold < 1:
-            raise RlixConfigError(f"SchedulerConfig.drift_threshold={self.drift_threshold} must be in (0, 1)")
+        drift = self.drift_threshold
+        if isinstance(drift, bool) or not isinstance(drift, (int, float)) or not 0 < drift < 1:
+            raise RlixConfigError(f"SchedulerConfig.drift_threshold={drift!r} must be in (0, 1): the fraction of a "
+                                  "pipeline's fair share of rollout GPUs it may drift by before a rebalance")
         if not isinstance(self.fair_turn_steps, int) or self.fair_turn_steps < 1:
             raise RlixConfigError(f"SchedulerConfig.fair_turn_steps={self.fair_turn_steps!r} must be an int >= 1")
         if self.max_busy_cycles < 1 or self.trace_capacity < 1:

@@ -3,8 +3,9 @@
 ``SchedulerCycle`` owns every field of the scheduler, runs the background loop and executes plans (resize calls to
 the pipelines' coordinators, health probes); ``scheduler.Scheduler`` adds the public coroutine API on top.
 Single-threaded by construction: everything runs on the actor's asyncio event loop, and only ``_execute`` awaits
-(resize RPCs) in the middle of a cycle; what may change during those awaits is listed in ``scheduler.py``'s
-docstring.
+(the shrinks' resize RPCs) in the middle of a cycle; what may change during those awaits is listed in
+``scheduler.py``'s docstring. Expands run outside the cycle (``_Transit``): a cycle launches them and goes on, later
+cycles plan around them (``SchedulerSnapshot.expanding``), and each one's result is folded in when it returns.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from rlix_plugins.control.types import (
     ClusterSpec,
     CyclePlan,
     ExpandOp,
+    Grant,
     PendingRequest,
     Priority,
     Progress,
@@ -54,6 +56,21 @@ class _Waiter:
     pipeline_id: str
     future: asyncio.Future[list[int]]
     since: float = field(default_factory=time.time)
+
+
+@dataclass
+class _Transit:
+    """An expand launched by a cycle that has not returned: its ranks are committed as active (their GPUs taken), but
+    no plan shrinks its cluster or grants it GENERATION until it returns (``SchedulerSnapshot.expanding``)."""
+
+    cluster_id: str
+    pipeline_id: str
+    ranks: tuple[int, ...]
+    gpus: frozenset[int]
+    #: GENERATION waiters (seq -> GPUs) the launching plan granted: signalled when the ranks are awake
+    grants: dict[int, frozenset[int]]
+    since: float = field(default_factory=time.monotonic)
+    task: asyncio.Task[None] | None = None
 
 
 @dataclass
@@ -94,6 +111,8 @@ class SchedulerCycle:
         self._wake: asyncio.Event | None = None
         self._loop_task: asyncio.Task[None] | None = None
         self._inflight_seqs: set[int] = set()
+        self._transit: dict[int, _Transit] = {}  #: expands in flight, by launch number
+        self._transit_ids = itertools.count()
         self._inflight_clusters: set[str] = set()
         self._removed_in_cycle: set[str] | None = None
         self._cycles = 0
@@ -212,8 +231,15 @@ class SchedulerCycle:
         # A pipeline that owes a turn keeps no grace window: the waiter takes its GPUs at once.
         grace = frozenset(g for g, (_, pid) in self._grace.items() if pid not in owed)
         fenced = fenced_gpus(self._fences, (p.job_id for p in self._pipelines.values())) if self._fences else frozenset()
+        expanding: dict[str, frozenset[int]] = {}
+        for t in self._transit.values():
+            alloc = snap.allocations.get(t.cluster_id)
+            if alloc is not None and alloc.priority == Priority.GENERATION:
+                expanding[t.cluster_id] = expanding.get(t.cluster_id, frozenset()) | frozenset(t.ranks)
+            else:  # its pipeline left while the ranks wake: nobody takes those GPUs until the expand returns
+                fenced |= t.gpus
         return replace(snap, generation_waiting_since=dict(self._gen_waiting), turns_owed=owed,
-                       release_grace_gpus=grace - fenced, fenced_gpus=fenced)
+                       release_grace_gpus=grace - fenced, fenced_gpus=fenced, expanding=expanding)
 
     def _start_grace(self, gpus: frozenset[int], pipeline_id: str) -> None:
         if self._cfg.release_grace_s > 0:
@@ -323,6 +349,8 @@ class SchedulerCycle:
                     fut.set_exception(err)
 
     async def _execute(self, snapshot: SchedulerSnapshot, plan: CyclePlan) -> None:
+        """Shrinks (awaited) → commit → signal → launch the expands (not awaited: ``_run_expand`` folds each result
+        in when it returns, so no waiter and no later cycle waits for another pipeline's wake-up)."""
         shrinks, expands = merge_ops(plan.shrinks), merge_ops(plan.expands)
         failed: dict[str, str] = {}
         done = await self._resize_all(snapshot, shrinks, expand=False, failed=failed)
@@ -337,17 +365,18 @@ class SchedulerCycle:
                 self._fail(pid, reason)
             return
         self._trace_shrinks(snapshot, plan, shrinks)
-        if expands:
-            self._grant_before_expands(snapshot, plan, shrinks)
-        await self._resize_all(snapshot, expands, expand=True, failed=failed)
-        for pid, reason in failed.items():
-            self._fail(pid, reason)
         removed = self._removed_in_cycle or set()
         alive = {cid for p in self._pipelines.values() for cid in p.clusters}
+        # Nothing awaits from here on: the commit, the signals and the launches are one atomic step.
         self._allocations = {cid: a for cid, a in plan.allocations.items() if cid not in removed and cid in alive}
         self._note_init_holds()
-        self._trace_plan(snapshot, plan, expands, alive)
+        launched = {cid: ranks for cid, ranks in expands.items() if cid in self._allocations}
+        # A GENERATION grant of a cluster woken now returns once its ranks are awake (when its expand returns).
+        deferred = {g.seq: g for g in plan.grants if g.priority == Priority.GENERATION and g.cluster_id in launched}
+        self._trace_plan(snapshot, plan, launched, alive, deferred)
         for grant in plan.grants:
+            if grant.seq in deferred:
+                continue
             waiter = self._pending.pop(grant.seq, None)
             if waiter is not None and not waiter.future.done() and grant.cluster_id in alive:
                 waiter.future.set_result(sorted(grant.gpus))
@@ -356,6 +385,47 @@ class SchedulerCycle:
             for fut in self._planned.pop(cid, []):
                 if not fut.done():
                     fut.set_result(sorted(snapshot.allocations[cid].gpus) if cid in snapshot.allocations else [])
+        for cid, ranks in launched.items():
+            spec = snapshot.clusters[cid]
+            grants = {g.seq: g.gpus for g in deferred.values() if g.cluster_id == cid}
+            self._launch_expand(_Transit(cid, spec.pipeline_id, ranks, spec.gpus_of(ranks), grants))
+
+    def _launch_expand(self, transit: _Transit) -> None:
+        key = next(self._transit_ids)
+        self._transit[key] = transit
+        transit.task = asyncio.get_running_loop().create_task(self._run_expand(key, transit))
+
+    async def _run_expand(self, key: int, transit: _Transit) -> None:
+        """One expand in flight (bounded by ``resize_timeout_s`` in ``_resize``). Success signals the GENERATION
+        grants that waited for these ranks; failure fails this pipeline only. Either way a cycle runs next: the
+        cluster may now be shrunk, released or granted."""
+        error: Exception | None = None
+        try:
+            await self._resize(transit.pipeline_id, transit.ranks, True)
+        except Exception as exc:  # the coordinator failed, died or timed out: that pipeline's problem only
+            error = exc
+        finally:
+            self._transit.pop(key, None)
+        if error is not None:
+            self._fail(transit.pipeline_id, f"expand of {transit.cluster_id} ranks {list(transit.ranks)} failed: "
+                                            f"{_describe(error)}")
+        else:
+            for seq, gpus in transit.grants.items():
+                waiter = self._pending.pop(seq, None)
+                if waiter is not None and not waiter.future.done():
+                    self._trace.record("grant", pipeline_id=transit.pipeline_id, cluster_id=transit.cluster_id,
+                                       gpus=gpus, priority=Priority.GENERATION, detail=f"seq={seq}")
+                    waiter.future.set_result(sorted(gpus))
+        if self._wake is not None:
+            self._wake.set()
+
+    def _in_transit(self, cluster_id: str) -> bool:
+        """Whether an expand of ``cluster_id`` is in flight."""
+        return any(t.cluster_id == cluster_id for t in self._transit.values())
+
+    def _transit_ranks(self, cluster_id: str) -> set[int]:
+        """The DP ranks of ``cluster_id`` that expands in flight are waking."""
+        return {r for t in self._transit.values() if t.cluster_id == cluster_id for r in t.ranks}
 
     def _trace_shrinks(self, snapshot: SchedulerSnapshot, plan: CyclePlan,
                        shrinks: dict[str, tuple[int, ...]]) -> None:
@@ -378,29 +448,8 @@ class SchedulerCycle:
                 else:
                     del self._allocations[cid]
 
-    def _grant_before_expands(self, snapshot: SchedulerSnapshot, plan: CyclePlan,
-                              shrinks: dict[str, tuple[int, ...]]) -> None:
-        """Signal the training-type (non-GENERATION) grants once the shrinks are done: they need nothing the expands
-        do, so one pipeline's slow expand (a wake and weight sync, or one waiting for its pipeline's resize lock) never
-        holds another pipeline's training back. Their allocations, and the shrinks, are committed first, so a release
-        that comes while the expands run finds them (and the final commit leaves released ones out)."""
-        early = [g for g in plan.grants if g.priority != Priority.GENERATION and g.seq in self._pending]
-        if not early:
-            return
-        self._commit_shrinks(snapshot, shrinks)
-        alive = {cid for p in self._pipelines.values() for cid in p.clusters}
-        for grant in early:
-            waiter = self._pending.pop(grant.seq)
-            if grant.cluster_id not in alive or waiter.future.done():
-                continue
-            self._allocations[grant.cluster_id] = plan.allocations[grant.cluster_id]
-            spec = snapshot.clusters[grant.cluster_id]
-            self._trace.record("allocate", pipeline_id=spec.pipeline_id, cluster_id=grant.cluster_id,
-                               gpus=grant.gpus, priority=grant.priority, detail=f"seq={grant.seq}")
-            waiter.future.set_result(sorted(grant.gpus))
-
     def _trace_plan(self, snapshot: SchedulerSnapshot, plan: CyclePlan, expands: dict[str, tuple[int, ...]],
-                    alive: set[str]) -> None:
+                    alive: set[str], deferred: dict[int, Grant]) -> None:
         for cid, ranks in expands.items():
             if cid in alive:
                 spec = snapshot.clusters[cid]
@@ -408,7 +457,7 @@ class SchedulerCycle:
                                    gpus=spec.gpus_of(ranks), priority=Priority.GENERATION, detail=f"ranks={list(ranks)}")
         for grant in plan.grants:
             spec = snapshot.clusters[grant.cluster_id]
-            if grant.cluster_id in alive and grant.seq in self._pending:
+            if grant.cluster_id in alive and grant.seq in self._pending and grant.seq not in deferred:
                 kind = "grant" if grant.priority == Priority.GENERATION else "allocate"
                 self._trace.record(kind, pipeline_id=spec.pipeline_id, cluster_id=grant.cluster_id, gpus=grant.gpus,
                                    priority=grant.priority, detail=f"seq={grant.seq}")

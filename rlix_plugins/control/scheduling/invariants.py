@@ -33,6 +33,7 @@ INVARIANTS = (
     "priority order",
     "planned release",
     "fence",
+    "in transit",
 )
 
 
@@ -52,10 +53,11 @@ def _check_alloc(cid: str, alloc: Allocation, specs: dict[str, ClusterSpec], poo
         raise PlanInvariantError("existence", f"{where}: allocation keyed {cid!r} names {alloc.cluster_id!r}")
     if not alloc.gpus <= pool:
         raise PlanInvariantError("mapping bounds", f"{where}: {cid} holds GPUs {sorted(alloc.gpus - pool)} outside the pool")
-    mapping = set(spec.device_mapping)
-    if not alloc.gpus <= mapping:
+    mapping = rank_index(spec)  # the mapping as a cached dict: a set of it per allocation cost 20 ms at 2,048 GPUs
+    outside = alloc.gpus.difference(mapping)
+    if outside:
         raise PlanInvariantError(
-            "mapping bounds", f"{where}: {cid} holds GPUs {sorted(alloc.gpus - mapping)} outside its device mapping"
+            "mapping bounds", f"{where}: {cid} holds GPUs {sorted(outside)} outside its device mapping"
         )
     if is_generation_alloc(alloc):
         if not spec.is_generation:
@@ -74,7 +76,7 @@ def _check_alloc(cid: str, alloc: Allocation, specs: dict[str, ClusterSpec], poo
     else:
         if alloc.active_dp_ranks:
             raise PlanInvariantError("allocation shape", f"{where}: non-GENERATION allocation of {cid} lists DP ranks")
-        if alloc.gpus != mapping:
+        if len(alloc.gpus) != len(mapping):  # a subset of the mapping (checked above) of its size is all of it
             raise PlanInvariantError(
                 "allocation shape", f"{where}: {alloc.priority.name} allocation of {cid} is not its whole device mapping"
             )
@@ -87,10 +89,11 @@ def _holders(allocs: dict[str, Allocation], specs: dict[str, ClusterSpec], where
     gen: dict[int, set[str]] = {}
     other: dict[int, str] = {}
     for cid, alloc in allocs.items():
-        for g in alloc.gpus:
-            if is_generation_alloc(alloc):
+        if is_generation_alloc(alloc):
+            for g in alloc.gpus:
                 gen.setdefault(g, set()).add(cid)
-                continue
+            continue
+        for g in alloc.gpus:
             prev = other.get(g)
             if prev is not None:
                 raise PlanInvariantError("no double allocation", f"{where}: GPU {g} held by both {prev} and {cid}")
@@ -134,6 +137,11 @@ def validate_snapshot(snap: SchedulerSnapshot) -> None:
         pspec = snap.clusters.get(cid)
         if pspec is None or not pspec.is_generation:
             raise PlanInvariantError("planned release", f"planned release of non-generation/unknown cluster {cid!r}")
+    for cid, ranks in snap.expanding.items():
+        held = snap.allocations.get(cid)
+        if held is None or not is_generation_alloc(held) or not ranks or not ranks <= held.active_dp_ranks:
+            raise PlanInvariantError("in transit", f"{cid} expands ranks {sorted(ranks)} in flight that are not among "
+                                     "its active GENERATION ranks (an expand in flight keeps its GPUs allocated)")
 
 
 def validate_plan(snapshot: SchedulerSnapshot, plan: CyclePlan) -> None:
@@ -235,8 +243,9 @@ def validate_plan(snapshot: SchedulerSnapshot, plan: CyclePlan) -> None:
 
     # --- priority order: no grant takes GPUs that an earlier-ordered waiting request needs ------------------
     owed = owed_gpus(snapshot)
+    by_seq = {r.seq: r for r in reversed(snapshot.pending)}  # the first request of a seq, as a scan would find
     for gr in plan.grants:
-        req = next((r for r in snapshot.pending if r.seq == gr.seq), None)
+        req = by_seq.get(gr.seq)
         before_gr = before.get(gr.cluster_id)
         if req is not None and deferred(snapshot, owed, req) and not (before_gr is not None and before_gr.gpus == gr.gpus):
             raise PlanInvariantError("fair turns", f"{gr.cluster_id} was granted {gr.priority.name} while its "
@@ -277,6 +286,16 @@ def validate_plan(snapshot: SchedulerSnapshot, plan: CyclePlan) -> None:
         taken = (a.gpus - (b.gpus if b is not None else frozenset())) & snapshot.fenced_gpus
         if taken:
             raise PlanInvariantError("fence", f"{cid} newly holds fenced GPUs {sorted(taken)}")
+
+    # --- expands in flight: their cluster's coordinator is busy; nothing of it moves until they return ---------
+    for cid in snapshot.expanding:
+        if cid in shrunk:
+            raise PlanInvariantError("in transit", f"{cid} shrinks ranks {sorted(shrunk[cid])} while an expand of "
+                                     f"ranks {sorted(snapshot.expanding[cid])} is in flight")
+        if cid in plan.released:
+            raise PlanInvariantError("in transit", f"{cid} is released while an expand of it is in flight")
+        if granted.get(cid) == Priority.GENERATION:
+            raise PlanInvariantError("in transit", f"{cid} granted GENERATION before its expand in flight returned")
 
     # --- planned releases --------------------------------------------------------------------------------
     if not plan.released <= snapshot.planned_releases:

@@ -89,7 +89,8 @@ class PlanState:
     shrunk: dict[str, set[int]] = field(default_factory=dict)
     shrink_reason: dict[str, str] = field(default_factory=dict)
     expanded: dict[str, set[int]] = field(default_factory=dict)
-    protected: set[tuple[str, int]] = field(default_factory=set)  #: ranks woken this cycle (never shrunk again)
+    #: ranks never shrunk this cycle: woken this cycle, or of a cluster with an expand in flight
+    protected: set[tuple[str, int]] = field(default_factory=set)
     grants: list[Grant] = field(default_factory=list)
     released: set[str] = field(default_factory=set)
     #: GPU → generation clusters whose ranks are awake there next to its ``owner`` (``coresidence``); never empty
@@ -121,8 +122,11 @@ class PlanState:
         free = set(snap.gpus)
         free.difference_update(owner)
         free.difference_update(snap.fenced_gpus)  # neither idle nor lendable (``fences``)
+        # Clusters with an expand in flight: their coordinator is busy waking ranks, so none of their ranks is
+        # shrunk (a shrink would wait for that expand and hold the cycle back).
+        protected = {(cid, r) for cid in snap.expanding for r in gen_active.get(cid, ())}
         return cls(snap=snap, owner=owner, gen_active=gen_active, nongen=nongen, free=free, coresident=coresident,
-                   tenants=gpu_tenants(snap.clusters.values()))
+                   tenants=gpu_tenants(snap.clusters.values()), protected=protected)
 
     # ---- generation ops -------------------------------------------------------------------------------
     def shrink(self, cid: str, rank: int, reason: str) -> None:

@@ -30,9 +30,13 @@ Fenced GPUs (``snapshot.fenced_gpus``, ``scheduling.fences``: a failed pipeline'
 memory) are neither idle nor lendable in any phase: a request that needs one waits (and reserves), no rank wakes on
 one, and a rank shrunk there leaves it unheld.
 
-The scheduler executes a plan as: all shrinks → training-type grants committed and signalled → all expands →
-commit ``plan.allocations`` → signal the GENERATION grants and releases. ``validate_plan`` (re-exported here) checks a
-plan against its snapshot and must pass first.
+Expands in flight (``snapshot.expanding``, launched by an earlier cycle): their ranks hold their GPUs, and their
+cluster is left alone: none of its ranks is shrunk (a request that would preempt one waits and reserves, the gap
+ratio takes no donor rank from it, a planned release of it waits) and no GENERATION request of it is granted.
+
+The scheduler executes a plan as: all shrinks → commit ``plan.allocations`` → signal the grants and releases →
+launch the expands (not awaited; a GENERATION grant of a cluster the plan wakes is signalled when its expand
+returns). ``validate_plan`` (re-exported here) checks a plan against its snapshot and must pass first.
 """
 
 from __future__ import annotations
@@ -91,6 +95,8 @@ def _planned_releases(state: PlanState) -> None:
                 f"planned release of {cid!r}, which is not a registered generation cluster; "
                 "await_release accepts only '<pipeline>_actor_infer'",
             )
+        if cid in state.snap.expanding:
+            continue  # its coordinator is busy with an expand: released once that returns (the return starts a cycle)
         for r in sorted(state.gen_active.get(cid, ())):
             state.shrink(cid, r, "release")
         state.released.add(cid)
@@ -116,26 +122,40 @@ def _non_generation(state: PlanState) -> None:
         blocked = bool(need & (state.reserved | snap.fenced_gpus)) or any(
             (o := state.owner.get(g)) is not None and o in state.nongen for g in need
         )
-        if blocked:
+        victims = [] if blocked else _preemptions(state, spec, Priority(req.priority), need)
+        # A rank of a cluster with an expand in flight cannot be put to sleep now: wait for that expand to return.
+        if blocked or any(cid in snap.expanding for cid, _ in victims):
             state.reserved |= need
             continue
-        # Preempt every generation rank that overlaps the mapping (own pipeline's overlap ranks included), unless
-        # it may stay awake next to this work and the ranks kept before it (co-residence).
-        kept: dict[int, list[ClusterSpec]] = {}
-        for g in sorted(need):
-            for gen_cid in state.generation_holders(g):
-                gen_spec = clusters[gen_cid]
-                if gen_spec in kept.get(g, ()):
-                    continue  # kept for an earlier GPU of its bundle
-                rank = rank_index(gen_spec)[g]
-                if _may_stay(state, gen_spec, rank, spec, Priority(req.priority), need, kept):
-                    for h in gen_spec.bundle(rank):
-                        if h in need:
-                            kept.setdefault(h, []).append(gen_spec)
-                else:
-                    state.shrink(gen_cid, rank, "preempt")
+        for gen_cid, rank in victims:
+            state.shrink(gen_cid, rank, "preempt")
         state.allocate(req.cluster_id, Priority(req.priority), need)
         state.grants.append(Grant(req.cluster_id, Priority(req.priority), req.seq, need))
+
+
+def _preemptions(state: PlanState, spec: ClusterSpec, priority: Priority,
+                 need: frozenset[int]) -> list[tuple[str, int]]:
+    """The generation ranks (cluster, rank) a grant of ``need`` to ``spec`` puts to sleep: every rank that overlaps
+    the mapping (its own pipeline's included), unless it may stay awake next to this work and the ranks kept before
+    it (co-residence). Reads ``state`` only."""
+    clusters = state.snap.clusters
+    kept: dict[int, list[ClusterSpec]] = {}
+    victims: list[tuple[str, int]] = []
+    for g in sorted(need):
+        for gen_cid in state.generation_holders(g):
+            gen_spec = clusters[gen_cid]
+            if gen_spec in kept.get(g, ()):
+                continue  # kept for an earlier GPU of its bundle
+            rank = rank_index(gen_spec)[g]
+            if (gen_cid, rank) in victims:
+                continue  # put to sleep for an earlier GPU of its bundle
+            if _may_stay(state, gen_spec, rank, spec, priority, need, kept):
+                for h in gen_spec.bundle(rank):
+                    if h in need:
+                        kept.setdefault(h, []).append(gen_spec)
+            else:
+                victims.append((gen_cid, rank))
+    return victims
 
 
 def _may_stay(state: PlanState, spec: ClusterSpec, rank: int, host: ClusterSpec, priority: Priority,
@@ -193,8 +213,8 @@ def _generation_grants(state: PlanState) -> None:
     seen: set[str] = set()
     for req in sorted((r for r in snap.pending if r.priority == Priority.GENERATION), key=lambda r: r.seq):
         cid = req.cluster_id
-        if cid in seen or cid in snap.planned_releases or cid not in state.gen_active:
-            continue
+        if cid in seen or cid in snap.planned_releases or cid not in state.gen_active or cid in snap.expanding:
+            continue  # (with an expand in flight, the grant waits for its ranks to wake: the return starts a cycle)
         seen.add(cid)
         gpus = snap.clusters[cid].gpus_of(state.gen_active[cid])
         state.grants.append(Grant(cid, Priority.GENERATION, req.seq, gpus))

@@ -22,8 +22,10 @@ def rebalance_reason(snapshot: SchedulerSnapshot, drift_threshold: float) -> str
     Over the pipelines the planner would serve (:func:`demand`):
 
     * a generation cluster with demand but no active rank (suspended: nothing else wakes it);
-    * among the least-complete half of the pipelines with demand, the share of remaining work x TP differs from
-      the share of active generation GPUs by more than ``drift_threshold``.
+    * among the least-complete half of the pipelines with demand, a pipeline's active generation GPUs differ from
+      its fair share (its share of remaining work x TP, times the active generation GPUs of those pipelines) by at
+      least ``drift_tolerance(fair, tp, drift_threshold)`` GPUs: relative to its own share, so the rule means the
+      same on 4 GPUs and on 2,048 (an absolute share of the pool would tolerate 200 GPUs of drift there).
     """
     work = demand(snapshot)
     gen_of = {s.pipeline_id: s for s in snapshot.clusters.values() if s.is_generation}
@@ -46,7 +48,16 @@ def rebalance_reason(snapshot: SchedulerSnapshot, drift_threshold: float) -> str
     }
     least = sorted(weights, key=lambda p: (frac_done[p], p))[: max(1, math.ceil(len(weights) / 2))]
     for pid in least:
-        drift = weights[pid] / total_w - active[pid] / total_g
-        if abs(drift) > drift_threshold:
-            return f"{pid} demand share differs from its GPU share by {drift:+.0%}"
+        fair = weights[pid] / total_w * total_g
+        drift = active[pid] - fair
+        tolerance = drift_tolerance(fair, gen_of[pid].tp_size, drift_threshold)
+        if abs(drift) >= tolerance:
+            return (f"{pid} holds {active[pid]} rollout GPUs against a fair share of {fair:.1f} "
+                    f"({drift:+.1f} GPUs, tolerance {tolerance:.1f})")
     return None
+
+
+def drift_tolerance(fair_gpus: float, tp_size: int, drift_threshold: float) -> float:
+    """GPUs of drift from a fair share of ``fair_gpus`` that trigger a rebalance: ``drift_threshold`` of that share,
+    and at least one rank (``tp_size`` GPUs, the planner's unit: less than a rank of drift cannot be corrected)."""
+    return max(float(tp_size), drift_threshold * fair_gpus)

@@ -6,10 +6,14 @@ every wait is bounded with ``asyncio.wait_for``. The only blocking calls are nam
 
 One cycle (run by a single background task, never two at once)::
 
-    snapshot → plan_cycle → validate_plan → shrinks (concurrent) → expands (concurrent) → commit → signal
+    snapshot → plan_cycle → validate_plan → shrinks (concurrent, awaited) → commit → signal → launch expands
 
-* Waiters (grants, planned releases) are signalled only after every resize call of the plan returned, so a
-  training grant returns after the donor ranks slept and a GENERATION grant after its ranks woke.
+* Waiters are signalled only after the resize calls they depend on returned: a training grant or a planned
+  release after the shrinks (the donor ranks slept), a GENERATION grant of ranks woken by the plan when their
+  expand returns. Expands run outside the cycle: the cycle launches them and ends, their ranks count as allocated
+  (in transit: ``SchedulerSnapshot.expanding``), and later cycles plan and signal without waiting for them; a
+  cluster with an expand in flight is neither shrunk, released nor granted GENERATION until it returns. A
+  returning expand signals its GENERATION grants (or fails its pipeline) and starts a cycle.
 * Calls that arrive while a cycle executes are applied at once: a release or unregister is remembered in
   ``_removed_in_cycle`` and wins over the plan at commit; a timed-out request that the running plan grants
   waits for that plan to finish (bounded by the resize timeout) and gets its GPUs.
@@ -69,6 +73,8 @@ class Scheduler(SchedulerCycle):
                    "trace_events": len(self._trace), "trace_dropped": self._trace.dropped,
                    "failed": {pid: dict(f) for pid, f in self._failed.items()},
                    "fences": {key: f.status() for key, f in self._fences.items()},
+                   "expanding": [{"cluster_id": t.cluster_id, "ranks": list(t.ranks),
+                                  "seconds": round(time.monotonic() - t.since, 3)} for t in self._transit.values()],
                    "invariant_checks": self._invariant_checks,
                    "invariant_violations": list(self._invariant_violations)},
         )
@@ -84,6 +90,9 @@ class Scheduler(SchedulerCycle):
             self._drop_pipeline(pid, err, op="unregister", detail=reason)
         if self._loop_task is not None:
             self._loop_task.cancel()
+        for transit in list(self._transit.values()):
+            if transit.task is not None:
+                transit.task.cancel()
 
     # ------------------------------------------------------------------ registration
     async def register_pipeline(self, pipeline_id: str, clusters: list[ClusterSpec], job_id: str | None = None) -> None:
@@ -219,7 +228,8 @@ class Scheduler(SchedulerCycle):
                     waiter.future.set_exception(SchedulerError(
                         f"{cluster_id} was released (await_release) while this GENERATION request waited"))
         alloc = self._allocations.get(cluster_id)
-        if alloc is None or (not alloc.active_dp_ranks and cluster_id not in self._inflight_clusters):
+        busy = cluster_id in self._inflight_clusters or self._in_transit(cluster_id)
+        if alloc is None or (not alloc.active_dp_ranks and not busy):
             if alloc is not None:
                 del self._allocations[cluster_id]
                 self._note_removed(cluster_id)
@@ -231,7 +241,7 @@ class Scheduler(SchedulerCycle):
         try:
             return await asyncio.wait_for(asyncio.shield(fut), timeout)
         except TimeoutError:
-            if cluster_id in self._inflight_clusters:
+            if cluster_id in self._inflight_clusters or self._in_transit(cluster_id):  # released once it returns
                 return await asyncio.wait_for(asyncio.shield(fut), self._cfg.resize_timeout_s * 2 + 10)
             waiters = self._planned.get(cluster_id, [])
             if fut in waiters:
@@ -320,7 +330,8 @@ class Scheduler(SchedulerCycle):
                     f"{cluster_id} already holds GPUs {sorted(held.gpus)} at {Priority(held.priority).name}; "
                     f"release them (or use release_then_request) before requesting {prio.name}"
                 )
-            if prio != Priority.GENERATION or held.active_dp_ranks:
+            # (a GENERATION allocation whose ranks all wake now waits for them, like the grant that woke them)
+            if prio != Priority.GENERATION or held.active_dp_ranks - self._transit_ranks(cluster_id):
                 return sorted(held.gpus)
         waiting = next((w for w in self._pending.values() if w.request.cluster_id == cluster_id), None)
         if waiting is not None:
@@ -342,7 +353,8 @@ class Scheduler(SchedulerCycle):
             return await asyncio.wait_for(asyncio.shield(waiter.future), timeout)
         except TimeoutError:
             req = waiter.request
-            if req.seq in self._inflight_seqs:  # the running cycle grants it: let it finish (bounded)
+            # the running cycle grants it, or an expand in flight wakes its ranks: let it finish (bounded)
+            if req.seq in self._inflight_seqs or any(req.seq in t.grants for t in self._transit.values()):
                 return await asyncio.wait_for(asyncio.shield(waiter.future), self._cfg.resize_timeout_s * 2 + 10)
             self._pending.pop(req.seq, None)
             self._trace.record("timeout", pipeline_id=waiter.pipeline_id, cluster_id=req.cluster_id,
