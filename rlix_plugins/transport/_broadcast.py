@@ -4,7 +4,8 @@ NCCL on GPU, gloo on CPU. Groups are *stateless* (``ProcessGroupNCCL/Gloo`` buil
 ``PrefixStore`` over a ``TCPStore``): they never touch ``torch.distributed``'s default group, which
 vLLM workers and Megatron already own.
 
-Lifecycle (sender = rank 0, hosts the TCPStore on a free port)::
+Lifecycle (sender = rank 0, hosts the TCPStore on a free port of the rendezvous address only: the sender's node
+IP, ``_place.rendezvous_address``)::
 
     sender: GroupHost(...)  -> port        receivers: (wait for the port in the setup RPC)
     sender: join(world)  ||  receivers: setup_collective_group(name, addr, port, rank, world, ...)
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -282,6 +284,27 @@ def group_names() -> list[str]:
 # ---------------------------------------------------------------------------------------------
 
 
+def _listen(addr: str) -> int:
+    """A listening TCP socket on ``addr`` (a free port), as a descriptor the caller owns."""
+    try:
+        family, kind, proto, _, sockaddr = socket.getaddrinfo(addr, 0, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+    except OSError as exc:
+        raise RlixConfigError(f"weight broadcast rendezvous address {addr!r} does not resolve: {exc}") from exc
+    try:
+        # as TCPStore's own server does: its accepted connections' TIME_WAIT must not block a later bind of the port
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(sockaddr)
+        sock.listen(512)
+    except OSError as exc:
+        sock.close()
+        raise RlixConfigError(
+            f"weight broadcast: cannot listen on {addr} ({exc.strerror}); the rendezvous address must be an address "
+            "of the sender's own node (its Ray node IP)"
+        ) from exc
+    return sock.detach()
+
+
 class GroupHost:
     """Rank 0 of one per-sync group: owns the TCPStore (a free port) and the sender's process group.
 
@@ -295,8 +318,13 @@ class GroupHost:
         self.device = comm_device(backend, device)
         self.timeout_s = float(timeout_s)
         self._pg: Any = None
+        self.master_addr = master_addr
+        # TCPStore's own server listens on every interface whatever host it is given; a socket bound to the
+        # rendezvous address alone means a receiver told another address fails instead of meeting it by accident
+        # (and the store is not exposed on interfaces nobody uses). The store takes the descriptor over.
         self._store: Any = dist.TCPStore(
-            master_addr, 0, None, True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False
+            master_addr, 0, None, True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False,
+            master_listen_fd=_listen(master_addr),
         )
         self.port = int(self._store.port)
 
@@ -307,8 +335,8 @@ class GroupHost:
             _warm_up(self._pg, 0, self.device, self.timeout_s, self.name)
         except Exception as exc:
             raise TransportError(
-                f"group {self.name!r} ({self.backend}, world {world_size}, port {self.port}): not every receiver "
-                f"joined within {self.timeout_s:.0f} s: {exc}"
+                f"group {self.name!r} ({self.backend}, world {world_size}, at {self.master_addr}:{self.port}): not "
+                f"every receiver joined within {self.timeout_s:.0f} s: {exc}"
             ) from _detached(exc)
 
     def broadcast(self, buffer: torch.Tensor) -> None:

@@ -4,7 +4,8 @@
 
     transport.sync_weights (setup -> buckets -> destroy -> rlix_finish_weight_update, cache lock held)
 
-Engine round trips per sync and target: the buckets (one host_pull call for all of them; per bucket otherwise),
+Engine round trips per sync and target: where its workers run (``rlix_report_place``, checked against the plan), the
+buckets (one host_pull call for all of them; per bucket otherwise),
 the group's setup and teardown (broadcast targets only), and ONE finish call: finalize, verify and - through
 ``EngineCore`` (:mod:`.engine_hook`) - the prefix-cache reset, answered with the verification's result. An
 engine without the hook (``RLIX_CONTROL_PLANE`` not ``rlix`` in its process) gets one more call,
@@ -161,6 +162,9 @@ class _SyncEndpoint:
     def verify_model(self, expected_checksums: dict[str, list[int]]) -> PendingCall:
         return self.rpc.call("verify_model", (expected_checksums,))
 
+    def report_places(self) -> PendingCall:
+        return self.rpc.call("rlix_report_place", ())
+
     def finish(self, expected_checksums: Mapping[str, list[int]] | None) -> PendingCall:
         self.finishing = True
         expected = None if expected_checksums is None else dict(expected_checksums)
@@ -229,7 +233,7 @@ def sync_engines(
     *,
     staging_device: str = "cpu",
     backend: str | None = None,
-    master_addr: str = "127.0.0.1",
+    master_addr: str | None = None,
     timeout_s: float = 150.0,
     verify: bool = True,
     apply_mode: str = "auto",
@@ -238,7 +242,9 @@ def sync_engines(
 ) -> EngineSyncReport:
     """Push the cache's published version to the plan's target engines; see the module docstring.
 
-    ``engines`` maps dp rank -> :class:`EngineRpc`; only ``plan``'s targets are touched. ``timeout_s``
+    ``engines`` maps dp rank -> :class:`EngineRpc`; only ``plan``'s targets are touched. The plan is checked against
+    where each engine's workers run (``rlix_report_place``) before anything is sent. ``master_addr``: the broadcast
+    rendezvous address, default this process's Ray node IP (required without Ray; see ``transport.rendezvous_address``). ``timeout_s``
     bounds each phase (setup, each bucket, teardown, the finish call). ``apply_mode``: ``"auto"``,
     ``"staged"`` (atomic) or ``"eager"`` (see :mod:`rlix_plugins.vllm.receiver`).
     ``overall_timeout_s`` (default ``timeout_s * (buckets + 4)``) bounds the sync as a whole (finish included):

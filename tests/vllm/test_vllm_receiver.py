@@ -134,6 +134,7 @@ def baselines(engine_a: Any, engine_b: Any) -> dict[str, list[list[int]]]:
 
 def _sync(cache: Any, targets: dict[int, list], rpcs: dict[int, EngineRpc], **kw: Any) -> Any:
     plan = build_comm_plan(SENDER, targets, same_gpu_transport=kw.pop("same_gpu_transport", "cpu_serialize"))
+    kw.setdefault("master_addr", "127.0.0.1")  # one machine, no Ray: the rendezvous address is given
     return sync_engines(cache, plan, rpcs, staging_device="cpu", timeout_s=kw.pop("timeout_s", TIMEOUT_S), **kw)
 
 
