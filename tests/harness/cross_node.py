@@ -5,6 +5,8 @@ module is not."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import ray
@@ -12,6 +14,38 @@ import torch
 
 BUCKET = 32 << 10
 TIMEOUT_S = 30.0
+#: node B's address: Linux routes all of 127/8 to loopback, and nothing of node A listens there
+NODE_B_IP = "127.0.0.2"
+
+
+@contextlib.contextmanager
+def two_nodes(num_cpus: int = 2) -> Iterator[Any]:
+    """A ``ray.cluster_utils.Cluster`` of two raylets on this machine, node A (the head, on the machine's address,
+    custom resource ``node_a``) and node B (``NODE_B_IP``, resource ``node_b``), with this process connected. The
+    session's single-node Ray, if up, is stopped first and started again after."""
+    from ray.cluster_utils import Cluster
+
+    from tests.harness.ray_session import start_session_ray
+
+    restore = ray.is_initialized()
+    if restore:
+        ray.shutdown()
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": num_cpus, "resources": {"node_a": 10}})
+    try:
+        cluster.add_node(num_cpus=num_cpus, resources={"node_b": 10}, node_ip_address=NODE_B_IP)
+        ray.init(address=cluster.address, namespace="rlix_cross_node")
+        cluster.wait_for_nodes(timeout=120)
+        yield cluster
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+        if restore:
+            start_session_ray()
+
+
+def on_node(node: str) -> dict[str, Any]:
+    """Actor options that pin it to node ``"a"`` or ``"b"`` of :func:`two_nodes`."""
+    return {"resources": {f"node_{node}": 1}, "num_cpus": 0}
 
 
 def _model(version: int) -> list[tuple[str, torch.Tensor]]:
@@ -98,3 +132,27 @@ class Sender:
 
     def node_ip(self) -> str:
         return str(ray.util.get_node_ip_address())
+
+
+class EngineSender:
+    """A cache owner that drives vLLM engines with the product's ``sync_engines`` (the demo trainer's and NeMo RL's
+    ``sync_from_cache``'s path: no ``master_addr``, the rendezvous is this actor's Ray node IP)."""
+
+    def __init__(self, weights: dict[str, torch.Tensor], bucket_bytes: int) -> None:
+        from rlix_plugins.transport import VersionedBucketCache
+
+        torch.set_num_threads(1)
+        self.cache = VersionedBucketCache(bucket_bytes)
+        self.cache.build(1, sorted(weights.items()))
+
+    def sync(self, sender: tuple[int, int], targets: dict[int, list[tuple[int, int]]], transport: str,
+             engines: dict[int, Any], timeout_s: float) -> dict[str, Any]:
+        from rlix_plugins.transport import build_comm_plan
+        from rlix_plugins.vllm.driver import sync_engines
+
+        plan = build_comm_plan(sender, targets, transport)
+        report = sync_engines(self.cache, plan, engines, staging_device="cpu", backend="gloo", timeout_s=timeout_s,
+                              verify=True)
+        return {"rendezvous": report.transport.rendezvous, "broadcast": report.transport.broadcast_dp_ranks,
+                "finalized": report.finalized_dp_ranks,
+                "verified": {dp: [w["received"] for w in per] for dp, per in report.verified.items()}}

@@ -17,44 +17,33 @@ from typing import Any
 import pytest
 
 from rlix_plugins.errors import RlixConfigError, TransportError
-from tests.harness.cross_node import TIMEOUT_S, ActorEndpoint, ReceiverHost, Sender
+from tests.harness.cross_node import (
+    NODE_B_IP,
+    TIMEOUT_S,
+    ActorEndpoint,
+    ReceiverHost,
+    Sender,
+    on_node,
+    two_nodes,
+)
 
 ray = pytest.importorskip("ray")
-
-NODE_B_IP = "127.0.0.2"
 
 
 @pytest.fixture(scope="module")
 def nodes() -> Iterator[dict[str, Any]]:
-    from ray.cluster_utils import Cluster
-
-    from tests.harness.ray_session import start_session_ray
-
-    restore = ray.is_initialized()
-    if restore:
-        ray.shutdown()
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "resources": {"node_a": 10}})
-    try:
-        cluster.add_node(num_cpus=2, resources={"node_b": 10}, node_ip_address=NODE_B_IP)
-        ray.init(address=cluster.address, namespace="rlix_cross_node")
-        cluster.wait_for_nodes(timeout=120)
-        on = {n: {"resources": {f"node_{n}": 1}, "num_cpus": 0} for n in ("a", "b")}
+    with two_nodes():
         actors = {
-            "sender_a": ray.remote(Sender).options(**on["a"]).remote(),
-            "sender_b": ray.remote(Sender).options(**on["b"]).remote(),
-            "receiver_a": ray.remote(ReceiverHost).options(**on["a"]).remote(),
-            "receiver_b": ray.remote(ReceiverHost).options(**on["b"]).remote(),
+            "sender_a": ray.remote(Sender).options(**on_node("a")).remote(),
+            "sender_b": ray.remote(Sender).options(**on_node("b")).remote(),
+            "receiver_a": ray.remote(ReceiverHost).options(**on_node("a")).remote(),
+            "receiver_b": ray.remote(ReceiverHost).options(**on_node("b")).remote(),
         }
         ips = {name: ray.get(actor.node_ip.remote(), timeout=180) for name, actor in actors.items()}
         assert ips["sender_b"] == ips["receiver_b"] == NODE_B_IP and ips["sender_a"] == ips["receiver_a"] != NODE_B_IP
         yield {**actors, "ip_a": ips["sender_a"]}
         for name in ("receiver_a", "receiver_b"):
             ray.get(actors[name].close.remote(), timeout=60)
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
-        if restore:
-            start_session_ray()
 
 
 @pytest.mark.parametrize(("sender", "receiver"), [("b", "a"), ("a", "b")])
