@@ -187,6 +187,21 @@ def _release(pg: Any, backend: str, device: torch.device, *, clean: bool) -> Non
 # ---------------------------------------------------------------------------------------------
 
 
+def _probe(group_name: str, addr: str, port: int, timeout_s: float) -> None:
+    """The sender's store listens before any receiver is asked to join, so a refused connection means the address is
+    wrong (a receiver on another node dialing its own loopback) or the sender is gone: fail at once, not after
+    TCPStore's retries (about twice ``timeout_s``)."""
+    try:
+        with socket.create_connection((addr, port), timeout=timeout_s):
+            pass
+    except OSError as exc:
+        raise TransportError(
+            f"could not join group {group_name!r} at {addr}:{port}: {exc.strerror or exc!r}; nothing of the sender "
+            "listens there: the rendezvous address is not the sender's node IP as seen from this node, or the sender "
+            "is gone"
+        ) from None
+
+
 def setup_collective_group(
     group_name: str,
     master_addr: str,
@@ -207,6 +222,7 @@ def setup_collective_group(
         raise RlixConfigError(f"receiver rank must be in [1, {world_size}), got {rank} (rank 0 is the sender)")
     dev = comm_device(backend, device)
     destroy_collective_group(group_name)
+    _probe(group_name, master_addr, int(master_port), timeout_s)
     store = pg = None
     try:
         store = dist.TCPStore(

@@ -268,7 +268,8 @@ def sync_weights(
                 try:
                     host.join(plan.broadcast_world_size)
                 except TransportError as exc:  # say why: a receiver's own error names the address it dialed
-                    culprits = _failed_calls(calls, grace_s=min(timeout_s, 10.0))
+                    # its own bound (timeout_s) may have started later than the host's (a busy actor or machine)
+                    culprits = _failed_calls(calls, grace_s=min(timeout_s, 30.0))
                     raise TransportError(f"{exc}; receivers: {culprits or 'none reported an error yet'}") from exc
                 wait_all(calls, timeout_s, f"setup_collective_group({group_name})")
             setup_s = time.perf_counter() - t0
