@@ -100,7 +100,7 @@ def _sync_timed(cache: VersionedBucketCache, plan: Any, eps: dict[int, Any], rep
     reports = []
 
     def once() -> None:
-        reports.append(sync_weights(cache, plan, eps, staging_device="cuda:0", timeout_s=300))
+        reports.append(sync_weights(cache, plan, eps, staging_device="cuda:0", master_addr="127.0.0.1", timeout_s=300))
 
     once()  # warm-up: first IPC open / NCCL init / receiver parameter allocation
     reports.clear()
@@ -212,12 +212,12 @@ def bench_gpu(sizes_gib: list[float], bucket: int, repeats: int) -> dict[str, An
             tiny = VersionedBucketCache(8 * MiB)
             tiny.build(0, iter([("w", torch.ones(MiB, device="cuda:0"))]), checksums=False)
             plan = build_comm_plan((0, 0), {1: [(0, 1)]}, "cuda_ipc")
-            sync_weights(tiny, plan, {1: other}, staging_device="cuda:0", timeout_s=120)
+            sync_weights(tiny, plan, {1: other}, staging_device="cuda:0", master_addr="127.0.0.1", timeout_s=120)
             lifecycle = []
             for _ in range(5):
                 wait_for_teardowns(30)  # the previous sync's background NCCL abort (not part of the next sync)
                 other.call_worker(0, "wait_for_teardowns").result(60)
-                r = sync_weights(tiny, plan, {1: other}, staging_device="cuda:0", timeout_s=120)
+                r = sync_weights(tiny, plan, {1: other}, staging_device="cuda:0", master_addr="127.0.0.1", timeout_s=120)
                 lifecycle.append((r.setup_seconds, r.teardown_seconds, r.setup_seconds + r.transfer_seconds + r.teardown_seconds))
             results["nccl_group"] = {
                 "setup_s_median": statistics.median(x[0] for x in lifecycle),

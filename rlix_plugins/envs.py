@@ -39,6 +39,8 @@ __all__ = [
     "hf_hub_cache",
     "init_timeout_s",
     "native_checksum",
+    "node_id",
+    "node_ip",
     "patches_dir",
     "pipeline_id",
     "profile_calls",
@@ -68,6 +70,8 @@ RLIX_NATIVE_CHECKSUM: Final = "RLIX_NATIVE_CHECKSUM"
 RLIX_PROFILE_PULL: Final = "RLIX_PROFILE_PULL"
 RLIX_PROFILE_CALLS: Final = "RLIX_PROFILE_CALLS"
 RLIX_PROFILE_DIR: Final = "RLIX_PROFILE_DIR"
+RLIX_NODE_ID: Final = "RLIX_NODE_ID"
+RLIX_NODE_IP: Final = "RLIX_NODE_IP"
 
 # ------------------------------------------------------------------------------- names (others', read by rlix only)
 RAY_ADDRESS: Final = "RAY_ADDRESS"
@@ -113,6 +117,10 @@ VARIABLES: Final[tuple[EnvVar, ...]] = (
     EnvVar(RLIX_PROFILE_PULL, "0", "rlix", "N > 0: torch-profile a vLLM worker's N-th host_pull; an int >= 0"),
     EnvVar(RLIX_PROFILE_CALLS, "0", "rlix", "anything but empty or `0`: cProfile every receiver pull/finish call"),
     EnvVar(RLIX_PROFILE_DIR, None, "rlix", "where the receiver's profiles are written"),
+    EnvVar(RLIX_NODE_ID, None, "rlix",
+           "set by rlix in a Ray process for the processes it starts (vLLM engine cores): the Ray node they run on"),
+    EnvVar(RLIX_NODE_IP, None, "rlix",
+           "set with RLIX_NODE_ID: that node's IP (a weight broadcast's rendezvous address when this process sends)"),
     EnvVar(RAY_ADDRESS, None, "Ray", "the Ray cluster to join when no --address is given"),
     EnvVar(RAY_USE_TLS, None, "Ray", "`1`: the cluster uses TLS (rlix then skips its own GCS probe)"),
     EnvVar(RAY_AUTH_MODE, None, "Ray", "`token` or `disabled`: Ray's authentication mode"),
@@ -211,6 +219,16 @@ def profile_calls() -> bool:
 def profile_dir() -> str | None:
     """``RLIX_PROFILE_DIR``: where profiles go (None: the log only, or nowhere)."""
     return _set(RLIX_PROFILE_DIR)
+
+
+def node_id() -> str | None:
+    """``RLIX_NODE_ID``: the Ray node a Ray parent process exported (None: unset or empty)."""
+    return _set(RLIX_NODE_ID)
+
+
+def node_ip() -> str | None:
+    """``RLIX_NODE_IP``: that node's IP (None: unset or empty)."""
+    return _set(RLIX_NODE_IP)
 
 
 # ------------------------------------------------------------------------------------- others', as they are set

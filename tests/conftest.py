@@ -11,6 +11,8 @@ from collections.abc import Iterator
 
 import pytest
 
+from tests.harness.ray_session import has_cuda as _has_cuda
+
 # Quiet, offline, bounded: the same settings the CLI and demo use.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -32,18 +34,6 @@ def _private_ray_token() -> None:
 
 
 _private_ray_token()
-
-#: GPUs declared to the session's Ray cluster when no real GPU is present.
-DECLARED_GPUS = 4
-
-
-def _has_cuda() -> bool:
-    try:
-        import torch
-
-        return bool(torch.cuda.is_available())
-    except Exception:
-        return False
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -68,17 +58,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(scope="session")
 def ray_cluster() -> Iterator[dict[str, float]]:
-    """A local Ray cluster, started once per session. On CPU machines it declares DECLARED_GPUS GPUs."""
+    """A local Ray cluster, started once per session. On CPU machines it declares GPUs (``ray_session``)."""
     import ray
 
+    from tests.harness.ray_session import start_session_ray
+
     if not ray.is_initialized():
-        num_gpus = None if _has_cuda() else DECLARED_GPUS
-        ray.init(
-            num_cpus=max(8, os.cpu_count() or 2),
-            num_gpus=num_gpus,
-            include_dashboard=False,
-            log_to_driver=True,
-            namespace="rlix_tests",
-        )
+        start_session_ray()
     yield ray.cluster_resources()
     ray.shutdown()

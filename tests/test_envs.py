@@ -28,6 +28,8 @@ ALLOWED = {
     ("rlix_plugins/demo/engine.py", "os.environ.update(env or {})"): "write: the engine's env before vLLM",
     ("rlix_plugins/vllm/engine_actor.py", "os.environ.update(env or {})"): "write: the engine's env before vLLM",
     ("rlix_plugins/demo/run.py", 'os.environ.setdefault("HF_HUB_OFFLINE", "1")'): "write: the demo runs offline",
+    ("rlix_plugins/transport/_place.py", "os.environ.update({envs.RLIX_NODE_ID: found[0], envs.RLIX_NODE_IP: found[1]})"):
+        "write: a Ray process's node, for the child processes it starts",
 }
 
 

@@ -62,7 +62,10 @@ class DemoEngine:
 
         if self.llm is not None:
             return self.start_seconds
+        from rlix_plugins.transport import export_node_env
+
         t0 = time.perf_counter()
+        export_node_env()  # the engine core and its workers are child processes: they report this Ray node
         self.llm = LLM(**self._llm_kwargs)
         self.start_seconds = time.perf_counter() - t0
         self._engine = self.llm.llm_engine

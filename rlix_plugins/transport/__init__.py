@@ -34,7 +34,16 @@ Comm plan
 ``build_comm_plan(sender=(node, gpu), targets={dp_rank: [(node, gpu), ...]}, same_gpu_transport)``:
 devices equal to the sender's go by the named same-GPU transport, the rest join a broadcast group
 (sender rank 0, then ascending ``(dp_rank, local_rank)``). ``TargetPlan.ipc_local_ranks``,
-``TargetPlan.broadcast_rank_map()`` (local rank -> group rank).
+``TargetPlan.broadcast_rank_map()`` (local rank -> group rank), ``TargetPlan.devices`` (the pairs it was built from).
+
+Places (where the processes really run)
+---------------------------------------
+``local_place(device)`` -> ``Place`` (Ray node id and IP where known, machine boot id, hostname, device, physical
+GPU UUID): every receiver endpoint answers ``report_places()`` with one per worker. ``sync_weights`` checks the plan
+against them first (``check_comm_plan``): a same-GPU transport to a worker on another node or GPU, a broadcast to a
+worker on the sender's GPU, or node numbers that disagree with the nodes are refused (``RlixConfigError`` naming the
+target, both places and the fix) before anything is sent. ``export_node_env()``: a Ray process hands its node to
+the child processes it starts (vLLM's engine core), which have no Ray of their own.
 
 Same-GPU transports (registry)
 ------------------------------
@@ -47,9 +56,10 @@ and one line in ``_registry``. The sender branches on the two shapes, never on a
 
 Sender
 ------
-``sync_weights(cache, plan, endpoints, staging_device=..., timeout_s=..., verify=..., finish=...) -> SyncReport``::
+``sync_weights(cache, plan, endpoints, staging_device=..., master_addr=None, timeout_s=..., verify=..., finish=...)
+-> SyncReport``::
 
-    lock cache -> setup group (only if broadcast targets) -> per bucket: stage -> send -> barrier
+    report_places + check_comm_plan -> lock cache -> setup group (only if broadcast targets) -> per bucket: stage -> send -> barrier
     -> destroy (failure: sender first, then receivers; success: all ranks at once, each teardown
     is local) -> [finish on every target] -> unlock -> [verify_model on every target, without finish]
 
@@ -68,8 +78,10 @@ Receiver side (what the vLLM worker extension calls, in each worker process)
 One endpoint = one DP rank (an engine); its workers have local ranks 0..tp-1 and act only when
 their local rank is listed (``ipc_local_ranks`` / ``broadcast_local_ranks`` / ``ranks_by_local_rank``).
 
+* ``local_place(device).to_wire()`` - what ``report_places`` answers per worker.
 * ``setup_collective_group(group_name, master_addr, master_port, rank, world_size, backend, timeout_s, device=None)``
-  - join the per-sync group (``backend`` "nccl" or "gloo"); blocks until all joined (bounded).
+  - join the per-sync group at the sender's rendezvous address (``rendezvous_address``: the sender's Ray node IP,
+  where the group's store listens and nowhere else) (``backend`` "nccl" or "gloo"); blocks until all joined (bounded).
 * ``open_host_pull(bucket, pin=)`` -> ``(meta, host_view)`` for each entry of a ``host_pull`` payload's
   ``"buckets"`` (all buckets of a sync in one ``update_parameter_in_bucket`` call): a CPU view of the
   sender's pinned cache pages, mapped once per process; copy from it before the RPC returns.
@@ -137,6 +149,13 @@ from rlix_plugins.transport._host_pull import (
     open_host_pull,
 )
 from rlix_plugins.transport._memory import check_device_capacity, check_host_capacity, host_available_bytes
+from rlix_plugins.transport._place import (
+    Place,
+    check_comm_plan,
+    export_node_env,
+    local_place,
+    rendezvous_address,
+)
 from rlix_plugins.transport._plan import CommPlan, DeviceRef, TargetPlan, build_comm_plan
 from rlix_plugins.transport._receiver import receive_bucket
 from rlix_plugins.transport._registry import registered_transports, same_gpu_transport
@@ -146,6 +165,7 @@ from rlix_plugins.transport._sender import (
     PendingCall,
     ReceiverEndpoint,
     SyncReport,
+    report_places,
     sync_weights,
     wait_all,
 )
@@ -162,6 +182,7 @@ __all__ = [
     "FinishingEndpoint",
     "GroupHost",
     "PendingCall",
+    "Place",
     "ReceiverEndpoint",
     "SameGpuTransport",
     "SharedHostBuffer",
@@ -173,16 +194,19 @@ __all__ = [
     "broadcast_parameter",
     "bucket_checksums",
     "build_comm_plan",
+    "check_comm_plan",
     "check_device_capacity",
     "check_host_capacity",
     "compute_checksums",
     "destroy_collective_group",
     "device_view",
     "dtype_to_str",
+    "export_node_env",
     "finish_checksums",
     "group_names",
     "host_available_bytes",
     "iter_buckets",
+    "local_place",
     "make_cpu_serialize_payload",
     "make_cuda_ipc_payload",
     "make_host_pull_payload",
@@ -193,6 +217,8 @@ __all__ = [
     "receive_bucket",
     "receive_cpu_serialize",
     "registered_transports",
+    "rendezvous_address",
+    "report_places",
     "same_gpu_transport",
     "setup_collective_group",
     "start_checksums",

@@ -4,7 +4,8 @@ NCCL on GPU, gloo on CPU. Groups are *stateless* (``ProcessGroupNCCL/Gloo`` buil
 ``PrefixStore`` over a ``TCPStore``): they never touch ``torch.distributed``'s default group, which
 vLLM workers and Megatron already own.
 
-Lifecycle (sender = rank 0, hosts the TCPStore on a free port)::
+Lifecycle (sender = rank 0, hosts the TCPStore on a free port of the rendezvous address only: the sender's node
+IP, ``_place.rendezvous_address``)::
 
     sender: GroupHost(...)  -> port        receivers: (wait for the port in the setup RPC)
     sender: join(world)  ||  receivers: setup_collective_group(name, addr, port, rank, world, ...)
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -185,6 +187,21 @@ def _release(pg: Any, backend: str, device: torch.device, *, clean: bool) -> Non
 # ---------------------------------------------------------------------------------------------
 
 
+def _probe(group_name: str, addr: str, port: int, timeout_s: float) -> None:
+    """The sender's store listens before any receiver is asked to join, so a refused connection means the address is
+    wrong (a receiver on another node dialing its own loopback) or the sender is gone: fail at once, not after
+    TCPStore's retries (about twice ``timeout_s``)."""
+    try:
+        with socket.create_connection((addr, port), timeout=timeout_s):
+            pass
+    except OSError as exc:
+        raise TransportError(
+            f"could not join group {group_name!r} at {addr}:{port}: {exc.strerror or exc!r}; nothing of the sender "
+            "listens there: the rendezvous address is not the sender's node IP as seen from this node, or the sender "
+            "is gone"
+        ) from None
+
+
 def setup_collective_group(
     group_name: str,
     master_addr: str,
@@ -205,6 +222,7 @@ def setup_collective_group(
         raise RlixConfigError(f"receiver rank must be in [1, {world_size}), got {rank} (rank 0 is the sender)")
     dev = comm_device(backend, device)
     destroy_collective_group(group_name)
+    _probe(group_name, master_addr, int(master_port), timeout_s)
     store = pg = None
     try:
         store = dist.TCPStore(
@@ -282,6 +300,27 @@ def group_names() -> list[str]:
 # ---------------------------------------------------------------------------------------------
 
 
+def _listen(addr: str) -> int:
+    """A listening TCP socket on ``addr`` (a free port), as a descriptor the caller owns."""
+    try:
+        family, kind, proto, _, sockaddr = socket.getaddrinfo(addr, 0, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+    except OSError as exc:
+        raise RlixConfigError(f"weight broadcast rendezvous address {addr!r} does not resolve: {exc}") from exc
+    try:
+        # as TCPStore's own server does: its accepted connections' TIME_WAIT must not block a later bind of the port
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(sockaddr)
+        sock.listen(512)
+    except OSError as exc:
+        sock.close()
+        raise RlixConfigError(
+            f"weight broadcast: cannot listen on {addr} ({exc.strerror}); the rendezvous address must be an address "
+            "of the sender's own node (its Ray node IP)"
+        ) from exc
+    return sock.detach()
+
+
 class GroupHost:
     """Rank 0 of one per-sync group: owns the TCPStore (a free port) and the sender's process group.
 
@@ -295,8 +334,13 @@ class GroupHost:
         self.device = comm_device(backend, device)
         self.timeout_s = float(timeout_s)
         self._pg: Any = None
+        self.master_addr = master_addr
+        # TCPStore's own server listens on every interface whatever host it is given; a socket bound to the
+        # rendezvous address alone means a receiver told another address fails instead of meeting it by accident
+        # (and the store is not exposed on interfaces nobody uses). The store takes the descriptor over.
         self._store: Any = dist.TCPStore(
-            master_addr, 0, None, True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False
+            master_addr, 0, None, True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False,
+            master_listen_fd=_listen(master_addr),
         )
         self.port = int(self._store.port)
 
@@ -307,8 +351,8 @@ class GroupHost:
             _warm_up(self._pg, 0, self.device, self.timeout_s, self.name)
         except Exception as exc:
             raise TransportError(
-                f"group {self.name!r} ({self.backend}, world {world_size}, port {self.port}): not every receiver "
-                f"joined within {self.timeout_s:.0f} s: {exc}"
+                f"group {self.name!r} ({self.backend}, world {world_size}, at {self.master_addr}:{self.port}): not "
+                f"every receiver joined within {self.timeout_s:.0f} s: {exc}"
             ) from _detached(exc)
 
     def broadcast(self, buffer: torch.Tensor) -> None:

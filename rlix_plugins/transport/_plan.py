@@ -1,6 +1,7 @@
 """Comm plan: which target device gets a bucket by same-GPU handoff and which by broadcast.
 
-Rule: a target device whose ``(node, gpu)`` equals the sender's goes by the plan's same-GPU transport (a
+Rule (from configuration; ``check_comm_plan`` in ``_place`` holds it against where the workers really run before
+every sync): a target device whose ``(node, gpu)`` equals the sender's goes by the plan's same-GPU transport (a
 registered name, see ``_registry``: ``host_pull``, the receiver copies from the sender's pinned cache pages;
 ``cuda_ipc``, a handle to the sender's GPU staging copy; ``cpu_serialize``, the bytes in the RPC); every other device joins the
 per-sync broadcast group. NCCL cannot put two ranks on one GPU, so same-GPU targets must never be
@@ -40,6 +41,8 @@ class TargetPlan:
     ipc_local_ranks: tuple[int, ...]
     #: local rank -> rank in the broadcast group, for local ranks on other GPUs
     broadcast_ranks: tuple[tuple[int, int], ...]
+    #: the ``(node, gpu)`` the plan was built with, per local rank (checked against where the workers run)
+    devices: tuple[DeviceRef, ...] = ()
 
     @property
     def broadcast_local_ranks(self) -> tuple[int, ...]:
@@ -118,7 +121,7 @@ def build_comm_plan(
     registered_transport(same_gpu_transport)  # an unknown name fails here, listing the registered ones
     src = _device(sender, "sender")
     seen: dict[DeviceRef, int] = {}
-    classified: list[tuple[int, list[int], list[int]]] = []
+    classified: list[tuple[int, list[DeviceRef], list[int], list[int]]] = []
     for dp_rank in sorted(targets):
         devices = [_device(d, f"device of dp rank {dp_rank}") for d in targets[dp_rank]]
         if not devices:
@@ -132,13 +135,14 @@ def build_comm_plan(
                 )
             seen[dev] = dp_rank
             (ipc if dev == src else bcast).append(local)
-        classified.append((dp_rank, ipc, bcast))
+        classified.append((dp_rank, devices, ipc, bcast))
     plans: list[TargetPlan] = []
     next_rank = 1
-    for dp_rank, ipc, bcast in classified:
+    for dp_rank, devices, ipc, bcast in classified:
         ranks = []
         for local in bcast:
             ranks.append((local, next_rank))
             next_rank += 1
-        plans.append(TargetPlan(dp_rank=dp_rank, ipc_local_ranks=tuple(ipc), broadcast_ranks=tuple(ranks)))
+        plans.append(TargetPlan(dp_rank=dp_rank, ipc_local_ranks=tuple(ipc), broadcast_ranks=tuple(ranks),
+                                devices=tuple(devices)))
     return CommPlan(sender=src, same_gpu_transport=same_gpu_transport, targets=tuple(plans))

@@ -1,6 +1,7 @@
 """Sender API: push the published cache version to the targets of a comm plan.
 
-``sync_weights``: lock cache -> [setup group] -> per bucket: stage -> send (IPC payloads and/or
+``sync_weights``: ask every target where its workers run and check the plan against it (``_place``) -> lock cache ->
+[setup group on the sender's node IP] -> per bucket: stage -> send (IPC payloads and/or
 broadcast) -> barrier -> destroy (after a failure: sender first, then receivers; after success all
 ranks concurrently, each teardown being local) -> [finish] -> unlock -> [verify].
 
@@ -32,6 +33,7 @@ from rlix_plugins.errors import (
 from rlix_plugins.transport._broadcast import GroupHost
 from rlix_plugins.transport._cache import CacheSnapshot, VersionedBucketCache
 from rlix_plugins.transport._memory import check_device_capacity
+from rlix_plugins.transport._place import Place, check_comm_plan, local_place, rendezvous_address
 from rlix_plugins.transport._plan import CommPlan
 from rlix_plugins.transport._registry import same_gpu_transport
 from rlix_plugins.transport._same_gpu import BucketTransport, SyncTransport
@@ -92,6 +94,11 @@ class ReceiverEndpoint(Protocol):
         (``verify_checksums``); raise ``WeightVerificationError`` on the first difference."""
         ...
 
+    def report_places(self) -> PendingCall:
+        """Every worker, in local-rank order: where it runs, ``local_place(its device).to_wire()`` (a list of
+        dicts). The sender checks the plan against these before a sync (``check_comm_plan``)."""
+        ...
+
 
 @runtime_checkable
 class FinishingEndpoint(ReceiverEndpoint, Protocol):
@@ -131,6 +138,8 @@ class SyncReport:
     #: results by dp rank
     finish_seconds: float = 0.0
     finished: Mapping[int, Any] = field(default_factory=dict)
+    #: where the broadcast group met (the sender's node IP by default); None without broadcast targets
+    rendezvous: str | None = None
 
 
 def wait_all(calls: Mapping[int, PendingCall], timeout_s: float, what: str, *,
@@ -180,6 +189,10 @@ def _check_endpoints(plan: CommPlan, endpoints: Mapping[int, ReceiverEndpoint], 
     missing = [t.dp_rank for t in plan.targets if t.dp_rank not in endpoints]
     if missing:
         raise RlixConfigError(f"no receiver endpoint for target dp ranks {missing}; endpoints given: {sorted(endpoints)}")
+    unplaced = [t.dp_rank for t in plan.targets if not callable(getattr(endpoints[t.dp_rank], "report_places", None))]
+    if unplaced:
+        raise RlixConfigError(f"the endpoints of dp ranks {unplaced} have no report_places: every sync checks its plan "
+                              "against where the receivers run (transport.ReceiverEndpoint)")
     if after_issue is not None and not finish:
         raise RlixConfigError("sync_weights(after_issue=...) needs finish=True: the finish call is the barrier on the "
                               "host pages that a deferred host_pull still reads")
@@ -196,7 +209,7 @@ def sync_weights(
     endpoints: Mapping[int, ReceiverEndpoint],
     *,
     staging_device: torch.device | str = "cpu",
-    master_addr: str = "127.0.0.1",
+    master_addr: str | None = None,
     backend: str | None = None,
     timeout_s: float = 150.0,
     verify: bool = False,
@@ -209,6 +222,8 @@ def sync_weights(
     :param staging_device: ``"cuda:N"`` on a GPU sender (one staging buffer of the largest bucket,
         allocated per sync and freed after it); ``"cpu"`` sends from the pinned cache directly
         (gloo broadcast and cpu_serialize only).
+    :param master_addr: the broadcast group's rendezvous address, an address of this process's node: default its
+        Ray node IP (``rendezvous_address``; without Ray it must be given).
     :param backend: broadcast backend; default ``nccl`` for a CUDA staging device, else ``gloo``.
     :param verify: ask every target to verify against the version's checksums: in the finish call, else after
         the unlock (``verify_model``).
@@ -231,6 +246,10 @@ def sync_weights(
     ipc_ranks = tuple(t.dp_rank for t in plan.targets if t.ipc_local_ranks)
     bcast_targets = [t for t in plan.targets if t.broadcast_ranks]
     group_name = f"{group_prefix}_{uuid.uuid4().hex[:8]}" if plan.needs_group else None
+    if group_name is not None:
+        master_addr = rendezvous_address(master_addr)
+    # Before the lock and before any byte: a same-GPU transport to a rank elsewhere is refused, never attempted.
+    check_comm_plan(plan, local_place(staging_dev), report_places(plan, endpoints, timeout_s))
     with cache.read(timeout_s) as snap:
         t0 = time.perf_counter()
         host: GroupHost | None = None
@@ -238,6 +257,7 @@ def sync_weights(
         setup_s = transfer_s = wire_s = copy_s = 0.0
         try:
             if group_name is not None:
+                assert master_addr is not None  # resolved above
                 host = GroupHost(group_name, backend, staging_dev, timeout_s, master_addr)
                 calls = {
                     t.dp_rank: endpoints[t.dp_rank].setup_collective_group(
@@ -245,7 +265,12 @@ def sync_weights(
                     )
                     for t in bcast_targets
                 }
-                host.join(plan.broadcast_world_size)
+                try:
+                    host.join(plan.broadcast_world_size)
+                except TransportError as exc:  # say why: a receiver's own error names the address it dialed
+                    # its own bound (timeout_s) may have started later than the host's (a busy actor or machine)
+                    culprits = _failed_calls(calls, grace_s=min(timeout_s, 30.0))
+                    raise TransportError(f"{exc}; receivers: {culprits or 'none reported an error yet'}") from exc
                 wait_all(calls, timeout_s, f"setup_collective_group({group_name})")
             setup_s = time.perf_counter() - t0
             wire_s, copy_s = _send_buckets(snap, plan, endpoints, host, group_name, staging_dev, timeout_s, after_issue,
@@ -288,7 +313,15 @@ def sync_weights(
         checksums=checksums,
         finish_seconds=finish_s,
         finished=finished,
+        rendezvous=master_addr if group_name is not None else None,
     )
+
+
+def report_places(plan: CommPlan, endpoints: Mapping[int, ReceiverEndpoint], timeout_s: float) -> dict[int, list[Place]]:
+    """Where every worker of every target of ``plan`` runs, as the workers report it (bounded by ``timeout_s``)."""
+    calls = {t.dp_rank: endpoints[t.dp_rank].report_places() for t in plan.targets}
+    reports = wait_all(calls, timeout_s, "report_places")
+    return {dp: [Place.from_wire(w) for w in workers] for dp, workers in reports.items()}
 
 
 def _finishing(endpoint: ReceiverEndpoint) -> FinishingEndpoint:

@@ -48,7 +48,7 @@ Receiver methods (unprefixed names as in DESIGN.md §6; none collides with vLLM 
 NeMo's extension): ``setup_collective_group``, ``update_parameter_in_bucket``, ``broadcast_parameter``,
 ``destroy_collective_group``, ``finalize_weight_update``, ``verify_model``; helpers ``rlix_finish_weight_update``
 (a sync's one last call: finalize + verify, with the prefix-cache reset that :mod:`.engine_hook` adds in
-``EngineCore``), ``rlix_abort_weight_update`` and ``rlix_receiver_info``. Wire contract:
+``EngineCore``), ``rlix_abort_weight_update``, ``rlix_report_place`` and ``rlix_receiver_info``. Wire contract:
 :mod:`rlix_plugins.vllm.receiver`.
 """
 

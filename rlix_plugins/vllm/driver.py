@@ -4,7 +4,8 @@
 
     transport.sync_weights (setup -> buckets -> destroy -> rlix_finish_weight_update, cache lock held)
 
-Engine round trips per sync and target: the buckets (one host_pull call for all of them; per bucket otherwise),
+Engine round trips per sync and target: where its workers run (``rlix_report_place``, checked against the plan; asked
+at an engine's first sync from this process only), the buckets (one host_pull call for all of them; per bucket otherwise),
 the group's setup and teardown (broadcast targets only), and ONE finish call: finalize, verify and - through
 ``EngineCore`` (:mod:`.engine_hook`) - the prefix-cache reset, answered with the verification's result. An
 engine without the hook (``RLIX_CONTROL_PLANE`` not ``rlix`` in its process) gets one more call,
@@ -56,7 +57,8 @@ _T = TypeVar("_T")
 
 class EngineRpc(Protocol):
     """One engine (DP rank). ``call`` starts ``collective_rpc(method, args)`` on all its workers and
-    returns at once; the result is the list of per-worker return values."""
+    returns at once; the result is the list of per-worker return values. Optional: ``place_key() -> str | None``,
+    a stable name of the engine under which its workers' places are asked once (else: every sync)."""
 
     def call(self, method: str, args: tuple[Any, ...]) -> PendingCall: ...
 
@@ -76,6 +78,7 @@ class LLMEngineRpc:
 
     def __init__(self, llm: Any, rpc_timeout_s: float = 300.0) -> None:
         self.llm = llm
+        self._place_key = f"llm:{uuid.uuid4().hex}"
         #: vLLM's own bound on one ``collective_rpc``: a stuck worker frees this engine's RPC thread
         #: (the caller's wait is bounded separately, by the sync's per-phase timeout)
         self.rpc_timeout_s = rpc_timeout_s
@@ -92,6 +95,10 @@ class LLMEngineRpc:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def place_key(self) -> str:
+        """This engine, for the cache of its workers' places (``_SyncEndpoint.report_places``)."""
+        return self._place_key
 
 
 @final
@@ -122,6 +129,31 @@ class RayEngineRpc:
 
     def wake_up(self, tags: list[str]) -> PendingCall:
         return getattr(self.actor, self.wake_method).remote(tags=tags).future()
+
+    def place_key(self) -> str | None:
+        """The actor, for the cache of its workers' places (a handle is pickled anew for every sync; its id stays)."""
+        actor_id = getattr(self.actor, "_actor_id", None)
+        return None if actor_id is None else f"ray:{actor_id.hex()}"
+
+
+#: engine key (``EngineRpc.place_key``) -> its workers' place reports
+_PLACES: dict[str, list[Any]] = {}
+_PLACES_LOCK = threading.Lock()
+
+
+@final
+class _Remembered:
+    """A started place report that is kept once it arrived."""
+
+    def __init__(self, call: PendingCall, key: str | None) -> None:
+        self.call, self.key = call, key
+
+    def result(self, timeout: float | None = None) -> Any:
+        value = self.call.result(timeout=timeout)
+        if self.key is not None:
+            with _PLACES_LOCK:
+                _PLACES[self.key] = list(value)
+        return value
 
 
 @final
@@ -160,6 +192,20 @@ class _SyncEndpoint:
 
     def verify_model(self, expected_checksums: dict[str, list[int]]) -> PendingCall:
         return self.rpc.call("verify_model", (expected_checksums,))
+
+    def report_places(self) -> PendingCall:
+        """Where the engine's workers run: asked once per engine and sender process (an engine's workers never move),
+        so that an awake sync stays two round trips (pull, finish)."""
+        key_fn = getattr(self.rpc, "place_key", None)
+        key = key_fn() if callable(key_fn) else None
+        if key is not None:
+            with _PLACES_LOCK:
+                known = _PLACES.get(key)
+            if known is not None:
+                done: Future[Any] = Future()
+                done.set_result(known)
+                return done
+        return _Remembered(self.rpc.call("rlix_report_place", ()), key)
 
     def finish(self, expected_checksums: Mapping[str, list[int]] | None) -> PendingCall:
         self.finishing = True
@@ -229,7 +275,7 @@ def sync_engines(
     *,
     staging_device: str = "cpu",
     backend: str | None = None,
-    master_addr: str = "127.0.0.1",
+    master_addr: str | None = None,
     timeout_s: float = 150.0,
     verify: bool = True,
     apply_mode: str = "auto",
@@ -238,7 +284,9 @@ def sync_engines(
 ) -> EngineSyncReport:
     """Push the cache's published version to the plan's target engines; see the module docstring.
 
-    ``engines`` maps dp rank -> :class:`EngineRpc`; only ``plan``'s targets are touched. ``timeout_s``
+    ``engines`` maps dp rank -> :class:`EngineRpc`; only ``plan``'s targets are touched. The plan is checked against
+    where each engine's workers run (``rlix_report_place``) before anything is sent. ``master_addr``: the broadcast
+    rendezvous address, default this process's Ray node IP (required without Ray; see ``transport.rendezvous_address``). ``timeout_s``
     bounds each phase (setup, each bucket, teardown, the finish call). ``apply_mode``: ``"auto"``,
     ``"staged"`` (atomic) or ``"eager"`` (see :mod:`rlix_plugins.vllm.receiver`).
     ``overall_timeout_s`` (default ``timeout_s * (buckets + 4)``) bounds the sync as a whole (finish included):

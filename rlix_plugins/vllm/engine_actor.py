@@ -21,6 +21,10 @@ class RlixEngineActor:
         os.environ.update(env or {})
         from vllm import LLM
 
+        from rlix_plugins.transport import export_node_env
+
+        export_node_env()  # the engine core and its workers are child processes: they report this Ray node
+
         self.llm = LLM(**llm_kwargs)
 
     def rlix_rpc(self, method: str, args: tuple[Any, ...] = ()) -> list[Any]:

@@ -164,7 +164,7 @@ def _install_engine_hook() -> None:
 
 class RlixReceiverMixin:
     """The six receiver methods plus helpers (``rlix_finish_weight_update``, ``rlix_abort_weight_update``,
-    ``rlix_discard_weight_backup``, ``rlix_receiver_info``).
+    ``rlix_discard_weight_backup``, ``rlix_report_place``, ``rlix_receiver_info``).
 
     Runs on the vLLM worker's own thread with no background thread, so the RPC reply is the barrier the sender
     waits on. The one exception is on the GPU: a deferred host_pull leaves its copies (and their checksums) queued
@@ -723,6 +723,12 @@ class RlixReceiverMixin:
             return False
         self._rlix_drop(state)
         return True
+
+    def rlix_report_place(self) -> dict[str, Any]:
+        """Where this worker runs (``transport.local_place`` of its device): the sender checks its plan against it.
+        A worker in a process without Ray (vLLM's engine core) knows its Ray node only when the Ray process that
+        started it exported it (``transport.export_node_env``); else it is placed by its machine."""
+        return transport.local_place(self._rlix_device()).to_wire()
 
     def rlix_receiver_info(self) -> dict[str, Any]:
         """Plain-dict status for the sender and for tests."""

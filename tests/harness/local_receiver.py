@@ -149,6 +149,7 @@ class SubprocessReceiver:
     broadcast_parameter = _on_every_worker("broadcast_parameter")
     destroy_collective_group = _on_every_worker("destroy_collective_group")
     verify_model = _on_every_worker("verify_model")
+    report_places = _on_every_worker("report_place")
 
     # -- lifetime ----------------------------------------------------------------------------
 
@@ -284,6 +285,12 @@ class _Worker:
             self.torch.cuda.empty_cache()
         return existed
 
+    def report_place(self) -> dict[str, Any]:
+        """Where this worker runs (its node from Ray's env handed down by a Ray parent, else the machine)."""
+        from rlix_plugins.transport import local_place
+
+        return local_place(self.device).to_wire()
+
     def verify_model(self, expected: dict[str, list[int]]) -> bool:
         from rlix_plugins.transport import verify_checksums
 
@@ -300,7 +307,8 @@ class _Worker:
     def state(self) -> dict[str, Any]:
         from rlix_plugins.transport import group_names
 
-        info: dict[str, Any] = {"groups": group_names(), "num_params": len(self.params), "pid": os.getpid()}
+        info: dict[str, Any] = {"groups": group_names(), "num_params": len(self.params), "pid": os.getpid(),
+                                "calls": dict(self.calls)}
         if self.device.type == "cuda":
             free, total = self.torch.cuda.mem_get_info(self.device)
             info.update(free=int(free), total=int(total), allocated=int(self.torch.cuda.memory_allocated(self.device)))

@@ -56,7 +56,8 @@ def _cycles(
         model = _model(version, "cuda:0")
         cache.build(version, iter(model))
         before = _free(devices)
-        report = sync_weights(cache, plan, endpoints, staging_device="cuda:0", timeout_s=120, verify=True)
+        report = sync_weights(cache, plan, endpoints, staging_device="cuda:0", master_addr="127.0.0.1",
+                              timeout_s=120, verify=True)
         # NCCL groups are aborted in the background after a successful sync: memory is back once that finished
         assert wait_for_teardowns(30) and all(ep.call_worker(0, "wait_for_teardowns").result(60) for ep in endpoints.values())
         after = _free(devices)

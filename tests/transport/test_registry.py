@@ -22,6 +22,7 @@ from rlix_plugins.transport import (
     _registry,
     build_comm_plan,
     compute_checksums,
+    local_place,
     receive_bucket,
     registered_transports,
     same_gpu_transport,
@@ -120,6 +121,9 @@ class _InProcessEndpoint:
     def verify_model(self, expected_checksums: dict[str, list[int]]) -> Future[Any]:
         verify_checksums(expected_checksums, compute_checksums(list(self.loaded.items())))
         return self._done(True)
+
+    def report_places(self) -> Future[Any]:
+        return self._done([local_place("cpu").to_wire()])  # in this process: where the sender is
 
     def setup_collective_group(self, *args: Any) -> Future[Any]:
         raise AssertionError("a same-GPU-only plan needs no group")

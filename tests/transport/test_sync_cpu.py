@@ -1,7 +1,9 @@
 """Multi-process weight sync on CPU: a sender (this process) and three receiver processes.
 
 dp0 sits on the sender's "GPU" (cpu_serialize), dp1 and dp2 on other devices (gloo broadcast over a
-group created and destroyed per sync). Real torch.distributed, real processes, no mocks.
+group created and destroyed per sync). Real torch.distributed, real processes, no mocks. All on this machine and
+without Ray: the plans say node 0 (the check against the receivers' places refuses another node number here), and
+the rendezvous address is given (there is no Ray node IP to default to).
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from rlix_plugins.transport import _sender as sender_mod
 from tests.harness.local_receiver import SubprocessReceiver
 
 BUCKET = 32 << 10
-PLAN = build_comm_plan((0, 0), {0: [(0, 0)], 1: [(0, 1)], 2: [(1, 0)]}, "cpu_serialize")
+PLAN = build_comm_plan((0, 0), {0: [(0, 0)], 1: [(0, 1)], 2: [(0, 2)]}, "cpu_serialize")
+LOOPBACK = "127.0.0.1"
 
 
 def _model(version: int) -> list[tuple[str, torch.Tensor]]:
@@ -98,7 +101,7 @@ def test_several_sync_cycles_are_bit_exact(receivers: dict[int, SubprocessReceiv
     for version in range(3):
         model = _model(version)
         cache.build(version, iter(model))
-        report = sync_weights(cache, PLAN, receivers, timeout_s=20, verify=True)
+        report = sync_weights(cache, PLAN, receivers, master_addr=LOOPBACK, timeout_s=20, verify=True)
         assert report.version == version and report.num_buckets >= 3 and report.verified
         assert report.ipc_dp_ranks == (0,) and report.broadcast_dp_ranks == (1, 2)
         for ep in receivers.values():
@@ -112,7 +115,7 @@ def test_same_gpu_only_plan_needs_no_group(receivers: dict[int, SubprocessReceiv
     model = _model(7)
     cache.build(7, iter(model))
     plan = build_comm_plan((0, 0), {0: [(0, 0)]}, "cpu_serialize")
-    report = sync_weights(cache, plan, {0: receivers[0]}, timeout_s=20, verify=True)
+    report = sync_weights(cache, plan, {0: receivers[0]}, master_addr=LOOPBACK, timeout_s=20, verify=True)
     assert report.group_name is None and not HostSpy.created
     _assert_bit_exact(receivers[0], model)
 
@@ -120,7 +123,7 @@ def test_same_gpu_only_plan_needs_no_group(receivers: dict[int, SubprocessReceiv
 def test_verification_names_the_corrupted_parameter(receivers: dict[int, SubprocessReceiver]) -> None:
     cache = VersionedBucketCache(BUCKET)
     cache.build(11, iter(_model(11)))
-    sync_weights(cache, PLAN, receivers, timeout_s=20)
+    sync_weights(cache, PLAN, receivers, master_addr=LOOPBACK, timeout_s=20)
     with cache.read() as snap:
         expected = snap.checksums
     receivers[2].call_worker(0, "corrupt", "layers.3.weight").result(10)
@@ -136,7 +139,7 @@ def test_receiver_dying_mid_sync_fails_cleanly_and_next_sync_works(receivers: di
     timeout_s = 4.0
     start = time.monotonic()
     with pytest.raises(TransportError, match="dp rank 1"):
-        sync_weights(cache, PLAN, receivers, timeout_s=timeout_s)
+        sync_weights(cache, PLAN, receivers, master_addr=LOOPBACK, timeout_s=timeout_s)
     elapsed = time.monotonic() - start
     assert elapsed < 3 * timeout_s, f"failed sync took {elapsed:.1f} s"
     assert not receivers[1].alive()
@@ -148,7 +151,7 @@ def test_receiver_dying_mid_sync_fails_cleanly_and_next_sync_works(receivers: di
     receivers[1] = SubprocessReceiver(("cpu",))
     model = _model(21)
     cache.build(21, iter(model))
-    report = sync_weights(cache, PLAN, receivers, timeout_s=20, verify=True)
+    report = sync_weights(cache, PLAN, receivers, master_addr=LOOPBACK, timeout_s=20, verify=True)
     assert report.version == 21
     for ep in receivers.values():
         _assert_bit_exact(ep, model)
@@ -163,19 +166,19 @@ def test_dead_receiver_before_setup_times_out_cleanly(receivers: dict[int, Subpr
     plan = build_comm_plan((0, 0), {1: [(0, 1)], 3: [(0, 3)]}, "cpu_serialize")
     start = time.monotonic()
     with pytest.raises(TransportError):
-        sync_weights(cache, plan, {1: receivers[1], 3: dead}, timeout_s=3.0)
+        sync_weights(cache, plan, {1: receivers[1], 3: dead}, master_addr=LOOPBACK, timeout_s=3.0)
     assert time.monotonic() - start < 12
     dead.close()
     _assert_nothing_left(receivers)
     model = _model(31)
     cache.build(31, iter(model))
-    sync_weights(cache, PLAN, receivers, timeout_s=20, verify=True)
+    sync_weights(cache, PLAN, receivers, master_addr=LOOPBACK, timeout_s=20, verify=True)
     _assert_bit_exact(receivers[1], model)
 
 
 # ---- host_pull: receivers map the sender's shared cache pages and copy from them ---------------------------
 
-HOST_PULL_PLAN = build_comm_plan((0, 0), {0: [(0, 0)], 1: [(0, 1)], 2: [(1, 0)]}, "host_pull")
+HOST_PULL_PLAN = build_comm_plan((0, 0), {0: [(0, 0)], 1: [(0, 1)], 2: [(0, 2)]}, "host_pull")
 
 
 def test_host_pull_next_to_broadcast_is_bit_exact_over_versions(receivers: dict[int, SubprocessReceiver]) -> None:
@@ -185,7 +188,7 @@ def test_host_pull_next_to_broadcast_is_bit_exact_over_versions(receivers: dict[
         for version in (30, 31):
             model = _model(version)
             cache.build(version, iter(model))
-            report = sync_weights(cache, HOST_PULL_PLAN, receivers, timeout_s=20, verify=True)
+            report = sync_weights(cache, HOST_PULL_PLAN, receivers, master_addr=LOOPBACK, timeout_s=20, verify=True)
             assert report.ipc_dp_ranks == (0,) and report.broadcast_dp_ranks == (1, 2) and report.verified
             for ep in receivers.values():
                 _assert_bit_exact(ep, model)
@@ -206,7 +209,7 @@ def test_host_pull_reads_what_the_cache_holds_and_verification_catches_a_flipped
             victim = record.meta.names[0]
             record.buffer[record.meta.offsets[0]] ^= 0x10
         with pytest.raises(WeightVerificationError, match=victim.replace(".", r"\.")):
-            sync_weights(cache, plan, {0: receivers[0]}, timeout_s=20, verify=True)
+            sync_weights(cache, plan, {0: receivers[0]}, master_addr=LOOPBACK, timeout_s=20, verify=True)
     finally:
         cache.close()
 

@@ -122,6 +122,7 @@ def _sync(weights_or_cache: Any, targets: dict[int, list], rpcs: dict[int, Engin
     else:  # cpu_serialize into a GPU receiver
         plan = build_comm_plan(ENGINE_GPU, targets, same_gpu_transport="cpu_serialize")
         staging = "cpu"
+    kw.setdefault("master_addr", "127.0.0.1")  # one machine, no Ray: the rendezvous address is given
     return sync_engines(cache, plan, rpcs, staging_device=staging, timeout_s=kw.pop("timeout_s", TIMEOUT_S), **kw)
 
 

@@ -134,6 +134,7 @@ def baselines(engine_a: Any, engine_b: Any) -> dict[str, list[list[int]]]:
 
 def _sync(cache: Any, targets: dict[int, list], rpcs: dict[int, EngineRpc], **kw: Any) -> Any:
     plan = build_comm_plan(SENDER, targets, same_gpu_transport=kw.pop("same_gpu_transport", "cpu_serialize"))
+    kw.setdefault("master_addr", "127.0.0.1")  # one machine, no Ray: the rendezvous address is given
     return sync_engines(cache, plan, rpcs, staging_device="cpu", timeout_s=kw.pop("timeout_s", TIMEOUT_S), **kw)
 
 
@@ -235,8 +236,17 @@ class _Calls:
     def __init__(self, inner: EngineRpc, fail: str | None = None) -> None:
         self.inner, self.fail = inner, fail
         self.seen: list[Any] = []
+        #: place reports, apart: asked at the engine's first sync from this process only (which one that is depends
+        #: on the tests run before)
+        self.places = 0
+
+    def place_key(self) -> Any:
+        return self.inner.place_key()  # type: ignore[attr-defined]
 
     def call(self, method: str, args: tuple[Any, ...]) -> Any:
+        if method == "rlix_report_place":
+            self.places += 1
+            return self.inner.call(method, args)
         self.seen.append(method)
         if method == self.fail:
             failed: Future[Any] = Future()
@@ -285,6 +295,7 @@ def test_an_awake_sync_is_two_engine_round_trips_on_both_routes(
     report = _sync(build_cache(weight_sets["orig"], 72), {0: OTHER_GPU_A}, {0: calls})
     n = report.transport.num_buckets
     assert calls.seen == ["setup_collective_group", *["broadcast_parameter"] * n, "destroy_collective_group", FINISH]
+    assert calls.places == 0  # the engine's places were asked at its first sync and kept
 
     seen, report = rounds(1, "orig", 73)
     assert seen == ["update_parameter_in_bucket", FINISH, "reset_prefix_cache"], seen
