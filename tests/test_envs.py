@@ -28,6 +28,8 @@ ALLOWED = {
     ("rlix_plugins/demo/engine.py", "os.environ.update(env or {})"): "write: the engine's env before vLLM",
     ("rlix_plugins/vllm/engine_actor.py", "os.environ.update(env or {})"): "write: the engine's env before vLLM",
     ("rlix_plugins/demo/run.py", 'os.environ.setdefault("HF_HUB_OFFLINE", "1")'): "write: the demo runs offline",
+    ("rlix_plugins/control/admin/ray_auth.py", 'os.environ[MODE_ENV] = "token"'):
+        "write: token mode on Ray 2.56, what Ray 2.60's _enable_token_auth does",
 }
 
 
