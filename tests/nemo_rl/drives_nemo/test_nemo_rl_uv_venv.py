@@ -108,8 +108,11 @@ def _drive(copy: Path, env: dict[str, str]) -> dict:
     return json.loads(line[len("RESULT "):])
 
 
-@pytest.mark.timeout(3000)
-def test_entry_points_resolve_in_a_nemo_rl_uv_actor_venv_through_pythonpath_only(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def uv_copy(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, str]]:
+    """The CPU copy of NEMO_RL_SRC, locked and synced by uv (its driver venv, as ``uv run`` makes it), and the
+    environment its commands run in (no PYTHONPATH, no RAY_ADDRESS)."""
+    tmp_path = tmp_path_factory.mktemp("uv_route")
     uv = shutil.which("uv")
     if uv is None:
         pytest.skip("no `uv` on PATH (NeMo RL builds its actor venvs with it): pip install uv")
@@ -128,19 +131,29 @@ def test_entry_points_resolve_in_a_nemo_rl_uv_actor_venv_through_pythonpath_only
     shim.mkdir()
     (shim / "uv").write_text(f'#!/bin/sh\nexec nice -n 10 {uv} "$@"\n')
     (shim / "uv").chmod(0o755)
-    venvs = tmp_path / "venvs"
     base = {k: v for k, v in os.environ.items() if k not in (*_SCRUB, "PYTHONPATH", "VIRTUAL_ENV")}
     base.update(
         PATH=f"{shim}{os.pathsep}{os.environ.get('PATH', '')}",
         UV_PYTHON=py313,
         UV_PYTHON_DOWNLOADS="never",
         UV_COMPILE_BYTECODE="1",  # a fresh venv's first imports otherwise compile everything, under load too slowly
-        NEMO_RL_VENV_DIR=str(venvs),
+        NEMO_RL_VENV_DIR=str(tmp_path / "venvs"),
         RAY_worker_register_timeout_seconds="300",
         HF_HUB_OFFLINE="1",
     )
     _run(["uv", "lock"], cwd=copy, env=base, timeout=900)
     _run(["uv", "sync", "--locked"], cwd=copy, env=base, timeout=1500)  # the driver's venv, as `uv run` makes it
+    report(f"[uv route] copy ready in {time.monotonic() - t_start:.0f} s")
+    return copy, base
+
+
+@pytest.mark.timeout(3000)
+def test_entry_points_resolve_in_a_nemo_rl_uv_actor_venv_through_pythonpath_only(
+    uv_copy: tuple[Path, dict[str, str]], tmp_path: Path
+) -> None:
+    copy, base = uv_copy
+    t_start = time.monotonic()
+    venvs = Path(base["NEMO_RL_VENV_DIR"])
 
     # The README's recipe: rlix-plugins (this worktree) and pluggy into a directory, nothing installed anywhere.
     src, site = tmp_path / "src", tmp_path / "site"
@@ -153,7 +166,7 @@ def test_entry_points_resolve_in_a_nemo_rl_uv_actor_venv_through_pythonpath_only
         head = {**base, "RAY_ADDRESS": address}
         with_pp = _drive(copy, {**head, "PYTHONPATH": str(site), "VLLM_RAY_EXTRA_ENV_VARS_TO_COPY": "PYTHONPATH"})
         without = _drive(copy, head)
-    report(f"[uv route] actor venv {venv}: {_size_gb(venv):.1f} GB; whole test {time.monotonic() - t_start:.0f} s")
+    report(f"[uv route] actor venv {venv}: {_size_gb(venv):.1f} GB; test after the copy {time.monotonic() - t_start:.0f} s")
     report(f"[uv route] with PYTHONPATH: {json.dumps(with_pp)}")
     report(f"[uv route] without: {json.dumps(without)}")
 
@@ -184,3 +197,4 @@ def test_entry_points_resolve_in_a_nemo_rl_uv_actor_venv_through_pythonpath_only
 
 def _size_gb(path: Path) -> float:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and not f.is_symlink()) / 1e9
+
