@@ -168,9 +168,18 @@ def refused(address: str) -> RlixConfigError:
 
 
 def enable_token_mode() -> None:
-    """Send the token on every Ray call of this process and its children (as Ray itself does for ``"auto"``)."""
-    from ray._private.authentication.authentication_token_setup import _enable_token_auth
+    """Send the token on every Ray call of this process and its children (as Ray itself does for ``"auto"``).
 
+    Ray 2.60 has a helper for it; Ray 2.56 (NeMo RL's lock at the pinned commit) has not: there the helper's two
+    steps run here (token mode in the environment, Ray's cached config read again)."""
+    try:
+        from ray._private.authentication.authentication_token_setup import _enable_token_auth
+    except ImportError:
+        from ray._raylet import Config  # type: ignore[attr-defined]
+
+        os.environ[MODE_ENV] = "token"
+        Config.initialize("")
+        return
     _enable_token_auth()
 
 
