@@ -11,7 +11,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +23,7 @@ from rlix_plugins.control.admin import local_cluster
 from rlix_plugins.control.admin.commands import NO_AUTH_WARNING
 from rlix_plugins.control.admin.local_cluster import ClusterRecord
 from tests.control._ray_helpers import control_plane
+from tests.harness.cross_node import bindable
 from tests.test_cli import one_line_error, rlix, without_token
 
 __all__ = ["control_plane"]
@@ -111,7 +111,7 @@ def test_the_head_is_recorded_at_its_node_ip_where_another_node_joins(tmp_path: 
     """`rlix up` records the head's node IP (before: 127.0.0.1, which another machine reads as itself), and a
     raylet at another address (127.0.0.2, standing in for a second machine) joins the cluster at that address."""
     ip = local_cluster.head_node_ip()
-    if ip.startswith("127.") or not _bindable("127.0.0.2"):
+    if ip.startswith("127.") or not bindable("127.0.0.2"):
         pytest.skip(f"this machine has no address other than loopback ({ip}) or cannot bind 127.0.0.2")
     state = tmp_path / "state"
     auth = {"RAY_AUTH_TOKEN_PATH": str(tmp_path / "tokens" / "auth_token")}
@@ -143,15 +143,6 @@ def test_the_head_is_recorded_at_its_node_ip_where_another_node_joins(tmp_path: 
             except subprocess.TimeoutExpired:
                 os.killpg(joined.pid, signal.SIGKILL)
         local_cluster.stop_head(record)
-
-
-def _bindable(ip: str) -> bool:
-    try:
-        with socket.socket() as s:
-            s.bind((ip, 0))
-        return True
-    except OSError:
-        return False
 
 
 @pytest.mark.slow

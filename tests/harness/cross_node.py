@@ -18,6 +18,18 @@ TIMEOUT_S = 30.0
 NODE_B_IP = "127.0.0.2"
 
 
+def bindable(ip: str) -> bool:
+    """Whether this machine can listen on ``ip`` (127/8 beyond 127.0.0.1 is routed to loopback on Linux)."""
+    import socket
+
+    try:
+        with socket.socket() as s:
+            s.bind((ip, 0))
+        return True
+    except OSError:
+        return False
+
+
 @contextlib.contextmanager
 def two_nodes(num_cpus: int = 2) -> Iterator[Any]:
     """A ``ray.cluster_utils.Cluster`` of two raylets on this machine, node A (the head, on the machine's address,

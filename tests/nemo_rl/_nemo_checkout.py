@@ -81,6 +81,20 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def stop_processes_naming(marker: str) -> None:
+    """Terminate (then kill, after 15 s) every process whose command line names ``marker`` (a private temp dir)."""
+    import psutil
+
+    procs = [p for p in psutil.process_iter(["cmdline"]) if marker in " ".join(p.info["cmdline"] or [])]
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            p.terminate()
+    _, alive = psutil.wait_procs(procs, timeout=15)
+    for p in alive:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+
+
 @contextlib.contextmanager
 def private_ray_head(num_gpus: int = 0) -> Iterator[str]:
     """A Ray head for one NeMo RL pytest run; yields its address (for ``RAY_ADDRESS``).
@@ -89,7 +103,6 @@ def private_ray_head(num_gpus: int = 0) -> Iterator[str]:
     the machine, refuses) whatever other Ray cluster runs here; an explicit ``RAY_ADDRESS`` pins them to this
     one. Teardown stops only the processes of this head (found by its private temp dir), never ``ray stop``.
     """
-    import psutil
 
     tmp = tempfile.mkdtemp(prefix="rlixc_", dir="/tmp")  # short: Ray's socket paths are length-limited
     port = _free_port()
@@ -105,14 +118,7 @@ def private_ray_head(num_gpus: int = 0) -> Iterator[str]:
             pytest.fail(f"could not start a private Ray head ({' '.join(cmd)}):\n{(out.stdout + out.stderr)[-3000:]}")
         yield found.group(1)
     finally:
-        procs = [p for p in psutil.process_iter(["cmdline"]) if tmp in " ".join(p.info["cmdline"] or [])]
-        for p in procs:
-            with contextlib.suppress(psutil.Error):
-                p.terminate()
-        _, alive = psutil.wait_procs(procs, timeout=15)
-        for p in alive:
-            with contextlib.suppress(psutil.Error):
-                p.kill()
+        stop_processes_naming(tmp)
         time.sleep(0.5)
 
 

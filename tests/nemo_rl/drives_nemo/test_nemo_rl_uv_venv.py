@@ -38,7 +38,7 @@ from pathlib import Path
 import pytest
 
 from tests._repo import copy_tracked
-from tests.nemo_rl._nemo_checkout import _SCRUB, _free_port, clone, nemo_src, report
+from tests.nemo_rl._nemo_checkout import _SCRUB, _free_port, clone, nemo_src, report, stop_processes_naming
 from tests.nemo_rl._uv_cpu_checkout import cpu_pyproject
 
 pytestmark = [pytest.mark.nemo_rl, pytest.mark.slow]
@@ -77,7 +77,6 @@ def _run(cmd: list[str], *, timeout: float, cwd: Path | None = None,
 def _ray_head(ray_bin: Path, env: dict[str, str]) -> Iterator[str]:
     """A private Ray head of the copy's own Ray (its ``.venv``), as ``ray start`` on a cluster node would be; stops
     only the processes of this head (found by its temp dir)."""
-    import psutil
 
     tmp = tempfile.mkdtemp(prefix="rlixuv_", dir="/tmp")  # short: Ray's socket paths are length-limited
     port = _free_port()
@@ -89,14 +88,7 @@ def _ray_head(ray_bin: Path, env: dict[str, str]) -> Iterator[str]:
         assert out.returncode == 0 and found, f"ray start failed:\n{(out.stdout + out.stderr)[-3000:]}"
         yield found.group(1)
     finally:
-        procs = [p for p in psutil.process_iter(["cmdline"]) if tmp in " ".join(p.info["cmdline"] or [])]
-        for p in procs:
-            with contextlib.suppress(psutil.Error):
-                p.terminate()
-        _, alive = psutil.wait_procs(procs, timeout=15)
-        for p in alive:
-            with contextlib.suppress(psutil.Error):
-                p.kill()
+        stop_processes_naming(tmp)
         shutil.rmtree(tmp, ignore_errors=True)
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import shutil
-import socket
 import tempfile
 from collections.abc import Iterator
 from typing import Any
@@ -24,17 +23,9 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from rlix_plugins.control.nodes import NodeTable, PlacementMismatchError, current_node_table
 from rlix_plugins.errors import RlixConfigError
 from rlix_plugins.nemo_rl.placement import placement_pool
+from tests.harness.cross_node import bindable
 
 SECOND_IP = "127.0.0.2"
-
-
-def _loopback_usable(ip: str) -> bool:
-    try:
-        with socket.socket() as s:
-            s.bind((ip, 0))
-        return True
-    except OSError:
-        return False
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +34,7 @@ def two_nodes() -> Iterator[Any]:
     Ray cluster, if one runs, is stopped for the module and started again after it."""
     from ray.cluster_utils import Cluster
 
-    if not _loopback_usable(SECOND_IP):
+    if not bindable(SECOND_IP):
         pytest.skip(f"{SECOND_IP} cannot be bound on this machine (Linux routes 127.0.0.0/8 to lo; macOS does not)")
     # A thread an earlier module left running (a pipeline's lease heartbeat) would auto-connect a fresh local Ray the
     # moment the session's is shut down, and this module's ray.init would then fail; Ray's switch for that is only
