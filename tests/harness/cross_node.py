@@ -37,22 +37,23 @@ def two_nodes(num_cpus: int = 2) -> Iterator[Any]:
     session's single-node Ray, if up, is stopped first and started again after."""
     from ray.cluster_utils import Cluster
 
-    from tests.harness.ray_session import start_session_ray
+    from tests.harness.ray_session import no_auto_connect, start_session_ray
 
-    restore = ray.is_initialized()
-    if restore:
-        ray.shutdown()
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": num_cpus, "resources": {"node_a": 10}})
-    try:
-        cluster.add_node(num_cpus=num_cpus, resources={"node_b": 10}, node_ip_address=NODE_B_IP)
-        ray.init(address=cluster.address, namespace="rlix_cross_node")
-        cluster.wait_for_nodes(timeout=120)
-        yield cluster
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
+    with no_auto_connect():
+        restore = ray.is_initialized()
         if restore:
-            start_session_ray()
+            ray.shutdown()
+        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": num_cpus, "resources": {"node_a": 10}})
+        try:
+            cluster.add_node(num_cpus=num_cpus, resources={"node_b": 10}, node_ip_address=NODE_B_IP)
+            ray.init(address=cluster.address, namespace="rlix_cross_node")
+            cluster.wait_for_nodes(timeout=120)
+            yield cluster
+        finally:
+            ray.shutdown()
+            cluster.shutdown()
+            if restore:
+                start_session_ray()
 
 
 def on_node(node: str) -> dict[str, Any]:

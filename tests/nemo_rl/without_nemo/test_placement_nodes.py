@@ -24,6 +24,7 @@ from rlix_plugins.control.nodes import NodeTable, PlacementMismatchError, curren
 from rlix_plugins.errors import RlixConfigError
 from rlix_plugins.nemo_rl.placement import placement_pool
 from tests.harness.cross_node import bindable
+from tests.harness.ray_session import no_auto_connect
 
 SECOND_IP = "127.0.0.2"
 
@@ -32,17 +33,15 @@ SECOND_IP = "127.0.0.2"
 def two_nodes() -> Iterator[Any]:
     """Head (this machine's node IP) + a raylet at 127.0.0.2, 2 GPUs and 8 logical CPUs each; the session's own
     Ray cluster, if one runs, is stopped for the module and started again after it."""
-    from ray.cluster_utils import Cluster
-
     if not bindable(SECOND_IP):
         pytest.skip(f"{SECOND_IP} cannot be bound on this machine (Linux routes 127.0.0.0/8 to lo; macOS does not)")
-    # A thread an earlier module left running (a pipeline's lease heartbeat) would auto-connect a fresh local Ray the
-    # moment the session's is shut down, and this module's ray.init would then fail; Ray's switch for that is only
-    # read at import, so it is turned off here for the module (and the lock held while the flag flips).
-    from ray._private import auto_init_hook
+    with no_auto_connect():
+        yield from _two_raylets()
 
-    with auto_init_hook.auto_init_lock:
-        auto_connect, auto_init_hook.enable_auto_connect = auto_init_hook.enable_auto_connect, False
+
+def _two_raylets() -> Iterator[Any]:
+    from ray.cluster_utils import Cluster
+
     # The session's cluster (tests/conftest.py) is started again after the module with what it declared. (Not by
     # importing conftest: as ``tests.conftest`` it would run again and switch the session's Ray token file.)
     session = ray.cluster_resources() if ray.is_initialized() else None
@@ -65,7 +64,6 @@ def two_nodes() -> Iterator[Any]:
         if session is not None:
             ray.init(num_cpus=int(session.get("CPU", 8)), num_gpus=int(session.get("GPU", 0)),
                      include_dashboard=False, namespace="rlix_tests")
-        auto_init_hook.enable_auto_connect = auto_connect
 
 
 @ray.remote(num_cpus=0)
