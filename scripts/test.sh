@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up (idempotent) and run the test suite: lint, types, then pytest without GPU tests (what CI runs).
-# --quick: the lane for iterating (under 2 minutes on 2 cores once .venv exists): no set-up when .venv is
+# --quick: the lane for iterating (about 4 minutes on 2 cores once .venv exists): no set-up when .venv is
 # there, and only the tests that need neither vLLM nor the session's Ray cluster nor are marked slow.
 # pytest exit code 5 ("no tests collected") is a failure here, never a silent pass.
 set -euo pipefail
