@@ -125,24 +125,12 @@ def bench_latency(samples: int) -> bool:
             plan_ms: list[float] = []
             val_ms: list[float] = []
             for _ in range(samples):
-                snap = random_snapshot(clusters, g, rnd)
-                # thread CPU time: the shared CI/dev machine's load must not count as planner latency
-                t0 = time.thread_time()
-                plan = plan_cycle(snap)
-                t1 = time.thread_time()
-                validate_plan(snap, plan)
-                t2 = time.thread_time()
-                plan_ms.append((t1 - t0) * 1e3)
-                val_ms.append((t2 - t1) * 1e3)
-            # steady state: the scheduler re-plans a converged state whose progress moved a little
+                plan_t, validate_t = _time_decision(random_snapshot(clusters, g, rnd))
+                plan_ms.append(plan_t)
+                val_ms.append(validate_t)
             steady_ms: list[float] = []
             for _ in range(max(samples // 5, 10)):
-                snap = random_snapshot(clusters, g, rnd)
-                for _ in range(3):
-                    snap = replace(snap, allocations=plan_cycle(snap).allocations, pending=())
-                progress = {k: replace(v, completed=min(v.step_target, v.completed + rnd.randint(0, 64)))
-                            for k, v in snap.progress.items()}
-                snap = replace(snap, progress=progress)
+                snap = _steady_snapshot(clusters, g, rnd)
                 t0 = time.thread_time()
                 plan_cycle(snap)
                 steady_ms.append((time.thread_time() - t0) * 1e3)
@@ -183,16 +171,14 @@ def bench_scale(samples: int) -> bool:
             clusters = make_clusters(p, g, layout, rnd)
             views: dict[str, tuple[list[float], list[float]]] = {"random": ([], []), "steady": ([], [])}
             # untimed: the per-spec caches (GPU -> rank, bundles) are built once per registration, not per decision
-            _time_decision(random_snapshot(clusters, g, rnd), [], [])
-            for _ in range(samples):
-                _time_decision(random_snapshot(clusters, g, rnd), *views["random"])
-            for _ in range(max(samples // 5, 10)):
-                snap = random_snapshot(clusters, g, rnd)
-                for _ in range(3):
-                    snap = replace(snap, allocations=plan_cycle(snap).allocations, pending=())
-                progress = {k: replace(v, completed=min(v.step_target, v.completed + rnd.randint(0, 64)))
-                            for k, v in snap.progress.items()}
-                _time_decision(replace(snap, progress=progress), *views["steady"])
+            _time_decision(random_snapshot(clusters, g, rnd))
+            for view, count in (("random", samples), ("steady", max(samples // 5, 10))):
+                plan_ms, total_ms = views[view]
+                make = random_snapshot if view == "random" else _steady_snapshot
+                for _ in range(count):
+                    plan_t, validate_t = _time_decision(make(clusters, g, rnd))
+                    plan_ms.append(plan_t)
+                    total_ms.append(plan_t + validate_t)
             for view, (plan_ms, total_ms) in views.items():
                 if (p, g) == largest:
                     ok &= _pct(plan_ms, 0.99) <= SCALE_TARGET_MS
@@ -204,14 +190,25 @@ def bench_scale(samples: int) -> bool:
     return ok
 
 
-def _time_decision(snap: SchedulerSnapshot, plan_ms: list[float], total_ms: list[float]) -> None:
+def _time_decision(snap: SchedulerSnapshot) -> tuple[float, float]:
+    """CPU ms of the planner thread for one decision: (plan_cycle, validate_plan). Thread CPU time: the shared
+    CI/dev machine's load must not count as planner latency."""
     t0 = time.thread_time()
     plan = plan_cycle(snap)
     t1 = time.thread_time()
     validate_plan(snap, plan)
-    t2 = time.thread_time()
-    plan_ms.append((t1 - t0) * 1e3)
-    total_ms.append((t2 - t0) * 1e3)
+    return (t1 - t0) * 1e3, (time.thread_time() - t1) * 1e3
+
+
+def _steady_snapshot(clusters: dict[str, ClusterSpec], gpus: int, rnd: random.Random) -> SchedulerSnapshot:
+    """A converged state (re-planned three times) whose progress then moved a little: what the scheduler re-plans
+    in steady state."""
+    snap = random_snapshot(clusters, gpus, rnd)
+    for _ in range(3):
+        snap = replace(snap, allocations=plan_cycle(snap).allocations, pending=())
+    progress = {k: replace(v, completed=min(v.step_target, v.completed + rnd.randint(0, 64)))
+                for k, v in snap.progress.items()}
+    return replace(snap, progress=progress)
 
 
 def sim_latency(pipelines: int, gpus: int) -> list[float]:
