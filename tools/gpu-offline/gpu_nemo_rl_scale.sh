@@ -12,6 +12,8 @@
 # the static split use SPLIT_GPUS). Each Ray cluster gets its own ports, so runs on one machine never meet.
 # RUN: standalone          the stock grpo_math_1B.yaml (synchronous, colocated), unpatched then patched + variable unset
 #      shared<N>           N pipelines from `rlix recipe ... --pipelines N --gpus 0`, all at once, one control plane
+#      shared<N>:F[:G]     the same with its own FAULT F (driver, engine or none) and GPUs G (dots: 2.3), so that two
+#                          fault runs go at once: shared2:driver:0.1+shared2:engine:2.3
 #      sequential<N>       the same N drivers one after another (the baseline)
 #      split<N>            the static split: the stock recipe, unpatched, one driver per GPU of SPLIT_GPUS, all at once
 #      transport           benchmarks/transport.py on SPLIT_GPUS (per-sync NCCL broadcast vs raw, group set-up)
@@ -96,9 +98,10 @@ sample() { python3 "$REPO/tools/gpu-offline/gpu/nvml_sampler.py" "$1" --gpus "$2
 ray_head() {  # ray_head DIR K GPUS: a Ray head of its own (K: 0 shared runs, 1 static split, 2 standalone) on GPUS
   # Its ports, client server and worker ports differ by K, so several clusters run on one machine at once; the
   # drivers find theirs by RAY_ADDRESS (DIR/ray_address), never by "the latest cluster".
+  # K 3 + g: a shared run whose GPUs start at g > 0 (shared<N>:FAULT:GPUS beside another shared run).
   local dir=$1 k=$2 gpus=$3 port=$((6379 + 10 * $2)) more=()
   [ "$k" -gt 0 ] && more=(--ray-client-server-port $((30000 + k)) --dashboard-agent-listen-port $((52365 + k))
-    --min-worker-port $((30100 + 4000 * k)) --max-worker-port $((34099 + 4000 * k)))
+    --min-worker-port $((30100 + 2000 * k)) --max-worker-port $((32099 + 2000 * k)))
   CUDA_VISIBLE_DEVICES=$gpus ray start --head --port "$port" --num-gpus "$(tr ',' '\n' <<<"$gpus" | wc -l)" \
     --num-cpus 64 --include-dashboard=false --disable-usage-stats "${more[@]}" >>"$dir/ray_start.log" 2>&1
   echo "127.0.0.1:$port" >"$dir/ray_address"
@@ -129,12 +132,15 @@ run_standalone() {  # one pipeline on the first of GPUS
 }
 
 run_shared() {  # run_shared NAME N MODE (together | sequential): on GPUS, cluster.gpus_per_node from the overlays
-  local name=$1 n=$2 mode=$3 dir=$ROOT/$1 cfgdir=$WORK/patched/examples/configs/rlix rc=0 pids=() p MORE=()
+  local name=$1 n=$2 mode=$3 dir=$ROOT/$1 cfgdir=$WORK/patched/examples/configs/rlix_$1 rc=0 pids=() p MORE=()
+  # The Ray head sees only GPUS (CUDA_VISIBLE_DEVICES), as 0..k-1: the overlays name those.
+  local first=${GPUS%%,*} ids
+  ids=$(seq -s, 0 $(($(tr ',' '\n' <<<"$GPUS" | wc -l) - 1)))
   fresh_dir "$dir"
-  python3 -m rlix_plugins.cli recipe "$STOCK" --pipelines "$n" --gpus "$GPUS" --out "$cfgdir" \
+  python3 -m rlix_plugins.cli recipe "$STOCK" --pipelines "$n" --gpus "$ids" --out "$cfgdir" \
     ${UTIL:+--gpu-memory-utilization "$UTIL"} >"$dir/recipe.log" 2>&1 ||
     { cat "$dir/recipe.log"; finish "$dir" recipe; return 1; }
-  ray_head "$dir" 0 "$GPUS"
+  ray_head "$dir" $([ "$first" -eq 0 ] && echo 0 || echo $((3 + first))) "$GPUS"
   export RAY_ADDRESS
   RAY_ADDRESS=$(cat "$dir/ray_address")
   python3 -m rlix_plugins.cli up --address "$RAY_ADDRESS" >"$dir/rlix_up.log" 2>&1 || { finish "$dir" up; return 1; }
@@ -143,7 +149,7 @@ run_shared() {  # run_shared NAME N MODE (together | sequential): on GPUS, clust
   [ -n "${FAULT:-}" ] && { fault_watch "$dir" & watcher=$!; }
   local names=(a b c d e f g h)
   for p in "${names[@]:0:$n}"; do
-    driver "$p" "$dir" "$WORK/patched" "examples/configs/rlix/$(basename "$STOCK" .yaml)_rlix_$p.yaml" \
+    driver "$p" "$dir" "$WORK/patched" "examples/configs/rlix_$name/$(basename "$STOCK" .yaml)_rlix_$p.yaml" \
       RLIX_CONTROL_PLANE=rlix &
     pids+=($!)
     if [ "$mode" = sequential ]; then wait "${pids[-1]}" || rc=$((rc + 1)); fi
@@ -161,6 +167,15 @@ run_shared() {  # run_shared NAME N MODE (together | sequential): on GPUS, clust
   stop_head "$dir"
   unset RAY_ADDRESS
   finish "$dir" $rc
+}
+
+run_shared_with() {  # shared<N>:FAULT[:GPUS]: a shared run with its own FAULT (none: no fault) and GPUs (dots: 2.3),
+  # e.g. `shared2:driver:0.1+shared2:engine:2.3` (both faults at once, on their own GPUs and Ray clusters)
+  local spec=$1 name fault gpus
+  IFS=: read -r name fault gpus <<<"$spec"
+  local FAULT=${fault/none/} GPUS=${gpus:-$GPUS}
+  GPUS=${GPUS//./,}
+  run_shared "$name-${fault}${gpus:+-g${gpus//./}}" "${name#shared}" together
 }
 
 fault_watch() {  # fault_watch DIR: the FAULT of pipeline b (see the settings above), then `rlix status`
@@ -265,6 +280,7 @@ run_one() {
   case $1 in
   standalone) run_standalone ;;
   shared[0-9]) run_shared "$1" "${1#shared}" together ;;
+  shared[0-9]:*) run_shared_with "$1" ;;
   sequential[0-9]) run_shared "$1" "${1#sequential}" sequential ;;
   split[0-9]) run_split "$1" "${1#split}" ;;
   transport) run_transport ;;
