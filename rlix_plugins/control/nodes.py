@@ -13,8 +13,9 @@ Rules:
   the scheduler and the registration rules already read node boundaries as ``g // gpus_per_node`` (a TP group
   must not cross one), so cumulative offsets over uneven nodes would disagree with them. Uneven nodes are refused
   with the counts and the fix.
-* **Local GPU id**: the index Ray reports in the worker (``ray.get_gpu_ids()``), which is what Ray sets
-  ``CUDA_VISIBLE_DEVICES`` from; it repeats on every node, so it is never a key alone.
+* **Local GPU id**: the GPU's index among the node's GPUs, 0..n-1 (Ray's slot; ``ray.get_gpu_ids()`` names the
+  same GPU as the raylet's ``CUDA_VISIBLE_DEVICES`` does, e.g. 2 for slot 0 of a raylet started on GPUs 2,3: the
+  worker's probe maps it back); it repeats on every node, so it is never a key alone.
 
 The table is fixed when the control plane starts: a node that joins later is not used until the control plane
 restarts (``rlix down`` then ``rlix up``); a node that leaves fails the placements pinned to it.
@@ -128,7 +129,7 @@ class NodeTable:
 
     def check_location(self, gpu: int, node_id: str, node_ip: str, local_gpus: list[int]) -> None:
         """Raise :class:`PlacementMismatchError` unless a worker that reported ``(node_id, node_ip, local_gpus)``
-        (``ray.get_runtime_context().get_node_id()``, ``ray.util.get_node_ip_address()``, ``ray.get_gpu_ids()``)
+        (``ray.get_runtime_context().get_node_id()``, ``ray.util.get_node_ip_address()``, the GPUs' node indices)
         runs on global GPU ``gpu``."""
         want = self.locate(gpu)
         got = f"node {node_ip} ({node_id[:8]}…), local GPUs {local_gpus}"

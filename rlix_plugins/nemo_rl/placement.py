@@ -6,7 +6,7 @@ worker groups read.
   shared by every pipeline. ``groups(gpus, table)`` takes rlix's global GPU ids and the control plane's node table
   (:mod:`rlix_plugins.control.nodes`: global id = node rank x GPUs per node + local id): each new group's bundle is
   pinned to the table's node by Ray's ``ray.io/node-id`` label, a probe in the bundle reports where it really runs
-  (node id, node IP, ``ray.get_gpu_ids()``), that is checked against the table, and the group is kept under
+  (node id, node IP, its GPU's index on the node: :func:`local_gpu_indices`), that is checked against the table, and the group is kept under
   (node id, local GPU id): the local id alone repeats on every node. The actor serialises creation (two drivers
   never create two groups for one GPU).
 * :class:`VirtualClusterAdapter` - duck-typed to the members of NeMo RL's ``RayVirtualCluster`` that
@@ -95,7 +95,26 @@ def worker_name_prefix(pipeline_id: str, role: str) -> str:
 def _probe_location() -> tuple[str, str, list[int]]:
     """Where this worker really runs: (Ray node id, node IP, node-local GPU ids)."""
     return (ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address(),
-            [int(g) for g in ray.get_gpu_ids()])
+            local_gpu_indices(ray.get_gpu_ids()))
+
+
+def local_gpu_indices(ids: list[int] | list[str]) -> list[int]:
+    """Ray's GPU ids of this worker as the node's GPU indices 0..n-1 (the node table's local ids).
+
+    ``ray.get_gpu_ids()`` names GPUs as the raylet's ``CUDA_VISIBLE_DEVICES`` does: a raylet started on GPUs 2,3
+    of its machine reports 2 and 3 for its GPUs 0 and 1 (Ray maps its slot i to that list's i-th entry; the list is
+    what the worker inherited, which Ray keeps before narrowing the variable to the worker's own GPUs). Without
+    such a list (the raylet saw every GPU) the ids are the indices."""
+    worker = getattr(ray._private.worker, "global_worker", None)  # Ray keeps the inherited list only there
+    visible = (getattr(worker, "original_visible_accelerator_ids", None) or {}).get("GPU")
+    if not visible:
+        return [int(g) for g in ids]
+    order = [str(v) for v in visible]
+    missing = [g for g in ids if str(g) not in order]
+    if missing:
+        raise PlacementMismatchError(f"this worker's GPUs {missing} are not in the node's visible GPUs {order} "
+                                     "(CUDA_VISIBLE_DEVICES of its raylet); restart that raylet")
+    return [order.index(str(g)) for g in ids]
 
 
 def _free_port() -> tuple[str, int]:

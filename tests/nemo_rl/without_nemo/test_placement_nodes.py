@@ -2,9 +2,13 @@
 second at another loopback address (127.0.0.2), so a group or worker on the wrong node shows a wrong address
 instead of passing by accident. One cluster for the module (starting raylets is slow on small machines).
 
+The second raylet is started on GPUs 2,3 of its machine (``CUDA_VISIBLE_DEVICES=2,3``, as a second job's raylet
+on one host is), so Ray names its GPUs 2 and 3 while the node table numbers them 0 and 1 on that node.
+
 What it proves: the control plane's node table numbers GPUs node rank x 2 + local id; every per-GPU placement
 group lands on the node the table says (Ray's placement group table and the worker's own report); both nodes'
-workers report local GPU 0 (so a pool keyed by the local id, the old bug, collides and never finds GPUs 2-3);
+workers report local GPU 0 (so a pool keyed by the local id, the old bug, collides and never finds GPUs 2-3),
+the second node's although Ray calls that GPU 2 (a probe that took Ray's id as the index refused the node);
 a table that disagrees with where workers run is a clear error that leaves no group behind; nothing leaks."""
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rlix_plugins.control.nodes import NodeTable, PlacementMismatchError, current_node_table
 from rlix_plugins.errors import RlixConfigError
-from rlix_plugins.nemo_rl.placement import placement_pool
+from rlix_plugins.nemo_rl.placement import _probe_location, placement_pool
 from tests.harness.cross_node import bindable
 from tests.harness.ray_session import no_auto_connect
 
@@ -53,7 +57,8 @@ def _two_raylets() -> Iterator[Any]:
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 8, "num_gpus": 2, "include_dashboard": False,
                                                             "temp_dir": temp_dir})
     try:
-        cluster.add_node(num_cpus=8, num_gpus=2, node_ip_address=SECOND_IP, temp_dir=temp_dir)
+        cluster.add_node(num_cpus=8, num_gpus=2, node_ip_address=SECOND_IP, temp_dir=temp_dir,
+                         env_vars={"CUDA_VISIBLE_DEVICES": "2,3"})
         cluster.wait_for_nodes(timeout=120)
         ray.init(address=cluster.address, namespace="rlix_tests", log_to_driver=False)
         yield cluster
@@ -69,8 +74,10 @@ def _two_raylets() -> Iterator[Any]:
 @ray.remote(num_cpus=0)
 class _Worker:
     def where(self) -> tuple[str, str, list[int]]:
-        return (ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address(),
-                [int(g) for g in ray.get_gpu_ids()])
+        return _probe_location()  # what the pool's probe reports, from inside a worker of the group
+
+    def ray_gpu_ids(self) -> list[str]:
+        return [str(g) for g in ray.get_gpu_ids()]
 
 
 def _in_group(pg: Any) -> Any:
@@ -113,6 +120,11 @@ def test_every_group_lands_on_its_node_and_nothing_leaks(two_nodes: Any) -> None
         assert where[2][1:] == (table.nodes[1].ip, [0])
         # Both nodes report local GPU 0: keyed by the local id alone, GPUs 0 and 2 would be one entry.
         assert where[0][2] == where[2][2] == [0] and where[0][0] != where[2][0]
+        # Ray names the second raylet's GPUs by its CUDA_VISIBLE_DEVICES; the table's local ids are 0, 1.
+        second = next(n.rank for n in table.nodes if n.ip == SECOND_IP)
+        on_second = [2 * second, 2 * second + 1]
+        assert ray.get([workers[g].ray_gpu_ids.remote() for g in on_second], timeout=60) == [["2"], ["3"]]
+        assert [where[g][2] for g in on_second] == [[0], [1]]
 
         again = ray.get(placement_pool().groups.remote([3, 2], table), timeout=60)  # another driver: same groups
         assert {g: pg.id for g, pg in again.items()} == {g: groups[g].id for g in (3, 2)}
