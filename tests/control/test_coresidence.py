@@ -151,6 +151,45 @@ def test_rollouts_of_a_rollout_bound_pool_share_a_gpu_next_to_a_training_step_as
     assert not plan2.shrinks and not active(plan2, "d_actor_infer")
 
 
+def three_on_three_gpus() -> dict[str, ClusterSpec]:
+    """Three 1.5 B pipelines on three H100s as `rlix recipe --pipelines 3 --gpus 0,1,2 --gpu-memory-utilization 0.3`
+    declares them: each trains on its home GPU and rolls out on all three; two rollouts fit a GPU, three do not."""
+    pipes: dict[str, ClusterSpec] = {}
+    for home, p in enumerate("abc"):
+        for cid, sp in pipeline(p, [home], [0, 1, 2]).items():
+            pipes[cid] = replace(sp, memory=ClusterMemory(75.6, 26.1, 1.25) if sp.is_generation
+                                 else ClusterMemory(75.6, 43.2, 3.0))
+    return pipes
+
+
+def test_the_last_pipeline_to_ask_takes_a_shared_place_instead_of_waiting_for_a_training_grant() -> None:
+    """The 4x H100 start-up: a and b hold a rollout rank on every GPU (two per GPU, the memory limit) when c asks.
+    The gap ratio never gives a shared GPU and the fill finds each full, so c used to wait 97 s for a's first
+    training grant; now one of a's ranks sleeps for it, and the next cycle keeps that (no rank moves back)."""
+    c = three_on_three_gpus()
+    snap = snapshot(3, c, [gen_alloc(c["a_actor_infer"], [0, 1, 2]), gen_alloc(c["b_actor_infer"], [0, 1, 2])],
+                    [PendingRequest("c_actor_infer", GEN, 1)])
+    plan = plan_cycle(snap)
+    validate_plan(snap, plan)
+    assert [(s.cluster_id, s.dp_ranks, s.reason) for s in plan.shrinks] == [("a_actor_infer", (0,), "rebalance")]
+    assert [(e.cluster_id, e.dp_ranks) for e in plan.expands] == [("c_actor_infer", (0,))]
+    assert [g.cluster_id for g in plan.grants] == ["c_actor_infer"]
+    assert active(plan, "a_actor_infer") == {1, 2} and active(plan, "b_actor_infer") == {0, 1, 2}
+    _check_holders(snap, plan.allocations)
+    assert plan_cycle(apply_plan(snap, plan)).is_noop
+
+
+def test_a_shared_place_is_never_taken_from_a_pipelines_last_rank() -> None:
+    c = {k: v for k, v in three_on_three_gpus().items() if k[0] in "ab"}
+    c.update({cid: replace(sp, memory=c["a_actor_infer"].memory if sp.is_generation else c["a_actor_train"].memory)
+              for cid, sp in pipeline("c", [0], [0]).items()})
+    snap = snapshot(3, c, [gen_alloc(c["a_actor_infer"], [0]), gen_alloc(c["b_actor_infer"], [0])],
+                    [PendingRequest("c_actor_infer", GEN, 1)])
+    plan = plan_cycle(snap)
+    validate_plan(snap, plan)
+    assert not plan.shrinks and not active(plan, "c_actor_infer")  # a and b each keep their one rank; c waits
+
+
 def test_a_training_step_keeps_the_rollouts_it_fits_beside_and_preempts_the_rest() -> None:
     c = four_on_one_gpu()
     snap = snapshot(1, c, [gen_alloc(c[f"{p}_actor_infer"], [0]) for p in "bc"],

@@ -65,7 +65,7 @@ shared_runs() {  # shared_runs NAME MODE: MODE "together" (both drivers at once)
   python3 -m rlix_plugins.cli up --address "$RAY_ADDRESS" >"$dir/rlix_up.log" 2>&1 || { cat "$dir/rlix_up.log"; return 1; }
   local t0=$SECONDS pids=() p rc=0
   for p in a b; do
-    (cd "$WORK/patched" && PYTHONPATH="$WORK/patched:$PYTHONPATH" RLIX_CONTROL_PLANE=rlix \
+    (set -o pipefail; cd "$WORK/patched" && PYTHONPATH="$WORK/patched:$PYTHONPATH" RLIX_CONTROL_PLANE=rlix \
        VLLM_RAY_EXTRA_ENV_VARS_TO_COPY=PYTHONPATH timeout -k 10 "${DRIVER_TIMEOUT_S:-420}" python3 "$REPO/tools/gpu-offline/gpu/nemo_rl_system_python.py" \
        examples/run_grpo.py --config "examples/configs/rlix/grpo_math_1B_rlix_$p.yaml" "${TINY[@]}" \
        logger.log_dir="$dir/logs_$p" 2>&1 | stamp >"$dir/console_$p.log") &

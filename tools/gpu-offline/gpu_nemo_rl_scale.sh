@@ -81,7 +81,8 @@ for line in sys.stdin: sys.stdout.write(f"{time.time():.3f} {line}")'; }
 
 driver() {  # driver NAME DIR CHECKOUT CONFIG [env...]: one run_grpo.py driver, time-stamped console in DIR
   local name=$1 dir=$2 src=$3 config=$4; shift 4
-  (cd "$src" && env PYTHONPATH="$src:$PYTHONPATH" "$@" timeout -k 10 "${DRIVER_TIMEOUT_S:-3000}" \
+  # pipefail: the driver's exit status, not the time-stamper's (a run whose drivers all failed reported "exit: 0")
+  (set -o pipefail; cd "$src" && env PYTHONPATH="$src:$PYTHONPATH" "$@" timeout -k 10 "${DRIVER_TIMEOUT_S:-3000}" \
      python3 "$REPO/tools/gpu-offline/gpu/nemo_rl_system_python.py" examples/run_grpo.py --config "$config" "${REAL[@]}" \
      "${MORE[@]}" logger.log_dir="$dir/logs_$name" 2>&1 | stamp >"$dir/console_$name.log")
 }

@@ -18,7 +18,9 @@ gaps. The rule (DESIGN §4, "Co-residence"):
   step, other pipelines' rollout ranks) where it fits, never on a GPU a waiting request reserves: before the gap
   ratio for a cluster with no rank and no idle GPU to take, after it for every cluster. A
   co-resident rank is never a gap-ratio donor, and a GPU with a co-resident rank is never given by the gap ratio;
-  such a rank leaves by a shrink like any other (preemption, a planned release) or stays when its neighbours leave.
+  such a rank leaves by a shrink like any other (preemption, a planned release, the planner's co-resident swap: a
+  pipeline with work and no rank takes the place of one rank of a pipeline that keeps another) or stays when its
+  neighbours leave.
 """
 
 from __future__ import annotations

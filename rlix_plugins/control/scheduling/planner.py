@@ -23,7 +23,12 @@
 4. **Co-resident fill** (``scheduling.coresidence``): rollout ranks that want GPUs wake next to a GPU's holders
    (another pipeline's training-type allocation, other pipelines' rollout ranks) where memory fits (never on a
    reserved GPU).
-5. **Generation grants**: each pending GENERATION request whose cluster has ≥1 active rank after this plan is
+5. **Co-resident swap** (anti-starvation on shared GPUs): a rollout cluster with work that still has no active rank
+   takes the place of one co-resident rollout rank of a pipeline that keeps another rank awake (reason
+   ``"rebalance"``). Without it a pipeline that asks last, when every GPU of its mapping already holds as many
+   rollouts as memory allows, waits for a training grant to free a place: the gap ratio never gives a shared GPU
+   and the fill finds it full (97 s on 4x H100 with three 1.5B pipelines, DESIGN §9).
+6. **Generation grants**: each pending GENERATION request whose cluster has ≥1 active rank after this plan is
    granted (partial grants; the wake-only signal of the reference that fixed its deadlock).
 
 Fenced GPUs (``snapshot.fenced_gpus``, ``scheduling.fences``: a failed pipeline's processes may still hold their
@@ -81,6 +86,7 @@ def plan_cycle(snapshot: SchedulerSnapshot) -> CyclePlan:
     _coresident_fill(state, starving_only=True)
     plan_gap_ratio(state)
     _coresident_fill(state)
+    _coresident_swap(state)
     _generation_grants(state)
     return state.to_plan()
 
@@ -194,6 +200,64 @@ def _coresident_fill(state: PlanState, *, starving_only: bool = False) -> None:
                 continue
             if all(_coresidable(state, g, spec) for g in spec.bundle(r)):
                 state.expand(cid, r, coresident=True)
+
+
+def _coresident_swap(state: PlanState) -> None:
+    """Give each rollout cluster that has work and still no active rank one rank on a shared GPU, in place of a
+    co-resident rollout rank of another pipeline that keeps at least one other rank (the longest waiter first).
+
+    Only where the GPUs of the rank stay held by someone else after the swap (an idle GPU is the gap ratio's), the
+    donor rank covers the same GPUs, is not protected (woken this cycle, or an expand in flight) and the newcomer
+    fits next to the holders that stay (``coresidence.sharing_problem``). The donor with the most awake ranks gives,
+    ties to the lowest demand. The newcomer's rank is co-resident, so no gap ratio takes it back; it leaves like
+    any other rank (preemption, release)."""
+    if not state.tenants:
+        return
+    snap = state.snap
+    clusters = snap.clusters
+    waiting = snap.generation_waiting_since
+    demands = cluster_demands(state)
+    starving = sorted((c for c, d in demands.items() if d > 0 and c not in state.gen_active
+                       and c not in snap.expanding and c not in state.released),
+                      key=lambda c: (waiting.get(c, -1), clusters[c].pipeline_id, c))
+    for cid in starving:
+        spec = clusters[cid]
+        best: tuple[tuple[int, int, str], str, int, int] | None = None  # (key, donor, its rank, acceptor rank)
+        for r in range(spec.num_dp_ranks):
+            if r in state.shrunk.get(cid, set()):
+                continue
+            bundle = spec.bundle(r)
+            if any(g in state.reserved or g in snap.fenced_gpus or g not in state.owner for g in bundle):
+                continue
+            for donor in state.generation_holders(bundle[0]):
+                dspec = clusters[donor]
+                drank = rank_index(dspec)[bundle[0]]
+                kept = state.gen_active.get(donor, set())
+                if (dspec.pipeline_id == spec.pipeline_id or len(kept) < 2 or (donor, drank) in state.protected
+                        or tuple(dspec.bundle(drank)) != tuple(bundle)):
+                    continue
+                if not all(_fits_without(state, g, spec, donor) for g in bundle):
+                    continue
+                key = (-len(kept), demands.get(donor, 0), donor)
+                if best is None or key < best[0]:
+                    best = (key, donor, drank, r)
+        if best is not None:
+            _, donor, drank, r = best
+            state.shrink(donor, drank, "rebalance")
+            state.expand(cid, r, coresident=True)
+
+
+def _fits_without(state: PlanState, gpu: int, spec: ClusterSpec, leaving: str) -> bool:
+    """Whether a rank of ``spec`` may be awake on ``gpu`` next to its holders once ``leaving``'s rank there sleeps,
+    and someone still holds the GPU then."""
+    clusters = state.snap.clusters
+    owner = state.owner[gpu]
+    host = state.nongen.get(owner)
+    staying = [clusters[c] for c in state.generation_holders(gpu) if c != leaving]
+    if host is None and not staying:
+        return False  # the GPU would be idle: the gap ratio's
+    return sharing_problem(state.tenants, gpu, [*staying, spec], clusters[owner] if host else None,
+                           Priority(host.priority) if host else None) is None
 
 
 def _coresidable(state: PlanState, gpu: int, spec: ClusterSpec) -> bool:
