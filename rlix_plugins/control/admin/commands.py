@@ -190,7 +190,12 @@ def status(address: str | None, as_json: bool) -> int:
     from rlix_plugins.control.client import connect
 
     _connect_ray(_target(address)[0])
-    st = connect(create_if_missing=False).status()
+    cp = connect(create_if_missing=False)
+    st = cp.status()
+    table = cp.node_table()
+    st["nodes"] = [{"rank": n.rank, "ip": n.ip, "node_id": n.node_id,
+                    "gpus": list(range(n.rank * table.gpus_per_node, (n.rank + 1) * table.gpus_per_node))}
+                   for n in table.nodes]
     print(json.dumps(st, indent=2, sort_keys=True) if as_json else format_status(st))
     return 0
 
@@ -199,6 +204,9 @@ def format_status(st: dict[str, Any]) -> str:
     """Readable tables: pipelines, allocations, pending requests, idle GPUs."""
     lines = [f"GPUs: {len(st['gpus'])} ({st['gpus_per_node']} per node)   idle: {_ids(st['idle_gpus'])}   "
              f"cycles: {st.get('cycles', 0)}   last plan: {st.get('last_plan_ms', 0)} ms"]
+    if st.get("nodes"):  # which machine each GPU id is on (the control plane's node table)
+        lines.append("nodes: " + "; ".join(f"{n['rank']} = {n['ip']} GPUs {n['gpus'][0]}..{n['gpus'][-1]}"
+                                           for n in st["nodes"]))
     lines.append("")
     lines.append(_table(
         ["PIPELINE", "ADMITTED", "CLUSTERS", "PROGRESS"],

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 import shutil
+import subprocess
+import sys
 import tempfile
 from collections.abc import Iterator
 from typing import Any
@@ -101,6 +103,12 @@ def test_control_plane_numbers_gpus_by_node(two_nodes: Any) -> None:
         cp = client.connect()
         assert cp.node_table() == table
         assert cp.pool() == {"num_gpus": 4, "gpus_per_node": 2}
+        # `rlix status`, as a user runs it against the cluster: which machine each GPU id is on
+        out = subprocess.run([sys.executable, "-m", "rlix_plugins.cli", "status", "--address", two_nodes.address],
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr[-2000:]
+        want = "; ".join(f"{n.rank} = {n.ip} GPUs {2 * n.rank}..{2 * n.rank + 1}" for n in table.nodes)
+        assert f"nodes: {want}" in out.stdout, out.stdout
     finally:
         kill_control_plane()
 
