@@ -179,6 +179,19 @@ def test_the_last_pipeline_to_ask_takes_a_shared_place_instead_of_waiting_for_a_
     assert plan_cycle(apply_plan(snap, plan)).is_noop
 
 
+def test_a_training_step_keeps_the_rollout_of_the_pipeline_with_fewest_ranks_beside_it() -> None:
+    """Two rollouts on b's home GPU 1 when b's training step comes, room for one beside it: c's only rank stays and
+    a, which keeps ranks on GPUs 0 and 2, sleeps there (by cluster id, a stayed and c lost its last rank)."""
+    c = three_on_three_gpus()
+    snap = snapshot(3, c, [gen_alloc(c["a_actor_infer"], [0, 1, 2]), gen_alloc(c["c_actor_infer"], [1])],
+                    [PendingRequest("b_actor_train", TRAIN, 1)])
+    plan = plan_cycle(snap)
+    validate_plan(snap, plan)
+    assert [(s.cluster_id, s.dp_ranks, s.reason) for s in plan.shrinks] == [("a_actor_infer", (1,), "preempt")]
+    assert active(plan, "c_actor_infer") == {1} and active(plan, "a_actor_infer") == {0, 2}
+    _check_holders(snap, plan.allocations)
+
+
 def test_a_shared_place_is_never_taken_from_a_pipelines_last_rank() -> None:
     c = {k: v for k, v in three_on_three_gpus().items() if k[0] in "ab"}
     c.update({cid: replace(sp, memory=c["a_actor_infer"].memory if sp.is_generation else c["a_actor_train"].memory)

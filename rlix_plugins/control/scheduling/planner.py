@@ -147,8 +147,13 @@ def _preemptions(state: PlanState, spec: ClusterSpec, priority: Priority,
     clusters = state.snap.clusters
     kept: dict[int, list[ClusterSpec]] = {}
     victims: list[tuple[str, int]] = []
+    # Where not every co-tenant fits, the pipelines with the fewest awake ranks stay first: kept in cluster-id order,
+    # the same pipeline lost its rank to every training step on three GPUs and stepped 132 s instead of 75 (DESIGN §9).
+    def keep_order(c: str) -> tuple[int, str]:
+        return len(state.gen_active.get(c, ())), c
+
     for g in sorted(need):
-        for gen_cid in state.generation_holders(g):
+        for gen_cid in sorted(state.generation_holders(g), key=keep_order):
             gen_spec = clusters[gen_cid]
             if gen_spec in kept.get(g, ()):
                 continue  # kept for an earlier GPU of its bundle
