@@ -51,11 +51,14 @@ def install() -> bool:
     engine_core = internals.engine_core_class()
     if engine_core is None:
         return False
-    original = engine_core.collective_rpc
+    original = getattr(engine_core, "collective_rpc", None)
     if getattr(original, "_rlix_finish", False):
         return True
-    # first install in this process: EngineCore's internals (one line and a raise if the wrapper could not work)
+    # first install in this process: EngineCore's internals (one line; a raise if the wrapper could not work, a
+    # warning and no wrapper without collective_rpc: the sender then resets through the engine)
     internals.check(modules=internals.ENGINE_CORE_MODULES)
+    if original is None:
+        return False
 
     @functools.wraps(original)
     def collective_rpc(self: Any, method: Any, *args: Any, **kwargs: Any) -> Any:

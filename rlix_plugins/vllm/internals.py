@@ -226,6 +226,7 @@ def _lookup(obj: Any, dotted: str) -> Any:
 
 
 _sources: dict[str, str] = {}
+_warned: set[str] = set()
 
 
 def _source(cls: type) -> str | None:
@@ -313,7 +314,9 @@ def check(platform: str | None = None, *, imports: bool = False, modules: Iterab
         if entry.required:
             raise VllmInternalsError(line)
         warnings.append(line)
-        logger.warning("%s (optional: continuing without it)", line)
+        if line not in _warned:  # once per process: check runs again in later plugin calls
+            _warned.add(line)
+            logger.warning("%s (optional: continuing without it)", line)
     return warnings
 
 
