@@ -6,10 +6,16 @@ and the CPU demo to exercise the ``worker_cls`` composition that NeMo RL uses on
 
 from __future__ import annotations
 
-from vllm.v1.worker.cpu_worker import CPUWorker
+from rlix_plugins.vllm import internals
 
-from rlix_plugins.vllm.receiver import RlixReceiverMixin
-from rlix_plugins.vllm.start import start_under_grant
+# Before vLLM's class is imported: a vLLM without it (or without what the receiver reads) fails here with one line
+# naming the version and the attribute, not with an ImportError deep in the first weight sync.
+internals.check("cpu", imports=True, modules=internals.WORKER_MODULES)
+
+from vllm.v1.worker.cpu_worker import CPUWorker  # noqa: E402
+
+from rlix_plugins.vllm.receiver import RlixReceiverMixin  # noqa: E402
+from rlix_plugins.vllm.start import start_under_grant  # noqa: E402
 
 __all__ = ["RlixCPUWorker"]
 

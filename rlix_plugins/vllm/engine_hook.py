@@ -22,9 +22,10 @@ in every process where vLLM's ``EngineCore`` is already imported (vLLM loads plu
 from __future__ import annotations
 
 import functools
-import sys
 import time
 from typing import Any
+
+from rlix_plugins.vllm import internals
 
 __all__ = ["FINISH_METHOD", "install", "nothing_cached"]
 
@@ -38,7 +39,7 @@ def nothing_cached(core: Any) -> bool:
     ``reset_prefix_cache`` would change nothing. With KV-cache events on, the reset also reports them: never skipped.
     False wherever vLLM's internals differ from these (another version): the engine then resets as always."""
     try:
-        pool = core.scheduler.kv_cache_manager.block_pool
+        pool = internals.block_pool(core)
         return (len(pool.cached_block_hash_to_block) == 0 and not pool.cached_block_hashes_by_block
                 and not pool.enable_kv_cache_events)
     except (AttributeError, TypeError):
@@ -47,13 +48,17 @@ def nothing_cached(core: Any) -> bool:
 
 def install() -> bool:
     """Wrap ``EngineCore.collective_rpc`` once per process; False when ``EngineCore`` is not imported here."""
-    core = sys.modules.get("vllm.v1.engine.core")
-    engine_core = getattr(core, "EngineCore", None)
+    engine_core = internals.engine_core_class()
     if engine_core is None:
         return False
-    original = engine_core.collective_rpc
+    original = getattr(engine_core, "collective_rpc", None)
     if getattr(original, "_rlix_finish", False):
         return True
+    # first install in this process: EngineCore's internals (one line; a raise if the wrapper could not work, a
+    # warning and no wrapper without collective_rpc: the sender then resets through the engine)
+    internals.check(modules=internals.ENGINE_CORE_MODULES)
+    if original is None:
+        return False
 
     @functools.wraps(original)
     def collective_rpc(self: Any, method: Any, *args: Any, **kwargs: Any) -> Any:

@@ -7,7 +7,12 @@ reaches the six receiver methods. vLLM never runs its ``__init__`` (there is non
 
 from __future__ import annotations
 
+from rlix_plugins.vllm import internals
 from rlix_plugins.vllm.receiver import RlixReceiverMixin
+
+# vLLM imports this class inside a worker process, which has loaded the worker modules: check what is loaded (no
+# import; the worker_cls route imports and checks them itself).
+internals.check(internals.current_platform_name(), modules=internals.WORKER_MODULES)
 
 __all__ = ["RlixWorkerExtension"]
 

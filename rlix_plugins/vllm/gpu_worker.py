@@ -9,10 +9,16 @@ MRO and uses them (see :mod:`rlix_plugins.vllm.loading`).
 
 from __future__ import annotations
 
-from vllm.v1.worker.gpu_worker import Worker
+from rlix_plugins.vllm import internals
 
-from rlix_plugins.vllm.receiver import RlixReceiverMixin
-from rlix_plugins.vllm.start import start_under_grant
+# Before vLLM's class is imported: a vLLM without it (or without what the receiver reads) fails here with one line
+# naming the version and the attribute, not with an ImportError deep in the first weight sync.
+internals.check("cuda", imports=True, modules=internals.WORKER_MODULES)
+
+from vllm.v1.worker.gpu_worker import Worker  # noqa: E402
+
+from rlix_plugins.vllm.receiver import RlixReceiverMixin  # noqa: E402
+from rlix_plugins.vllm.start import start_under_grant  # noqa: E402
 
 __all__ = ["RlixGPUWorker"]
 

@@ -22,6 +22,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
+from rlix_plugins.vllm.internals import runner_model
+
 if TYPE_CHECKING:
     import torch
 
@@ -77,7 +79,7 @@ class VllmInplaceLoader:
     whole_model_only = False
 
     def load(self, worker: Any, weights: NamedTensors) -> None:
-        worker.model_runner.model.load_weights(weights=list(weights))
+        runner_model(worker).load_weights(weights=list(weights))
 
     def post_process(self, worker: Any) -> None:
         from vllm.config import set_current_vllm_config
@@ -113,7 +115,7 @@ def refresh_cpu_packed_copies(worker: Any) -> int:
     number of layers re-packed.
     """
     count = 0
-    for module in worker.model_runner.model.modules():
+    for module in runner_model(worker).modules():
         weight = getattr(module, "weight", None)
         method = getattr(module, "quant_method", None)
         if callable(getattr(module, "cpu_linear", None)) and method is not None and weight is not None \

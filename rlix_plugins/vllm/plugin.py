@@ -13,7 +13,9 @@ worker, the model-registry probe subprocess), possibly several times; it must be
   (except that an AMX CPU no longer crashes them).
 * ``RLIX_CONTROL_PLANE=rlix``: imports the receiver module once per process, so a broken install fails
   at engine start (vLLM logs the exception and names the plugin) instead of at the first weight sync,
-  and records that the plugin ran here (``rlix_receiver_info()["plugin_loaded"]`` reports it per worker).
+  checks the vLLM internals we rely on (:mod:`rlix_plugins.vllm.internals`, in the modules the process already
+  imported; a missing one raises one line naming the vLLM version and the attribute), and records that the plugin
+  ran here (``rlix_receiver_info()["plugin_loaded"]`` reports it per worker).
   Where vLLM's ``EngineCore`` is imported (vLLM loads plugins in its ``__init__``), it lets a sync's finish
   call reset the prefix cache (:mod:`rlix_plugins.vllm.engine_hook`; only that rlix method is affected).
 
@@ -59,8 +61,11 @@ def register() -> None:
     engine_hook.install()  # each call: an in-process EngineCore is imported after the driver's first call
     if _loaded:
         return
-    from rlix_plugins.vllm import receiver  # fail at engine start, not mid-sync
+    from rlix_plugins.vllm import internals, receiver  # fail at engine start, not mid-sync
 
+    # The vLLM internals we rely on, in the modules this process has imported (no import: this runs in every vLLM
+    # process); a missing required one raises one line naming the vLLM version and the attribute.
+    internals.check(internals.current_platform_name())
     _loaded = True
     logging.getLogger(__name__).info(
         "rlix vLLM plugin loaded in pid %d (receiver %s)", os.getpid(), receiver.__name__

@@ -59,6 +59,7 @@ from rlix_plugins.transport import finish_checksums, start_checksums, verify_che
 from rlix_plugins.transport._checksum import segment_checksums
 from rlix_plugins.transport._checksum_kernel import KernelChecksums, kernel_checksums, self_check
 from rlix_plugins.transport._copy_kernel import KernelCopies, kernel_copies
+from rlix_plugins.vllm.internals import runner_model, sleeping_weight_backups
 from rlix_plugins.vllm.loading import WeightLoader, refresh_cpu_packed_copies, select_loader
 from rlix_plugins.vllm.replay import BucketReplay, CopyRecorder, DirectCopies, parameter_storages
 
@@ -412,7 +413,7 @@ class RlixReceiverMixin:
         tensors = []
         live: dict[str, list[int]] = {}
         landed, state.landed = state.landed, {}
-        params = dict(self.model_runner.model.named_parameters())  # type: ignore[attr-defined]
+        params = dict(runner_model(self).named_parameters())
         for name, checksum in expected.items():
             param = params.get(name)
             if param is None or param.numel() == 0:
@@ -460,7 +461,7 @@ class RlixReceiverMixin:
         state = self._rlix()
         if state.copy_stream is None:
             state.copy_stream = torch.cuda.Stream(device)
-        params = parameter_storages(self.model_runner.model)  # type: ignore[attr-defined]
+        params = parameter_storages(runner_model(self))
         if sync.mode == "eager":
             direct = [state.direct.get(layout_key(m)) for m, _ in opened]
             if all(d is not None and d.valid(params) for d in direct):
@@ -696,18 +697,15 @@ class RlixReceiverMixin:
         """Level 1: drop the CPU copy of the sleeping weights so that the next wake only allocates (a sync
         overwrites them right after; restoring them would cost a full host->device copy for nothing). The
         worker is ``dirty`` until a sync finalizes. Returns the bytes dropped (0 without vLLM's allocator)."""
-        from vllm.device_allocator.cumem import CuMemAllocator, cumem_available
-
-        if not cumem_available:  # vLLM-CPU: no sleep mode, nothing backed up
+        backups = sleeping_weight_backups()
+        if not backups:  # vLLM-CPU: no sleep mode, nothing backed up (or nothing asleep)
             return 0
         # Keep the copy of every allocation that holds a model buffer (rotary caches and the like): no sync
         # restores those, and losing them changed greedy outputs of a Qwen2.5-1.5B-shaped engine on the H100.
-        buffers = [b.data_ptr() for b in self.model_runner.model.buffers()]  # type: ignore[attr-defined]
+        buffers = [b.data_ptr() for b in runner_model(self).buffers()]
         dropped = 0
-        for ptr, data in CuMemAllocator.get_instance().pointer_to_data.items():
-            if data.tag != "weights" or not data.is_asleep or data.cpu_backup_tensor is None:
-                continue
-            if any(ptr <= b < ptr + int(data.handle[1]) for b in buffers):
+        for ptr, size, data in backups:
+            if any(ptr <= b < ptr + size for b in buffers):
                 continue
             dropped += int(data.cpu_backup_tensor.numel())
             data.cpu_backup_tensor = None
