@@ -13,6 +13,7 @@
 #   4. real NeMo RL (parts nemo-standalone, nemo-shared, nemo-sequential; tools/gpu-offline/gpu_nemo_rl.sh)
 #   5. nemo-pool: the stock recipe's real shape on 2 or 4 GPUs: the rlix pair on GPUs 0,1 vs the static split and the
 #      transport benchmark (tools/gpu-offline/gpu_nemo_rl_scale.sh; detached: later commands `... gpu_nemo_rl_scale.sh wait`)
+#   6. nemo-pool3 / nemo-faults (4 GPUs): three pipelines vs the split's share; the driver and engine faults at once
 # Every part runs even when an earlier one fails; the exit code is the number of failed parts.
 # NCCL settings: monitoring threads off (they add to the container's pid limit), debug output to find hangs.
 set -u
@@ -69,6 +70,18 @@ if [[ " $want " == *" nemo-pool "* ]]; then
   part nemo-pool 590 env GPUS=0,1 SPLIT_GPUS="$split" SHAPE="${SHAPE:-qwen2.5-1.5b}" STEPS="${STEPS:-8}" \
     UTIL="${UTIL:-$([ "$card_mib" -gt 100000 ] && echo 0.5 || echo 0.3)}" \
     bash -c "bash tools/gpu-offline/gpu_nemo_rl_scale.sh start $runs && bash tools/gpu-offline/gpu_nemo_rl_scale.sh wait 540"
+fi
+# Four GPUs only: three rlix pipelines on GPUs 0-2 against the static split's share (one stock pipeline) on GPU 3
+# (nemo-pool3, ~20 minutes), and both fault runs at once, each on two GPUs and its own Ray cluster (nemo-faults,
+# ~8 minutes with the 0.5B shape; docs/gpu.md "Faults on the pool").
+if [[ " $want " == *" nemo-pool3 "* ]] && [ "$ngpu" -ge 4 ]; then
+  part nemo-pool3 590 env GPUS=0,1,2 SPLIT_GPUS=3 SHAPE="${SHAPE:-qwen2.5-1.5b}" STEPS="${STEPS:-8}" UTIL="${UTIL:-0.3}" \
+    bash -c "bash tools/gpu-offline/gpu_nemo_rl_scale.sh start shared3+split1 && bash tools/gpu-offline/gpu_nemo_rl_scale.sh wait 540"
+fi
+if [[ " $want " == *" nemo-faults "* ]] && [ "$ngpu" -ge 4 ]; then
+  part nemo-faults 590 env SHAPE="${SHAPE:-qwen2.5-0.5b}" STEPS="${STEPS:-3}" FAULT_STEP=1 UTIL="${UTIL:-0.3}" \
+    bash -c "bash tools/gpu-offline/gpu_nemo_rl_scale.sh start shared2:driver:0.1+shared2:engine:2.3 &&
+             bash tools/gpu-offline/gpu_nemo_rl_scale.sh wait 540"
 fi
 if [ "$failed" -gt 0 ] && [ -d /tmp/ray/session_latest/logs ]; then  # Ray's worker logs say where a run hung
   tar -czf "$OUT/ray_logs.tgz" -C /tmp/ray/session_latest logs 2>/dev/null && ls -la "$OUT/ray_logs.tgz"
