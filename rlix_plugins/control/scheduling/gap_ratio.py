@@ -37,9 +37,10 @@ and adds the same rank.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import math
-from collections.abc import Container, Iterator
+from collections.abc import Container, Iterable, Iterator
 
 from rlix_plugins.control.scheduling.plan_state import PlanState, bundles, mappings_overlap, rank_index
 from rlix_plugins.control.types import PendingRequest, Priority, Progress, SchedulerSnapshot
@@ -215,6 +216,14 @@ class _Donors:
     for a donor whose pipeline reported its rollout complete and asks for nothing (an acceptor without any rank
     and with rollout work). All kept current by ``update`` after every activation; ``.get(d, 0)``: a cluster
     that is no donor has no budget.
+
+    Two indexes keep the candidate scan (``_activate_one``) off per-candidate lookups and sorts; both are kept
+    current by ``moved`` after every activation of the gap-ratio loop (the only place ``state`` changes while they
+    live): ``ranks``: each eligible cluster's active ranks that may be shrunk (not protected), sorted (the scan
+    visits a donor's ranks in that order; sorting its set on every visit cost more than the scan at 2,048 GPUs);
+    ``holder``: GPU -> (cluster, DP rank) of the one generation rank that holds it alone, for GPUs that are not
+    fenced, hold no co-resident rank and no non-GENERATION allocation, and whose rank is not protected: exactly the
+    busy GPUs whose holder a candidate may shrink. A GPU outside it is idle, or one no candidate may take.
     """
 
     def __init__(self, state: PlanState, eligible: list[str], targets: dict[str, int], demands: dict[str, int]) -> None:
@@ -231,6 +240,39 @@ class _Donors:
         self.spare_idle: dict[str, int] = {}
         for c in eligible:
             self.update(c)
+        protected = state.protected
+        self.ranks = {c: [r for r in sorted(rs) if (c, r) not in protected]
+                      for c, rs in state.gen_active.items() if c in self.floors}
+        self.holder: dict[int, tuple[str, int]] = {}
+        self._refresh(state.owner)
+
+    def _refresh(self, gpus: Iterable[int]) -> None:
+        """Recompute ``holder`` for ``gpus`` from the state's owner, co-resident, non-generation and fence maps."""
+        state = self._state
+        owner, coresident, nongen, fenced = state.owner, state.coresident, state.nongen, state.snap.fenced_gpus
+        clusters, protected = state.snap.clusters, state.protected
+        holder = self.holder
+        for g in gpus:
+            o = owner.get(g)
+            if o is None or o in nongen or g in coresident or g in fenced:
+                holder.pop(g, None)
+                continue
+            victim = (o, rank_index(clusters[o])[g])
+            if victim in protected:
+                holder.pop(g, None)
+            else:
+                holder[g] = victim
+
+    def moved(self, victims: list[tuple[str, int]], cid: str, rank: int) -> None:
+        """``victims`` were shrunk and ``rank`` of ``cid`` woken (protected: never in ``ranks``)."""
+        for d, dr in victims:
+            lst = self.ranks.get(d)
+            if lst is not None:
+                i = bisect.bisect_left(lst, dr)
+                if i < len(lst) and lst[i] == dr:
+                    del lst[i]
+            self._refresh(self.bundles[d][dr] if d in self.bundles else self._state.snap.clusters[d].bundle(dr))
+        self._refresh(self.bundles[cid][rank])
 
     def update(self, cid: str) -> None:
         n = len(self._state.gen_active.get(cid, ()))
@@ -298,6 +340,8 @@ def _activate_one(
     r = _free_candidate(state, cid)
     if r is not None:
         state.expand(cid, r)
+        if donors_info is not None:
+            donors_info.moved([], cid, r)
         return []
     if donors_info is None:
         return None
@@ -319,10 +363,8 @@ def _activate_one(
     # rank, mappings being sorted and bundles contiguous), so the scan stops at the first single-victim candidate.
     idx = donors_info.rank_of[cid]
     my_bundles = donors_info.bundles[cid]
-    protected, free, reserved = state.protected, state.free, state.reserved
-    fenced, coresident = state.snap.fenced_gpus, state.coresident
-    owner = state.owner
-    rank_of = donors_info.rank_of
+    free, reserved = state.free, state.reserved
+    owner, holder, donor_ranks = state.owner, donors_info.holder, donors_info.ranks
     best: tuple[int, int, int] | None = None
     best_victims: list[tuple[str, int]] = []
     seen: set[int] = set()
@@ -345,11 +387,9 @@ def _activate_one(
             continue
         dbundles = donors_info.bundles[donor]
         done = False
-        for dr0 in sorted(gen_active[donor]):
+        for dr0 in donor_ranks.get(donor, ()):  # its active, unprotected ranks, sorted
             if done:
                 break
-            if (donor, dr0) in protected:
-                continue
             for g0 in dbundles[dr0]:
                 r = idx.get(g0)
                 if r is None or r in seen:
@@ -363,24 +403,22 @@ def _activate_one(
                 # The donor ranks this candidate would shrink (a bundle holds few GPUs: a list), and the lowest
                 # demand among their donors; invalid (break) on a reserved idle GPU, a fenced GPU (``fences``), a
                 # GPU of a cluster that may not give (no budget: non-generation holders included), a rank woken
-                # this cycle, or more ranks of one donor than its budget.
+                # this cycle (not in ``holder``, like the others), or more ranks of one donor than its budget.
                 victims: list[tuple[str, int]] = []
                 min_donor_demand = -1
                 for g in my_bundles[r]:
-                    if g in fenced or g in coresident:  # a GPU with co-resident ranks is never given (coresidence)
+                    victim = holder.get(g)
+                    if victim is None:  # idle, or fenced, co-resident (never given: coresidence) or non-generation
+                        if g in free and g not in reserved:
+                            continue
                         break
-                    if g in free:
-                        if g in reserved:
-                            break
-                        continue
-                    d = owner[g]
+                    d = victim[0]
                     b = budget.get(d, 0)
                     if b <= 0:
                         break
-                    victim = (d, rank_of[d][g])
                     if victim in victims:
                         continue
-                    if victim in protected or (b <= len(victims) and sum(v[0] == d for v in victims) >= b):
+                    if b <= len(victims) and sum(v[0] == d for v in victims) >= b:
                         break
                     victims.append(victim)
                     dd = demands[d]
@@ -398,6 +436,7 @@ def _activate_one(
     for d, dr in best_victims:
         state.shrink(d, dr, "rebalance")
     state.expand(cid, best[2])
+    donors_info.moved(best_victims, cid, best[2])
     return sorted({d for d, _ in best_victims})
 
 
