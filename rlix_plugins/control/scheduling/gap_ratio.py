@@ -37,11 +37,18 @@ and adds the same rank.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import math
-from collections.abc import Container, Iterator
+from collections.abc import Container, Iterable, Iterator
 
-from rlix_plugins.control.scheduling.plan_state import PlanState, bundles, mappings_overlap, rank_index
+from rlix_plugins.control.scheduling.plan_state import (
+    PlanState,
+    bundles,
+    mappings_overlap,
+    rank_index,
+    shape_id,
+)
 from rlix_plugins.control.types import PendingRequest, Priority, Progress, SchedulerSnapshot
 
 #: Safety caps per cycle (the reference used the same numbers).
@@ -215,6 +222,22 @@ class _Donors:
     for a donor whose pipeline reported its rollout complete and asks for nothing (an acceptor without any rank
     and with rollout work). All kept current by ``update`` after every activation; ``.get(d, 0)``: a cluster
     that is no donor has no budget.
+
+    Two indexes keep the candidate scan (``_activate_one``) off per-candidate lookups and sorts; both are kept
+    current by ``moved`` after every activation of the gap-ratio loop (the only place ``state`` changes while they
+    live): ``ranks``: each eligible cluster's active ranks that may be shrunk (not protected), sorted (the scan
+    visits a donor's ranks in that order; sorting its set on every visit cost more than the scan at 2,048 GPUs);
+    ``holder``: GPU -> (cluster, DP rank) of the one generation rank that holds it alone, for GPUs that are not
+    fenced, hold no co-resident rank and no non-GENERATION allocation, and whose rank is not protected: exactly the
+    busy GPUs whose holder a candidate may shrink. A GPU outside it is idle, or one no candidate may take.
+
+    ``epoch`` counts the activations (every change of ``state`` in the loop); ``failed``: mapping shape
+    (``plan_state.shape_id``) -> the epoch in which an acceptor with ranks, not above its floor and with no rank
+    shrunk this cycle found no candidate. Another such acceptor of the same shape in the same epoch finds none
+    either: it sees the same donors (above their floor; neither acceptor is one) with the same budgets (``spare``)
+    over the same bundles, and the only candidates the two score differently, each one's own active ranks, fail
+    for the other (held by a cluster at its floor). In the pool layout a failed search of a TP-4 acceptor scored
+    ~90 candidates, and most acceptors that fail follow one that failed, with nothing changed in between.
     """
 
     def __init__(self, state: PlanState, eligible: list[str], targets: dict[str, int], demands: dict[str, int]) -> None:
@@ -231,6 +254,48 @@ class _Donors:
         self.spare_idle: dict[str, int] = {}
         for c in eligible:
             self.update(c)
+        protected = state.protected
+        self.ranks = {c: [r for r in sorted(rs) if (c, r) not in protected]
+                      for c, rs in state.gen_active.items() if c in self.floors}
+        self.holder: dict[int, tuple[str, int]] = {}
+        self._refresh(state.owner)
+        self.epoch = 0
+        self.failed: dict[int, int] = {}
+
+    def _refresh(self, gpus: Iterable[int]) -> None:
+        """Recompute ``holder`` for ``gpus`` from the state's owner, co-resident, non-generation and fence maps."""
+        state = self._state
+        owner, coresident, nongen, fenced = state.owner, state.coresident, state.nongen, state.snap.fenced_gpus
+        clusters, protected, rank_of = state.snap.clusters, state.protected, self.rank_of
+        holder = self.holder
+        for g in gpus:
+            o = owner.get(g)
+            if o is None or o in nongen or g in coresident or g in fenced:
+                holder.pop(g, None)
+                continue
+            ranks = rank_of.get(o)
+            victim = (o, (ranks if ranks is not None else rank_index(clusters[o]))[g])
+            if victim in protected:
+                holder.pop(g, None)
+            else:
+                holder[g] = victim
+
+    def moved(self, victims: list[tuple[str, int]], cid: str, rank: int) -> None:
+        """``victims`` were shrunk and ``rank`` of ``cid`` woken."""
+        self.epoch += 1
+        holder, owner = self.holder, self._state.owner
+        for d, dr in victims:
+            lst = self.ranks.get(d)
+            if lst is not None:
+                i = bisect.bisect_left(lst, dr)
+                if i < len(lst) and lst[i] == dr:
+                    del lst[i]
+            gpus = self.bundles[d][dr] if d in self.bundles else self._state.snap.clusters[d].bundle(dr)
+            for g in gpus:
+                holder.pop(g, None)  # idle now, or held by a co-resident rank that stayed (looked up again)
+            self._refresh([g for g in gpus if g in owner])
+        for g in self.bundles[cid][rank]:
+            holder.pop(g, None)  # woken this cycle: protected, never a victim (and never in ``ranks``)
 
     def update(self, cid: str) -> None:
         n = len(self._state.gen_active.get(cid, ()))
@@ -298,6 +363,8 @@ def _activate_one(
     r = _free_candidate(state, cid)
     if r is not None:
         state.expand(cid, r)
+        if donors_info is not None:
+            donors_info.moved([], cid, r)
         return []
     if donors_info is None:
         return None
@@ -314,15 +381,20 @@ def _activate_one(
         owers = _owers(state, spec.pipeline_id)
         if owers:  # fair turns: a donor that owes this pipeline a turn gives its last rank too
             budget = {**budget, **{d: len(r) for d, r in gen_active.items() if clusters[d].pipeline_id in owers}}
+    shape = None
+    if not starving and cid not in donors_info.surplus and not shrunk:
+        shape = shape_id(spec)
+        if donors_info.failed.get(shape) == donors_info.epoch:
+            return None  # an acceptor of this shape found no candidate in this very state (``_Donors.failed``)
     # Candidates are bundles touching a rank of a donor with budget left (no free bundle exists). Donors are
     # visited by decreasing demand (``donor_order``) and their ranks by increasing GPU id (= increasing acceptor
     # rank, mappings being sorted and bundles contiguous), so the scan stops at the first single-victim candidate.
     idx = donors_info.rank_of[cid]
     my_bundles = donors_info.bundles[cid]
-    protected, free, reserved = state.protected, state.free, state.reserved
-    fenced, coresident = state.snap.fenced_gpus, state.coresident
-    owner = state.owner
-    rank_of = donors_info.rank_of
+    free, reserved = state.free, state.reserved
+    owner, donor_ranks = state.owner, donors_info.ranks
+    # bound methods: the loops below run ~10^4 times per cycle at 2,048 GPUs
+    holder_of, budget_of, rank_in = donors_info.holder.get, budget.get, idx.get
     best: tuple[int, int, int] | None = None
     best_victims: list[tuple[str, int]] = []
     seen: set[int] = set()
@@ -339,19 +411,17 @@ def _activate_one(
             break
         if donor not in pool or donor == cid or (holders is not None and donor not in holders):
             continue
-        if budget.get(donor, 0) <= 0:
+        if budget_of(donor, 0) <= 0:
             continue
         if holders is None and not mappings_overlap(spec, clusters[donor]):
             continue
         dbundles = donors_info.bundles[donor]
         done = False
-        for dr0 in sorted(gen_active[donor]):
+        for dr0 in donor_ranks.get(donor, ()):  # its active, unprotected ranks, sorted
             if done:
                 break
-            if (donor, dr0) in protected:
-                continue
             for g0 in dbundles[dr0]:
-                r = idx.get(g0)
+                r = rank_in(g0)
                 if r is None or r in seen:
                     continue
                 seen.add(r)
@@ -363,24 +433,22 @@ def _activate_one(
                 # The donor ranks this candidate would shrink (a bundle holds few GPUs: a list), and the lowest
                 # demand among their donors; invalid (break) on a reserved idle GPU, a fenced GPU (``fences``), a
                 # GPU of a cluster that may not give (no budget: non-generation holders included), a rank woken
-                # this cycle, or more ranks of one donor than its budget.
+                # this cycle (not in ``holder``, like the others), or more ranks of one donor than its budget.
                 victims: list[tuple[str, int]] = []
                 min_donor_demand = -1
                 for g in my_bundles[r]:
-                    if g in fenced or g in coresident:  # a GPU with co-resident ranks is never given (coresidence)
+                    victim = holder_of(g)
+                    if victim is None:  # idle, or fenced, co-resident (never given: coresidence) or non-generation
+                        if g in free and g not in reserved:
+                            continue
                         break
-                    if g in free:
-                        if g in reserved:
-                            break
-                        continue
-                    d = owner[g]
-                    b = budget.get(d, 0)
+                    d = victim[0]
+                    b = budget_of(d, 0)
                     if b <= 0:
                         break
-                    victim = (d, rank_of[d][g])
                     if victim in victims:
                         continue
-                    if victim in protected or (b <= len(victims) and sum(v[0] == d for v in victims) >= b):
+                    if b <= len(victims) and sum(v[0] == d for v in victims) >= b:
                         break
                     victims.append(victim)
                     dd = demands[d]
@@ -394,10 +462,13 @@ def _activate_one(
                         done = True  # later ranks of this donor map to higher acceptor ranks: they cannot beat it
                         break
     if best is None:
+        if shape is not None:
+            donors_info.failed[shape] = donors_info.epoch
         return None
     for d, dr in best_victims:
         state.shrink(d, dr, "rebalance")
     state.expand(cid, best[2])
+    donors_info.moved(best_victims, cid, best[2])
     return sorted({d for d, _ in best_victims})
 
 

@@ -7,6 +7,7 @@ here is shared between cycles except the per-spec GPU→rank index cache (specs 
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 from rlix_plugins.control.scheduling.coresidence import gpu_tenants
@@ -52,6 +53,28 @@ def bundles(spec: ClusterSpec) -> tuple[tuple[int, ...], ...]:
     out = tuple(spec.bundle(r) for r in range(spec.num_dp_ranks))
     _BUNDLES[id(spec)] = (spec, out)
     return out
+
+
+_SHAPE: dict[int, tuple[ClusterSpec, int]] = {}
+_SHAPE_IDS: dict[tuple[tuple[int, ...], int], int] = {}
+_SHAPE_COUNTER = itertools.count()
+
+
+def shape_id(spec: ClusterSpec) -> int:
+    """One int per (device mapping, TP size): clusters with equal ids have the same DP ranks on the same GPUs.
+    Cached by object identity like :func:`rank_index` (a mapping's hash walks all of it)."""
+    hit = _SHAPE.get(id(spec))
+    if hit is not None and hit[0] is spec:
+        return hit[1]
+    if len(_SHAPE) >= _RANK_INDEX_MAX or len(_SHAPE_IDS) >= _RANK_INDEX_MAX:
+        _SHAPE.clear()
+        _SHAPE_IDS.clear()  # ids come from a counter: one handed out before the clear never names another shape
+    key = (spec.device_mapping, spec.tp_size)
+    sid = _SHAPE_IDS.get(key)
+    if sid is None:
+        sid = _SHAPE_IDS[key] = next(_SHAPE_COUNTER)
+    _SHAPE[id(spec)] = (spec, sid)
+    return sid
 
 
 _OVERLAP: dict[tuple[int, int], tuple[ClusterSpec, ClusterSpec, bool]] = {}

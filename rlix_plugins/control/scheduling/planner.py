@@ -125,7 +125,8 @@ def _non_generation(state: PlanState) -> None:
             continue
         if deferred(snap, owed, req):
             continue  # fair turns: it owes a waiter these GPUs; it waits without reserving them
-        blocked = bool(need & (state.reserved | snap.fenced_gpus)) or any(
+        # (isdisjoint, not a union per request: hundreds of requests, reserved sets of hundreds of GPUs at scale)
+        blocked = not need.isdisjoint(state.reserved) or not need.isdisjoint(snap.fenced_gpus) or any(
             (o := state.owner.get(g)) is not None and o in state.nongen for g in need
         )
         victims = [] if blocked else _preemptions(state, spec, Priority(req.priority), need)
