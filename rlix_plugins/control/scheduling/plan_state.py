@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
-from rlix_plugins.control.scheduling.coresidence import gpu_tenants
+from rlix_plugins.control.scheduling.coresidence import GpuTenancy, gpu_tenants
 from rlix_plugins.control.types import (
     Allocation,
     ClusterSpec,
@@ -119,7 +119,7 @@ class PlanState:
     #: GPU → generation clusters whose ranks are awake there next to its ``owner`` (``coresidence``); never empty
     coresident: dict[int, set[str]] = field(default_factory=dict)
     #: GPU → clusters mapped on it; empty when no cluster declared memory figures (``coresidence.gpu_tenants``)
-    tenants: dict[int, tuple[ClusterSpec, ...]] = field(default_factory=dict)
+    tenants: dict[int, GpuTenancy] = field(default_factory=dict)
 
     @classmethod
     def from_snapshot(cls, snap: SchedulerSnapshot) -> PlanState:
