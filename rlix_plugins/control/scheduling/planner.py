@@ -228,13 +228,12 @@ def _coresident_swap(state: PlanState) -> None:
                       key=lambda c: (waiting.get(c, -1), clusters[c].pipeline_id, c))
     for cid in starving:
         spec = clusters[cid]
+        shrunk = state.shrunk.get(cid, set())
         best: tuple[tuple[int, int, str], str, int, int] | None = None  # (key, donor, its rank, acceptor rank)
         for r in range(spec.num_dp_ranks):
-            if r in state.shrunk.get(cid, set()):
+            if r in shrunk:
                 continue
             bundle = spec.bundle(r)
-            if any(g in state.reserved or g in snap.fenced_gpus or g not in state.owner for g in bundle):
-                continue
             for donor in state.generation_holders(bundle[0]):
                 dspec = clusters[donor]
                 drank = rank_index(dspec)[bundle[0]]
@@ -242,7 +241,7 @@ def _coresident_swap(state: PlanState) -> None:
                 if (dspec.pipeline_id == spec.pipeline_id or len(kept) < 2 or (donor, drank) in state.protected
                         or tuple(dspec.bundle(drank)) != tuple(bundle)):
                     continue
-                if not all(_fits_without(state, g, spec, donor) for g in bundle):
+                if not all(_coresidable(state, g, spec, leaving=donor) for g in bundle):
                     continue
                 key = (-len(kept), demands.get(donor, 0), donor)
                 if best is None or key < best[0]:
@@ -253,27 +252,17 @@ def _coresident_swap(state: PlanState) -> None:
             state.expand(cid, r, coresident=True)
 
 
-def _fits_without(state: PlanState, gpu: int, spec: ClusterSpec, leaving: str) -> bool:
-    """Whether a rank of ``spec`` may be awake on ``gpu`` next to its holders once ``leaving``'s rank there sleeps,
-    and someone still holds the GPU then."""
-    clusters = state.snap.clusters
-    owner = state.owner[gpu]
-    host = state.nongen.get(owner)
-    staying = [clusters[c] for c in state.generation_holders(gpu) if c != leaving]
-    if host is None and not staying:
-        return False  # the GPU would be idle: the gap ratio's
-    return sharing_problem(state.tenants, gpu, [*staying, spec], clusters[owner] if host else None,
-                           Priority(host.priority) if host else None) is None
-
-
-def _coresidable(state: PlanState, gpu: int, spec: ClusterSpec) -> bool:
-    """Whether a rank of ``spec`` may wake on ``gpu`` next to its holders (an idle GPU is the gap ratio's)."""
+def _coresidable(state: PlanState, gpu: int, spec: ClusterSpec, leaving: str | None = None) -> bool:
+    """Whether a rank of ``spec`` may wake on ``gpu`` next to its holders (an idle GPU is the gap ratio's), once
+    ``leaving``'s rank there sleeps (the co-resident swap; someone must still hold the GPU then)."""
     owner = state.owner.get(gpu)
     if owner is None or gpu in state.reserved or gpu in state.snap.fenced_gpus:
         return False
     clusters = state.snap.clusters
     host = state.nongen.get(owner)
-    generation = [clusters[c] for c in state.generation_holders(gpu)]
+    generation = [clusters[c] for c in state.generation_holders(gpu) if c != leaving]
+    if host is None and not generation:
+        return False  # idle once ``leaving`` sleeps: the gap ratio's
     return sharing_problem(state.tenants, gpu, [*generation, spec], clusters[owner] if host else None,
                            Priority(host.priority) if host else None) is None
 
