@@ -9,7 +9,8 @@ IP, ``_place.rendezvous_address``)::
 
     sender: GroupHost(...)  -> port        receivers: (wait for the port in the setup RPC)
     sender: join(world)  ||  receivers: setup_collective_group(name, addr, port, rank, world, ...)
-            (both sides: build the group, warm-up broadcast of one element from rank 0)
+            (receivers count themselves in the store; the sender waits for all of them, watching for a receiver
+            whose call failed, then both sides build the group: warm-up broadcast of one element from rank 0)
     per bucket: receivers broadcast_parameter(...)  ||  sender broadcast(buf)
     sender: close()  ->  receivers: destroy_collective_group(name)
 
@@ -33,6 +34,7 @@ import logging
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -60,6 +62,9 @@ class _Group:
     pg: Any
     store: Any
 
+
+#: counter in a group's store: receivers that reached it (``GroupHost.join`` waits for all before its rendezvous)
+_ARRIVED_KEY = "rlix_arrived"
 
 _GROUPS: dict[str, _Group] = {}
 _GROUPS_LOCK = threading.Lock()
@@ -228,7 +233,9 @@ def setup_collective_group(
         store = dist.TCPStore(
             master_addr, int(master_port), None, False, timeout=timedelta(seconds=timeout_s), wait_for_workers=False
         )
-        pg = _new_pg(dist.PrefixStore(group_name, store), rank, world_size, backend, timeout_s)
+        prefixed = dist.PrefixStore(group_name, store)
+        prefixed.add(_ARRIVED_KEY, 1)  # the sender starts its part of the rendezvous once every receiver is here
+        pg = _new_pg(prefixed, rank, world_size, backend, timeout_s)
         _warm_up(pg, rank, dev, timeout_s, group_name)
     except Exception as exc:
         if pg is not None:
@@ -344,8 +351,15 @@ class GroupHost:
         )
         self.port = int(self._store.port)
 
-    def join(self, world_size: int) -> None:
-        """Build the group as rank 0 and run the warm-up; blocks until all ranks joined (bounded)."""
+    def join(self, world_size: int, failed: Callable[[], str] | None = None) -> None:
+        """Build the group as rank 0 and run the warm-up; blocks until all ranks joined (bounded).
+
+        ``failed`` (what has gone wrong on the receivers' side so far, "" while nothing has) is asked while the
+        receivers arrive: a receiver that cannot come (its engine died) fails the join at once, not after
+        ``timeout_s`` (the group's own rendezvous cannot be interrupted)."""
+        missing = self._await_arrivals(world_size - 1, failed)
+        if missing:  # raised here, not in the wait: no frame of this error may hold the store (its port stays bound)
+            raise TransportError(missing)
         try:
             self._pg = _new_pg(dist.PrefixStore(self.name, self._store), 0, world_size, self.backend, self.timeout_s)
             _warm_up(self._pg, 0, self.device, self.timeout_s, self.name)
@@ -354,6 +368,22 @@ class GroupHost:
                 f"group {self.name!r} ({self.backend}, world {world_size}, at {self.master_addr}:{self.port}): not "
                 f"every receiver joined within {self.timeout_s:.0f} s: {exc}"
             ) from _detached(exc)
+
+    def _await_arrivals(self, receivers: int, failed: Callable[[], str] | None) -> str:
+        """"" once ``receivers`` receivers reached the store, else what went wrong (a failure, or the bound)."""
+        # The key as the receivers' PrefixStore names it. No local may hold the store: the receivers' errors that
+        # ``failed`` catches keep their frames, this one among them, and a store kept alive keeps its port bound.
+        key = f"{self.name}/{_ARRIVED_KEY}"
+        deadline = time.monotonic() + self.timeout_s
+        pause = 0.001
+        while (arrived := int(self._store.add(key, 0))) < receivers:
+            why = failed() if failed is not None else ""
+            if why or time.monotonic() > deadline:
+                return (f"group {self.name!r} ({self.backend}, at {self.master_addr}:{self.port}): {arrived} of "
+                        f"{receivers} receivers arrived" + (f"; {why}" if why else f" within {self.timeout_s:.0f} s"))
+            time.sleep(pause)
+            pause = min(pause * 2, 0.02)
+        return ""
 
     def broadcast(self, buffer: torch.Tensor) -> None:
         if self._pg is None:

@@ -142,6 +142,10 @@ class SyncReport:
     rendezvous: str | None = None
 
 
+#: how long ``wait_all`` waits on one call before it looks at the next, while several are out
+_POLL_S = 0.05
+
+
 def wait_all(calls: Mapping[int, PendingCall], timeout_s: float, what: str, *,
              verification: str | None = None) -> dict[int, Any]:
     """Bounded barrier over started calls (one deadline for all); their results by dp rank.
@@ -153,35 +157,47 @@ def wait_all(calls: Mapping[int, PendingCall], timeout_s: float, what: str, *,
     """
     deadline = time.monotonic() + timeout_s
     out: dict[int, Any] = {}
-    for dp_rank, call in calls.items():
-        try:
-            out[dp_rank] = call.result(timeout=max(deadline - time.monotonic(), 0.0))
-        except TimeoutError as exc:
-            raise RlixTimeoutError(
-                f"{what}: dp rank {dp_rank} did not answer within {timeout_s:.0f} s (receiver dead or stuck)"
-            ) from exc
-        except Exception as exc:
-            typed = typed_error(exc)
-            if isinstance(typed, WeightVerificationError):
-                raise WeightVerificationError(
-                    f"{verification or what}: dp rank {dp_rank}: {typed}", parameter=typed.parameter, dp_rank=dp_rank
+    waiting = dict(calls)
+    while waiting:
+        # The calls in turn, briefly each while several are out: the first failure ends the wait, wherever it is
+        # (a rank that died must not wait behind a live one stuck in a collective with it).
+        for dp_rank, call in list(waiting.items()):
+            left = deadline - time.monotonic()
+            try:
+                out[dp_rank] = call.result(timeout=max(min(left, _POLL_S) if len(waiting) > 1 else left, 0.0))
+            except TimeoutError as exc:
+                if left > 0:
+                    continue
+                raise RlixTimeoutError(
+                    f"{what}: dp rank {dp_rank} did not answer within {timeout_s:.0f} s (receiver dead or stuck)"
                 ) from exc
-            raise TransportError(f"{what}: dp rank {dp_rank} failed: {exc!r}") from exc
-    return out
+            except Exception as exc:
+                typed = typed_error(exc)
+                if isinstance(typed, WeightVerificationError):
+                    raise WeightVerificationError(
+                        f"{verification or what}: dp rank {dp_rank}: {typed}", parameter=typed.parameter,
+                        dp_rank=dp_rank
+                    ) from exc
+                raise TransportError(f"{what}: dp rank {dp_rank} failed: {exc!r}") from exc
+            del waiting[dp_rank]
+    return {dp_rank: out[dp_rank] for dp_rank in calls}
 
 
 def _failed_calls(calls: Mapping[int, PendingCall], grace_s: float) -> str:
-    """Which receivers failed (for the error message); waits at most ``grace_s`` in total."""
+    """Which receivers failed (for the error message): the failures so far, else the first within ``grace_s``."""
     deadline = time.monotonic() + grace_s
-    failed = []
-    for dp_rank, call in calls.items():
-        try:
-            call.result(timeout=max(deadline - time.monotonic(), 0.0))
-        except TimeoutError:
-            continue
-        except Exception as exc:
-            failed.append(f"dp rank {dp_rank}: {exc!r}")
-    return "; ".join(failed)
+    while True:
+        failed = []
+        for dp_rank, call in calls.items():
+            try:
+                call.result(timeout=0)
+            except TimeoutError:
+                continue
+            except Exception as exc:
+                failed.append(f"dp rank {dp_rank}: {exc!r}")
+        if failed or time.monotonic() >= deadline:
+            return "; ".join(failed)
+        time.sleep(_POLL_S)
 
 
 def _check_endpoints(plan: CommPlan, endpoints: Mapping[int, ReceiverEndpoint], *, finish: bool,
@@ -266,10 +282,12 @@ def sync_weights(
                     for t in bcast_targets
                 }
                 try:
-                    host.join(plan.broadcast_world_size)
+                    host.join(plan.broadcast_world_size, failed=lambda: _failed_calls(calls, grace_s=0.0))
                 except TransportError as exc:  # say why: a receiver's own error names the address it dialed
                     # its own bound (timeout_s) may have started later than the host's (a busy actor or machine)
                     culprits = _failed_calls(calls, grace_s=min(timeout_s, 30.0))
+                    if culprits and culprits in str(exc):  # the join stopped on these failures and named them
+                        raise
                     raise TransportError(f"{exc}; receivers: {culprits or 'none reported an error yet'}") from exc
                 wait_all(calls, timeout_s, f"setup_collective_group({group_name})")
             setup_s = time.perf_counter() - t0

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -83,6 +84,8 @@ class _Receiver:
             raise TransportError("verify_model needs a finalized sync (no WeightVerificationError check ran)")
         if how == "mentions_untyped":
             raise RuntimeError("WeightVerificationError: a plain RuntimeError that only says so")
+        if how == "stuck":  # a live receiver waiting in a collective for a peer that died
+            time.sleep(20)
         return True
 
 
@@ -91,7 +94,7 @@ def receiver(ray_cluster: dict) -> Iterator[Any]:
     import ray
 
     here = os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])  # the actor's class
-    actor = ray.remote(num_cpus=0)(_Receiver).options(runtime_env={"env_vars": {"PYTHONPATH": here}}).remote()
+    actor = ray.remote(num_cpus=0)(_Receiver).options(max_concurrency=4, runtime_env={"env_vars": {"PYTHONPATH": here}}).remote()
     yield actor
     ray.kill(actor)
 
@@ -115,3 +118,12 @@ def test_other_failures_crossing_ray_stay_transport_errors(receiver: Any, how: s
 
 def test_a_healthy_receiver_answers(receiver: Any) -> None:
     assert wait_all({0: receiver.verify_model.remote("ok").future()}, 60, "verify_model") == {0: True}
+
+
+def test_the_first_failure_ends_the_wait_wherever_it_is(receiver: Any) -> None:
+    """A rank that failed is reported at once, also behind a live rank still waiting (for the one that failed)."""
+    calls = {0: receiver.verify_model.remote("stuck").future(), 1: receiver.verify_model.remote("mentions").future()}
+    start = time.monotonic()
+    with pytest.raises(TransportError, match="dp rank 1 failed"):
+        wait_all(calls, 60, "setup_collective_group(g)")
+    assert time.monotonic() - start < 10

@@ -124,10 +124,13 @@ def trace_figures(path: Path, t0: float, t1: float, rows: list[dict[str, float]]
     events = [TraceEvent(**{**json.loads(line), "gpus": tuple(json.loads(line)["gpus"])})
               for line in path.read_text().splitlines() if line.strip()]
     events.sort(key=lambda e: e.time)
-    gpus = sampled_gpus(rows) if rows else sorted({g for e in events for g in e.gpus})
+    # The trace names a GPU as the scheduler does, by its place among the GPUs its Ray cluster sees (0, 1, ...);
+    # NVML's columns by the machine's index. A cluster on GPUs 2,3 traces them as 0,1.
+    sampled = sampled_gpus(rows) if rows else []
+    gpus = dict(enumerate(sampled)) if sampled else {g: g for g in sorted({g for e in events for g in e.gpus})}
     every = occupancy_spans(events)
-    spans = {g: [s for s in every if s.gpu == g] for g in gpus}
-    shares = {g: held_seconds(s, [g], t0, t1) / (t1 - t0) if t1 > t0 else float("nan") for g, s in spans.items()}
+    spans = {gpus[i]: [s for s in every if s.gpu == i] for i in gpus}
+    shares = {g: held_seconds(spans[g], [i], t0, t1) / (t1 - t0) if t1 > t0 else float("nan") for i, g in gpus.items()}
     out: dict[str, Any] = {"gpu_allocated_share_steps_phase": sum(shares.values()) / len(shares) if shares else 0.0,
                            "gpu_allocated_share_by_gpu": shares, "fairness": fairness(events).as_dict()}
     if rows:
