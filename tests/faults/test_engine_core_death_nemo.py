@@ -70,7 +70,7 @@ def test_dead_engine_core_fails_the_step_at_once(cp: ControlPlane, model: str) -
 
         # NeMo RL's loop ends the pipeline when it raises; the planned shrink reaches the dead engine, the scheduler
         # fails the pipeline, and the end says so (the patched loop logs it)
-        with pytest.raises(RlixError, match="failed by the scheduler.*EngineDeadError"):
+        with pytest.raises(RlixError, match=r"failed by the scheduler.*EngineDeadError"):
             s.hooks.on_pipeline_end()
         st = cp.status()
         assert pid in st.get("failed", {}), f"rlix status does not name {pid} as failed: {st.get('failed')}"
