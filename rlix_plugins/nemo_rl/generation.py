@@ -94,6 +94,13 @@ class NemoVllmFleet:
         _get([self.leaders[r].wake_up_async.remote(tags=tags) for r in dp_ranks],
              f"wake_up_async on dp ranks {dp_ranks}", timeout_s)
 
+    def dead_engines(self, dp_ranks: list[int], timeout_s: float) -> dict[int, str]:
+        """The ranks whose vLLM engine died (its EngineCore process is gone: OOM killer, CUDA fault) while the Ray
+        actor lives on, with vLLM's error; Ray sees nothing of it. Asked by the runtime's watchdog."""
+        errors = _get([self.leaders[r].__ray_call__.remote(worker_ops.vllm_engine_error) for r in dp_ranks],
+                      f"engine health on dp ranks {dp_ranks}", timeout_s)
+        return {r: e for r, e in zip(dp_ranks, errors, strict=True) if e}
+
     def memory_in_use(self, dp_ranks: list[int], timeout_s: float) -> dict[int, int | None]:
         values = _get([self.leaders[r].__ray_call__.remote(worker_ops.device_memory_in_use) for r in dp_ranks],
                       f"memory probe on dp ranks {dp_ranks}", timeout_s)

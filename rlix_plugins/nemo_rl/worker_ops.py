@@ -61,6 +61,15 @@ def vllm_abort_all(worker: Any) -> int:
     return len(ids)
 
 
+def vllm_engine_error(worker: Any) -> str | None:
+    """vLLM's error when the worker's engine died (``EngineClient.errored``: its EngineCore is gone), else None.
+    Local to the actor (vLLM's own monitor thread set the flag): no call reaches the engine, asleep or awake."""
+    llm = getattr(worker, "llm", None)
+    if llm is None or not getattr(llm, "errored", False):
+        return None
+    return f"{type(llm.dead_error).__name__}: {llm.dead_error}"
+
+
 def _run_on_engine_loop(llm: Any, coro: Any, timeout_s: float = 30.0) -> None:
     """``__ray_call__`` runs a sync function on a Ray thread of an async actor, not on its event loop: hand the
     coroutine to the loop AsyncLLM's output handler runs on (or to the running loop when called on it)."""

@@ -217,10 +217,13 @@ class PipelineRuntime:
 
     def _watch(self) -> None:
         """A pipeline whose ranks were all preempted must ask for GENERATION again (grants are one-shot: it would
-        starve)."""
+        starve). And a pipeline one of whose engines died under its live actor fails now: nothing else would notice
+        before the rank's next sync or wake (a sleeping rank's may never come), and the rank would take requests."""
         request: threading.Thread | None = None
         while not self._stop.wait(self.config.watchdog_interval_s):
             try:
+                if self._failed_on_dead_engine():
+                    return
                 if request is not None and request.is_alive():
                     continue
                 if _get(self.router.active.remote(), "router.active", CONTROL_RPC_TIMEOUT_S):
@@ -229,6 +232,23 @@ class PipelineRuntime:
                 request.start()
             except Exception as exc:  # the watchdog must never kill the run
                 logger.warning("rlix %s watchdog: %s", self.pipeline_id, exc)
+
+    def _failed_on_dead_engine(self) -> bool:
+        probe = getattr(self.fleet, "dead_engines", None)  # optional: a fleet that can tell (NeMo RL's can)
+        if probe is None:
+            return False
+        dead: dict[int, str] = probe(self.fleet.dp_ranks() if self.fleet else [], CONTROL_RPC_TIMEOUT_S)
+        if not dead or self._stop.is_set():
+            return False
+        reason = "; ".join(f"the vLLM engine of dp rank {r} died under its live actor ({why})"
+                           for r, why in sorted(dead.items()))
+        logger.error("rlix %s: %s: failing the pipeline", self.pipeline_id, reason)
+        try:
+            self.pipe.fail(reason)
+        finally:  # the collector's waits end now, not at their timeouts
+            with contextlib.suppress(Exception):
+                _get(self.router.close.remote(reason), "router.close", CONTROL_RPC_TIMEOUT_S)
+        return True
 
     def _rerequest(self) -> None:
         if self._stop.is_set():

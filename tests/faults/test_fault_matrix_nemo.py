@@ -65,7 +65,7 @@ def _versions_in_order(versions: list[int]) -> bool:
 class Survivor:
     """Pipeline S in this process: our hooks + stand-ins over two real vLLM engines; ``steps`` drives its loop."""
 
-    def __init__(self, model: str) -> None:
+    def __init__(self, model: str, **rlix_overrides: Any) -> None:
         cls = ray.remote(StandinVllmWorker).options(num_cpus=0, runtime_env={"env_vars": ENV})
         self.engines: list[Any] = [cls.remote(model, 1) for _ in range(2)]
         ray.get([e.start.remote() for e in self.engines], timeout=300)
@@ -73,7 +73,8 @@ class Survivor:
         generation = StandinGeneration(self.engines)
         self.hooks = NemoRLHooks()
         rlix = {"train_devices": [0], "infer_devices": [0, 1], "request_timeout_s": 150, "init_timeout_s": 300,
-                "sync_timeout_s": 30, "drain_timeout_s": 15, "watchdog_interval_s": 1.0, "bucket_size_bytes": 4 << 20}
+                "sync_timeout_s": 30, "drain_timeout_s": 15, "watchdog_interval_s": 1.0, "bucket_size_bytes": 4 << 20,
+                **rlix_overrides}
         self.hooks.rlix_pipeline_start(master_config={
             "rlix": rlix, "cluster": {"gpus_per_node": 4},
             "grpo": {"async_grpo": {"enabled": True}, "num_prompts_per_step": 4},

@@ -50,6 +50,12 @@ logger = logging.getLogger(__name__)
 FAILED_KEPT = 256
 
 
+def failed_text(pipeline_id: str, reason: str) -> str:
+    """What a failed pipeline's pending and later calls raise (``PipelineUnregisteredError``)."""
+    return (f"pipeline {pipeline_id} was failed by the scheduler: {reason}. Its GPUs were returned to the pool; "
+            "fix the cause and re-register the pipeline")
+
+
 @dataclass
 class _Waiter:
     request: PendingRequest
@@ -195,10 +201,7 @@ class SchedulerCycle:
         """Fail one pipeline (skip when already gone: its own unregister may race this). Never touches other
         pipelines or Ray."""
         logger.warning("rlix scheduler: failing pipeline %s: %s", pipeline_id, reason)
-        err = PipelineUnregisteredError(
-            f"pipeline {pipeline_id} was failed by the scheduler: {reason}. Its GPUs were returned to the pool; "
-            "fix the cause and re-register the pipeline"
-        )
+        err = PipelineUnregisteredError(failed_text(pipeline_id, reason))
         return self._drop_pipeline(pipeline_id, err, op="fail", detail=reason)
 
     # ------------------------------------------------------------------ the cycle

@@ -35,9 +35,16 @@ from typing import Any
 
 from rlix_plugins.control.scheduling import planner
 from rlix_plugins.control.scheduling.config import SchedulerConfig, check_timeout, to_priority
-from rlix_plugins.control.scheduling.cycle import SchedulerCycle, _Pipeline, _Waiter
+from rlix_plugins.control.scheduling.cycle import SchedulerCycle, _Pipeline, _Waiter, failed_text
 from rlix_plugins.control.scheduling.status import status_dict
-from rlix_plugins.control.types import ClusterSpec, PendingRequest, Priority, Progress, TraceEvent
+from rlix_plugins.control.types import (
+    ClusterSpec,
+    PendingRequest,
+    Priority,
+    Progress,
+    TraceEvent,
+    parse_cluster_id,
+)
 from rlix_plugins.errors import PipelineUnregisteredError, RlixConfigError, RlixTimeoutError, SchedulerError
 
 
@@ -290,20 +297,29 @@ class Scheduler(SchedulerCycle):
     def _require_pipeline(self, pipeline_id: str) -> _Pipeline:
         pipe = self._pipelines.get(pipeline_id)
         if pipe is None:
-            raise PipelineUnregisteredError(
+            raise PipelineUnregisteredError(self._failed_text(pipeline_id) or (
                 f"pipeline {pipeline_id!r} is not registered (unregistered, failed, or never registered); "
                 f"registered: {sorted(self._pipelines)}"
-            )
+            ))
         return pipe
+
+    def _failed_text(self, pipeline_id: str) -> str:
+        """Why the pipeline was failed ("" when it was not): its later calls say so rather than "not registered"."""
+        failed = self._failed.get(pipeline_id)
+        return "" if failed is None else failed_text(pipeline_id, failed["reason"])
 
     def _require_cluster(self, cluster_id: str) -> ClusterSpec:
         for pipe in self._pipelines.values():
             if cluster_id in pipe.clusters:
                 return pipe.clusters[cluster_id]
         known = sorted(c for p in self._pipelines.values() for c in p.clusters)
-        raise PipelineUnregisteredError(
+        try:
+            failed = self._failed_text(parse_cluster_id(cluster_id)[0])
+        except ValueError:  # not a cluster id of ours at all
+            failed = ""
+        raise PipelineUnregisteredError(failed or (
             f"cluster {cluster_id!r} is not registered (its pipeline was unregistered or failed?); known: {known}"
-        )
+        ))
 
     async def _request(self, cluster_id: str, prio: Priority, step: int | None, estimate: int | None,
                        timeout: float) -> list[int]:
