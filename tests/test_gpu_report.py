@@ -9,18 +9,23 @@ import subprocess
 import sys
 from pathlib import Path
 
-RUN = Path(__file__).resolve().parents[1] / "benchmarks/results/h200-2026-11-26-real-scale/shared2-coresident"
+RESULTS = Path(__file__).resolve().parents[1] / "benchmarks/results"
+RUN = RESULTS / "h200-2026-11-26-real-scale/shared2-coresident"
 
 
-def test_report_of_the_stored_coresident_run(tmp_path: Path) -> None:
-    for f in RUN.iterdir():
+def _report(run: Path, tmp_path: Path) -> str:
+    for f in run.iterdir():
         if f.suffix == ".gz":
             with gzip.open(f, "rb") as src, open(tmp_path / f.stem, "wb") as dst:
                 shutil.copyfileobj(src, dst)
         elif f.name in ("summary.json", "status.json", "gpu_after.csv"):
             shutil.copy(f, tmp_path / f.name)
-    out = subprocess.run([sys.executable, "tools/gpu-offline/gpu/nemo_rl_shared_report.py", str(tmp_path)], capture_output=True,
-                         text=True, timeout=120, check=True, cwd=RUN.parents[3]).stdout
+    return subprocess.run([sys.executable, "tools/gpu-offline/gpu/nemo_rl_shared_report.py", str(tmp_path)],
+                          capture_output=True, text=True, timeout=120, check=True, cwd=RESULTS.parents[1]).stdout
+
+
+def test_report_of_the_stored_coresident_run(tmp_path: Path) -> None:
+    out = _report(RUN, tmp_path)
     stored = (RUN / "report.txt").read_text()
     for line in ("steps 16; step phase 898.8 s -> 64 steps/h", "GPU busy 0.618 of the steps phase",
                  "held by rollout + training: 785 s of the steps phase, busy 0.654",
@@ -28,3 +33,12 @@ def test_report_of_the_stored_coresident_run(tmp_path: Path) -> None:
                  "at most 1 steps of another while one waited"):
         assert line in out and line in stored, (line, out)
     assert "allocated 0.997" in out and "GPU allocated 0.997 of the steps phase" in stored
+
+
+def test_a_cluster_on_gpus_2_3_reads_its_trace_against_those_gpus(tmp_path: Path) -> None:
+    """The trace names the cluster's GPUs 0-1 (its Ray cluster sees two), NVML the machine's 2-3: the report pairs
+    them by position (it read "allocated 0.000" on both before)."""
+    out = _report(RESULTS / "h200x4-2026-11-28-faults/shared2-engine-g23", tmp_path)
+    assert "GPU allocated 1.000 of the steps phase" in out, out
+    assert "  GPU 2: allocated 1.000" in out and "  GPU 3: allocated 1.000" in out, out
+    assert "held by rollout + training: 150 s of the steps phase" in out, out
