@@ -148,7 +148,8 @@ _POLL_S = 0.05
 
 def wait_all(calls: Mapping[int, PendingCall], timeout_s: float, what: str, *,
              verification: str | None = None) -> dict[int, Any]:
-    """Bounded barrier over started calls (one deadline for all); their results by dp rank.
+    """Bounded barrier over started calls (one deadline for all); their results by dp rank. The first failure
+    ends it, whichever call it is.
 
     Every error names the dp rank. A receiver's ``WeightVerificationError`` stays one, with its fields, also
     through Ray (``RayTaskError``) and vLLM's ``collective_rpc`` (its text, see ``errors.carried_in_text``),
