@@ -3,6 +3,7 @@
     python benchmarks/scheduler_scale.py            # ~1 minute on one CPU core
     python benchmarks/scheduler_scale.py --quick    # fewer samples
     python benchmarks/scheduler_scale.py --scale    # only the per-decision table up to 256 pipelines x 2,048 GPUs
+    python benchmarks/scheduler_scale.py --memory   # the same with memory figures declared (co-residence on)
 
 Part 1 times ``plan_cycle`` (and ``validate_plan``) in CPU time of the planner thread for (pipelines, GPUs) in
 {(2,8), (8,64), (32,256), (64,512)}; target: p99 <= 10 ms at (64,512) in every view and layout. Three views: random busy snapshots
@@ -14,6 +15,10 @@ Part 1b (``--scale``, also part of the full run) times one decision per snapshot
 (``SCALE_SIZES``): p50/p99/max of ``plan_cycle`` alone and of ``plan_cycle`` + ``validate_plan`` (what the scheduler
 runs per cycle), random busy snapshots and steady re-plans, both layouts; the check it prints: plan p99 <= 50 ms
 at (256, 2048) in every view and layout.
+
+Part 1c (``--memory``, not in the full run: minutes) times the same decisions with memory figures declared on every
+cluster, as ``rlix recipe`` writes them (``ClusterSpec.memory``: co-residence on, so the co-resident fill and swap
+run): ``MEMORY_SIZES``, both layouts, random busy snapshots and steady re-plans, fewer samples. Same target.
 
 Part 2 runs ``rlix simulate``'s comparison for 2- and 4-pipeline mixes; targets: >= 1.6x aggregate steps/hour vs
 one-after-another and >= 1.25x vs a static partition on at least one realistic mix, and never below 1.0x static
@@ -39,6 +44,7 @@ from rlix_plugins.control.registration import pipeline_clusters
 from rlix_plugins.control.scheduling.planner import plan_cycle, validate_plan
 from rlix_plugins.control.types import (
     Allocation,
+    ClusterMemory,
     ClusterSpec,
     CyclePlan,
     PendingRequest,
@@ -49,6 +55,7 @@ from rlix_plugins.control.types import (
 
 SIZES = [(2, 8), (8, 64), (32, 256), (64, 512)]  # also the plan digest's sizes (benchmarks/plan_digest.py)
 SCALE_SIZES = [(8, 64), (64, 512), (128, 1024), (256, 2048)]
+MEMORY_SIZES = [(64, 512), (256, 2048)]
 SCALE_TARGET_MS = 50.0
 GPUS_PER_NODE = 8
 
@@ -157,18 +164,35 @@ def bench_latency(samples: int) -> bool:
     return ok
 
 
-def bench_scale(samples: int) -> bool:
-    """p50/p99/max per decision at ``SCALE_SIZES``; True when plan p99 <= ``SCALE_TARGET_MS`` at the largest."""
-    print(f"\n== decision latency at scale: {samples} random busy snapshots (+{max(samples // 5, 10)} steady re-plans) "
-          "per row, CPU ms of the planner thread ==")
+def with_memory(clusters: dict[str, ClusterSpec], rnd: random.Random) -> dict[str, ClusterSpec]:
+    """The clusters with memory figures on a 141 GiB GPU: rollout ranks 20-45 GiB awake, 0.1-0.2 GiB asleep;
+    trainers 40-90 GiB awake, 0.3 asleep (H200 real-scale figures span these)."""
+    out = {}
+    for cid, s in clusters.items():
+        if s.is_generation:
+            m = ClusterMemory(141.0, rnd.choice([20.0, 30.0, 45.0]), rnd.choice([0.1, 0.2]))
+        else:
+            m = ClusterMemory(141.0, rnd.choice([40.0, 60.0, 90.0]), 0.3)
+        out[cid] = replace(s, memory=m)
+    return out
+
+
+def bench_scale(samples: int, memory: bool = False) -> bool:
+    """p50/p99/max per decision at ``SCALE_SIZES`` (``memory``: ``MEMORY_SIZES`` with memory figures); True when
+    plan p99 <= ``SCALE_TARGET_MS`` at the largest."""
+    sizes = MEMORY_SIZES if memory else SCALE_SIZES
+    print(f"\n== decision latency at scale{' with memory figures' if memory else ''}: {samples} random busy snapshots "
+          f"(+{max(samples // 5, 10)} steady re-plans) per row, CPU ms of the planner thread ==")
     print(f"{'pipelines':>9} {'GPUs':>5} {'layout':>7} {'view':>7} {'plan p50':>9} {'plan p99':>9} {'plan max':>9} "
           f"{'+validate p50':>14} {'+validate p99':>14} {'+validate max':>14}")
     ok = True
-    largest = SCALE_SIZES[-1]
-    for p, g in SCALE_SIZES:
+    largest = sizes[-1]
+    for p, g in sizes:
         for layout in ("window", "pool"):
             rnd = random.Random(1000 * p + g)
             clusters = make_clusters(p, g, layout, rnd)
+            if memory:
+                clusters = with_memory(clusters, rnd)
             views: dict[str, tuple[list[float], list[float]]] = {"random": ([], []), "steady": ([], [])}
             # untimed: the per-spec caches (GPU -> rank, bundles) are built once per registration, not per decision
             _time_decision(random_snapshot(clusters, g, rnd))
@@ -299,9 +323,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer samples and steps")
     parser.add_argument("--scale", action="store_true", help="only the per-decision table up to 2,048 GPUs")
+    parser.add_argument("--memory", action="store_true", help="the per-decision table with memory figures declared")
     args = parser.parse_args(argv)
     if args.scale:
         return 0 if bench_scale(40 if args.quick else 200) else 1
+    if args.memory:
+        return 0 if bench_scale(5 if args.quick else 20, memory=True) else 1
     ok_lat = bench_latency(60 if args.quick else 300)
     ok_lat &= bench_scale(40 if args.quick else 200)
     ok_sim = bench_simulation(5 if args.quick else 10)

@@ -50,6 +50,17 @@ def test_training_leaves_a_co_tenants_rollout_awake_when_both_fit() -> None:
     assert active(plan, "a_actor_infer") == {0} and plan.allocations["b_actor_train"].gpus == {0}
 
 
+def test_changed_figures_reach_the_next_plan() -> None:
+    """Each GPU's tenancy is kept from one cycle to the next while the registered specs stay the same objects; a
+    re-registration with other figures (new spec objects) must be planned with the new figures, not the kept ones."""
+    c = two_on_one_gpu()
+    snap = snapshot(1, c, [gen_alloc(c["a_actor_infer"], [0])], [PendingRequest("b_actor_train", TRAIN, 1)])
+    assert not plan_cycle(snap).shrinks  # 99 <= 100: a stays awake
+    bigger = two_on_one_gpu(infer_awake=62.0)
+    snap2 = snapshot(1, bigger, [gen_alloc(bigger["a_actor_infer"], [0])], [PendingRequest("b_actor_train", TRAIN, 1)])
+    assert [(s.cluster_id, s.reason) for s in plan_cycle(snap2).shrinks] == [("a_actor_infer", "preempt")]
+
+
 def test_training_preempts_a_co_tenants_rollout_that_does_not_fit() -> None:
     c = two_on_one_gpu(infer_awake=62.0)  # 101 > 100
     snap = snapshot(1, c, [gen_alloc(c["a_actor_infer"], [0])], [PendingRequest("b_actor_train", TRAIN, 1)])

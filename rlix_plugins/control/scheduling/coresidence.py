@@ -55,38 +55,63 @@ class GpuTenancy(tuple[ClusterSpec, ...]):  # the tenants, with their figures su
     extra: dict[str, int]
     complete: bool
 
-    def __new__(cls, specs: Iterable[ClusterSpec] = ()) -> GpuTenancy:
+    def __new__(cls, specs: Iterable[ClusterSpec] = (),
+                figures: Mapping[str, tuple[int, int, int] | None] | None = None) -> GpuTenancy:
+        """``figures``: each cluster's (asleep, extra, gpu) in units, None without figures (:func:`_figures`),
+        computed once for all GPUs (:func:`gpu_tenants`); else from the specs."""
         self = super().__new__(cls, specs)
         self.base, self.cap, self.extra, self.complete = 0, 0, {}, True
         caps = []
         for s in self:
-            m = s.memory
-            if m is None:
+            f = figures[s.cluster_id] if figures is not None else _figures(s)
+            if f is None:
                 self.complete = False
                 continue
-            asleep = _units(m.asleep_gib)
-            self.base += asleep
-            self.extra[s.cluster_id] = _units(m.awake_gib) - asleep
-            caps.append(_units(m.gpu_gib))
+            self.base += f[0]
+            self.extra[s.cluster_id] = f[1]
+            caps.append(f[2])
         self.cap = min(caps, default=0)
         return self
+
+
+def _figures(spec: ClusterSpec) -> tuple[int, int, int] | None:
+    m = spec.memory
+    if m is None:
+        return None
+    asleep = _units(m.asleep_gib)
+    return asleep, _units(m.awake_gib) - asleep, _units(m.gpu_gib)
 
 
 #: GPU id -> the clusters whose device mapping holds it.
 Tenants = Mapping[int, GpuTenancy]
 
 
-def gpu_tenants(clusters: Iterable[ClusterSpec]) -> dict[int, GpuTenancy]:
+#: the last :func:`gpu_tenants` answer, by the identity of the specs it was built from (kept alive with it): the
+#: registered clusters change rarely, a planning cycle runs every few hundred ms
+_LAST_TENANTS: list[tuple[tuple[ClusterSpec, ...], dict[int, GpuTenancy]]] = []
+
+
+def gpu_tenants(clusters: Iterable[ClusterSpec]) -> Mapping[int, GpuTenancy]:
     """GPU id -> the clusters mapped on it; empty when no cluster declared memory figures (co-residence off, and
-    the planner pays nothing for it)."""
-    specs = list(clusters)
+    the planner pays nothing for it). Read only (the same answer serves every cycle until a cluster changes)."""
+    specs = tuple(clusters)
+    last = _LAST_TENANTS[0] if _LAST_TENANTS else None  # one read: another thread may replace it
+    if last is not None and len(last[0]) == len(specs) and all(a is b for a, b in zip(last[0], specs, strict=True)):
+        return last[1]
+    tenants = _gpu_tenants(specs)
+    _LAST_TENANTS[:] = [(specs, tenants)]
+    return tenants
+
+
+def _gpu_tenants(specs: tuple[ClusterSpec, ...]) -> dict[int, GpuTenancy]:
     if not any(s.memory is not None for s in specs):
         return {}
     out: dict[int, list[ClusterSpec]] = {}
     for s in specs:
         for g in s.device_mapping:
             out.setdefault(g, []).append(s)
-    return {g: GpuTenancy(v) for g, v in out.items()}
+    figures = {s.cluster_id: _figures(s) for s in specs}  # once per cluster, not once per GPU it maps
+    return {g: GpuTenancy(v, figures) for g, v in out.items()}
 
 
 def gpu_load(tenants: Iterable[ClusterSpec], awake: Collection[str]) -> tuple[float, float] | None:

@@ -8,6 +8,7 @@ here is shared between cycles except the per-spec GPU→rank index cache (specs 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from rlix_plugins.control.scheduling.coresidence import GpuTenancy, gpu_tenants
@@ -119,7 +120,7 @@ class PlanState:
     #: GPU → generation clusters whose ranks are awake there next to its ``owner`` (``coresidence``); never empty
     coresident: dict[int, set[str]] = field(default_factory=dict)
     #: GPU → clusters mapped on it; empty when no cluster declared memory figures (``coresidence.gpu_tenants``)
-    tenants: dict[int, GpuTenancy] = field(default_factory=dict)
+    tenants: Mapping[int, GpuTenancy] = field(default_factory=dict)
 
     @classmethod
     def from_snapshot(cls, snap: SchedulerSnapshot) -> PlanState:

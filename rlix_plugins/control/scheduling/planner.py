@@ -46,6 +46,9 @@ returns). ``validate_plan`` (re-exported here) checks a plan against its snapsho
 
 from __future__ import annotations
 
+import bisect
+from collections.abc import Iterable
+
 from rlix_plugins.control.registration import validate_cluster_specs
 from rlix_plugins.control.scheduling.coresidence import sharing_problem
 from rlix_plugins.control.scheduling.gap_ratio import cluster_demands, plan_gap_ratio
@@ -197,15 +200,71 @@ def _coresident_fill(state: PlanState, *, starving_only: bool = False) -> None:
     order = sorted((c for c, d in demands.items() if d > 0 and not (
                        starving_only and (c in state.gen_active or not usable.isdisjoint(clusters[c].device_mapping)))),
                    key=lambda c: (c in state.gen_active, waiting.get(c, -1), clusters[c].pipeline_id, c))
+    rooms = _Rooms(state)
     for cid in order:
         spec = clusters[cid]
         active = state.gen_active.get(cid, set())
         shrunk = state.shrunk.get(cid, set())
-        for r in range(spec.num_dp_ranks):
+        need = _extra(state, spec)
+        index = rank_index(spec)
+        for r in sorted({index[g] for g in rooms.at_least(need) if g in index}):
             if r in active or r in shrunk:
                 continue
-            if all(_coresidable(state, g, spec) for g in spec.bundle(r)):
+            bundle = spec.bundle(r)
+            if all(rooms.has(g, need) for g in bundle) and all(_coresidable(state, g, spec) for g in bundle):
                 state.expand(cid, r, coresident=True)
+                rooms.changed(bundle)
+
+
+class _Rooms:
+    """The memory each GPU has left for one more awake rollout rank next to its holders (``_coresidable``'s memory
+    test as a number, in ``coresidence`` units), for the co-resident fill: a rank is checked only on GPUs with room
+    for it, not every rank of every cluster with work (~500,000 checks a decision at 256 pipelines x 2,048 GPUs in
+    the pool layout). Only expands happen during the fill, so a GPU's room only shrinks: the order by room taken at
+    the start gives a superset of the GPUs with enough room, and :meth:`fresh` the exact figure."""
+
+    def __init__(self, state: PlanState) -> None:
+        self._state = state
+        self._room: dict[int, int | None] = {}
+        self._order: list[int] | None = None
+        self._neg: list[int] = []  # ascending: bisect finds where the room drops below a need
+
+    def fresh(self, gpu: int) -> int | None:
+        """Room on ``gpu`` now; None where no rank may wake next to its holders at all."""
+        if gpu not in self._room:
+            self._room[gpu] = _room_on(self._state, gpu)
+        return self._room[gpu]
+
+    def has(self, gpu: int, need: int) -> bool:
+        room = self.fresh(gpu)
+        return room is not None and room >= need
+
+    def at_least(self, need: int) -> list[int]:
+        """GPUs that had at least ``need`` room at the first call (a superset of those that have it now, as long as
+        only expands happen: the fill)."""
+        if self._order is None:
+            start = {g: r for g in self._state.tenants if (r := self.fresh(g)) is not None}
+            self._order = sorted(start, key=lambda g: -start[g])
+            self._neg = [-start[g] for g in self._order]
+        return self._order[:bisect.bisect_right(self._neg, -need)]
+
+    def changed(self, gpus: Iterable[int]) -> None:
+        for g in gpus:
+            self._room.pop(g, None)
+
+
+def _room_on(state: PlanState, gpu: int) -> int | None:
+    """``coresidence`` units left on ``gpu`` with its holders awake; None where no rollout rank may wake next to
+    them (no holder, reserved, fenced, a tenant without memory figures)."""
+    owner = state.owner.get(gpu)
+    tenancy = state.tenants.get(gpu)
+    if owner is None or tenancy is None or not tenancy.complete or gpu in state.reserved \
+            or gpu in state.snap.fenced_gpus:
+        return None
+    awake = set(state.generation_holders(gpu))
+    if owner in state.nongen:
+        awake.add(owner)
+    return tenancy.cap - tenancy.base - sum(tenancy.extra.get(c, 0) for c in awake)
 
 
 def _coresident_swap(state: PlanState) -> None:
@@ -226,30 +285,39 @@ def _coresident_swap(state: PlanState) -> None:
     starving = sorted((c for c, d in demands.items() if d > 0 and c not in state.gen_active
                        and c not in snap.expanding and c not in state.released),
                       key=lambda c: (waiting.get(c, -1), clusters[c].pipeline_id, c))
+    rooms = _Rooms(state)
     for cid in starving:
         spec = clusters[cid]
         shrunk = state.shrunk.get(cid, set())
-        best: tuple[tuple[int, int, str], str, int, int] | None = None  # (key, donor, its rank, acceptor rank)
-        for r in range(spec.num_dp_ranks):
-            if r in shrunk:
-                continue
-            bundle = spec.bundle(r)
-            for donor in state.generation_holders(bundle[0]):
-                dspec = clusters[donor]
-                drank = rank_index(dspec)[bundle[0]]
-                kept = state.gen_active.get(donor, set())
-                if (dspec.pipeline_id == spec.pipeline_id or len(kept) < 2 or (donor, drank) in state.protected
-                        or tuple(dspec.bundle(drank)) != tuple(bundle)):
+        index = rank_index(spec)
+        need = _extra(state, spec)
+        # The donor with the best key that has a rank to give: the most awake ranks, then the lowest demand.
+        donors = sorted((d for d, kept in state.gen_active.items()
+                         if len(kept) >= 2 and clusters[d].pipeline_id != spec.pipeline_id),
+                        key=lambda d: (-len(state.gen_active[d]), demands.get(d, 0), d))
+        for donor in donors:
+            dspec = clusters[donor]
+            room_needed = need - _extra(state, dspec)  # what the GPU must have left once the donor's rank sleeps
+            take: tuple[int, int] | None = None  # (acceptor rank, donor rank): the acceptor's lowest rank
+            for drank in state.gen_active[donor]:
+                bundle = dspec.bundle(drank)
+                r = index.get(bundle[0])
+                if (r is None or r in shrunk or (take is not None and r >= take[0]) or (donor, drank) in state.protected
+                        or tuple(spec.bundle(r)) != tuple(bundle)):
                     continue
-                if not all(_coresidable(state, g, spec, leaving=donor) for g in bundle):
-                    continue
-                key = (-len(kept), demands.get(donor, 0), donor)
-                if best is None or key < best[0]:
-                    best = (key, donor, drank, r)
-        if best is not None:
-            _, donor, drank, r = best
-            state.shrink(donor, drank, "rebalance")
-            state.expand(cid, r, coresident=True)
+                if all(rooms.has(g, room_needed) for g in bundle) and \
+                        all(_coresidable(state, g, spec, leaving=donor) for g in bundle):
+                    take = (r, drank)
+            if take is not None:
+                state.shrink(donor, take[1], "rebalance")
+                state.expand(cid, take[0], coresident=True)
+                rooms.changed(spec.bundle(take[0]))
+                break
+
+
+def _extra(state: PlanState, spec: ClusterSpec) -> int:
+    """What waking a rank of ``spec`` adds to a GPU's load (``coresidence`` units; the same on each of its GPUs)."""
+    return state.tenants[spec.device_mapping[0]].extra.get(spec.cluster_id, 0) if spec.device_mapping else 0
 
 
 def _coresidable(state: PlanState, gpu: int, spec: ClusterSpec, leaving: str | None = None) -> bool:
