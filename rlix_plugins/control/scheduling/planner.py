@@ -206,14 +206,23 @@ def _coresident_fill(state: PlanState, *, starving_only: bool = False) -> None:
         active = state.gen_active.get(cid, set())
         shrunk = state.shrunk.get(cid, set())
         need = _extra(state, spec)
-        index = rank_index(spec)
-        for r in sorted({index[g] for g in rooms.at_least(need) if g in index}):
+        if spec.num_dp_ranks > _FEW_RANKS:  # a large mapping: only its GPUs with room
+            index = rank_index(spec)
+            ranks: Iterable[int] = sorted({index[g] for g in rooms.at_least(need) if g in index})
+        else:
+            ranks = range(spec.num_dp_ranks)
+        for r in ranks:
             if r in active or r in shrunk:
                 continue
             bundle = spec.bundle(r)
             if all(rooms.has(g, need) for g in bundle) and all(_coresidable(state, g, spec) for g in bundle):
                 state.expand(cid, r, coresident=True)
                 rooms.changed(bundle)
+
+
+#: up to this many ranks a cluster's ranks are checked one by one (on each GPU's room first); above it, only the
+#: ranks on GPUs with room (the list by room costs a pass over every GPU: in a window layout it only costs)
+_FEW_RANKS = 64
 
 
 class _Rooms:
@@ -261,10 +270,10 @@ def _room_on(state: PlanState, gpu: int) -> int | None:
     if owner is None or tenancy is None or not tenancy.complete or gpu in state.reserved \
             or gpu in state.snap.fenced_gpus:
         return None
-    awake = set(state.generation_holders(gpu))
-    if owner in state.nongen:
-        awake.add(owner)
-    return tenancy.cap - tenancy.base - sum(tenancy.extra.get(c, 0) for c in awake)
+    extra = tenancy.extra
+    # awake there: the owner (a training step, or a rollout rank) and the rollout ranks beside it
+    return tenancy.cap - tenancy.base - extra.get(owner, 0) - sum(extra.get(c, 0)
+                                                                  for c in state.coresident.get(gpu, ()) if c != owner)
 
 
 def _coresident_swap(state: PlanState) -> None:
