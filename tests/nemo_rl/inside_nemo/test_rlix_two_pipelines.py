@@ -74,6 +74,9 @@ def test_driver(mock_grpo_components, tmp_path, monkeypatch):
             "release_timeout_s": 60, "watchdog_interval_s": 0.5, "bucket_size_bytes": 1 << 20}
     configure(mock_grpo_components, tmp_path, steps=steps, rlix=rlix)
     mock_grpo_components["master_config"].policy["megatron_cfg"] = {"enabled": True}  # the trainer stand-in's backend
+    # one node with the 4 GPUs the Ray head declares (NeMo RL's fixture says 2: the sync's place check then refuses
+    # GPUs 2-3 as another node's, rightly, since every worker runs on this one)
+    mock_grpo_components["master_config"].cluster["gpus_per_node"] = 4
 
     actor = {"num_cpus": 0}
     leaders = [ray.remote(StandinVllmLeader).options(**actor).remote(2) for _ in spec["infer"]]
