@@ -73,6 +73,10 @@ class GpuTenancy(tuple[ClusterSpec, ...]):  # the tenants, with their figures su
         self.cap = min(caps, default=0)
         return self
 
+    def load(self, awake: Collection[str]) -> int:
+        """The GPU's load (units) with the tenants in ``awake`` (cluster ids) awake and every other one asleep."""
+        return self.base + sum(self.extra.get(c, 0) for c in set(awake))
+
 
 def _figures(spec: ClusterSpec) -> tuple[int, int, int] | None:
     m = spec.memory
@@ -120,8 +124,7 @@ def gpu_load(tenants: Iterable[ClusterSpec], awake: Collection[str]) -> tuple[fl
     t = tenants if isinstance(tenants, GpuTenancy) else GpuTenancy(tenants)
     if not t or not t.complete:
         return None
-    extra = t.extra
-    need = t.base + sum(extra.get(c, 0) for c in set(awake))
+    need = t.load(awake)
     return need / _UNITS_PER_GIB, t.cap / _UNITS_PER_GIB  # exact: a power-of-two divisor keeps the comparison
 
 

@@ -270,10 +270,8 @@ def _room_on(state: PlanState, gpu: int) -> int | None:
     if owner is None or tenancy is None or not tenancy.complete or gpu in state.reserved \
             or gpu in state.snap.fenced_gpus:
         return None
-    extra = tenancy.extra
     # awake there: the owner (a training step, or a rollout rank) and the rollout ranks beside it
-    return tenancy.cap - tenancy.base - extra.get(owner, 0) - sum(extra.get(c, 0)
-                                                                  for c in state.coresident.get(gpu, ()) if c != owner)
+    return tenancy.cap - tenancy.load({owner, *state.coresident.get(gpu, ())})
 
 
 def _coresident_swap(state: PlanState) -> None:
