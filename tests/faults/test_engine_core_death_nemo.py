@@ -14,34 +14,17 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import psutil
 import pytest
 import ray
 
-from rlix_plugins.control.client import ControlPlane, connect
+from rlix_plugins.control.client import ControlPlane
 from rlix_plugins.errors import RlixError
-from tests.control._ray_helpers import kill_control_plane
 from tests.faults.test_fault_matrix_nemo import Survivor, _holds
-from tests.harness.chaos import BENCH_SCHEDULER
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
-
-
-@pytest.fixture(scope="module")
-def cp(ray_cluster: Any) -> Iterator[ControlPlane]:
-    kill_control_plane()
-    yield connect(create_if_missing=True, scheduler_config=BENCH_SCHEDULER)
-    kill_control_plane()
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from rlix_plugins.demo.tiny_model import build_tiny_qwen2
-
-    return str(build_tiny_qwen2(tmp_path_factory.mktemp("m") / "tiny", seed=0))
 
 
 def _kill_engine_core(actor: Any) -> int:

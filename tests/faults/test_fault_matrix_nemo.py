@@ -26,11 +26,10 @@ from typing import Any
 import pytest
 import ray
 
-from rlix_plugins.control.client import ControlPlane, connect
+from rlix_plugins.control.client import ControlPlane
 from rlix_plugins.control.types import cluster_id
 from rlix_plugins.nemo_rl.hooks import NemoRLHooks
-from tests.control._ray_helpers import kill_control_plane
-from tests.harness.chaos import BENCH_SCHEDULER, FAULTS, RESOLVE_S
+from tests.harness.chaos import FAULTS, RESOLVE_S
 from tests.nemo_rl.without_nemo.standins import (
     StandinCollector,
     StandinGeneration,
@@ -176,20 +175,6 @@ def _holds(status: dict[str, Any], pid: str) -> list[str]:
     out += [f"allocation {c} {a['gpus']}" for c, a in status["allocations"].items() if a["pipeline_id"] == pid]
     out += [f"pending {r['cluster_id']}" for r in status["pending"] if r["cluster_id"].startswith(pid + "_")]
     return out
-
-
-@pytest.fixture(scope="module")
-def cp(ray_cluster: Any) -> Iterator[ControlPlane]:
-    kill_control_plane()  # a scheduler with the built-in rows' short bounds (BENCH_SCHEDULER)
-    yield connect(create_if_missing=True, scheduler_config=BENCH_SCHEDULER)
-    kill_control_plane()
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from rlix_plugins.demo.tiny_model import build_tiny_qwen2
-
-    return str(build_tiny_qwen2(tmp_path_factory.mktemp("m") / "tiny", seed=0))
 
 
 @pytest.fixture(scope="module")
