@@ -121,6 +121,8 @@ def test_hanging_handler_fails_planned_release_of_that_pipeline_only(control_pla
     st = cp.status()
     assert a.pipeline_id not in st["pipelines"] and b.pipeline_id in st["pipelines"]
     assert set(st["allocations"]) == {b.cluster_id("actor_infer")}
+    reason = st["failed"][a.pipeline_id]["reason"]  # says what happened, not a call the driver never missed
+    assert "were active" in reason and "await_release" not in reason, reason
     b.await_release("actor_infer", timeout_s=10)
     assert cp.status()["idle_gpus"] == [0, 1, 2, 3]
     wait_for(lambda: ray.is_initialized() and ray.cluster_resources().get("GPU") == 4, what="cluster alive")

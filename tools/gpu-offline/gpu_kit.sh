@@ -16,23 +16,24 @@ STASH=/tmp/gpukit
 case "${1:-}" in
 groups)
   k="bash tools/gpu-offline/gpu_kit.sh"
-  echo "part 1: .gpukit/p1 .gpukit/stash.sh .gpukit/raykit/deps .gpukit/raykit/ray_setup.sh   ($k stash)"
-  echo "part 2: .gpukit/nemokit/w1                                                            ($k stash)"
-  echo "part 3: .gpukit/p2 .gpukit/deps .gpukit/setup.sh .gpukit/nemokit/w2                    ($k stash)"
+  echo "part 1: .gpukit/p1 .gpukit/stash.sh .gpukit/raykit/ray_setup.sh                       ($k stash)"
+  echo "part 2: .gpukit/nemokit/w1 .gpukit/raykit/deps .gpukit/p2                             ($k stash)"
+  echo "part 3: .gpukit/deps .gpukit/setup.sh .gpukit/nemokit/w2                               ($k stash)"
   echo "part 4: .gpukit/raykit/ray.tar.xz .gpukit/nemokit/w3                                  ($k run ...)"
   echo "part 5: .gpukit/loopskit .gpukit/megakit   (gpu_nemo_rl_loops.sh only: part 4 stashes, part 5 runs)"
   echo "        (sizes below count what exists)"
-  # Each part travels with the repository: the working tree's files count against the same 64 MiB.
-  repo=$(git ls-files -co --exclude-standard -z | du -cb --files0-from=- 2>/dev/null | tail -1 | cut -f1)
+  # Each part travels with the repository: the working tree's files count against the same 64 MiB, by the space
+  # they take on disk (whole blocks: 600 small files of the repository take 1 MiB more than their bytes).
+  repo=$(git ls-files -co --exclude-standard -z | du -ck --files0-from=- 2>/dev/null | tail -1 | cut -f1)
   n=0
-  for parts in ".gpukit/p1 .gpukit/stash.sh .gpukit/raykit/deps .gpukit/raykit/ray_setup.sh" \
-    ".gpukit/nemokit/w1" ".gpukit/p2 .gpukit/deps .gpukit/setup.sh .gpukit/nemokit/w2" \
+  for parts in ".gpukit/p1 .gpukit/stash.sh .gpukit/raykit/ray_setup.sh" \
+    ".gpukit/nemokit/w1 .gpukit/raykit/deps .gpukit/p2" ".gpukit/deps .gpukit/setup.sh .gpukit/nemokit/w2" \
     ".gpukit/raykit/ray.tar.xz .gpukit/nemokit/w3" ".gpukit/loopskit .gpukit/megakit"; do
     n=$((n + 1))
     # shellcheck disable=SC2086
-    kit=$(du -cbL $parts 2>/dev/null | tail -1 | cut -f1)
+    kit=$(du -ckL $parts 2>/dev/null | tail -1 | cut -f1)
     total=$((kit + repo))
-    echo "part $n: $((total / 1048576)) MiB with the repository ($((repo / 1048576)) MiB)$([ $total -gt 67108864 ] &&
+    echo "part $n: $((total / 1024)) MiB with the repository ($((repo / 1024)) MiB)$([ $total -gt 65536 ] &&
       echo ": OVER the 64 MiB limit")"
   done ;;
 stash)

@@ -181,8 +181,10 @@ class SchedulerCycle:
         self._end_grace(pipeline_id)  # nobody is coming back for those GPUs
         self._turns.forget(pipeline_id)
         if awake:
-            # These ranks may still hold memory a peer's wake-up needs; a graceful end calls await_release first.
-            detail += f" (rollout ranks {awake} were still active: call await_release before unregistering)"
+            # These ranks may still hold memory a peer's wake-up needs; a graceful end calls await_release first
+            # (advice for an unregister only: a failed pipeline's reason is its failure, not a missed call).
+            detail += (f" (rollout ranks {awake} were still active: call await_release before unregistering)"
+                       if op != "fail" else f" (rollout ranks {awake} were active)")
             logger.warning("rlix scheduler: pipeline %s left with active rollout ranks %s", pipeline_id, awake)
         self._trace.record(op, pipeline_id=pipeline_id, gpus=freed, detail=detail)
         if op == "fail":
