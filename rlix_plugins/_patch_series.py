@@ -10,6 +10,7 @@ the hunk that drifted, and each hunk is a self-contained patch text (file header
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +21,8 @@ _PATCH_NAME = re.compile(r"^\d{4}-[A-Za-z0-9._-]+\.patch$")
 _SERIES_NAME = re.compile(r"^[0-9a-f]{7,40}$")
 #: Subdirectories of a series directory holding further parts, in application order.
 PARTS = ("loops",)
+#: Per-series facts next to the patches (what NeMo RL version it is for).
+SERIES_FILE = "series.json"
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,11 @@ class Series:
     name: str  # the commit prefix the series was written for
     directory: Path
     patches: tuple[Patch, ...]
+    #: What the series was written for, for people ("NeMo RL v0.7.0"); from ``series.json``'s ``describes``.
+    describes: str = ""
+    #: The NeMo RL release the commit is (``nemo_rl.__version__`` without a local part, e.g. ``0.7.0``); None for a
+    #: main commit (main's package_info lags its releases, so a version never identifies one).
+    release: str | None = None
 
     @property
     def touched_paths(self) -> tuple[str, ...]:
@@ -136,7 +144,21 @@ def load_series(directory: Path) -> Series:
     for part in PARTS:
         if (directory / part).is_dir():
             patches += [parse_patch(directory / part / n, part) for n in _patch_names(directory / part)]
-    return Series(directory.name, directory, tuple(patches))
+    describes, release = _about(directory)
+    return Series(directory.name, directory, tuple(patches), describes, release)
+
+
+def _about(directory: Path) -> tuple[str, str | None]:
+    """``series.json``: ``{"describes": "NeMo RL v0.7.0", "release": "0.7.0"}`` (both optional)."""
+    path = directory / SERIES_FILE
+    if not path.is_file():
+        return f"NeMo RL at {directory.name}", None
+    try:
+        about = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise PatchError(f"{path}: not valid JSON ({exc}); reinstall rlix-plugins") from None
+    release = about.get("release")
+    return str(about.get("describes") or f"NeMo RL at {directory.name}"), None if release is None else str(release)
 
 
 def discover_series(root: Path) -> list[Series]:

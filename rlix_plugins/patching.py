@@ -3,9 +3,11 @@
 
 A series is a directory ``patches/nemo-rl/<commit prefix>/`` of numbered ``0001-*.patch`` files (git
 format-patch output) applied in name order, then those of its ``loops/`` part (NeMo RL's TransferQueue and
-SingleController GRPO loops); the parts are applied, checked and reverted together. The series is chosen by the checkout's ``HEAD`` (the
-directory name is a prefix of it); when ``HEAD`` is not a pinned commit, a series is used only if it
-applies (or is applied) cleanly, hunk for hunk.
+SingleController GRPO loops); the parts are applied, checked and reverted together. One series per supported NeMo
+RL version (the pinned main commit, the v0.7.0 release), chosen by the checkout's ``HEAD`` (the directory name is a
+prefix of it); when ``HEAD`` is not a pinned commit, the series of the checkout's release (``series.json``'s
+``release`` against ``nemo_rl/package_info.py``) comes first, then the others, and one is used only if it applies
+(or is applied) cleanly, hunk for hunk. Otherwise the refusal lists the supported versions.
 
 States (per patch and for the series): ``applied`` (the patch reverts cleanly), ``not applied`` (it
 applies cleanly), ``drifted`` (neither; the report names the file and hunk). ``apply`` and ``revert`` are
@@ -16,6 +18,7 @@ They refuse checkouts whose touched files carry uncommitted changes (``apply``) 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -146,23 +149,51 @@ def candidate_series(head: str, series_root: Path) -> tuple[Series | None, list[
 
 
 def series_status(checkout: Path, head: str, series_root: Path | None = None) -> SeriesStatus:
-    """The state of the series matching ``head`` (or, failing that, the one that fits the files)."""
+    """The state of the series matching ``head``; failing that, the one of the checkout's release
+    (``nemo_rl/package_info.py``), then any one that fits the files. Each of the latter only if it applies or is
+    applied cleanly, hunk for hunk."""
     pinned, candidates = candidate_series(head, series_root or _series_root())
     if pinned is not None:
         return SeriesStatus(checkout, head, pinned, _states(checkout, pinned), True)
+    release = nemo_rl_release(checkout)
+    of_release = [s for s in candidates if s.release is not None and s.release == release]
     fallback: SeriesStatus | None = None
-    for series in candidates:
+    for series in of_release + [s for s in candidates if s not in of_release]:
         status = SeriesStatus(checkout, head, series, _states(checkout, series), False)
         if status.state in (APPLIED, NOT_APPLIED, PARTIAL):
             return status
         fallback = fallback or status
     assert fallback is not None
     drift = "; ".join(d for p in fallback.patches for d in p.drift)
-    known = ", ".join(s.name for s in candidates)
+    supported = "; ".join(f"{s.describes} (commit {s.name})" for s in candidates)
+    if of_release:
+        raise PatchError(
+            f"NeMo RL {release} at HEAD {head[:12]} is not the v{release} release commit ({of_release[0].name}) and "
+            f"its series does not apply cleanly (drift: {drift}); check out the release (`git checkout v{release}`) "
+            "or move your own changes off the lines the series changes"
+        )
+    version = f" (nemo_rl {release})" if release else ""
     raise PatchError(
-        f"unknown NeMo RL version: HEAD {head[:12]} is not a pinned commit ({known}) and no series applies "
-        f"cleanly (drift: {drift}); check out the pinned commit or upgrade rlix-plugins"
+        f"unknown NeMo RL version: HEAD {head[:12]}{version} is not a pinned commit and no series applies cleanly "
+        f"(drift against {fallback.series.name}: {drift}). Supported: {supported}; check out one of them or "
+        "upgrade rlix-plugins"
     )
+
+
+_VERSION_PART = re.compile(r"^(MAJOR|MINOR|PATCH|PRE_RELEASE)\s*=\s*(.+?)\s*$", re.MULTILINE)
+
+
+def nemo_rl_release(checkout: Path) -> str | None:
+    """``MAJOR.MINOR.PATCH`` + ``PRE_RELEASE`` from the checkout's ``nemo_rl/package_info.py`` (read, not imported:
+    importing it runs git); None when the file or a part is missing."""
+    try:
+        text = (checkout / "nemo_rl" / "package_info.py").read_text(encoding="utf-8")
+    except OSError:
+        return None
+    parts = {k: v.strip("\"'") for k, v in _VERSION_PART.findall(text)}
+    if not {"MAJOR", "MINOR", "PATCH"} <= set(parts):
+        return None
+    return f"{parts['MAJOR']}.{parts['MINOR']}.{parts['PATCH']}{parts.get('PRE_RELEASE', '')}"
 
 
 def _series_root() -> Path:

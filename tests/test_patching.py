@@ -143,8 +143,42 @@ def test_unknown_version(fake_nemo: tuple[Path, Path, str]) -> None:
     (repo / "nemo_rl/models/other.py").write_text(OTHER.replace("other 10\n", "other 10 upstream\n"))
     git(repo, "commit", "-qam", "upstream moved on")
     head = git(repo, "rev-parse", "HEAD")
-    with pytest.raises(PatchError, match=r"unknown NeMo RL version: HEAD \w+ is not a pinned commit .*other\.py: hunk 1/1"):
+    with pytest.raises(PatchError, match=r"unknown NeMo RL version: HEAD \w+ is not a pinned commit .*other\.py: hunk 1/1"
+                                         r".*Supported: NeMo RL at \w{7} \(commit \w{7}\)"):
         series_status(repo, head, series)
+
+
+def test_a_release_checkout_gets_its_release_series_by_version(fake_nemo: tuple[Path, Path, str]) -> None:
+    """A release moved a line the pin's series changes; the release has its own series (series.json names the
+    release). A user's commit on top of the release still gets it (by nemo_rl's version, not by HEAD); a local
+    change on a line that series changes is refused naming the release."""
+    repo, series, _ = fake_nemo
+    _write(repo, "nemo_rl/package_info.py", 'MAJOR = 0\nMINOR = 7\nPATCH = 0\nPRE_RELEASE = ""\n')
+    (repo / "nemo_rl/models/other.py").write_text(OTHER.replace("other 10\n", "other 10 released\n"))
+    git(repo, "add", "-A")
+    git(repo, "commit", "-qm", "release 0.7.0")
+    release = git(repo, "rev-parse", "HEAD")
+    _write(repo, "nemo_rl/algorithms/seam.py", "SEAM = 1\n")
+    git(repo, "add", "-A")
+    git(repo, "commit", "-qm", "seam")
+    (repo / "nemo_rl/models/other.py").write_text(OTHER.replace("other 10\n", "other ten\n"))
+    git(repo, "commit", "-qam", "other")
+    out = series / release[:7]
+    git(repo, "format-patch", "-q", "-2", "--zero-commit", "--no-signature", "-o", str(out), "HEAD")
+    for i, p in enumerate(sorted(out.iterdir()), start=1):
+        p.rename(out / f"{i:04d}-part{i}.patch")
+    (out / "series.json").write_text('{"describes": "NeMo RL v0.7.0", "release": "0.7.0"}')
+    git(repo, "reset", "-q", "--hard", release)
+    _write(repo, "NOTES.md", "my notes\n")
+    git(repo, "add", "-A")
+    git(repo, "commit", "-qm", "a user's commit on the release")
+    st = series_status(repo, git(repo, "rev-parse", "HEAD"), series)
+    assert (st.series.name, st.series.release, st.state, st.at_pin) == (release[:7], "0.7.0", NOT_APPLIED, False)
+    (repo / "nemo_rl/models/other.py").write_text(OTHER.replace("other 10\n", "other 10 mine\n"))
+    git(repo, "commit", "-qam", "a local change where the series edits")
+    with pytest.raises(PatchError, match=r"NeMo RL 0\.7\.0 at HEAD \w+ is not the v0\.7\.0 release commit "
+                                         r".*other\.py: hunk 1/1.*git checkout v0\.7\.0"):
+        series_status(repo, git(repo, "rev-parse", "HEAD"), series)
 
 
 def test_other_commit_where_series_applies_cleanly(fake_nemo: tuple[Path, Path, str]) -> None:
