@@ -85,6 +85,7 @@ HF_HOME: Final = "HF_HOME"
 XDG_CACHE_HOME: Final = "XDG_CACHE_HOME"
 CC: Final = "CC"
 PATH: Final = "PATH"
+NRL_VLLM_ASYNC_TIMEOUT_SECONDS: Final = "NRL_VLLM_ASYNC_TIMEOUT_SECONDS"
 
 #: The default start-up grant wait (``RuntimeConfig.init_timeout_s``'s default).
 DEFAULT_INIT_TIMEOUT_S: Final = 900.0
@@ -132,6 +133,8 @@ VARIABLES: Final[tuple[EnvVar, ...]] = (
     EnvVar(XDG_CACHE_HOME, "~/.cache", "XDG", "the user's cache directory (native kernel, hub cache fallback)"),
     EnvVar(CC, "cc", "C toolchain", "the C compiler of the native checksum kernel"),
     EnvVar(PATH, "", "POSIX", "where `rlix up` looks for the `ray` command (after this Python's directory)"),
+    EnvVar(NRL_VLLM_ASYNC_TIMEOUT_SECONDS, "900", "NeMo RL",
+           "seconds one rollout request may take (read by the router's per-request path on NeMo RL v0.7.0)"),
 )
 
 
@@ -285,3 +288,16 @@ def c_compiler() -> str:
 def search_path() -> str:
     """``PATH`` ("" when unset)."""
     return os.environ.get(PATH, "")
+
+
+def nemo_rl_async_timeout_s() -> float:
+    """``NRL_VLLM_ASYNC_TIMEOUT_SECONDS`` (NeMo RL's bound on one async generation request; default 900)."""
+    text = _set(NRL_VLLM_ASYNC_TIMEOUT_SECONDS)
+    try:
+        value = float(text) if text is not None else 900.0
+    except ValueError:
+        value = math.nan
+    if not value > 0:
+        raise RlixConfigError(f"{NRL_VLLM_ASYNC_TIMEOUT_SECONDS}={text!r} is not a positive number of seconds; "
+                              "set it to one (NeMo RL's default is 900) or unset it")
+    return value

@@ -32,10 +32,12 @@ def test_wheel_contains_the_patch_series(tmp_path: Path) -> None:
     [wheel] = list((tmp_path / "dist").glob("rlix_plugins-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
     series = sorted(n for n in names if n.startswith("rlix_plugins/patches/nemo-rl/"))
-    pinned = REPO / "rlix_plugins/patches/nemo-rl/7ea279a"
-    repo_series = sorted(str(p.relative_to(pinned)) for p in pinned.rglob("*") if p.is_file())
-    assert series == [f"rlix_plugins/patches/nemo-rl/7ea279a/{n}" for n in repo_series], series
-    assert any(n.startswith("rlix_plugins/patches/nemo-rl/7ea279a/loops/") for n in series)  # the second part
+    root = REPO / "rlix_plugins/patches/nemo-rl"
+    repo_series = sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
+    assert series == [f"rlix_plugins/patches/nemo-rl/{n}" for n in repo_series], series  # every version's series
+    for pin in ("7ea279a", "81aa43d"):  # NeMo RL main at the pin, v0.7.0
+        assert any(n.startswith(f"rlix_plugins/patches/nemo-rl/{pin}/loops/") for n in series)  # the second part
+        assert f"rlix_plugins/patches/nemo-rl/{pin}/series.json" in series
     assert any(n.endswith(".patch") for n in series)
     assert "rlix_plugins/transport/_pack_checksum.c" in names  # the CPU pack kernel is compiled from it at first use
 
@@ -50,7 +52,7 @@ def test_wheel_contains_the_patch_series(tmp_path: Path) -> None:
                          timeout=60)
     assert run.returncode == 0, run.stderr
     root, found = run.stdout.splitlines()
-    assert root.startswith(str(site)) and found == "['7ea279a']"
+    assert root.startswith(str(site)) and found == "['7ea279a', '81aa43d']"
 
 
 def test_test_harness_stays_out_of_the_package() -> None:

@@ -6,12 +6,13 @@ checkout is the conformance suite's job (tests/nemo_rl/).
 
 from __future__ import annotations
 
+import json
 import subprocess
 from pathlib import Path
 
 import pytest
 
-from rlix_plugins._patch_series import discover_series, load_series
+from rlix_plugins._patch_series import Series, discover_series, load_series
 from rlix_plugins.errors import PatchError
 from rlix_plugins.patching import (
     APPLIED,
@@ -213,31 +214,51 @@ def test_partial_state_apply_refuses_revert_restores(fake_nemo: tuple[Path, Path
     assert git(repo, "status", "--porcelain") == ""
 
 
-def test_real_series_shape() -> None:
-    """The shipped series: pinned name, numbered patches, the seam file, small (README: ~300 changed lines, 337 with
-    the setup() placement seam and the per-call sleep level, justified there)."""
-    [series] = discover_series(DEFAULT_SERIES_ROOT)
-    assert "7ea279abfbeb698b092856d0dab61e7cf39bc909".startswith(series.name)
+#: The shipped series: NeMo RL main at the pin, and the v0.7.0 release (series name, its loops part, their files).
+SHIPPED = {
+    "7ea279a": (["0005", "0006", "0007"], {"nemo_rl/algorithms/grpo_sync.py", "nemo_rl/algorithms/single_controller.py",
+                                           "nemo_rl/algorithms/single_controller_utils/setup.py",
+                                           "nemo_rl/data_plane/adapters/transfer_queue.py"}),
+    "81aa43d": (["0005", "0007"], {"nemo_rl/algorithms/grpo_sync.py",  # v0.7.0 has no SingleController loop
+                                   "nemo_rl/data_plane/adapters/transfer_queue.py"}),
+}
+
+
+def _shipped(name: str) -> Series:
+    series = {s.name: s for s in discover_series(DEFAULT_SERIES_ROOT)}
+    assert sorted(series) == sorted(SHIPPED), sorted(series)
+    return series[name]
+
+
+@pytest.mark.parametrize("name", sorted(SHIPPED))
+def test_real_series_shape(name: str) -> None:
+    """Each shipped series: named by its commit (recorded in its apis.json), numbered patches, the seam file
+    identical in every series, small (README: ~300 changed lines, 337 / 340 with the setup() placement seam and the
+    per-call sleep level, justified there; v0.7.0's 0003 also backports main's collective_rpc pass-through)."""
+    series = _shipped(name)
+    assert json.loads((series.directory / "apis.json").read_text())["commit"].startswith(series.name)
     names = [p.name for p in series.patches]
     assert names == sorted(names) and all(n[:4].isdigit() for n in names)
     touched = set(series.touched_paths)
     assert {"nemo_rl/algorithms/rlix_hooks.py", "nemo_rl/algorithms/grpo.py"} <= touched
     assert all(p.startswith("nemo_rl/") for p in touched), touched  # no test, config or doc files of NeMo RL
+    assert series.patches[0].text == _shipped("7ea279a").patches[0].text  # one hook seam (0001) for every version
     changed = sum(p.changed_lines for p in series.part(""))
     assert 0 < changed <= 340, changed
 
 
-def test_real_loops_part_shape() -> None:
-    """The second part (``loops/``: the TransferQueue and SingleController GRPO loops) follows the first, touches
-    only those loops' files, and has its own cap (221 changed lines since the pickled TQ client's scope, 2026-11-25)."""
-    [series] = discover_series(DEFAULT_SERIES_ROOT)
+@pytest.mark.parametrize("name", sorted(SHIPPED))
+def test_real_loops_part_shape(name: str) -> None:
+    """The second part (``loops/``: the TransferQueue and SingleController GRPO loops, those the version has)
+    follows the first, touches only those loops' files, and has its own cap (221 changed lines since the pickled TQ
+    client's scope, 2026-11-25)."""
+    series = _shipped(name)
+    numbers, files = SHIPPED[name]
     loops = series.part("loops")
-    assert [p.name[:4] for p in loops] == ["0005", "0006", "0007"]
+    assert [p.name[:4] for p in loops] == numbers
     assert [p.name for p in series.patches][-len(loops):] == [p.name for p in loops]  # applied after the first part
     touched = {t for p in loops for t in p.touched_paths}
-    assert touched == {"nemo_rl/algorithms/grpo_sync.py", "nemo_rl/algorithms/single_controller.py",
-                       "nemo_rl/algorithms/single_controller_utils/setup.py",
-                       "nemo_rl/data_plane/adapters/transfer_queue.py"}, touched
+    assert touched == files, touched
     changed = sum(p.changed_lines for p in loops)
     assert 0 < changed <= 225, changed
 

@@ -20,11 +20,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections import defaultdict, deque
 from collections.abc import AsyncIterator
 from typing import Any, Final
 
+from rlix_plugins import envs
 from rlix_plugins.control.rpc import ray_get
 from rlix_plugins.errors import RlixConfigError
 from rlix_plugins.nemo_rl import worker_ops
@@ -182,9 +184,8 @@ class RouterShardSelector:
             leader = generation.worker_group.get_dp_leader_worker_idx(shard)
             results: list[Any] = []
             try:
-                async for result in generation._generate_on_shard(
-                        data=data, method_name=method_name, greedy=greedy, dp_shard_idx=shard,
-                        leader_worker_idx=leader):
+                async for result in _generate_on_shard(generation, data=data, method_name=method_name,
+                                                       greedy=greedy, dp_shard_idx=shard, leader_worker_idx=leader):
                     results.append(result)
             except Exception:
                 if not await self._release_async(shard, ok=False):
@@ -254,6 +255,48 @@ class RouterFleetMonitor:
 def install_routing(generation: Any, client: RouterClient) -> RouterShardSelector:
     """Route ``generation`` (and every later pickled copy) through the router; call before the collector exists."""
     selector = RouterShardSelector(client)
-    generation.attach_fleet_health(RouterFleetMonitor(client.num_dp_ranks), selector)
+    if hasattr(generation, "attach_fleet_health"):  # NeMo RL main: its fleet-health seam (patch 0004 asks it)
+        generation.attach_fleet_health(RouterFleetMonitor(client.num_dp_ranks), selector)
+    else:  # NeMo RL v0.7.0 has no fleet-health seam: its series' patch 0004 reads this attribute
+        generation.rlix_router = selector
     _KEEP_ALIVE.append(generation)
     return selector
+
+
+def _generate_on_shard(generation: Any, *, data: Any, method_name: str, greedy: bool, dp_shard_idx: int,
+                       leader_worker_idx: int) -> AsyncIterator[Any]:
+    """One request on one shard: NeMo RL main's ``VllmGeneration._generate_on_shard``; v0.7.0 has none, so
+    :func:`_generate_on_leader` does what its ``_async_generate_base`` does after choosing the shard."""
+    on_shard = getattr(generation, "_generate_on_shard", None)
+    if on_shard is not None:
+        result: AsyncIterator[Any] = on_shard(data=data, method_name=method_name, greedy=greedy,
+                                             dp_shard_idx=dp_shard_idx, leader_worker_idx=leader_worker_idx)
+        return result
+    return _generate_on_leader(generation, data=data, method_name=method_name, greedy=greedy,
+                               leader_worker_idx=leader_worker_idx)
+
+
+async def _generate_on_leader(generation: Any, *, data: Any, method_name: str, greedy: bool,
+                              leader_worker_idx: int) -> AsyncIterator[Any]:
+    """NeMo RL v0.7.0's request body (same call, bound and result key), plus main's cancellation: a cancelled
+    request cancels its Ray call, so a failed sibling or a deadline does not leave it running on the engine."""
+    import ray
+
+    timeout_s = envs.nemo_rl_async_timeout_s()
+    proxy = generation.worker_group.run_single_worker_single_data(
+        method_name=method_name, worker_idx=leader_worker_idx, data=data, greedy=greedy)
+    try:
+        try:
+            ref = await anext(proxy)
+        except StopAsyncIteration:
+            raise RuntimeError(f"Worker produced no output for the given sample {data}.") from None
+        try:
+            original_idx, batch = await asyncio.wait_for(ref, timeout=timeout_s)
+        except TimeoutError:
+            raise RuntimeError(f"Timeout waiting for worker results after {timeout_s:.0f}s; for longer sequences "
+                               f"set NRL_VLLM_ASYNC_TIMEOUT_SECONDS={int(timeout_s * 2)}") from None
+    except asyncio.CancelledError:
+        ray.cancel(proxy)
+        raise
+    batch["gen_leader_worker_idx"] = [int(leader_worker_idx)]
+    yield original_idx, batch

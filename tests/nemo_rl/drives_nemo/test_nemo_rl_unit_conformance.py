@@ -32,6 +32,12 @@ SLOW_TARGETS = ["tests/unit/algorithms/test_async_utils.py"]
 
 
 def _compare(nemo_copies: dict[str, Path], targets: list[str], tmp_path: Path, timeout_s: float) -> None:
+    absent = [t for t in targets if not (nemo_copies["pristine"] / t).exists()]
+    if absent:  # code this NeMo RL version does not have (v0.7.0: no SingleController, no fleet health)
+        report(f"NeMo RL at this version has no {absent}: not compared")
+    targets = [t for t in targets if t not in absent]
+    if not targets:
+        pytest.skip(f"this NeMo RL version has none of {absent}")
     runs = {
         name: run_nemo_pytest(nemo_copies[name], targets, tmp_path / f"{name}.xml", timeout_s=timeout_s)
         for name in ("pristine", "patched")
