@@ -67,6 +67,8 @@ class Series:
     #: The NeMo RL release the commit is (``nemo_rl.__version__`` without a local part, e.g. ``0.7.0``); None for a
     #: main commit (main's package_info lags its releases, so a version never identifies one).
     release: str | None = None
+    #: Loops this version of NeMo RL does not have, said by ``rlix patch`` (``series.json``'s ``lacks``).
+    lacks: str | None = None
 
     @property
     def touched_paths(self) -> tuple[str, ...]:
@@ -144,21 +146,22 @@ def load_series(directory: Path) -> Series:
     for part in PARTS:
         if (directory / part).is_dir():
             patches += [parse_patch(directory / part / n, part) for n in _patch_names(directory / part)]
-    describes, release = _about(directory)
-    return Series(directory.name, directory, tuple(patches), describes, release)
+    describes, release, lacks = _about(directory)
+    return Series(directory.name, directory, tuple(patches), describes, release, lacks)
 
 
-def _about(directory: Path) -> tuple[str, str | None]:
-    """``series.json``: ``{"describes": "NeMo RL v0.7.0", "release": "0.7.0"}`` (both optional)."""
+def _about(directory: Path) -> tuple[str, str | None, str | None]:
+    """``series.json``: ``{"describes": "NeMo RL v0.7.0", "release": "0.7.0", "lacks": "..."}`` (all optional)."""
     path = directory / SERIES_FILE
     if not path.is_file():
-        return f"NeMo RL at {directory.name}", None
+        return f"NeMo RL at {directory.name}", None, None
     try:
         about = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
         raise PatchError(f"{path}: not valid JSON ({exc}); reinstall rlix-plugins") from None
-    release = about.get("release")
-    return str(about.get("describes") or f"NeMo RL at {directory.name}"), None if release is None else str(release)
+    release, lacks = about.get("release"), about.get("lacks")
+    return (str(about.get("describes") or f"NeMo RL at {directory.name}"), None if release is None else str(release),
+            None if lacks is None else str(lacks))
 
 
 def discover_series(root: Path) -> list[Series]:

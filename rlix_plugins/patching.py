@@ -74,6 +74,8 @@ class SeriesStatus:
         for p in self.patches:
             lines.append(f"  {p.patch.part + '/' if p.patch.part else ''}{p.patch.name}: {p.state}")
             lines.extend(f"    drifted: {d}" for d in p.drift)
+        if self.series.lacks:
+            lines.append(f"  not time-shared at this version: {self.series.lacks}")
         return "\n".join(lines)
 
 

@@ -28,10 +28,14 @@ from tests.unit.algorithms.rlix_ray_fixtures import (  # noqa: F401  (re-exporte
 from tests.unit.algorithms.test_grpo import (
     StubAsyncTrajectoryCollector,
     StubReplayBuffer,
-    _initial_grpo_save_state,
     _patched_logprob_phase,
     mock_async_grpo_infrastructure,
 )
+
+try:  # NeMo RL main
+    from nemo_rl.algorithms.grpo import _initial_grpo_save_state
+except ImportError:  # v0.7.0 names it _default_grpo_save_state
+    from nemo_rl.algorithms.grpo import _default_grpo_save_state as _initial_grpo_save_state
 
 REAL_RAY_GET = ray.get
 

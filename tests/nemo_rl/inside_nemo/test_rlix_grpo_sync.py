@@ -10,13 +10,13 @@ import sys
 
 from tests.unit.algorithms.rlix_grpo_harness import (  # noqa: F401  (fixture import: overrides NeMo RL's)
     HookCapture,
+    _initial_grpo_save_state,
     configure,
     init_ray_cluster,
     ray_gpu_monitor,
     real_or_stub_get,
 )
 from tests.unit.algorithms.test_grpo import (  # noqa: F401  (fixture import)
-    _initial_grpo_save_state,
     _mock_policy_generation,
     mock_grpo_components,
     mock_sync_grpo_infrastructure,
