@@ -248,6 +248,10 @@ class VirtualClusterAdapter:
             placement_group=self._groups[pg], placement_group_bundle_index=b)).remote() for pg, b in pg_bundle_pairs]
         return [tuple(r) for r in ray.get(refs, timeout=120)]  # type: ignore[misc]
 
+    def get_available_address_and_port(self, pg_idx: int, bundle_idx: int) -> tuple[str, int]:
+        """One at a time: what NeMo RL v0.7.0's worker group asks (main asks the batch above)."""
+        return self.get_available_addresses_and_ports_batch([(pg_idx, bundle_idx)])[0]
+
     def get_master_address_and_port(self) -> tuple[str, int]:
         return self.get_available_addresses_and_ports_batch([(0, 0)])[0]
 

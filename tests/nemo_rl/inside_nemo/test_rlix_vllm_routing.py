@@ -105,9 +105,14 @@ def rlix_env(monkeypatch):
     monkeypatch.setenv("RLIX_CONTROL_PLANE", "rlix")
 
 
+#: NeMo RL main routes through its fleet-health seam; v0.7.0 has none (its patch 0004 reads ``rlix_router``).
+FLEET_HEALTH = hasattr(VllmGeneration, "attach_fleet_health")
+
+
 def test_routes_over_active_ranks_only(rlix_env):
-    gen, router, _selector = _routed(3, [1, 2])
-    assert isinstance(gen.fleet_selector, RouterShardSelector)
+    gen, router, selector = _routed(3, [1, 2])
+    assert isinstance(selector, RouterShardSelector)
+    assert (gen.fleet_selector if FLEET_HEALTH else gen.rlix_router) is selector
     served = {_generate(gen)["served_by"] for _ in range(6)}
     assert served and served <= {1, 2}  # sequential requests: least-outstanding, ties to the lowest active rank
     assert ray.get(router.in_flight.remote()) == 0  # every ticket returned
@@ -288,12 +293,14 @@ def test_a_cancelled_request_hands_its_ticket_back(rlix_env):
 
 
 def test_without_the_variable_the_seam_is_inert(monkeypatch):
-    """RLIX_CONTROL_PLANE unset: VllmGeneration keeps its own acquire/next/release path (no retry)."""
+    """RLIX_CONTROL_PLANE unset: VllmGeneration keeps its own path (no retry): on main its fleet selector's
+    acquire/next/release; on v0.7.0 its round-robin, which never asks the router."""
     monkeypatch.delenv("RLIX_CONTROL_PLANE", raising=False)
-    gen, _router, selector = _routed(2, [0, 1], shrink_on={0})
+    gen, router, selector = _routed(2, [0, 1], shrink_on={0})
     out = _generate(gen)
     assert gen.worker_group.dispatched == [0]
-    assert out["aborted"] is True and selector.preempted_releases == 1
+    assert out["aborted"] is True and selector.preempted_releases == (1 if FLEET_HEALTH else 0)
+    assert ray.get(router.in_flight.remote()) == 0
 
 
 class _RecordingAsyncLLM:
