@@ -14,6 +14,7 @@ Driven by rlix-plugins' ``tests/nemo_rl/drives_nemo/test_nemo_rl_time_sharing.py
 """
 
 import contextlib
+import inspect
 import time
 from typing import Any
 from unittest.mock import MagicMock, patch
@@ -56,7 +57,8 @@ class RecordingCollector(StubAsyncTrajectoryCollector):
     """NeMo RL's (in-process) collector stub, plus the published weight versions (and a probe's value)."""
 
     def __init__(self, events, probe):
-        super().__init__(events=None)
+        if "events" in inspect.signature(StubAsyncTrajectoryCollector.__init__).parameters:  # NeMo RL main
+            super().__init__(events=None)
         self._log, self._probe = events, probe
 
     def _recording(self, name):
@@ -79,6 +81,12 @@ class RecordingCollector(StubAsyncTrajectoryCollector):
     @property
     def resume_after_refit(self):
         return self._recording("resume_after_refit")
+
+    @property
+    def get_dataloader_state(self):  # v0.7.0's stub has none; its loop asks at every checkpoint
+        mock = MagicMock()
+        mock.remote = MagicMock(return_value={})
+        return mock
 
 
 class HookCapture:
@@ -108,20 +116,32 @@ class HookCapture:
         return None if self.manager is None else self.manager.plugin_manager.get_plugin("rlix")
 
 
+def section(obj, name):
+    """A config section or field: an attribute on NeMo RL main's typed configs, a key on v0.7.0's plain dicts."""
+    return obj[name] if isinstance(obj, dict) else getattr(obj, name)
+
+
+def put(obj, **values):
+    """Set config (or save-state) fields the way the object takes them (attributes on main, keys on v0.7.0)."""
+    for key, value in values.items():
+        if isinstance(obj, dict):
+            obj[key] = value
+        else:
+            setattr(obj, key, value)
+
+
 def configure(components, tmp_path, *, steps: int, rlix: dict[str, Any]):
     """The mock config as a time-shared async GRPO run of ``steps`` steps: non-colocated vLLM, validation at start
     and every 2 steps, checkpoints at step index 1 (period) and at the last step, the given ``rlix`` section."""
     cfg = components["master_config"]
     cfg.policy["generation"]["backend"] = "vllm"
     cfg.policy["generation"]["colocated"]["enabled"] = False
-    cfg.grpo.max_num_steps = steps
-    cfg.grpo.val_period = 2
-    cfg.grpo.val_at_start = True
-    cfg.grpo.val_at_end = False
+    grpo = section(cfg, "grpo")
+    put(grpo, max_num_steps=steps, val_period=2, val_at_start=True, val_at_end=False)
     cfg.checkpointing["enabled"] = True
     cfg.checkpointing["save_period"] = 2  # step index 1 saves by period, the last step as the last step
     cfg.checkpointing["metric_name"] = None
-    cfg.grpo.async_grpo.enabled = True  # the topology check requires async GRPO (the mock left it off)
+    put(section(grpo, "async_grpo"), enabled=True)  # the topology check requires async GRPO (the mock left it off)
     cfg.rlix = dict(rlix)
     components["checkpointer"].init_tmp_checkpoint.return_value = str(tmp_path)
     components["checkpointer"].checkpoint_dir = tmp_path
@@ -172,11 +192,15 @@ def run_async_grpo(components, policy_generation, collector, refits, *, sample_d
     ``ReplayBuffer(...)`` returns instead of NeMo RL's in-process stub (e.g. a :class:`ReplayBufferActor`)."""
     policy = components["policy"]
     batch = next(iter(components["train_dataloader"]))
-    stack = mock_async_grpo_infrastructure(
-        batch, {"mean_gen_tokens_per_sample": 2.0}, refit_side_effect=lambda *a, **k: refits.append(a)
-    )
+    record_refit = lambda *a, **k: refits.append(a)  # noqa: E731
+    if "refit_side_effect" in inspect.signature(mock_async_grpo_infrastructure).parameters:  # NeMo RL main
+        stack = mock_async_grpo_infrastructure(batch, {"mean_gen_tokens_per_sample": 2.0},
+                                               refit_side_effect=record_refit)
+    else:  # v0.7.0's fixture patches no refit: record it here
+        stack = mock_async_grpo_infrastructure(batch, {"mean_gen_tokens_per_sample": 2.0})
+        stack.enter_context(patch("nemo_rl.algorithms.grpo.refit_policy_generation", side_effect=record_refit))
     save_state = _initial_grpo_save_state()
-    save_state.current_step = start_step
+    put(save_state, current_step=start_step)
     with stack, _patched_logprob_phase(policy):
         stub_get = ray.get  # NeMo RL's patched ray.get
         with (

@@ -334,5 +334,8 @@ class ReplayBufferActor:
     def save_to_path(self, path: str) -> int:
         return 0
 
+    def state_dict(self) -> dict[str, Any]:  # NeMo RL v0.7.0 saves the buffer through this at checkpoints
+        return {"trajectories": []}
+
     def get_sampled(self) -> list[int]:
         return list(self.sampled)

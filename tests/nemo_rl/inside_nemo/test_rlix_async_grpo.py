@@ -21,6 +21,7 @@ from tests.unit.algorithms.rlix_grpo_harness import (  # noqa: F401  (fixture im
     ray_gpu_monitor,
     record_policy,
     run_async_grpo,
+    section,
 )
 from tests.unit.algorithms.test_grpo import (  # noqa: F401  (fixture import)
     _mock_policy_generation,
@@ -155,7 +156,7 @@ def test_full_mode_resumed_run_progress_versions_and_logged_metrics(mock_grpo_co
     cp = client.connect()
     cfg = configure(mock_grpo_components, tmp_path, steps=START + RESUMED_STEPS, rlix=FULL)
     mock_grpo_components["master_config"].policy["megatron_cfg"] = {"enabled": True}  # the trainer stand-in's backend
-    prompts = cfg.grpo.num_prompts_per_step
+    prompts = section(section(cfg, "grpo"), "num_prompts_per_step")
     actor = {"num_cpus": 0}
     leaders = [ray.remote(StandinVllmLeader).options(**actor).remote(2) for _ in FULL["infer_devices"]]
     trainer = ray.remote(StandinMegatronWorker).options(**actor).remote(100 + START)  # the checkpoint's weights
