@@ -134,9 +134,10 @@ def fits(tenants: Tenants, gpu: int, awake: Collection[str]) -> bool:
 
 
 def sharing_problem(tenants: Tenants, gpu: int, generation: Sequence[ClusterSpec], host: ClusterSpec | None = None,
-                    host_priority: Priority | None = None) -> str | None:
+                    host_priority: Priority | None = None, *, memory: bool = True) -> str | None:
     """Why the GENERATION ranks of ``generation`` may not all be awake on ``gpu`` together, next to ``host``'s
-    allocation at ``host_priority`` (no host: none there); None when they may."""
+    allocation at ``host_priority`` (no host: none there); None when they may. ``memory=False``: the rules only,
+    for a caller that checked the memory itself (the planner's room index)."""
     if host is not None:
         if host_priority not in COTENANT_PRIORITIES:
             held = host_priority.name if host_priority is not None else "an unknown priority"
@@ -148,7 +149,7 @@ def sharing_problem(tenants: Tenants, gpu: int, generation: Sequence[ClusterSpec
     if len(set(pipelines)) != len(pipelines):
         return f"two ranks of one pipeline on GPU {gpu}"
     awake = [g.cluster_id for g in generation] + ([host.cluster_id] if host is not None else [])
-    if len(awake) < 2:
+    if len(awake) < 2 or not memory:
         return None  # alone on the GPU: nothing is shared
     load = gpu_load(tenants.get(gpu, ()), awake)
     if load is None:

@@ -215,9 +215,10 @@ def _coresident_fill(state: PlanState, *, starving_only: bool = False) -> None:
             if r in active or r in shrunk:
                 continue
             bundle = spec.bundle(r)
-            if all(rooms.has(g, need) for g in bundle) and all(_coresidable(state, g, spec) for g in bundle):
+            if all(rooms.has(g, need) for g in bundle) and \
+                    all(_coresidable(state, g, spec, memory=False) for g in bundle):
                 state.expand(cid, r, coresident=True)
-                rooms.changed(bundle)
+                rooms.took(bundle, need)
 
 
 #: up to this many ranks a cluster's ranks are checked one by one (on each GPU's room first); above it, only the
@@ -260,6 +261,13 @@ class _Rooms:
     def changed(self, gpus: Iterable[int]) -> None:
         for g in gpus:
             self._room.pop(g, None)
+
+    def took(self, gpus: Iterable[int], need: int) -> None:
+        """A rank that adds ``need`` woke on ``gpus`` next to their holders (a GPU's load is a sum: exact)."""
+        for g in gpus:
+            room = self._room.get(g)
+            if room is not None:
+                self._room[g] = room - need
 
 
 def _room_on(state: PlanState, gpu: int) -> int | None:
@@ -327,9 +335,11 @@ def _extra(state: PlanState, spec: ClusterSpec) -> int:
     return state.tenants[spec.device_mapping[0]].extra.get(spec.cluster_id, 0) if spec.device_mapping else 0
 
 
-def _coresidable(state: PlanState, gpu: int, spec: ClusterSpec, leaving: str | None = None) -> bool:
+def _coresidable(state: PlanState, gpu: int, spec: ClusterSpec, leaving: str | None = None, *,
+                 memory: bool = True) -> bool:
     """Whether a rank of ``spec`` may wake on ``gpu`` next to its holders (an idle GPU is the gap ratio's), once
-    ``leaving``'s rank there sleeps (the co-resident swap; someone must still hold the GPU then)."""
+    ``leaving``'s rank there sleeps (the co-resident swap; someone must still hold the GPU then). ``memory=False``:
+    the caller's room index already found room for it next to the holders (the same sum, ``_room_on``)."""
     owner = state.owner.get(gpu)
     if owner is None or gpu in state.reserved or gpu in state.snap.fenced_gpus:
         return False
@@ -339,7 +349,7 @@ def _coresidable(state: PlanState, gpu: int, spec: ClusterSpec, leaving: str | N
     if host is None and not generation:
         return False  # idle once ``leaving`` sleeps: the gap ratio's
     return sharing_problem(state.tenants, gpu, [*generation, spec], clusters[owner] if host else None,
-                           Priority(host.priority) if host else None) is None
+                           Priority(host.priority) if host else None, memory=memory) is None
 
 
 def _generation_grants(state: PlanState) -> None:
