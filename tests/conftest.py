@@ -45,7 +45,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     nemo_src = os.environ.get("NEMO_RL_SRC")
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU (run on the device machine: pytest -m gpu)")
     skip_nemo = pytest.mark.skip(
-        reason="needs a NeMo RL checkout at the pinned commit: set NEMO_RL_SRC=/path/to/RL (see README)"
+        reason="needs a NeMo RL checkout at a supported version (main at 7ea279a, or v0.7.0): set NEMO_RL_SRC=/path/to/RL (see README)"
     )
     for item in items:
         if "ray_cluster" in getattr(item, "fixturenames", ()):
