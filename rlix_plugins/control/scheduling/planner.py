@@ -47,6 +47,7 @@ returns). ``validate_plan`` (re-exported here) checks a plan against its snapsho
 from __future__ import annotations
 
 import bisect
+import heapq
 from collections.abc import Iterable
 
 from rlix_plugins.control.registration import validate_cluster_specs
@@ -206,6 +207,8 @@ def _coresident_fill(state: PlanState, *, starving_only: bool = False) -> None:
         active = state.gen_active.get(cid, set())
         shrunk = state.shrunk.get(cid, set())
         need = _extra(state, spec)
+        if not rooms.any_has(need):  # no GPU has room for one more of its ranks (the fill only takes room)
+            continue
         if spec.num_dp_ranks > _FEW_RANKS:  # a large mapping: only its GPUs with room
             index = rank_index(spec)
             ranks: Iterable[int] = sorted({index[g] for g in rooms.at_least(need) if g in index})
@@ -238,6 +241,7 @@ class _Rooms:
         self._room: dict[int, int | None] = {}
         self._order: list[int] | None = None
         self._neg: list[int] = []  # ascending: bisect finds where the room drops below a need
+        self._heap: list[tuple[int, int]] | None = None  # (-room, GPU), for any_has
 
     def fresh(self, gpu: int) -> int | None:
         """Room on ``gpu`` now; None where no rank may wake next to its holders at all."""
@@ -248,6 +252,24 @@ class _Rooms:
     def has(self, gpu: int, need: int) -> bool:
         room = self.fresh(gpu)
         return room is not None and room >= need
+
+    def any_has(self, need: int) -> bool:
+        """Whether some GPU has ``need`` room now. A max-heap of rooms, refreshed lazily: during the fill a GPU's room
+        only shrinks, so an entry is an upper bound until its GPU is looked at again."""
+        if self._heap is None:
+            self._heap = [(-r, g) for g in self._state.tenants if (r := self.fresh(g)) is not None]
+            heapq.heapify(self._heap)
+        heap = self._heap
+        while heap:
+            neg, g = heap[0]
+            room = self.fresh(g)
+            if room is not None and room == -neg:
+                return room >= need
+            if room is None:
+                heapq.heappop(heap)
+            else:
+                heapq.heapreplace(heap, (-room, g))
+        return False
 
     def at_least(self, need: int) -> list[int]:
         """GPUs that had at least ``need`` room at the first call (a superset of those that have it now, as long as
@@ -306,9 +328,11 @@ def _coresident_swap(state: PlanState) -> None:
         shrunk = state.shrunk.get(cid, set())
         index = rank_index(spec)
         need = _extra(state, spec)
-        # The donor with the best key that has a rank to give: the most awake ranks, then the lowest demand.
+        # The donor with the best key that has a rank to give: the most awake ranks, then the lowest demand. Only
+        # donors of the newcomer's TP size: a rank's GPUs must be one of the newcomer's bundles.
         donors = sorted((d for d, kept in state.gen_active.items()
-                         if len(kept) >= 2 and clusters[d].pipeline_id != spec.pipeline_id),
+                         if len(kept) >= 2 and clusters[d].pipeline_id != spec.pipeline_id
+                         and clusters[d].tp_size == spec.tp_size),
                         key=lambda d: (-len(state.gen_active[d]), demands.get(d, 0), d))
         for donor in donors:
             dspec = clusters[donor]
