@@ -21,6 +21,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from collections import defaultdict, deque
 from collections.abc import AsyncIterator
@@ -296,7 +297,8 @@ async def _generate_on_leader(generation: Any, *, data: Any, method_name: str, g
             raise RuntimeError(f"Timeout waiting for worker results after {timeout_s:.0f}s; for longer sequences "
                                f"set NRL_VLLM_ASYNC_TIMEOUT_SECONDS={int(timeout_s * 2)}") from None
     except asyncio.CancelledError:
-        ray.cancel(proxy)
+        with contextlib.suppress(Exception):  # best effort: the request ends here either way
+            ray.cancel(proxy)
         raise
     batch["gen_leader_worker_idx"] = [int(leader_worker_idx)]
     yield original_idx, batch
