@@ -165,16 +165,21 @@ def pipeline_id() -> str | None:
 
 def init_timeout_s() -> float:
     """``RLIX_INIT_TIMEOUT_S`` in seconds (default :data:`DEFAULT_INIT_TIMEOUT_S`); a positive number."""
-    text = _set(RLIX_INIT_TIMEOUT_S)
+    return _positive_seconds(RLIX_INIT_TIMEOUT_S, DEFAULT_INIT_TIMEOUT_S, f"e.g. {DEFAULT_INIT_TIMEOUT_S:.0f}")
+
+
+def _positive_seconds(name: str, default: float, example: str) -> float:
+    """``name`` as a positive number of seconds (``default`` when unset); else a one-line error naming it."""
+    text = _set(name)
     if text is None:
-        return DEFAULT_INIT_TIMEOUT_S
+        return default
     try:
         value = float(text)
     except ValueError:
         value = math.nan
     if not value > 0:
-        raise RlixConfigError(f"{RLIX_INIT_TIMEOUT_S}={text!r} is not a positive number of seconds; "
-                              f"set it to one (e.g. {DEFAULT_INIT_TIMEOUT_S:.0f}) or unset it")
+        raise RlixConfigError(f"{name}={text!r} is not a positive number of seconds; set it to one ({example}) "
+                              "or unset it")
     return value
 
 
@@ -292,12 +297,4 @@ def search_path() -> str:
 
 def nemo_rl_async_timeout_s() -> float:
     """``NRL_VLLM_ASYNC_TIMEOUT_SECONDS`` (NeMo RL's bound on one async generation request; default 900)."""
-    text = _set(NRL_VLLM_ASYNC_TIMEOUT_SECONDS)
-    try:
-        value = float(text) if text is not None else 900.0
-    except ValueError:
-        value = math.nan
-    if not value > 0:
-        raise RlixConfigError(f"{NRL_VLLM_ASYNC_TIMEOUT_SECONDS}={text!r} is not a positive number of seconds; "
-                              "set it to one (NeMo RL's default is 900) or unset it")
-    return value
+    return _positive_seconds(NRL_VLLM_ASYNC_TIMEOUT_SECONDS, 900.0, "NeMo RL's default is 900")
