@@ -16,24 +16,23 @@ STASH=/tmp/gpukit
 case "${1:-}" in
 groups)
   k="bash tools/gpu-offline/gpu_kit.sh"
-  echo "part 1: .gpukit/p1 .gpukit/stash.sh .gpukit/raykit/ray_setup.sh                       ($k stash)"
-  echo "part 2: .gpukit/nemokit/w1 .gpukit/raykit/deps .gpukit/p2                             ($k stash)"
-  echo "part 3: .gpukit/deps .gpukit/setup.sh .gpukit/nemokit/w2                               ($k stash)"
-  echo "part 4: .gpukit/raykit/ray.tar.xz .gpukit/nemokit/w3                                  ($k run ...)"
-  echo "part 5: .gpukit/loopskit .gpukit/megakit   (gpu_nemo_rl_loops.sh only: part 4 stashes, part 5 runs)"
+  # One list: what each part carries, and the command that takes it there.
+  parts=(".gpukit/p1 .gpukit/stash.sh .gpukit/raykit/ray_setup.sh"
+    ".gpukit/nemokit/w1 .gpukit/raykit/deps .gpukit/p2"
+    ".gpukit/deps .gpukit/setup.sh .gpukit/nemokit/w2"
+    ".gpukit/raykit/ray.tar.xz .gpukit/nemokit/w3"
+    ".gpukit/loopskit .gpukit/megakit")
+  how=("$k stash" "$k stash" "$k stash" "$k run ..." "gpu_nemo_rl_loops.sh only: part 4 stashes, part 5 runs")
+  for i in "${!parts[@]}"; do printf 'part %d: %-72s (%s)\n' $((i + 1)) "${parts[$i]}" "${how[$i]}"; done
   echo "        (sizes below count what exists)"
   # Each part travels with the repository: the working tree's files count against the same 64 MiB, by the space
   # they take on disk (whole blocks: 600 small files of the repository take 1 MiB more than their bytes).
   repo=$(git ls-files -co --exclude-standard -z | du -ck --files0-from=- 2>/dev/null | tail -1 | cut -f1)
-  n=0
-  for parts in ".gpukit/p1 .gpukit/stash.sh .gpukit/raykit/ray_setup.sh" \
-    ".gpukit/nemokit/w1 .gpukit/raykit/deps .gpukit/p2" ".gpukit/deps .gpukit/setup.sh .gpukit/nemokit/w2" \
-    ".gpukit/raykit/ray.tar.xz .gpukit/nemokit/w3" ".gpukit/loopskit .gpukit/megakit"; do
-    n=$((n + 1))
+  for i in "${!parts[@]}"; do
     # shellcheck disable=SC2086
-    kit=$(du -ckL $parts 2>/dev/null | tail -1 | cut -f1)
+    kit=$(du -ckL ${parts[$i]} 2>/dev/null | tail -1 | cut -f1)
     total=$((kit + repo))
-    echo "part $n: $((total / 1024)) MiB with the repository ($((repo / 1024)) MiB)$([ $total -gt 65536 ] &&
+    echo "part $((i + 1)): $((total / 1024)) MiB with the repository ($((repo / 1024)) MiB)$([ $total -gt 65536 ] &&
       echo ": OVER the 64 MiB limit")"
   done ;;
 stash)
