@@ -231,13 +231,17 @@ class _Donors:
     fenced, hold no co-resident rank and no non-GENERATION allocation, and whose rank is not protected: exactly the
     busy GPUs whose holder a candidate may shrink. A GPU outside it is idle, or one no candidate may take.
 
-    ``epoch`` counts the activations (every change of ``state`` in the loop); ``failed``: mapping shape
-    (``plan_state.shape_id``) -> the epoch in which an acceptor with ranks, not above its floor and with no rank
-    shrunk this cycle found no candidate. Another such acceptor of the same shape in the same epoch finds none
-    either: it sees the same donors (above their floor; neither acceptor is one) with the same budgets (``spare``)
-    over the same bundles, and the only candidates the two score differently, each one's own active ranks, fail
-    for the other (held by a cluster at its floor). In the pool layout a failed search of a TP-4 acceptor scored
-    ~90 candidates, and most acceptors that fail follow one that failed, with nothing changed in between.
+    ``epoch`` counts the activations (every change of ``state`` in the loop); ``failed``: (mapping shape
+    (``plan_state.shape_id``), budget kind) -> the epoch in which an acceptor of that shape with no rank shrunk this
+    cycle found no candidate, where the budget kind is ``floor`` for an acceptor with ranks and not above its floor,
+    ``idle`` / ``starving`` for one without ranks (with rollout work or not) that no pipeline owes a turn. Another
+    such acceptor of the same key in the same epoch finds none either: it sees the same donors with the same budgets
+    over the same bundles (a starving acceptor is nobody's donor; one at its floor is no donor of another such), and
+    the only candidates the two score differently, each one's own active ranks, fail for the other (held by a
+    cluster at its floor; a starving acceptor has none). In the pool layout a failed search of a TP-4 acceptor with
+    ranks scored ~90 candidates, a starving one's walked every awake rank of the pool (~1.5 ms at 2,048 GPUs, ~440
+    of them in two random busy decisions), and most acceptors that fail follow one that failed, with nothing changed
+    in between.
     """
 
     def __init__(self, state: PlanState, eligible: list[str], targets: dict[str, int], demands: dict[str, int]) -> None:
@@ -374,18 +378,21 @@ def _activate_one(
     starving = cid not in gen_active
     active = gen_active.get(cid, set())
     shrunk = state.shrunk.get(cid, set())
+    memo: tuple[int, str] | None = None  # (shape, budget kind) when the search is the same for every such acceptor
     if not starving:
         budget = donors_info.spare
+        if cid not in donors_info.surplus and not shrunk:
+            memo = (shape_id(spec), "floor")
     else:
-        budget = donors_info.spare_idle if _has_rollout_work(state, cid) else donors_info.spare_starving
+        work = _has_rollout_work(state, cid)
+        budget = donors_info.spare_idle if work else donors_info.spare_starving
         owers = _owers(state, spec.pipeline_id)
         if owers:  # fair turns: a donor that owes this pipeline a turn gives its last rank too
             budget = {**budget, **{d: len(r) for d, r in gen_active.items() if clusters[d].pipeline_id in owers}}
-    shape = None
-    if not starving and cid not in donors_info.surplus and not shrunk:
-        shape = shape_id(spec)
-        if donors_info.failed.get(shape) == donors_info.epoch:
-            return None  # an acceptor of this shape found no candidate in this very state (``_Donors.failed``)
+        elif not shrunk:
+            memo = (shape_id(spec), "idle" if work else "starving")
+    if memo is not None and donors_info.failed.get(memo) == donors_info.epoch:
+        return None  # an acceptor of this shape and budget found no candidate in this very state (``_Donors.failed``)
     # Candidates are bundles touching a rank of a donor with budget left (no free bundle exists). Donors are
     # visited by decreasing demand (``donor_order``) and their ranks by increasing GPU id (= increasing acceptor
     # rank, mappings being sorted and bundles contiguous), so the scan stops at the first single-victim candidate.
@@ -462,8 +469,8 @@ def _activate_one(
                         done = True  # later ranks of this donor map to higher acceptor ranks: they cannot beat it
                         break
     if best is None:
-        if shape is not None:
-            donors_info.failed[shape] = donors_info.epoch
+        if memo is not None:
+            donors_info.failed[memo] = donors_info.epoch
         return None
     for d, dr in best_victims:
         state.shrink(d, dr, "rebalance")
