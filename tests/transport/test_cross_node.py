@@ -27,6 +27,7 @@ from tests.harness.cross_node import (
     two_nodes,
 )
 
+pytestmark = pytest.mark.own_cluster
 ray = pytest.importorskip("ray")
 
 

@@ -22,7 +22,7 @@ from rlix_plugins.vllm import EXTENSION_CLS
 from rlix_plugins.vllm.driver import RayEngineRpc
 from tests.harness.cross_node import NODE_B_IP, EngineSender, on_node, two_nodes
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.own_cluster]
 ray = pytest.importorskip("ray")
 TIMEOUT_S = 60.0
 

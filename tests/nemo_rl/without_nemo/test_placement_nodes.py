@@ -14,10 +14,8 @@ a table that disagrees with where workers run is a clear error that leaves no gr
 from __future__ import annotations
 
 import dataclasses
-import shutil
 import subprocess
 import sys
-import tempfile
 from collections.abc import Iterator
 from typing import Any
 
@@ -29,48 +27,19 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from rlix_plugins.control.nodes import NodeTable, PlacementMismatchError, current_node_table
 from rlix_plugins.errors import RlixConfigError
 from rlix_plugins.nemo_rl.placement import _probe_location, placement_pool
-from tests.harness.cross_node import bindable
-from tests.harness.ray_session import no_auto_connect
+from tests.harness import cross_node
 
-SECOND_IP = "127.0.0.2"
+pytestmark = pytest.mark.own_cluster
+SECOND_IP = cross_node.NODE_B_IP
 
 
 @pytest.fixture(scope="module")
 def two_nodes() -> Iterator[Any]:
     """Head (this machine's node IP) + a raylet at 127.0.0.2, 2 GPUs and 8 logical CPUs each; the session's own
     Ray cluster, if one runs, is stopped for the module and started again after it."""
-    if not bindable(SECOND_IP):
-        pytest.skip(f"{SECOND_IP} cannot be bound on this machine (Linux routes 127.0.0.0/8 to lo; macOS does not)")
-    with no_auto_connect():
-        yield from _two_raylets()
-
-
-def _two_raylets() -> Iterator[Any]:
-    from ray.cluster_utils import Cluster
-
-    # The session's cluster (tests/conftest.py) is started again after the module with what it declared. (Not by
-    # importing conftest: as ``tests.conftest`` it would run again and switch the session's Ray token file.)
-    session = ray.cluster_resources() if ray.is_initialized() else None
-    if session is not None:
-        ray.shutdown()
-    # A private temp dir: Ray records a started head as "the" local cluster in its temp dir (/tmp/ray by default),
-    # where any plain ray.init() on the machine, another user's included, would then join it.
-    temp_dir = tempfile.mkdtemp(prefix="rlix-n-")
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 8, "num_gpus": 2, "include_dashboard": False,
-                                                            "temp_dir": temp_dir})
-    try:
-        cluster.add_node(num_cpus=8, num_gpus=2, node_ip_address=SECOND_IP, temp_dir=temp_dir,
-                         env_vars={"CUDA_VISIBLE_DEVICES": "2,3"})
-        cluster.wait_for_nodes(timeout=120)
-        ray.init(address=cluster.address, namespace="rlix_tests", log_to_driver=False)
+    with cross_node.two_nodes(num_cpus=8, num_gpus=2, node_b_env={"CUDA_VISIBLE_DEVICES": "2,3"},
+                              log_to_driver=False) as cluster:
         yield cluster
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
-        shutil.rmtree(temp_dir, ignore_errors=True)
-        if session is not None:
-            ray.init(num_cpus=int(session.get("CPU", 8)), num_gpus=int(session.get("GPU", 0)),
-                     include_dashboard=False, namespace="rlix_tests")
 
 
 @ray.remote(num_cpus=0)
