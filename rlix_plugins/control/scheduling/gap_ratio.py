@@ -264,7 +264,7 @@ class _Donors:
         self.holder: dict[int, tuple[str, int]] = {}
         self._refresh(state.owner)
         self.epoch = 0
-        self.failed: dict[int, int] = {}
+        self.failed: dict[tuple[int, str], int] = {}
 
     def _refresh(self, gpus: Iterable[int]) -> None:
         """Recompute ``holder`` for ``gpus`` from the state's owner, co-resident, non-generation and fence maps."""
