@@ -49,7 +49,8 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
 def _cmd_demo(args: argparse.Namespace) -> int:
     from rlix_plugins.demo.run import run_cli
 
-    return run_cli(args.pipelines, args.gpus, args.steps, args.out, args.address, args.sleep_level, args.force)
+    return run_cli(args.pipelines, args.gpus, args.steps, args.out, args.address, args.sleep_level, args.force,
+                   args.nodes)
 
 
 def _cmd_recipe(args: argparse.Namespace) -> int:
@@ -143,6 +144,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Ray cluster to join (default: RAY_ADDRESS, else start a local one for the demo)")
     p.add_argument("--pipelines", type=_positive_int, default=2, help="pipelines to run (default 2)")
     p.add_argument("--gpus", type=_positive_int, default=2, help="GPUs they share (declared to Ray on CPU; default 2)")
+    p.add_argument("--nodes", type=_positive_int, default=1,
+                   help="Ray nodes the GPUs span, --gpus / --nodes each (default 1); without --address, that many "
+                        "raylets start on this machine (node k at 127.0.0.k+1)")
     p.add_argument("--steps", type=_positive_int, default=3, help="training steps per pipeline (default 3)")
     p.add_argument("--out", default="out/demo", help="directory for timeline.png and summary.json (default out/demo)")
     p.add_argument("--force", action="store_true", help="overwrite the results of an earlier run in --out")

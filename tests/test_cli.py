@@ -157,8 +157,10 @@ def _earlier_run(tmp_path: Path) -> Path:
         (["--out", "{earlier}"], "holds an earlier run (summary.json); pass --force"),
         (["--pipelines", "1000", "--gpus", "2", "--out", "{fresh}"], "cannot fit here: at most"),
         (["--address", "127.0.0.1:{port}", "--out", "{fresh}"], "no Ray cluster reachable at '127.0.0.1:"),
+        (["--gpus", "3", "--nodes", "2", "--out", "{fresh}"], "--gpus must be a multiple of --nodes (e.g. --gpus 2)"),
     ],
-    ids=["unwritable-out", "out-is-a-file", "out-holds-earlier-run", "too-many-pipelines", "unreachable-address"],
+    ids=["unwritable-out", "out-is-a-file", "out-holds-earlier-run", "too-many-pipelines", "unreachable-address",
+         "gpus-not-a-multiple-of-nodes"],
 )
 def test_demo_bad_input_is_one_line_before_anything_starts(args: list[str], fragment: str, tmp_path: Path) -> None:
     earlier, fresh = _earlier_run(tmp_path), tmp_path / "fresh"

@@ -25,7 +25,7 @@ ALLOWED = {
      "previous = env.get(key, (os.environ if inherited is None else inherited).get(key))"):
         "the environment a Ray worker inherits, as a mapping, to build that worker's env",
     ("rlix_plugins/control/admin/local_cluster.py", "env = dict(os.environ)"): "builds `ray start`'s environment",
-    ("rlix_plugins/demo/engine.py", "os.environ.update(env or {})"): "write: the engine's env before vLLM",
+    ("rlix_plugins/demo/engine.py", "os.environ.update(env)"): "write: the engine's env before vLLM",
     ("rlix_plugins/vllm/engine_actor.py", "os.environ.update(env or {})"): "write: the engine's env before vLLM",
     ("rlix_plugins/demo/run.py", 'os.environ.setdefault("HF_HUB_OFFLINE", "1")'): "write: the demo runs offline",
     ("rlix_plugins/transport/_place.py", "os.environ.update({envs.RLIX_NODE_ID: found[0], envs.RLIX_NODE_IP: found[1]})"):

@@ -24,7 +24,8 @@ from typing import Any, Final
 
 import ray
 
-from rlix_plugins.errors import RlixTimeoutError, TransportError
+from rlix_plugins import envs
+from rlix_plugins.errors import RlixConfigError, RlixTimeoutError, TransportError
 
 __all__ = ["DemoEngine", "DemoFleet"]
 
@@ -37,12 +38,30 @@ class _Request:
     outputs: list[list[int]] = field(default_factory=list)
 
 
-class DemoEngine:
-    """One DP rank. ``env`` is applied before vLLM is imported (e.g. ``VLLM_ENABLE_V1_MULTIPROCESSING=0``)."""
+def gpu_of_slot(visible: str | None, slot: int) -> str:
+    """The ``CUDA_VISIBLE_DEVICES`` that shows a process only GPU ``slot`` of those its raylet sees: ``visible`` is
+    the raylet's own list (a raylet started on GPUs 2,3 of its machine has slot 0 = GPU 2), None or empty when
+    it saw every GPU (slot = the machine's index)."""
+    if not visible:
+        return str(slot)
+    ids = [v.strip() for v in visible.split(",") if v.strip()]
+    if not 0 <= slot < len(ids):
+        raise RlixConfigError(f"GPU {slot} of this node, but its raylet sees only CUDA_VISIBLE_DEVICES={visible!r}: "
+                              "start the raylet with every GPU it declares to Ray visible")
+    return ids[slot]
 
-    def __init__(self, dp_rank: int, llm_kwargs: dict[str, Any], env: dict[str, str] | None = None) -> None:
+
+class DemoEngine:
+    """One DP rank. ``env`` is applied before vLLM is imported (e.g. ``VLLM_ENABLE_V1_MULTIPROCESSING=0``).
+    ``gpu_slot``: on a GPU, the index of its GPU among those its raylet sees (the node table's local id)."""
+
+    def __init__(self, dp_rank: int, llm_kwargs: dict[str, Any], env: dict[str, str] | None = None, *,
+                 gpu_slot: int | None = None) -> None:
         """Imports vLLM (slow, touches no device); the engine itself is built by :meth:`load`."""
-        os.environ.update(env or {})
+        env = dict(env or {})
+        if gpu_slot is not None:
+            env[envs.CUDA_VISIBLE_DEVICES] = gpu_of_slot(envs.cuda_visible_devices(), gpu_slot)
+        os.environ.update(env)
         import vllm  # noqa: F401
 
         self.dp_rank = dp_rank

@@ -22,8 +22,10 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from rlix_plugins.control.coordinator import CoordinatorConfig
+from rlix_plugins.control.nodes import GpuLocation, NodeTable
 from rlix_plugins.pipeline.config import RuntimeConfig
 
 __all__ = ["DemoGate", "DemoPipeline", "PipelineSpec"]
@@ -120,8 +122,21 @@ def engine_kwargs(spec: PipelineSpec) -> tuple[dict[str, Any], dict[str, str]]:
     return kwargs, env
 
 
+def on_node(loc: GpuLocation) -> dict[str, Any]:
+    """Actor options that start it on the Ray node of ``loc`` (hard affinity: never elsewhere)."""
+    return {"scheduling_strategy": NodeAffinitySchedulingStrategy(node_id=loc.node_id, soft=False)}
+
+
+def place(table: NodeTable, gpu: int) -> tuple[int, int]:
+    """The comm plan's ``(node, gpu)`` of global GPU ``gpu``: node rank and the GPU's id on that node (the sync
+    checks it against where the worker reports it runs)."""
+    loc = table.locate(gpu)
+    return loc.node_rank, loc.local_gpu
+
+
 class DemoPipeline:
-    """Driver actor of one pipeline. ``run()`` returns a summary; ``events()`` streams per-step records."""
+    """Driver actor of one pipeline. ``run()`` returns a summary; ``events()`` streams per-step records. Its
+    trainer and engines run on the Ray nodes the control plane's node table names for their GPUs."""
 
     def __init__(self, spec: PipelineSpec, gate: Any = None) -> None:
         self.spec = spec
@@ -160,20 +175,22 @@ class DemoPipeline:
         ``resizer``, ``coordinator``): the chaos tools kill them through these."""
         return dict(self._actors)
 
-    def _spawn_engines(self) -> None:
-        """Start the engine actors (they import vLLM, touching no GPU) while the pipeline waits for grants."""
+    def _spawn_engines(self, table: NodeTable) -> None:
+        """Start the engine actors (they import vLLM, touching no GPU) while the pipeline waits for grants, each on
+        the Ray node the control plane's node table names for its GPU."""
         from rlix_plugins.demo.engine import DemoEngine
 
         spec = self.spec
         kwargs, env = engine_kwargs(spec)
         self.engines = []
         for rank, gpu in enumerate(spec.infer_devices):
+            loc = table.locate(gpu)
             env_vars = dict(env)
-            if spec.on_gpu:  # pin the rank to its GPU; Ray must not overwrite the mask (num_gpus=0 here)
-                env_vars.update(CUDA_VISIBLE_DEVICES=str(gpu), RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES="1")
+            if spec.on_gpu:  # the engine picks its GPU from its raylet's (DemoEngine); Ray must not set the mask
+                env_vars.update(RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES="1")
             actor: Any = ray.remote(DemoEngine).options(num_cpus=0, num_gpus=0, max_concurrency=64,
-                                                   runtime_env={"env_vars": env_vars}, max_restarts=0)
-            self.engines.append(actor.remote(rank, kwargs, env_vars))
+                                                   runtime_env={"env_vars": env_vars}, max_restarts=0, **on_node(loc))
+            self.engines.append(actor.remote(rank, kwargs, env_vars, gpu_slot=loc.local_gpu if spec.on_gpu else None))
 
     def _make_fleet(self) -> Any:
         """Fleet factory, run by the runtime under the INITIALIZATION grant of the inference GPUs."""
@@ -182,7 +199,7 @@ class DemoPipeline:
         spec = self.spec
         seconds = ray.get([e.load.remote() for e in self.engines], timeout=spec.runtime.init_timeout_s)
         self._emit(kind="engines", start_seconds=seconds)
-        return DemoFleet(self.engines, [[(0, g)] for g in spec.infer_devices])
+        return DemoFleet(self.engines, [[place(self._table, g)] for g in spec.infer_devices])
 
     def run(self) -> dict[str, Any]:
         from rlix_plugins.control import client
@@ -193,16 +210,19 @@ class DemoPipeline:
 
         spec = self.spec
         t_start = time.time()
-        trainer: Any = ray.remote(DemoTrainer).options(num_cpus=0, max_concurrency=4, max_restarts=0).remote(
-            spec.model_dir, spec.bucket_size_bytes, (0, spec.train_devices[0]), lr=spec.lr, seed=spec.seed)
+        cp = client.connect(create_if_missing=False)
+        self._table = table = cp.node_table()  # global GPU id -> (node, local GPU): where each actor runs
+        home = table.locate(spec.train_devices[0])
+        trainer: Any = ray.remote(DemoTrainer).options(num_cpus=0, max_concurrency=4, max_restarts=0,
+                                                       **on_node(home)).remote(
+            spec.model_dir, spec.bucket_size_bytes, place(table, spec.train_devices[0]), lr=spec.lr, seed=spec.seed)
         self._actors["trainer"] = trainer
-        self._spawn_engines()
+        self._spawn_engines(table)
         self._actors["engines"] = list(self.engines)
 
         def offload() -> None:
             ray.get(trainer.offload.remote(), timeout=spec.runtime.sync_timeout_s)
 
-        cp = client.connect(create_if_missing=False)
         rt = PipelineRuntime.register(cp, list(spec.train_devices), list(spec.infer_devices), config=spec.runtime,
                                       coordinator_config=spec.coordinator)
         self.pipeline_id = rt.pipeline_id

@@ -15,7 +15,7 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -190,25 +190,93 @@ def _quiet_stdout() -> Iterator[None]:
         os.close(saved)
 
 
-def _start_ray(gpus: int, address: str | None, on_gpu: bool) -> bool:
+def _start_ray(gpus: int, address: str | None, on_gpu: bool, nodes: int = 1) -> Callable[[], None] | None:
     """Join ``address``/RAY_ADDRESS (probed first: an unreachable one fails in seconds), else start a local
-    cluster of our own (declaring ``gpus`` GPUs on a CPU machine) with Ray's default token authentication."""
+    cluster of our own (declaring ``gpus`` GPUs on a CPU machine) with Ray's default token authentication: one
+    raylet, or ``nodes`` (:func:`_start_local_nodes`). Returns what ends a cluster of several raylets (None
+    otherwise: one raylet ends with this process)."""
     import ray
 
     from rlix_plugins.control.client import ensure_ray
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if ray.is_initialized():
-        return False
+        return None
     target = address or envs.ray_address()
     if target:
         ensure_ray(target)
-        return False
+        return None
+    if nodes > 1:
+        return _start_local_nodes(gpus, nodes, on_gpu)
     # address="local": a new cluster. Neither "auto" (any Ray cluster on the machine, e.g. another user's) nor
     # None (the last `ray start` head recorded in /tmp/ray); a cluster of `rlix up` is joined with --address.
     ray.init(address="local", num_gpus=None if on_gpu else gpus, num_cpus=max(8, os.cpu_count() or 2),
              include_dashboard=False, log_to_driver=False, namespace="rlix_demo")
-    return True
+    return None
+
+
+#: Addresses of the demo's extra raylets on one machine: node k >= 1 at 127.0.0.(k+1) (Linux routes all of 127/8 to
+#: loopback), so a rendezvous on the wrong node's address fails instead of passing by accident.
+def _node_ip(k: int) -> str:
+    return f"127.0.0.{k + 1}"
+
+
+def _start_local_nodes(gpus: int, nodes: int, on_gpu: bool) -> Callable[[], None]:
+    """``nodes`` raylets on this machine, as a cluster of that many machines is: the head on the machine's address,
+    node k at :func:`_node_ip`, each with ``gpus / nodes`` GPUs (on a GPU machine its own slice of them, by
+    ``CUDA_VISIBLE_DEVICES``, as a raylet per job is started on a shared host), in a private Ray temp directory
+    (no plain ``ray.init()`` on the machine joins it). Returns what ends it."""
+    import shutil
+    import socket
+    import tempfile
+
+    import ray
+    from ray.cluster_utils import Cluster
+
+    for k in range(1, nodes):
+        try:
+            with socket.socket() as sock:
+                sock.bind((_node_ip(k), 0))
+        except OSError as exc:
+            raise RlixConfigError(f"--nodes {nodes} on one machine puts node {k} at {_node_ip(k)}, which this machine "
+                                  f"cannot listen on ({exc}; Linux routes 127.0.0.0/8 to loopback, macOS does not): "
+                                  "run with --address on a cluster of several machines") from exc
+    per = gpus // nodes
+    temp_dir = tempfile.mkdtemp(prefix="rlix-demo-")
+
+    def node_args(k: int) -> dict[str, Any]:
+        out: dict[str, Any] = {"num_cpus": max(8, os.cpu_count() or 2), "num_gpus": per, "temp_dir": temp_dir,
+                               "include_dashboard": False}
+        if k:
+            out["node_ip_address"] = _node_ip(k)
+        if on_gpu:
+            out["env_vars"] = {envs.CUDA_VISIBLE_DEVICES: ",".join(str(k * per + j) for j in range(per))}
+        return out
+
+    cluster = Cluster(initialize_head=True, head_node_args=node_args(0))
+
+    def end() -> None:
+        ray.shutdown()
+        cluster.shutdown()
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+    try:
+        for k in range(1, nodes):
+            cluster.add_node(**node_args(k))
+        cluster.wait_for_nodes(timeout=120)
+        ray.init(address=cluster.address, namespace="rlix_demo", log_to_driver=False)
+    except BaseException:
+        end()
+        raise
+    return end
+
+
+def _check_nodes(table: Any, gpus: int, nodes: int) -> None:
+    """The demo's GPUs 0..gpus-1 must span exactly ``nodes`` nodes of the control plane's node table."""
+    spanned = sorted({table.locate(g).node_ip for g in range(gpus)})
+    if len(spanned) != nodes:
+        raise RlixConfigError(f"--nodes {nodes} --gpus {gpus}: the cluster's GPUs 0..{gpus - 1} are on "
+                              f"{len(spanned)} node(s) ({', '.join(spanned)}); `rlix status` lists its nodes")
 
 
 #: What an earlier run leaves in ``--out`` (``rlix demo`` refuses to overwrite it without ``--force``).
@@ -265,20 +333,27 @@ def _read_events(driver: Any, since: int, name: str, say: TextIO) -> list[dict[s
 
 
 def run_demo(pipelines: int = 2, gpus: int = 2, steps: int = 3, out: str | os.PathLike[str] = "out/demo", *,
-             address: str | None = None, prompts_per_step: int = 4, group_size: int = 4, max_tokens: int = 12,
+             nodes: int = 1, address: str | None = None, prompts_per_step: int = 4, group_size: int = 4,
+             max_tokens: int = 12,
              sleep_level: int = 2, kill_after_step: tuple[int, int] | None = None,
              stream: TextIO | None = None, force: bool = False, deadline_s: float | None = None) -> dict[str, Any]:
     """Run the demo; print progress to ``stream`` (stdout); write ``summary.json`` and ``timeline.png`` in ``out``.
 
     Before anything starts it checks the arguments, vLLM, ``out`` (writable; an earlier run's results there are
     overwritten only with ``force``) and that the pipelines fit this machine (``demo/capacity.py``).
+    ``nodes``: the GPUs span that many Ray nodes (``gpus / nodes`` each); without a cluster to join, that many
+    raylets start on this machine. Trainers and engines run on the node of their GPU, and weights cross nodes by
+    the broadcast.
     ``kill_after_step=(i, s)`` kills pipeline ``i``'s driver once it finished step ``s`` (failure-isolation demo).
     The pipelines must finish within ``deadline_s`` (default: the start-up bound plus one GPU-request bound per
     step); otherwise their drivers are killed and ``RlixTimeoutError`` names them.
     Returns the summary dict (also in ``summary.json``).
     """
-    if pipelines < 1 or gpus < 1 or steps < 1:
-        raise RlixConfigError(f"--pipelines {pipelines}, --gpus {gpus}, --steps {steps} must all be >= 1")
+    if pipelines < 1 or gpus < 1 or steps < 1 or nodes < 1:
+        raise RlixConfigError(f"--pipelines {pipelines}, --gpus {gpus}, --steps {steps}, --nodes {nodes} must all be >= 1")
+    if gpus % nodes:
+        raise RlixConfigError(f"--gpus {gpus} over --nodes {nodes}: every node has the same GPU count, so --gpus must "
+                              f"be a multiple of --nodes (e.g. --gpus {nodes * max(1, gpus // nodes)})")
     check_dependencies()
     on_gpu = _check_gpus(gpus, local=not (address or envs.ray_address()))
     runtime = RuntimeConfig(sleep_level=sleep_level, route_timeout_s=_ROUTE_TIMEOUT_S)
@@ -291,6 +366,21 @@ def run_demo(pipelines: int = 2, gpus: int = 2, steps: int = 3, out: str | os.Pa
         check_reachable(target)
     out_dir = make_out_dir(out, keep=OUTPUTS, force=force)
 
+    say = stream or sys.stdout
+    t_begin = time.time()
+    end_cluster = _start_ray(gpus, address, on_gpu, nodes)
+    try:
+        return _run(pipelines, gpus, steps, nodes, out_dir, runtime, on_gpu, prompts_per_step, group_size, max_tokens,
+                    kill_after_step, say, deadline_s, t_begin)
+    finally:
+        if end_cluster is not None:
+            end_cluster()
+
+
+def _run(pipelines: int, gpus: int, steps: int, nodes: int, out_dir: Path, runtime: RuntimeConfig, on_gpu: bool,
+         prompts_per_step: int, group_size: int, max_tokens: int, kill_after_step: tuple[int, int] | None,
+         say: TextIO, deadline_s: float | None, t_begin: float) -> dict[str, Any]:
+    """:func:`run_demo` once its Ray cluster runs."""
     import ray
 
     from rlix_plugins.control import client
@@ -298,16 +388,14 @@ def run_demo(pipelines: int = 2, gpus: int = 2, steps: int = 3, out: str | os.Pa
     from rlix_plugins.demo.pipeline import DemoGate, DemoPipeline, PipelineSpec
     from rlix_plugins.demo.tiny_model import build_tiny_qwen2
 
-    say = stream or sys.stdout
-    t_begin = time.time()
-    _start_ray(gpus, address, on_gpu)
     cp = client.connect()
     pool = cp.pool()
     if pool["num_gpus"] < gpus:
         raise RlixConfigError(f"--gpus {gpus} but the control plane's pool has {pool['num_gpus']} GPUs")
+    _check_nodes(cp.node_table(), gpus, nodes)
     t_trace = time.time()
-    print(f"rlix demo: {pipelines} pipelines time-sharing {gpus} {'GPUs' if on_gpu else 'declared GPUs (engines on CPU)'}, "
-          f"{steps} steps each", file=say, flush=True)
+    print(f"rlix demo: {pipelines} pipelines time-sharing {gpus} {'GPUs' if on_gpu else 'declared GPUs (engines on CPU)'}"
+          f"{f' on {nodes} nodes' if nodes > 1 else ''}, {steps} steps each", file=say, flush=True)
     specs = []
     with contextlib.suppress(Exception):
         from transformers.utils import logging as hf_logging
@@ -392,7 +480,7 @@ def run_demo(pipelines: int = 2, gpus: int = 2, steps: int = 3, out: str | os.Pa
     status = cp.status()
     allocated = {cid: a["gpus"] for cid, a in status["allocations"].items() if a["gpus"]}
     summary: dict[str, Any] = {
-        "pipelines": [], "gpus": gpus, "on_gpu": on_gpu, "wall_seconds": t_end - t_begin,
+        "pipelines": [], "gpus": gpus, "nodes": nodes, "on_gpu": on_gpu, "wall_seconds": t_end - t_begin,
         "syncs": len(syncs), "expands": sum(1 for r in syncs if r["op"] == "expand"),
         "all_syncs_verified": bool(syncs) and all(r["verified"] for r in syncs),
         "failed_expands": sum(1 for r in resizes if r["op"] == "expand_failed"),
@@ -443,7 +531,7 @@ def run_demo(pipelines: int = 2, gpus: int = 2, steps: int = 3, out: str | os.Pa
 
 
 def run_cli(pipelines: int, gpus: int, steps: int, out: str, address: str | None, sleep_level: int,
-            force: bool = False) -> int:
-    summary = run_demo(pipelines, gpus, steps, out, address=address, sleep_level=sleep_level, force=force)
+            force: bool = False, nodes: int = 1) -> int:
+    summary = run_demo(pipelines, gpus, steps, out, nodes=nodes, address=address, sleep_level=sleep_level, force=force)
     ok = all(p["steps"] == steps and not p["error"] for p in summary["pipelines"])
     return 0 if ok and summary["all_syncs_verified"] and not summary["allocated_at_end"] else 1
