@@ -141,12 +141,12 @@ def copy_probe(worker: Any, payload: dict[str, Any], repeats: int, scratch_only:
     address instead of a copy engine), (b) into the parameters as a direct sync does (no checksums, no finalize),
     by a copy engine and (``params_sm_GBps``) by the SMs as an expand does, (c) (a) again; best of ``repeats``."""
     from rlix_plugins.transport import device_view, open_host_pull
-    from rlix_plugins.vllm.receiver import layout_key
+    from rlix_plugins.vllm.receive_state import layout_key
 
     opened = open_host_pull(payload, pin=True)
     total = sum(m.used_bytes for m, _ in opened)
     state = worker._rlix()
-    direct = [state.direct.get(layout_key(m)) for m, _ in opened]
+    direct = [state.layouts.direct.get(layout_key(m)) for m, _ in opened]
     scratch = worker._rlix_kept[:total] if kept else torch.empty(total, dtype=torch.uint8, device=worker.device)
 
     def timed(fn: Any) -> float:

@@ -33,6 +33,11 @@ EngineCore->worker hop cannot pickle tensors; everything is positional so NeMo R
 * ``rlix_finish_weight_update(sync_id, expected)`` - both of the above in one call (``expected`` None: no
   verification), after the sync's host reads; ``{"finalized", "verified", "prefix_cache_reset"}``.
 
+Where the parts live: this module has the methods and what every sync does (begin, accept, finalize, verify);
+host_pull's two GPU ways to land a bucket are :mod:`.pull_buffered` (receive buffers, the loader's recorded copies) and
+:mod:`.pull_direct` (straight into the parameters); :mod:`.receive_state` keeps the state between calls, with one
+owner of what is known per bucket layout (``Layouts``); :mod:`.receive_checksums` and :mod:`.profiling` are helpers.
+
 Apply modes (``apply_mode``; ``"auto"`` = staged on CPU, eager elsewhere):
 
 * ``"staged"`` - received tensors are kept (on the worker's device; cuda_ipc views are cloned) until finalize, which
@@ -45,28 +50,24 @@ Apply modes (``apply_mode``; ``"auto"`` = staged on CPU, eager elsewhere):
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from rlix_plugins import envs, transport
+from rlix_plugins import transport
 from rlix_plugins.errors import RlixConfigError, TransportError, WeightVerificationError, carried_in_text
 from rlix_plugins.transport import finish_checksums, start_checksums, verify_checksums
-from rlix_plugins.transport._checksum import segment_checksums
-from rlix_plugins.transport._checksum_kernel import KernelChecksums, kernel_checksums, self_check
-from rlix_plugins.transport._copy_kernel import KernelCopies, kernel_copies
 from rlix_plugins.vllm.internals import runner_model, sleeping_weight_backups
-from rlix_plugins.vllm.loading import WeightLoader, refresh_cpu_packed_copies, select_loader
-from rlix_plugins.vllm.replay import BucketReplay, CopyRecorder, DirectCopies, parameter_storages
+from rlix_plugins.vllm.loading import refresh_cpu_packed_copies, select_loader
+from rlix_plugins.vllm.profiling import PROFILE_CALLS, PROFILE_PULL, profiled, python_profiled
+from rlix_plugins.vllm.pull_buffered import pull_through_buffers
+from rlix_plugins.vllm.pull_direct import landed_checksums, pull_direct
+from rlix_plugins.vllm.receive_checksums import live_checksums
+from rlix_plugins.vllm.receive_state import ReceiverState, Sync, layout_key
+from rlix_plugins.vllm.replay import parameter_storages
 
 if TYPE_CHECKING:
     import torch
-
-    from rlix_plugins.transport import BucketMeta
 
 __all__ = ["APPLY_MODES", "RECEIVER_METHODS", "RlixReceiverMixin"]
 
@@ -82,73 +83,6 @@ RECEIVER_METHODS = (
     "verify_model",
 )
 APPLY_MODES = ("auto", "staged", "eager")
-
-
-@dataclass
-class _Sync:
-    """What one worker received in one sync (``sync_id``) and has not finalized yet."""
-
-    sync_id: str
-    mode: str
-    staged: list[tuple[str, torch.Tensor]] = field(default_factory=list)
-    #: launched, not yet read: (names, nbytes, (n, 3) int32 partial sums) - read once, at finalize
-    pending_sums: list[tuple[list[str], list[int], torch.Tensor]] = field(default_factory=list)
-    buckets: int = 0
-    loaded_eagerly: bool = False
-    #: host_pull straight into the parameters: the layouts used, and the event after their last host read
-    direct: list[tuple[BucketMeta, DirectCopies]] = field(default_factory=list)
-    reads_done: Any = None
-    #: a direct pull's checksums of the landed bytes, launched per bucket as its copies land: (names, pieces, partial)
-    landed_sums: list[tuple[tuple[str, ...], list[list[Any]], Any]] = field(default_factory=list)
-    landed_done: Any = None
-    #: layouts first recorded in this sync: (meta, key, replay) - checked for the direct form at finalize
-    recorded: list[tuple[BucketMeta, tuple[Any, ...], BucketReplay]] = field(default_factory=list)
-    #: host_pull: per layout key, the address of the pages this sync read it from (a new direct layout's copy plan)
-    sources: dict[tuple[Any, ...], int] = field(default_factory=dict)
-
-    def wait_reads(self) -> None:
-        """Block until every host page read of this sync landed (the sender may then rebuild its cache)."""
-        if self.reads_done is not None:
-            self.reads_done.synchronize()
-
-    def checksums(self) -> dict[str, list[int]]:
-        """Read every launched checksum (one host sync for the whole sync)."""
-        out: dict[str, list[int]] = {}
-        for names, nbytes, partial in self.pending_sums:
-            out.update(zip(names, finish_checksums(nbytes, partial), strict=True))
-        return out
-
-
-@dataclass
-class _State:
-    loader: WeightLoader
-    sync: _Sync | None = None
-    #: checksums of every parameter this worker finalized, latest value per name
-    model_checksums: dict[str, list[int]] = field(default_factory=dict)
-    finalized: list[str] = field(default_factory=list)
-    #: an eager sync failed half-way: the model holds a mix of weights until the next finalize
-    dirty: bool = False
-    buckets_total: int = 0
-    #: side stream for host_pull's host->device copies (created on the first pull)
-    copy_stream: Any = None
-    #: where the last sync's time went on this worker (seconds per phase; ``rlix_receiver_info``)
-    timing: dict[str, float] = field(default_factory=dict)
-    pulls: int = 0
-    finishes: int = 0
-    #: host_pull: per bucket layout, the loader's copies recorded at its first load (:mod:`.replay`)
-    replays: dict[tuple[Any, ...], BucketReplay] = field(default_factory=dict)
-    no_replay: set[tuple[Any, ...]] = field(default_factory=set)
-    #: host_pull: layouts whose recorded copies go straight from the host pages into the parameters
-    direct: dict[tuple[Any, ...], DirectCopies] = field(default_factory=dict)
-    #: side stream for the checksums of a direct pull (they follow each bucket's copies)
-    check_stream: Any = None
-    #: direct layout (``id`` of a ``direct`` value) -> its landed-bytes checksum plan
-    landed_plans: dict[int, PiecesChecksums | KernelChecksums] = field(default_factory=dict)
-    #: direct layout (``id``) -> its SM copy plan from the pages it was last read from (an expand's copies)
-    copy_plans: dict[int, KernelCopies] = field(default_factory=dict)
-    #: checksums of parameter bytes as the last finalize left them, with the address of the one piece holding them
-    #: (None: several pieces); one use: that sync's ``verify_model``
-    landed: dict[str, tuple[list[int], int | None]] = field(default_factory=dict)
 
 
 def _install_engine_hook() -> None:
@@ -173,10 +107,10 @@ class RlixReceiverMixin:
     """
 
     # ---------------------------------------------------------------- state
-    def _rlix(self) -> _State:
-        state: _State | None = getattr(self, "_rlix_state", None)
+    def _rlix(self) -> ReceiverState:
+        state: ReceiverState | None = getattr(self, "_rlix_state", None)
         if state is None:
-            state = _State(loader=select_loader(self))
+            state = ReceiverState(loader=select_loader(self))
             self._rlix_state = state
             _install_engine_hook()
         return state
@@ -203,7 +137,7 @@ class RlixReceiverMixin:
             )
         return apply_mode
 
-    def _rlix_begin(self, sync_id: str, apply_mode: str) -> _Sync:
+    def _rlix_begin(self, sync_id: str, apply_mode: str) -> Sync:
         state = self._rlix()
         mode = self._rlix_mode(apply_mode)
         if state.sync is not None and state.sync.sync_id != sync_id:
@@ -211,13 +145,13 @@ class RlixReceiverMixin:
             logger.warning("rlix: dropping unfinalized sync %s (new sync %s)", state.sync.sync_id, sync_id)
             self._rlix_drop(state)
         if state.sync is None:
-            state.sync = _Sync(sync_id=sync_id, mode=mode)
+            state.sync = Sync(sync_id=sync_id, mode=mode)
         elif state.sync.mode != mode:
             raise RlixConfigError(f"sync {sync_id}: apply_mode changed from {state.sync.mode} to {mode} mid-sync")
         return state.sync
 
     @staticmethod
-    def _rlix_drop(state: _State) -> None:
+    def _rlix_drop(state: ReceiverState) -> None:
         if state.sync is not None:
             state.sync.wait_reads()  # no copy may still write into parameters (or read pages) once dropped,
             if state.sync.landed_done is not None:  # nor a checksum read them (a sleep may unmap them next)
@@ -226,7 +160,7 @@ class RlixReceiverMixin:
                 state.dirty = True
         state.sync = None
 
-    def _rlix_accept(self, sync: _Sync, named: list[tuple[str, torch.Tensor]], *, borrowed: bool) -> int:
+    def _rlix_accept(self, sync: Sync, named: list[tuple[str, torch.Tensor]], *, borrowed: bool) -> int:
         """Checksum, then load (eager) or keep (staged). ``borrowed``: the views alias a buffer we do not
         own (cuda_ipc: the sender's staging buffer), so staged mode must clone them."""
         sync.pending_sums.append(
@@ -349,7 +283,7 @@ class RlixReceiverMixin:
             raise
         t_post = time.perf_counter()
         received = sync.checksums()
-        state.landed = self._rlix_landed(sync, received)
+        state.landed = landed_checksums(self, state, sync, received)
         if sync.direct:
             received.update((name, checksum) for name, (checksum, _) in state.landed.items())
         state.model_checksums.update(received)
@@ -373,7 +307,7 @@ class RlixReceiverMixin:
         verify_model's result or None, "prefix_cache_reset": None}``."""
         state = self._rlix()
         state.finishes += 1
-        with python_profiled(f"finish{state.finishes}", _PROFILE_CALLS):
+        with python_profiled(f"finish{state.finishes}", PROFILE_CALLS):
             return self._rlix_finish(sync_id, expected)
 
     def _rlix_finish(self, sync_id: str, expected: dict[str, list[int]] | None) -> dict[str, Any]:
@@ -434,22 +368,22 @@ class RlixReceiverMixin:
         return {"received": len(received), "live_checked": len(live)}
 
     # ---------------------------------------------------------------- host_pull
-    def _rlix_pull(self, sync: _Sync, payload: dict[str, Any]) -> int:
+    def _rlix_pull(self, sync: Sync, payload: dict[str, Any]) -> int:
         state = self._rlix()
         state.pulls += 1
         t0 = time.perf_counter()
-        with profiled(f"pull{state.pulls}", state.pulls == _PROFILE_PULL), \
-                python_profiled(f"pullcall{state.pulls}", _PROFILE_CALLS):
+        with profiled(f"pull{state.pulls}", state.pulls == PROFILE_PULL), \
+                python_profiled(f"pullcall{state.pulls}", PROFILE_CALLS):
             count = self._rlix_pull_buckets(sync, payload)
         state.timing["pull_call_s"] = time.perf_counter() - t0  # the whole call on this worker (RPC aside)
         return count
 
-    def _rlix_pull_buckets(self, sync: _Sync, payload: dict[str, Any]) -> int:
-        """Every bucket of a ``host_pull`` sync, in one call: map the sender's pinned pages (once per
-        process), copy host -> GPU on a side stream into two alternating receive buffers, and load group by
-        group as soon as a group's bytes landed (the next copies overlap the current loads); checksums
-        run on the received bytes, batched per bucket. Returns after the last host read (the sender may
-        rebuild its cache once every receiver returned)."""
+    def _rlix_pull_buckets(self, sync: Sync, payload: dict[str, Any]) -> int:
+        """Every bucket of a ``host_pull`` sync, in one call: map the sender's pinned pages (once per process),
+        then land them one of three ways: on vLLM-CPU the mapped pages are the tensors; on a GPU, straight into the
+        parameters when every bucket's layout is direct and the sync is eager (:mod:`.pull_direct`), else through
+        receive buffers (:mod:`.pull_buffered`). Returns after the last host read (the sender may rebuild its cache
+        once every receiver returned), except a deferred direct pull (see :func:`.pull_direct.pull_direct`)."""
         import torch
 
         device = self._rlix_device()
@@ -463,235 +397,15 @@ class RlixReceiverMixin:
             state.copy_stream = torch.cuda.Stream(device)
         params = parameter_storages(runner_model(self))
         if sync.mode == "eager":
-            direct = [state.direct.get(layout_key(m)) for m, _ in opened]
-            if all(d is not None and d.valid(params) for d in direct):
+            keys = [layout_key(m) for m, _ in opened]
+            direct = state.layouts.direct_for(keys, params)
+            if direct is not None:
                 t_checked = time.perf_counter()
-                count = self._rlix_pull_direct(sync, opened, direct, deferred=bool(payload.get("deferred")),  # type: ignore[arg-type]
-                                               sm_reads=bool(payload.get("overlaps_wake")))
+                count = pull_direct(self, state, sync, opened, keys, direct, deferred=bool(payload.get("deferred")),
+                                    sm_reads=bool(payload.get("overlaps_wake")))
                 state.timing.update(pull_open_s=t_opened - t0, pull_check_layouts_s=t_checked - t_opened)
                 return count
-        copy_stream, main = state.copy_stream, torch.cuda.current_stream(device)
-        capacity = max((transport.align_up(m.used_bytes) for m, _ in opened), default=0)
-        count = min(2, len(opened))
-        largest = max((m.largest() for m, _ in opened), key=lambda t: t[1], default=("", 0))
-        transport.check_device_capacity(count * capacity, device, what=f"host_pull receive buffers ({count})",
-                                        largest=largest)
-        receive = [torch.empty(capacity, dtype=torch.uint8, device=device) for _ in range(count)]
-        loaded: list[Any] = [None] * len(opened)
-        landed: list[list[tuple[list[int], Any]]] = [[] for _ in opened]
-
-        def copy_in(i: int) -> None:
-            meta, host = opened[i]
-            buf = receive[i % count]
-            with torch.cuda.stream(copy_stream):
-                if i >= count:
-                    copy_stream.wait_event(loaded[i - count])  # the buffer's previous bucket was loaded
-                # zero the rest of the last row first: the checksums read whole rows, and they wait only on the
-                # group events below (a zero queued after them raced the checksum: caught by verification)
-                buf[meta.used_bytes : transport.align_up(meta.used_bytes)].zero_()
-                for group, lo, hi in group_ranges(meta):
-                    buf[lo:hi].copy_(host[lo:hi], non_blocking=True)
-                    done = torch.cuda.Event()
-                    done.record(copy_stream)
-                    landed[i].append((group, done))
-
-        tensors = replayed = 0
-        t0 = time.perf_counter()
-        load_s = 0.0
-        for i in range(count):
-            copy_in(i)
-        for i, (meta, host) in enumerate(opened):
-            buf = receive[i % count]
-            views = transport.unpack_bucket(meta, buf)
-            key = layout_key(meta)
-            sync.sources[key] = host.data_ptr()
-            replay = state.replays.get(key) if sync.mode == "eager" else None
-            if replay is not None and not replay.valid(params):
-                logger.warning("rlix: parameters moved since bucket %d's load was recorded: loading it again", meta.index)
-                state.replays.pop(key, None)
-                state.direct.pop(key, None)
-                state.landed_plans.clear()
-                state.copy_plans.clear()
-                replay = None
-            record = sync.mode == "eager" and replay is None and key not in state.no_replay
-            recorders: list[CopyRecorder] = []
-            for g, (group, done) in enumerate(landed[i]):
-                main.wait_event(done)
-                named = [views[k] for k in group]
-                if sync.mode == "eager":
-                    t_load = time.perf_counter()
-                    if replay is not None:
-                        replay.apply(g, buf)
-                    elif record:
-                        recorders.append(CopyRecorder(buf))
-                        with recorders[-1]:
-                            state.loader.load(self, named)
-                    else:
-                        state.loader.load(self, named)
-                    load_s += time.perf_counter() - t_load
-                    sync.loaded_eagerly = True
-                else:
-                    sync.staged.extend((name, t.clone()) for name, t in named)
-            replayed += replay is not None
-            if record:
-                built = BucketReplay.from_recording(recorders, params)
-                if built is None:
-                    state.no_replay.add(key)
-                    logger.info("rlix: bucket %d is loaded by the model's loader every sync (%s)", meta.index,
-                                next((r.foreign for r in recorders if r.foreign), "copies into non-parameters"))
-                else:
-                    state.replays[key] = built
-                    sync.recorded.append((meta, key, built))
-            nbytes = [meta.nbytes(k) for k in range(len(meta.names))]
-            padded = receive[i % count][: transport.align_up(meta.used_bytes)]
-            sync.pending_sums.append(
-                (list(meta.names), nbytes, transport.bucket_checksums(padded, list(meta.offsets), nbytes))
-            )
-            loaded[i] = torch.cuda.Event()
-            loaded[i].record(main)
-            if i + count < len(opened):
-                copy_in(i + count)
-            sync.buckets += 1
-            state.buckets_total += 1
-            tensors += len(views)
-        t_issued = time.perf_counter()
-        copy_stream.synchronize()  # every host read is done before we return
-        state.timing = {"pull_issue_s": t_issued - t0, "pull_load_s": load_s, "pull_replayed_buckets": replayed,
-                        "pull_wait_copies_s": time.perf_counter() - t_issued}
-        return tensors
-
-    def _rlix_pull_direct(self, sync: _Sync, opened: list[tuple[BucketMeta, Any]], direct: list[DirectCopies],
-                          *, deferred: bool, sm_reads: bool = False) -> int:
-        """Every bucket straight from the sender's pinned pages into the parameters: one host->device copy per
-        recorded range, on the side stream, ordered after the work already queued on the model. ``deferred``: return
-        once the copies are queued (the sender's ``after_issue`` work - the KV cache's wake - overlaps them, and
-        ``rlix_finish_weight_update`` is the barrier); otherwise return after the last host read. ``sm_reads`` (an
-        expand: memory is being mapped): one copy kernel per bucket reads the pages through their device address,
-        since the driver's work on the memory a wake maps halves copy-engine throughput - a triton kernel of few
-        programs (:mod:`rlix_plugins.transport._copy_kernel`: a shallow PCIe read queue does not hold the KV wake
-        back), torch's foreach copy where it is unavailable. Verified at finalize, on the parameters themselves."""
-        import torch
-
-        state = self._rlix()
-        stream = state.copy_stream
-        if state.check_stream is None:
-            state.check_stream = torch.cuda.Stream(self._rlix_device())
-        t0 = time.perf_counter()
-        stream.wait_stream(torch.cuda.current_stream(self._rlix_device()))
-        landed = []
-        kernel = 0
-        with torch.cuda.stream(stream):
-            for (_, host), layout in zip(opened, direct, strict=True):
-                if sm_reads:
-                    view = transport.device_view(host, self._rlix_device())
-                    plan = self._rlix_copy_plan(layout, view.data_ptr())
-                    if plan is not None:
-                        plan.launch()
-                        kernel += 1
-                        landed.append(torch.cuda.Event())
-                        landed[-1].record(stream)
-                        continue
-                    dsts, srcs = layout.word_copies(view)
-                else:
-                    dsts, srcs = [dst for dst, _, _ in layout.copies], [host[lo:hi] for _, lo, hi in layout.copies]
-                torch._foreach_copy_(dsts, srcs, non_blocking=True)
-                landed.append(torch.cuda.Event())
-                landed[-1].record(stream)
-            sync.reads_done = torch.cuda.Event()
-            sync.reads_done.record(stream)
-        t_copies = time.perf_counter()
-        # The checksums of what landed, bucket by bucket as its copies finish (they read the parameters on the GPU
-        # while the next buckets cross PCIe): the sync's verification costs little more than the last bucket's sums.
-        check = state.check_stream
-        with torch.cuda.stream(check):
-            for (meta, _), layout, event in zip(opened, direct, landed, strict=True):
-                check.wait_event(event)
-                sync.landed_sums.append((meta.names, layout.pieces, self._rlix_landed_plan(layout).start()))
-            sync.landed_done = torch.cuda.Event()
-            sync.landed_done.record(check)
-        sync.direct.extend((meta, layout) for (meta, _), layout in zip(opened, direct, strict=True))
-        sync.loaded_eagerly = True
-        sync.buckets += len(opened)
-        state.buckets_total += len(opened)
-        t_issued = time.perf_counter()
-        if not deferred:
-            sync.wait_reads()
-        state.timing = {"pull_issue_s": t_issued - t0, "pull_issue_checksums_s": t_issued - t_copies,
-                        "pull_direct_copies": sum(len(d.copies) for d in direct), "pull_deferred": deferred,
-                        "pull_sm_reads": sm_reads, "pull_copy_kernel_buckets": kernel,
-                        "pull_checksum_kernel": all(isinstance(state.landed_plans.get(id(d)), KernelChecksums)
-                                                    for d in direct),
-                        "pull_wait_copies_s": time.perf_counter() - t_issued}
-        return sum(len(m.names) for m, _ in opened)
-
-    def _rlix_landed(self, sync: _Sync, received: dict[str, list[int]]) -> dict[str, tuple[list[int], int | None]]:
-        """Checksums of the bytes in the parameters after a direct pull (what verification reads; launched by the pull as
-        each bucket landed), and a check of the layouts this sync recorded: one becomes direct when its copies tile its
-        tensors and the parameters, after the loader's post-processing, hold exactly the received bytes (a
-        post-processing that rewrites weights keeps the layout on the receive-buffer path; one that leaves them as
-        they are lets a direct sync's sums, taken before it, stand for the parameters after it)."""
-        state = self._rlix()
-        landed: dict[str, tuple[list[int], int | None]] = {}
-        for names, pieces, partial in sync.landed_sums:
-            sums = finish_checksums([sum(p.numel() for p in item) for item in pieces], partial)
-            landed.update((name, (sum_, item[0].data_ptr() if len(item) == 1 else None))
-                          for name, item, sum_ in zip(names, pieces, sums, strict=True))
-        items: list[tuple[str, list[Any]]] = []
-        candidates: list[tuple[tuple[Any, ...], BucketMeta, DirectCopies]] = []
-        for meta, key, replay in sync.recorded:
-            found = DirectCopies.from_replay(replay, meta.offsets, [meta.nbytes(k) for k in range(len(meta.names))])
-            if isinstance(found, str):
-                logger.info("rlix: bucket %d stays on the receive-buffer path: %s", meta.index, found)
-                continue
-            candidates.append((key, meta, found))
-        for meta, layout in ((m, d) for _, m, d in candidates):
-            items.extend(zip(meta.names, layout.pieces, strict=True))
-        if not items:
-            return landed
-        t0 = time.perf_counter()
-        plan = PiecesChecksums([pieces for _, pieces in items])  # a first load: once per layout
-        sums = finish_checksums(plan.nbytes, plan.start())
-        if self._rlix_device().type == "cuda":  # the checksum kernel's one comparison (and compile) per process
-            self_check([pieces for _, pieces in items], sums)
-        landed.update((name, (sum_, pieces[0].data_ptr() if len(pieces) == 1 else None))
-                      for (name, pieces), sum_ in zip(items, sums, strict=True))
-        state.timing["finalize_candidate_checksums_s"] = time.perf_counter() - t0
-        for key, meta, found in candidates:
-            if all(landed[n][0] == received.get(n) for n in meta.names):
-                state.direct[key] = found
-                state.landed_plans.clear()
-                state.copy_plans.clear()
-            else:
-                logger.info("rlix: bucket %d stays on the receive-buffer path: the parameters differ from the received "
-                            "bytes after post-processing", meta.index)
-        if self._rlix_device().type == "cuda":  # the plans now, not in the next pull: building one is a blocking copy
-            for key, layout in state.direct.items():
-                self._rlix_landed_plan(layout)
-                if key in sync.sources:
-                    self._rlix_copy_plan(layout, sync.sources[key])
-        return landed
-
-    def _rlix_copy_plan(self, layout: DirectCopies, source: int) -> KernelCopies | None:
-        """The SM copy plan of a direct layout from the pages at ``source`` (built when the layout became direct, again
-        if the pages moved); None where the copy kernel is unavailable (:mod:`rlix_plugins.transport._copy_kernel`)."""
-        plans = self._rlix().copy_plans
-        plan = plans.get(id(layout))
-        if plan is None or plan.source != source:
-            built = kernel_copies(source, [(dst.data_ptr(), lo, hi) for dst, lo, hi in layout.copies],
-                                  self._rlix_device())
-            if built is None:
-                return None
-            plan = plans[id(layout)] = built
-        return plan
-
-    def _rlix_landed_plan(self, layout: DirectCopies) -> PiecesChecksums | KernelChecksums:
-        """The landed-bytes checksum plan of a direct layout, built once: one kernel launch when the kernel passed
-        its self-check (:mod:`rlix_plugins.transport._checksum_kernel`), else ~40 torch ops per 256 MiB."""
-        plans = self._rlix().landed_plans
-        plan = plans.get(id(layout))
-        if plan is None:
-            plan = plans[id(layout)] = kernel_checksums(layout.pieces) or PiecesChecksums(layout.pieces)
-        return plan
+        return pull_through_buffers(self, state, sync, opened, params)
 
     def rlix_discard_weight_backup(self) -> int:
         """Level 1: drop the CPU copy of the sleeping weights so that the next wake only allocates (a sync
@@ -748,10 +462,7 @@ class RlixReceiverMixin:
             "finalized": list(state.finalized),
             "dirty": state.dirty,
             "buckets_total": state.buckets_total,
-            "direct_layouts": len(state.direct),
-            #: direct layouts whose checksum plan is built (all, after the sync that made them direct), by kind
-            "landed_plans": sorted(type(p).__name__ for p in state.landed_plans.values()),
-            "copy_plans": len(state.copy_plans),
+            **state.layouts.info(),
             "timing": dict(state.timing),
         }
 
@@ -762,172 +473,3 @@ def _verify(expected: dict[str, list[int]], actual: dict[str, list[int]], contex
         verify_checksums(expected, actual, context=context)
     except WeightVerificationError as exc:
         raise carried_in_text(exc) from None
-
-
-#: bytes per load group of a host_pull bucket: the loader starts on a group as soon as it landed
-GROUP_BYTES = 64 << 20
-
-
-def layout_key(meta: BucketMeta) -> tuple[Any, ...]:
-    """What makes two buckets load the same way: names, offsets and dtypes (shapes follow from the model)."""
-    return (meta.names, meta.offsets, meta.dtypes)
-
-
-def group_ranges(meta: Any) -> list[tuple[list[int], int, int]]:
-    """Tensor indices of ``meta`` in consecutive groups of about ``GROUP_BYTES`` (a large tensor alone), each with
-    its byte range ``[lo, hi)``. The ranges tile ``[0, used_bytes)`` - padding between groups included: the
-    checksums read it (zero on the sender's side) - so a group ends where the next one starts."""
-    groups: list[list[int]] = []
-    size = 0
-    for k in range(len(meta.names)):
-        nbytes = meta.nbytes(k)
-        if groups and size + nbytes <= GROUP_BYTES:
-            groups[-1].append(k)
-            size += nbytes
-        else:
-            groups.append([k])
-            size = nbytes
-    starts = [meta.offsets[g[0]] if i else 0 for i, g in enumerate(groups)]
-    ends = [*starts[1:], meta.used_bytes]
-    return [(g, lo, hi) for g, lo, hi in zip(groups, starts, ends, strict=True)]
-
-
-#: ``RLIX_PROFILE_PULL=N``: profile this worker's N-th host_pull with the torch profiler (where a sync's time goes)
-_PROFILE_PULL = envs.profile_pull()
-#: ``RLIX_PROFILE_CALLS=1``: profile the host Python of every pull and finish call (cProfile, to ``RLIX_PROFILE_DIR``)
-_PROFILE_CALLS = envs.profile_calls()
-
-
-@contextlib.contextmanager
-def python_profiled(name: str, active: bool) -> Iterator[None]:
-    """When ``active`` and ``RLIX_PROFILE_DIR`` is set: cProfile around the block, the 40 costliest calls by
-    cumulative time to ``<dir>/<name>_<pid>.txt`` (where host time goes in Python: the torch profiler sees ops)."""
-    out = envs.profile_dir()
-    if not (active and out):
-        yield
-        return
-    import cProfile
-    import io
-    import pstats
-
-    prof = cProfile.Profile()
-    prof.enable()
-    try:
-        yield
-    finally:
-        prof.disable()
-        text = io.StringIO()
-        pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(40)
-        with open(os.path.join(out, f"{name}_{os.getpid()}.txt"), "w", encoding="utf-8") as fh:
-            fh.write(text.getvalue())
-
-
-@contextlib.contextmanager
-def profiled(name: str, active: bool) -> Iterator[None]:
-    """When ``active``: torch profiler (CPU + CUDA) around the block; the op table goes to the log and, with
-    ``RLIX_PROFILE_DIR`` set, to ``<dir>/<name>_<pid>.txt`` next to a Chrome trace (the timeline)."""
-    if not active:
-        yield
-        return
-    import torch
-
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA],
-                                with_stack=True) as prof:
-        yield
-    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
-    logger.warning("rlix: profile of %s\n%s", name, table)
-    out = envs.profile_dir()
-    if out:
-        with open(os.path.join(out, f"{name}_{os.getpid()}.txt"), "w", encoding="utf-8") as fh:
-            fh.write(table)
-        prof.export_chrome_trace(os.path.join(out, f"{name}_{os.getpid()}.trace.json"))
-
-
-#: bytes per scratch chunk of the live check (params copied side by side, then checksummed as one bucket)
-LIVE_CHUNK_BYTES = 256 << 20
-
-
-def live_checksums(tensors: list[Any], batched: bool | None = None) -> Any:
-    """:func:`start_checksums` of model parameters with a handful of kernels (:func:`pieces_checksums`). One
-    kernel chain per parameter cost 23-31 ms for a 1.5B model's live check on the H100."""
-    if not tensors or not (tensors[0].device.type == "cuda" if batched is None else batched):
-        return start_checksums(tensors)
-    import torch
-
-    return pieces_checksums([[t.detach().contiguous().reshape(-1).view(torch.uint8)] for t in tensors])
-
-
-def pieces_checksums(items: list[list[Any]]) -> Any:
-    """Checksums of byte strings each given as uint8 pieces on one device (item ``k`` = ``cat(items[k])``), for
-    :func:`finish_checksums`; see :class:`PiecesChecksums`."""
-    return PiecesChecksums(items).start()
-
-
-class PiecesChecksums:
-    """:func:`pieces_checksums` worked out once for pieces that stay where they are (a direct layout's parameter
-    slices): the pieces are copied into a scratch buffer at 512-byte aligned offsets (one ``cat`` per
-    ``LIVE_CHUNK_BYTES``) and checksummed as one bucket; the row indices live on the device, so :meth:`start`
-    only launches kernels (no host sync, a few ``cat`` calls)."""
-
-    def __init__(self, items: list[list[Any]]) -> None:
-        from rlix_plugins.transport._checksum import segment_rows
-
-        self.nbytes = [sum(p.numel() for p in item) for item in items]
-        self.chunks: list[tuple[list[Any], list[int], list[int], Any]] = []
-        chunk: list[int] = []
-        size = 0
-
-        def flush() -> None:
-            nonlocal chunk, size
-            if not chunk:
-                return
-            pieces, offsets, nbytes, end = [], [], [], 0
-            for k in chunk:
-                n = self.nbytes[k]
-                offsets.append(end)
-                nbytes.append(n)
-                pieces.extend(items[k])
-                pad = transport.align_up(n) - n
-                if pad:
-                    pieces.append(_zeros(pad, items[chunk[0]][0].device))
-                end += n + pad
-            device = pieces[0].device
-            self.chunks.append((pieces, offsets, nbytes, segment_rows(offsets, nbytes, device)))
-            chunk, size = [], 0
-
-        for k, item in enumerate(items):
-            if not item:
-                continue  # zero bytes: zeros, see start
-            if chunk and size + self.nbytes[k] > LIVE_CHUNK_BYTES:
-                flush()
-            chunk.append(k)
-            size += self.nbytes[k]
-        flush()
-        self.present = [k for k, item in enumerate(items) if item]
-
-    def start(self) -> Any:
-        """The ``(n, 3)`` partial sums of every item, for :func:`finish_checksums` (no host sync)."""
-        import torch
-
-        parts = [segment_checksums(torch.cat(pieces), offsets, nbytes, rows=rows)
-                 for pieces, offsets, nbytes, rows in self.chunks]
-        if len(self.present) == len(self.nbytes):
-            return torch.cat(parts) if parts else start_checksums([])
-        device = parts[0].device if parts else torch.device("cpu")
-        out = torch.zeros((len(self.nbytes), 3), dtype=torch.int32, device=device)  # an empty item sums to zero
-        if parts:
-            out[torch.tensor(self.present, device=device)] = torch.cat(parts)
-        return out
-
-
-_zero_rows: dict[Any, Any] = {}
-
-
-def _zeros(n: int, device: Any) -> Any:
-    """``n`` (< 512) zero bytes on ``device``: a view of one cached row (the padding between checksummed items)."""
-    import torch
-
-    row = _zero_rows.get(device)
-    if row is None:
-        row = _zero_rows[device] = torch.zeros(transport.ALIGN_BYTES, dtype=torch.uint8, device=device)
-    return row[:n]

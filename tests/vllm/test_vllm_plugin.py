@@ -114,11 +114,11 @@ def test_host_pull_load_groups_tile_the_bucket_padding_included() -> None:
     import torch
 
     from rlix_plugins.transport import pack_bucket
-    from rlix_plugins.vllm import receiver
+    from rlix_plugins.vllm import pull_buffered
 
-    sizes = [3, 70, 1000, 5, (receiver.GROUP_BYTES // 4) + 7, 9, 2, receiver.GROUP_BYTES // 8, 11]
+    sizes = [3, 70, 1000, 5, (pull_buffered.GROUP_BYTES // 4) + 7, 9, 2, pull_buffered.GROUP_BYTES // 8, 11]
     meta = pack_bucket([(f"t{i}", torch.zeros(n, dtype=torch.float32)) for i, n in enumerate(sizes)]).meta
-    ranges = receiver.group_ranges(meta)
+    ranges = pull_buffered.group_ranges(meta)
     assert len(ranges) >= 3
     assert [k for g, _, _ in ranges for k in g] == list(range(len(sizes)))
     assert ranges[0][1] == 0 and ranges[-1][2] == meta.used_bytes
@@ -130,26 +130,26 @@ def test_batched_live_check_matches_one_checksum_per_parameter() -> None:
     import torch
 
     from rlix_plugins.transport import finish_checksums, start_checksums
-    from rlix_plugins.vllm import receiver
+    from rlix_plugins.vllm import receive_checksums
 
     g = torch.Generator().manual_seed(3)
     params = [torch.randn(*shape, generator=g).to(dtype) for shape, dtype in
               [((7,), torch.float32), ((33, 5), torch.bfloat16), ((1,), torch.float16), ((300, 17), torch.float32)]]
     nbytes = [p.numel() * p.element_size() for p in params]
     want = finish_checksums(nbytes, start_checksums(params))
-    old = receiver.LIVE_CHUNK_BYTES
-    receiver.LIVE_CHUNK_BYTES = 1024  # several chunks
+    old = receive_checksums.LIVE_CHUNK_BYTES
+    receive_checksums.LIVE_CHUNK_BYTES = 1024  # several chunks
     try:
-        assert finish_checksums(nbytes, receiver.live_checksums(params, batched=True)) == want
+        assert finish_checksums(nbytes, receive_checksums.live_checksums(params, batched=True)) == want
         # the same as pieces (a tensor split in two, an empty item), through a plan that is started twice
         raw = [p.reshape(-1).view(torch.uint8) for p in params]
         items = [[raw[0]], [], [raw[1][:10], raw[1][10:]], [raw[2]], [raw[3]]]
-        plan = receiver.PiecesChecksums(items)
+        plan = receive_checksums.PiecesChecksums(items)
         for _ in range(2):
             got = finish_checksums(plan.nbytes, plan.start())
             assert got == [want[0], [0, 0, 0], *want[1:]]
     finally:
-        receiver.LIVE_CHUNK_BYTES = old
+        receive_checksums.LIVE_CHUNK_BYTES = old
 
 
 def test_recorded_copies_replay_the_loader_and_anything_else_is_refused() -> None:
@@ -209,7 +209,7 @@ def test_direct_copies_tile_each_tensor_and_land_its_bytes() -> None:
     import torch
 
     from rlix_plugins.transport import compute_checksums, finish_checksums, pack_bucket, unpack_bucket
-    from rlix_plugins.vllm import receiver
+    from rlix_plugins.vllm.receive_checksums import pieces_checksums
     from rlix_plugins.vllm.replay import BucketReplay, CopyRecorder, DirectCopies, parameter_storages
 
     model = torch.nn.Module()
@@ -262,8 +262,52 @@ def test_direct_copies_tile_each_tensor_and_land_its_bytes() -> None:
     torch._foreach_copy_(dsts, srcs)
     assert torch.equal(landed[0], model.qkv) and torch.equal(landed[1], model.norm)
     sums = finish_checksums([sum(p.numel() for p in pieces) for pieces in direct.pieces],
-                            receiver.pieces_checksums(direct.pieces))
+                            pieces_checksums(direct.pieces))
     assert dict(zip(meta.names, sums, strict=True)) == compute_checksums(named2)
 
     assert "not copied whole" in str(DirectCopies.from_replay(record(named, first.buffer, skip="v"), meta.offsets, nbytes))
     assert "strided" in str(DirectCopies.from_replay(record(named, first.buffer, strided=True), meta.offsets, nbytes))
+
+
+def test_what_is_known_per_layout_has_one_owner_and_leaves_with_its_layout() -> None:
+    """``receive_state.Layouts``: a layout's recorded copies, its direct form and the plans built from them are kept
+    by its key; a layout whose parameters moved is forgotten with everything built from it (its plans were keyed by
+    ``id()`` of a layout object and cleared whole in two places before)."""
+    import torch
+
+    from rlix_plugins.transport import compute_checksums, finish_checksums, pack_bucket, unpack_bucket
+    from rlix_plugins.vllm.receive_state import Layouts, layout_key
+    from rlix_plugins.vllm.replay import BucketReplay, CopyRecorder, DirectCopies, parameter_storages
+
+    model = torch.nn.Module()
+    model.w = torch.nn.Parameter(torch.zeros(4, 3), requires_grad=False)
+    record = pack_bucket([("w", torch.arange(12, dtype=torch.float32).reshape(4, 3))])
+    named = unpack_bucket(record.meta, record.buffer)
+    recorder = CopyRecorder(record.buffer)
+    with recorder:
+        model.w.data.copy_(named[0][1])
+    params = parameter_storages(model)
+    replay = BucketReplay.from_recording([recorder], params)
+    assert replay is not None
+    direct = DirectCopies.from_replay(replay, record.meta.offsets, [record.meta.nbytes(0)])
+    assert isinstance(direct, DirectCopies), direct
+
+    layouts, key = Layouts(), layout_key(record.meta)
+    assert layouts.wants_recording(key) and layouts.direct_for([key], params) is None
+    layouts.recorded(key, replay)
+    assert not layouts.wants_recording(key) and layouts.replay(key, params) is replay
+    layouts.promote(key, direct)
+    assert layouts.direct_for([key], params) == [direct]
+    plan = layouts.landed_plan(key)
+    assert layouts.landed_plan(key) is plan  # built once
+    assert finish_checksums(plan.nbytes, plan.start()) == [compute_checksums(named)["w"]]  # the landed bytes
+    assert layouts.info() == {"direct_layouts": 1, "landed_plans": [type(plan).__name__], "copy_plans": 0}
+
+    model.w = torch.nn.Parameter(torch.zeros(4, 3), requires_grad=False)  # a loader re-allocated the parameter
+    moved = parameter_storages(model)
+    assert layouts.direct_for([key], moved) is None
+    assert layouts.replay(key, moved) is None  # forgotten, with what was built from it: the loader records again
+    assert layouts.wants_recording(key) and not layouts.direct and not layouts.landed_plans
+    other = ("other",)
+    layouts.recorded(other, None)  # a load that did more than copy: the loader runs every sync
+    assert not layouts.wants_recording(other)
