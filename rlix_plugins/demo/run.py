@@ -215,56 +215,24 @@ def _start_ray(gpus: int, address: str | None, on_gpu: bool, nodes: int = 1) -> 
     return None
 
 
-#: Addresses of the demo's extra raylets on one machine: node k >= 1 at 127.0.0.(k+1) (Linux routes all of 127/8 to
-#: loopback), so a rendezvous on the wrong node's address fails instead of passing by accident.
-def _node_ip(k: int) -> str:
-    return f"127.0.0.{k + 1}"
-
-
 def _start_local_nodes(gpus: int, nodes: int, on_gpu: bool) -> Callable[[], None]:
-    """``nodes`` raylets on this machine, as a cluster of that many machines is: the head on the machine's address,
-    node k at :func:`_node_ip`, each with ``gpus / nodes`` GPUs (on a GPU machine its own slice of them, by
-    ``CUDA_VISIBLE_DEVICES``, as a raylet per job is started on a shared host), in a private Ray temp directory
-    (no plain ``ray.init()`` on the machine joins it). Returns what ends it."""
-    import shutil
-    import socket
-    import tempfile
-
+    """``nodes`` raylets on this machine (:mod:`rlix_plugins.control.admin.local_nodes`), each with ``gpus / nodes``
+    GPUs (on a GPU machine its own slice of them, by ``CUDA_VISIBLE_DEVICES``, as a raylet per job is started on a
+    shared host), this process connected. Returns what ends it."""
     import ray
-    from ray.cluster_utils import Cluster
 
-    for k in range(1, nodes):
-        try:
-            with socket.socket() as sock:
-                sock.bind((_node_ip(k), 0))
-        except OSError as exc:
-            raise RlixConfigError(f"--nodes {nodes} on one machine puts node {k} at {_node_ip(k)}, which this machine "
-                                  f"cannot listen on ({exc}; Linux routes 127.0.0.0/8 to loopback, macOS does not): "
-                                  "run with --address on a cluster of several machines") from exc
+    from rlix_plugins.control.admin.local_nodes import start_local_nodes
+
     per = gpus // nodes
-    temp_dir = tempfile.mkdtemp(prefix="rlix-demo-")
-
-    def node_args(k: int) -> dict[str, Any]:
-        out: dict[str, Any] = {"num_cpus": max(8, os.cpu_count() or 2), "num_gpus": per, "temp_dir": temp_dir,
-                               "include_dashboard": False}
-        if k:
-            out["node_ip_address"] = _node_ip(k)
-        if on_gpu:
-            out["env_vars"] = {envs.CUDA_VISIBLE_DEVICES: ",".join(str(k * per + j) for j in range(per))}
-        return out
-
-    cluster = Cluster(initialize_head=True, head_node_args=node_args(0))
+    env = [{envs.CUDA_VISIBLE_DEVICES: ",".join(str(k * per + j) for j in range(per))} for k in range(nodes)]
+    started = start_local_nodes(nodes, num_cpus=max(8, os.cpu_count() or 2), num_gpus=per, env=env if on_gpu else None)
 
     def end() -> None:
         ray.shutdown()
-        cluster.shutdown()
-        shutil.rmtree(temp_dir, ignore_errors=True)
+        started.end()
 
     try:
-        for k in range(1, nodes):
-            cluster.add_node(**node_args(k))
-        cluster.wait_for_nodes(timeout=120)
-        ray.init(address=cluster.address, namespace="rlix_demo", log_to_driver=False)
+        ray.init(address=started.address, namespace="rlix_demo", log_to_driver=False)
     except BaseException:
         end()
         raise

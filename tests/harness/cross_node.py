@@ -6,8 +6,6 @@ module is not."""
 from __future__ import annotations
 
 import contextlib
-import shutil
-import tempfile
 from collections.abc import Iterator
 from typing import Any
 
@@ -35,15 +33,14 @@ def bindable(ip: str) -> bool:
 @contextlib.contextmanager
 def two_nodes(num_cpus: int = 2, num_gpus: int = 0, node_b_env: dict[str, str] | None = None,
               log_to_driver: bool = True) -> Iterator[Any]:
-    """A ``ray.cluster_utils.Cluster`` of two raylets on this machine, node A (the head, on the machine's address,
-    custom resource ``node_a``) and node B (``NODE_B_IP``, resource ``node_b``), with this process connected. The
-    session's single-node Ray, if up, is stopped first and started again after.
+    """Two raylets on this machine (``rlix_plugins.control.admin.local_nodes``), node A (the head, on the machine's
+    address, custom resource ``node_a``) and node B (``NODE_B_IP``, resource ``node_b``), with this process
+    connected. The session's single-node Ray, if up, is stopped first and started again after.
 
     Modules that use it are marked ``own_cluster``: ``scripts/test.sh`` runs them in a pytest process of their own,
     because switching one long-lived driver between clusters is where Ray is fragile (a full run once ended with
     the driver gone, exit code 1 and no report, right after such a switch)."""
-    from ray.cluster_utils import Cluster
-
+    from rlix_plugins.control.admin.local_nodes import start_local_nodes
     from tests.harness.ray_session import no_auto_connect, start_session_ray
 
     if not bindable(NODE_B_IP):
@@ -54,22 +51,14 @@ def two_nodes(num_cpus: int = 2, num_gpus: int = 0, node_b_env: dict[str, str] |
         restore = ray.is_initialized()
         if restore:
             ray.shutdown()
-        # A private temp dir: Ray records a started head as "the" local cluster in its temp dir (/tmp/ray by
-        # default), where any plain ray.init() on the machine, another user's included, would then join it.
-        temp_dir = tempfile.mkdtemp(prefix="rlix-n-")
-        cluster = Cluster(initialize_head=True, head_node_args={
-            "num_cpus": num_cpus, "num_gpus": num_gpus, "resources": {"node_a": 10}, "include_dashboard": False,
-            "temp_dir": temp_dir})
+        nodes = start_local_nodes(2, num_cpus=num_cpus, num_gpus=num_gpus, resources=[{"node_a": 10}, {"node_b": 10}],
+                                  env=[{}, node_b_env or {}])
         try:
-            cluster.add_node(num_cpus=num_cpus, num_gpus=num_gpus, resources={"node_b": 10},
-                             node_ip_address=NODE_B_IP, temp_dir=temp_dir, env_vars=node_b_env or {})
-            cluster.wait_for_nodes(timeout=120)
-            ray.init(address=cluster.address, namespace="rlix_cross_node", log_to_driver=log_to_driver)
-            yield cluster
+            ray.init(address=nodes.address, namespace="rlix_cross_node", log_to_driver=log_to_driver)
+            yield nodes.cluster
         finally:
             ray.shutdown()
-            cluster.shutdown()
-            shutil.rmtree(temp_dir, ignore_errors=True)
+            nodes.end()
             if restore:
                 start_session_ray()
 

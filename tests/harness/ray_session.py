@@ -39,7 +39,10 @@ def no_auto_connect() -> Iterator[None]:
 def start_session_ray() -> None:
     import ray
 
+    # address="local": always a new cluster of the session's own, never one a plain ray.init() would join (another
+    # test run's, a developer's, or one a cluster of several raylets on this machine left recorded)
     ray.init(
+        address="local",
         num_cpus=max(8, os.cpu_count() or 2),
         num_gpus=None if has_cuda() else DECLARED_GPUS,
         include_dashboard=False,

@@ -19,7 +19,7 @@ def init_ray_cluster():
     if os.environ.get("RAY_ADDRESS"):
         ray.init(address=os.environ["RAY_ADDRESS"], namespace="rlix_conformance")
     else:
-        ray.init(num_cpus=8, num_gpus=4, include_dashboard=False, namespace="rlix_conformance")
+        ray.init(address="local", num_cpus=8, num_gpus=4, include_dashboard=False, namespace="rlix_conformance")
     yield
     ray.shutdown()
 

@@ -27,7 +27,7 @@ def init_ray_cluster():
     if os.environ.get("RAY_ADDRESS"):
         ray.init(address=os.environ["RAY_ADDRESS"], namespace="rlix_routing")
     else:
-        ray.init(num_cpus=4, include_dashboard=False, namespace="rlix_routing")
+        ray.init(address="local", num_cpus=4, include_dashboard=False, namespace="rlix_routing")
     yield
     ray.shutdown()
 
