@@ -54,7 +54,7 @@ from rlix_plugins.control.registration import validate_cluster_specs
 from rlix_plugins.control.scheduling.coresidence import sharing_problem
 from rlix_plugins.control.scheduling.gap_ratio import cluster_demands, plan_gap_ratio
 from rlix_plugins.control.scheduling.invariants import PlanInvariantError, validate_plan, validate_snapshot
-from rlix_plugins.control.scheduling.plan_state import PlanState, rank_index
+from rlix_plugins.control.scheduling.plan_state import PlanState, bundles, rank_index
 from rlix_plugins.control.scheduling.turns import deferred, owed_gpus
 from rlix_plugins.control.types import Allocation, ClusterSpec, CyclePlan, Grant, Priority, SchedulerSnapshot
 
@@ -323,10 +323,12 @@ def _coresident_swap(state: PlanState) -> None:
                        and c not in snap.expanding and c not in state.released),
                       key=lambda c: (waiting.get(c, -1), clusters[c].pipeline_id, c))
     rooms = _Rooms(state)
+    protected = state.protected
     for cid in starving:
         spec = clusters[cid]
         shrunk = state.shrunk.get(cid, set())
         index = rank_index(spec)
+        mine = bundles(spec)
         need = _extra(state, spec)
         # The donor with the best key that has a rank to give: the most awake ranks, then the lowest demand. Only
         # donors of the newcomer's TP size: a rank's GPUs must be one of the newcomer's bundles.
@@ -337,12 +339,13 @@ def _coresident_swap(state: PlanState) -> None:
         for donor in donors:
             dspec = clusters[donor]
             room_needed = need - _extra(state, dspec)  # what the GPU must have left once the donor's rank sleeps
+            theirs = bundles(dspec)
             take: tuple[int, int] | None = None  # (acceptor rank, donor rank): the acceptor's lowest rank
             for drank in state.gen_active[donor]:
-                bundle = dspec.bundle(drank)
+                bundle = theirs[drank]
                 r = index.get(bundle[0])
-                if (r is None or r in shrunk or (take is not None and r >= take[0]) or (donor, drank) in state.protected
-                        or tuple(spec.bundle(r)) != tuple(bundle)):
+                if (r is None or (take is not None and r >= take[0]) or r in shrunk or mine[r] != bundle
+                        or (donor, drank) in protected):
                     continue
                 if all(rooms.has(g, room_needed) for g in bundle) and \
                         all(_coresidable(state, g, spec, leaving=donor) for g in bundle):
