@@ -331,12 +331,14 @@ def _largest_process(run: Run) -> tuple[str, int]:
     return name, pids[name]
 
 
-def inject(bench: Bench, run: Run, kind: str) -> dict[str, Any]:
-    """Break ``run`` as fault ``kind`` says (run must have started); returns what was done."""
+def inject(bench: Bench, run: Run, kind: str, *, node_ip: str | None = None) -> dict[str, Any]:
+    """Break ``run`` as fault ``kind`` says (run must have started); returns what was done. ``node_ip``: an engine
+    fault is claimed only by the engine on that Ray node."""
     if kind not in FAULTS:
         raise KeyError(f"unknown fault {kind!r}; known: {sorted(FAULTS)}")
     run.pipeline_id()  # known before the driver may die
-    slow = {"action": "slow", "seconds": 30.0}
+    aim: dict[str, Any] = {"node_ip": node_ip} if node_ip else {}
+    slow: dict[str, Any] = {"action": "slow", "seconds": 30.0, **aim}
     done: dict[str, Any] = {"fault": kind, "time": time.time()}
     if kind == "driver_kill_training":
         pid = run.driver_pid()
@@ -363,13 +365,13 @@ def inject(bench: Bench, run: Run, kind: str) -> dict[str, Any]:
               AIM_S, f"{run.name}'s trainer builds its cache", every_s=0.0)
         _kill(pid)
     elif kind == "receiver_hang":
-        run.arm(op="update", action="hang")
+        run.arm(op="update", action="hang", **aim)
         run.wait_hit()
     elif kind == "bucket_corrupt":
-        run.arm(op="update", action="corrupt")
+        run.arm(op="update", action="corrupt", **aim)
         run.wait_hit()
     elif kind == "sleep_keeps_memory":
-        run.arm(op="memory", action="hold", bytes=8 << 30)
+        run.arm(op="memory", action="hold", bytes=8 << 30, **aim)
         run.wait_hit()
     elif kind == "coordinator_kill":
         _kill(_pid_of(run.actors()["coordinator"]))

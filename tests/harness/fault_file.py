@@ -1,6 +1,7 @@
 """The fault file the chaos tools arm and a broken component claims (no vLLM, no Ray: read in any process).
 
-``RLIX_FAULT_FILE`` names a JSON file ``{"op": ..., "action": ..., "seconds": ...}``. The process that reaches
+``RLIX_FAULT_FILE`` names a JSON file ``{"op": ..., "action": ..., "seconds": ..., "node_ip": ...}`` (``node_ip``:
+only a process on that Ray node claims it). The process that reaches
 ``op`` first claims it by renaming the file to ``<file>.hit`` (atomic, so a fault fires once) and records its
 pid there; the injector waits for that file to know the operation is under way.
 """
@@ -29,6 +30,8 @@ def claim_fault(op: str) -> dict[str, Any] | None:
         return None
     if fault.get("op") != op:
         return None
+    if fault.get("node_ip") and os.environ.get("RLIX_NODE_IP") != fault["node_ip"]:
+        return None  # aimed at the engine on another Ray node (``transport.export_node_env`` names this one's)
     try:
         os.rename(path, path + ".hit")
     except OSError:
