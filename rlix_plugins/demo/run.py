@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from rlix_plugins import envs
+from rlix_plugins.control.nodes import NodeTable
 from rlix_plugins.demo.capacity import check_fits
 from rlix_plugins.errors import RlixConfigError, RlixTimeoutError
 from rlix_plugins.out_dir import make_out_dir
@@ -239,12 +240,13 @@ def _start_local_nodes(gpus: int, nodes: int, on_gpu: bool) -> Callable[[], None
     return end
 
 
-def _check_nodes(table: Any, gpus: int, nodes: int) -> None:
+def _check_nodes(table: NodeTable, gpus: int, nodes: int) -> None:
     """The demo's GPUs 0..gpus-1 must span exactly ``nodes`` nodes of the control plane's node table."""
     spanned = sorted({table.locate(g).node_ip for g in range(gpus)})
     if len(spanned) != nodes:
         raise RlixConfigError(f"--nodes {nodes} --gpus {gpus}: the cluster's GPUs 0..{gpus - 1} are on "
-                              f"{len(spanned)} node(s) ({', '.join(spanned)}); `rlix status` lists its nodes")
+                              f"{len(spanned)} node(s) ({', '.join(spanned)}): pass --nodes {len(spanned)} "
+                              "(`rlix status` lists the nodes)")
 
 
 #: What an earlier run leaves in ``--out`` (``rlix demo`` refuses to overwrite it without ``--force``).

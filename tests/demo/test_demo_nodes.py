@@ -50,3 +50,18 @@ def test_the_engine_takes_its_gpu_from_its_raylets_list() -> None:
     assert gpu_of_slot("2,3", 0) == "2" and gpu_of_slot("2, 3", 1) == "3"  # a raylet started on GPUs 2,3
     with pytest.raises(RlixConfigError, match=r"GPU 2 of this node, but its raylet sees only"):
         gpu_of_slot("2,3", 2)
+
+
+@pytest.mark.parametrize(("gpus", "nodes", "ok"), [(4, 2, True), (2, 1, True), (4, 1, False), (2, 2, False)])
+def test_the_demo_refuses_gpus_that_do_not_span_its_nodes(gpus: int, nodes: int, ok: bool) -> None:
+    """``--address`` to a cluster of two nodes x 2 GPUs: ``--gpus 4`` spans 2 nodes, ``--gpus 2`` one."""
+    from rlix_plugins.control.nodes import NodeTable
+    from rlix_plugins.demo.run import _check_nodes
+
+    table = NodeTable.from_ray_nodes([{"NodeManagerAddress": ip, "NodeID": ip, "Alive": True, "Resources": {"GPU": 2}}
+                                      for ip in ("10.0.0.1", "10.0.0.2")])
+    if ok:
+        _check_nodes(table, gpus, nodes)
+    else:
+        with pytest.raises(RlixConfigError, match=rf"--nodes {nodes} --gpus {gpus}: .* pass --nodes"):
+            _check_nodes(table, gpus, nodes)
