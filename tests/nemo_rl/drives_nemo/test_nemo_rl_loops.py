@@ -21,10 +21,6 @@ EXPECTED = {"test_standalone_loads_nothing_of_rlix", "test_time_sharing_hook_ord
 
 @pytest.mark.timeout(1000)
 def test_grpo_sync_time_sharing_on_nemo_rl_mocks(nemo_copies: dict[str, Path], tmp_path: Path) -> None:
-    nemo_tests = (nemo_copies["patched"] / "tests/unit/algorithms/test_grpo.py").read_text(encoding="utf-8")
-    if "def mock_sync_grpo_infrastructure" not in nemo_tests:
-        pytest.skip("this NeMo RL version's tests have no mock_sync_grpo_infrastructure, the mocks this scenario "
-                    "drives grpo_train_sync on (v0.7.0 tests grpo_train_sync no other way either)")
     run = run_inside_nemo(nemo_copies["patched"], "test_rlix_grpo_sync.py", "tests/unit/algorithms",
                         tmp_path / "sync.xml", timeout_s=800, num_gpus=4)
     report(f"NeMo RL grpo_train_sync time-sharing scenario: {run.summary()}")

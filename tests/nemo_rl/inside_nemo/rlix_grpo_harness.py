@@ -226,3 +226,55 @@ def run_async_grpo(components, policy_generation, collector, refits, *, sample_d
                 save_state,
                 components["master_config"],
             )
+
+
+def sync_loop_stubs(policy):
+    """Stubs that let ``grpo_train_sync`` run for real on NeMo RL's mock components where NeMo RL's tests have no
+    ``mock_sync_grpo_infrastructure`` (v0.7.0): the Ray rollout actor returns one small slice and metadata instead
+    of writing to TransferQueue, the driver's only ``ray.get`` gets that plain tuple, the refit, the advantage
+    estimator, the logprob-error metrics and the performance printout are stubbed, and the TQ-mediated policy reads
+    fixed per-token tensors. The loop's control flow - the part the time-sharing hooks sit in - runs unchanged.
+    Uses NeMo RL's own when it has them."""
+    import torch
+    from nemo_rl.distributed.batched_data_dict import BatchedDataDict
+
+    try:
+        from tests.unit.algorithms.test_grpo import mock_sync_grpo_infrastructure
+    except ImportError:
+        pass
+    else:
+        return mock_sync_grpo_infrastructure(policy)
+    stack = contextlib.ExitStack()
+    carry = BatchedDataDict({"total_reward": torch.tensor([1.0]), "prompt_ids_for_adv": torch.tensor([[1, 2, 3]]),
+                             "input_lengths": torch.tensor([4]), "loss_multiplier": torch.tensor([1.0]),
+                             "truncated": torch.tensor([False]), "length": torch.tensor([3])})
+    meta = MagicMock()
+    meta.fields = ["input_ids"]
+    actor = MagicMock()
+    actor.rollout_to_tq.remote.return_value = (
+        meta, carry, {"mean_gen_tokens_per_sample": 10.0, "max_gen_tokens": 20, "min_gen_tokens": 5}, {})
+    actor_cls = MagicMock()
+    actor_cls.options.return_value.remote.return_value = actor
+    errors = dict.fromkeys(("max_seq_mult_prob_error", "mean_seq_mult_prob_error", "min_seq_mult_prob_error",
+                            "max_seq_mult_prob_error_after_mask", "mean_seq_mult_prob_error_after_mask",
+                            "min_seq_mult_prob_error_after_mask", "masked_correct_pct"), 0.0)
+    estimator = MagicMock()
+    estimator.compute_advantage.return_value = torch.zeros(1, 4)
+    target = "nemo_rl.algorithms.grpo_sync."
+    for name, kwargs in (("SyncRolloutActor", {"new": actor_cls}),
+                         ("make_actor_runtime_env", {"return_value": {}}),
+                         ("refit_policy_generation", {"return_value": None}),
+                         ("_compute_seq_logprob_error_metrics",
+                          {"return_value": (torch.ones(1), {**errors, "num_masked_seqs": 0})}),
+                         ("_create_advantage_estimator", {"return_value": estimator}),
+                         ("print_performance_metrics", {"return_value": {}})):
+        stack.enter_context(patch(target + name, **kwargs))
+    stack.enter_context(patch("ray.get", side_effect=lambda ref, **k: ref))
+    bank = {"generation_logprobs": torch.zeros(1, 4), "token_mask": torch.ones(1, 4),
+            "prev_logprobs": torch.zeros(1, 4), "reference_policy_logprobs": torch.zeros(1, 4),
+            "input_ids": torch.ones(1, 4, dtype=torch.long)}
+    policy.read_from_dataplane.side_effect = lambda meta, select_fields, **kw: BatchedDataDict(
+        {k: bank[k].clone() for k in select_fields})
+    policy.train_from_meta.return_value = policy.train.return_value
+    policy.tq_partition_id = 0
+    return stack

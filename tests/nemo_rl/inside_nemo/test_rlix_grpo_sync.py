@@ -1,8 +1,9 @@
 # ruff: noqa: F811  (pytest fixtures imported from NeMo RL's test_grpo.py are used as arguments)
 """Runs INSIDE a patched NeMo RL copy (copied to ``tests/unit/algorithms/``) with NeMo RL's own pytest and fixtures.
-The TransferQueue loop ``grpo_train_sync`` runs for real on NeMo RL's mocks (``mock_grpo_components``,
-``mock_sync_grpo_infrastructure``: stub rollout actor and data plane). With ``RLIX_CONTROL_PLANE=rlix`` the hooks are
-loaded through the real entry point and the real rlix control plane runs on this session's Ray cluster (4 GPUs).
+The TransferQueue loop ``grpo_train_sync`` runs for real on NeMo RL's mocks (``mock_grpo_components``, and
+``mock_sync_grpo_infrastructure`` through ``rlix_grpo_harness.sync_loop_stubs``, which stands in for it where a
+release's tests have none: stub rollout actor and data plane). With ``RLIX_CONTROL_PLANE=rlix`` the hooks are loaded
+through the real entry point and the real rlix control plane runs on this session's Ray cluster (4 GPUs).
 Driven by ``tests/nemo_rl/drives_nemo/test_nemo_rl_loops.py`` of rlix-plugins; not part of NeMo RL.
 """
 
@@ -13,13 +14,15 @@ from tests.unit.algorithms.rlix_grpo_harness import (  # noqa: F401  (fixture im
     _initial_grpo_save_state,
     configure,
     init_ray_cluster,
+    put,
     ray_gpu_monitor,
     real_or_stub_get,
+    section,
+    sync_loop_stubs,
 )
 from tests.unit.algorithms.test_grpo import (  # noqa: F401  (fixture import)
     _mock_policy_generation,
     mock_grpo_components,
-    mock_sync_grpo_infrastructure,
 )
 
 NUM_STEPS = 3
@@ -33,15 +36,15 @@ def _run(components, tmp_path, generation, events, probe):
     from nemo_rl.algorithms import grpo_sync
 
     cfg = configure(components, tmp_path, steps=NUM_STEPS, rlix=RLIX)
-    cfg.grpo.async_grpo.enabled = False  # the TransferQueue loop (data_plane.enabled) is on-policy
-    cfg.grpo.val_at_start = False
-    cfg.grpo.val_period = 0
+    grpo = section(cfg, "grpo")
+    put(section(grpo, "async_grpo"), enabled=False)  # the TransferQueue loop (data_plane.enabled) is on-policy
+    put(grpo, val_at_start=False, val_period=0)
     cfg.checkpointing["enabled"] = False  # its save torch.saves the mock dataloader state
     cfg.data_plane = {"enabled": True}
     cfg.policy["generation"]["vllm_cfg"]["async_engine"] = True
     policy = components["policy"]
     with ExitStack() as stack:
-        stack.enter_context(mock_sync_grpo_infrastructure(policy))
+        stack.enter_context(sync_loop_stubs(policy))
         # After NeMo RL's identity ray.get: control-plane ObjectRefs need the real one.
         stack.enter_context(patch("ray.get", side_effect=real_or_stub_get(lambda ref, **k: ref)))
         stack.enter_context(patch.object(grpo_sync, "refit_policy_generation",
