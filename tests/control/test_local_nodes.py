@@ -6,6 +6,8 @@ a process of its own with Ray's default temp directory in a scratch directory (`
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -13,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness.cross_node import NODE_B_IP, bindable
+from rlix_plugins.control.admin.local_nodes import bindable
+from tests.harness.cross_node import NODE_B_IP
 
 SCRIPT = r'''
 import json, os, sys
@@ -44,18 +47,11 @@ def test_nodes_start_at_their_addresses_and_leave_the_machines_record_alone(reco
             (Path(scratch) / "ray").mkdir()
             (Path(scratch) / "ray" / "ray_current_cluster").write_text(recorded)
         out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=300,
-                             env={**_env(), "RAY_TMPDIR": scratch})
+                             env={**os.environ, "RAY_TMPDIR": scratch})
     assert out.returncode == 0, out.stderr[-3000:]
-    import json
-
     seen = json.loads(out.stdout.strip().splitlines()[-1])
     assert seen["before"] == seen["running"] == seen["after"] == recorded, seen
     assert [ip for ip, _ in seen["nodes"]].count(NODE_B_IP) == 1 and len(seen["nodes"]) == 2, seen
     assert all(gpus == 1 for _, gpus in seen["nodes"]), seen
     assert not seen["temp_dir_left"]
 
-
-def _env() -> dict[str, str]:
-    import os
-
-    return dict(os.environ)

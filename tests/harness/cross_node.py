@@ -12,22 +12,12 @@ from typing import Any
 import ray
 import torch
 
+from rlix_plugins.control.admin.local_nodes import bindable, node_ip, start_local_nodes
+
 BUCKET = 32 << 10
 TIMEOUT_S = 30.0
 #: node B's address: Linux routes all of 127/8 to loopback, and nothing of node A listens there
-NODE_B_IP = "127.0.0.2"
-
-
-def bindable(ip: str) -> bool:
-    """Whether this machine can listen on ``ip`` (127/8 beyond 127.0.0.1 is routed to loopback on Linux)."""
-    import socket
-
-    try:
-        with socket.socket() as s:
-            s.bind((ip, 0))
-        return True
-    except OSError:
-        return False
+NODE_B_IP = node_ip(1)
 
 
 @contextlib.contextmanager
@@ -40,7 +30,6 @@ def two_nodes(num_cpus: int = 2, num_gpus: int = 0, node_b_env: dict[str, str] |
     Modules that use it are marked ``own_cluster``: ``scripts/test.sh`` runs them in a pytest process of their own,
     because switching one long-lived driver between clusters is where Ray is fragile (a full run once ended with
     the driver gone, exit code 1 and no report, right after such a switch)."""
-    from rlix_plugins.control.admin.local_nodes import start_local_nodes
     from tests.harness.ray_session import no_auto_connect, start_session_ray
 
     if not bindable(NODE_B_IP):

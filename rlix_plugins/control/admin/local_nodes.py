@@ -21,7 +21,7 @@ from typing import Any
 
 from rlix_plugins.errors import RlixConfigError
 
-__all__ = ["LocalNodes", "node_ip", "start_local_nodes"]
+__all__ = ["LocalNodes", "bindable", "node_ip", "start_local_nodes"]
 
 
 def node_ip(k: int) -> str:
@@ -29,15 +29,22 @@ def node_ip(k: int) -> str:
     return f"127.0.0.{k + 1}"
 
 
+def bindable(ip: str) -> bool:
+    """Whether this machine can listen on ``ip`` (127/8 beyond 127.0.0.1 is routed to loopback on Linux, not macOS)."""
+    try:
+        with socket.socket() as sock:
+            sock.bind((ip, 0))
+        return True
+    except OSError:
+        return False
+
+
 def _check_bindable(nodes: int) -> None:
     for k in range(1, nodes):
-        try:
-            with socket.socket() as sock:
-                sock.bind((node_ip(k), 0))
-        except OSError as exc:
+        if not bindable(node_ip(k)):
             raise RlixConfigError(f"{nodes} Ray nodes on one machine put node {k} at {node_ip(k)}, which this machine "
-                                  f"cannot listen on ({exc}; Linux routes 127.0.0.0/8 to loopback, macOS does not): "
-                                  "use a cluster of several machines") from exc
+                                  "cannot listen on (Linux routes 127.0.0.0/8 to loopback, macOS does not): use a "
+                                  "cluster of several machines")
 
 
 @contextlib.contextmanager
