@@ -24,6 +24,7 @@ from tests.harness.chaos import (
     RESOLVE_S,
     Bench,
     Run,
+    Survivor,
     check_failed_alone,
     inject,
     versions_in_order,
@@ -36,22 +37,6 @@ SURVIVOR = {"train": [1], "infer": [0, 1]}
 VICTIM = {"train": [0], "infer": [0]}
 
 
-class _Survivor:
-    """The shared survivor pipeline, started again when a row (or a failed test) ended it."""
-
-    def __init__(self, bench: Bench) -> None:
-        self.bench = bench
-        self.run: Run | None = None
-
-    def get(self) -> Run:
-        if self.run is None or self.run.finished():
-            if self.run is not None:
-                self.run.kill()
-            self.run = self.bench.launch("S", **SURVIVOR)
-            wait_for(self.run.started, timeout_s=300, what="the survivor started")
-        return self.run
-
-
 @pytest.fixture(scope="module")
 def bench(ray_cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bench]:
     kill_control_plane()
@@ -60,11 +45,10 @@ def bench(ray_cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterato
 
 
 @pytest.fixture(scope="module")
-def survivor(bench: Bench) -> Iterator[_Survivor]:
-    box = _Survivor(bench)
+def survivor(bench: Bench) -> Iterator[Survivor]:
+    box = Survivor(bench, SURVIVOR)
     yield box
-    if box.run is not None:
-        box.run.kill()
+    box.kill()
 
 
 def _start_victim(bench: Bench) -> Run:
@@ -75,7 +59,7 @@ def _start_victim(bench: Bench) -> Run:
 
 
 @pytest.mark.parametrize("kind", ROWS)
-def test_fault_fails_that_pipeline_alone(bench: Bench, survivor: _Survivor, kind: str) -> None:
+def test_fault_fails_that_pipeline_alone(bench: Bench, survivor: Survivor, kind: str) -> None:
     s = survivor.get()
     t0 = time.monotonic()
     victim = _start_victim(bench)
@@ -90,7 +74,7 @@ def test_fault_fails_that_pipeline_alone(bench: Bench, survivor: _Survivor, kind
         victim.kill()
 
 
-def test_survivor_ends_cleanly_and_frees_its_gpus(bench: Bench, survivor: _Survivor) -> None:
+def test_survivor_ends_cleanly_and_frees_its_gpus(bench: Bench, survivor: Survivor) -> None:
     """After the rows: the survivor stops at a step boundary, shrinks to zero and unregisters; nothing leaks."""
     s = survivor.get()
     s.driver.stop.remote()

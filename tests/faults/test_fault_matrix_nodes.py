@@ -19,7 +19,7 @@ from collections.abc import Iterator
 import pytest
 
 from tests.control._ray_helpers import wait_for
-from tests.harness.chaos import RESOLVE_S, Bench, Run, check_failed_alone, inject, versions_in_order
+from tests.harness.chaos import RESOLVE_S, Bench, Survivor, check_failed_alone, inject, versions_in_order
 from tests.harness.cross_node import two_nodes
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.own_cluster]
@@ -37,21 +37,10 @@ def bench(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bench]:
 
 
 @pytest.fixture(scope="module")
-def survivor(bench: Bench) -> Iterator[dict[str, Run]]:
-    box: dict[str, Run] = {}
+def survivor(bench: Bench) -> Iterator[Survivor]:
+    box = Survivor(bench, SURVIVOR)
     yield box
-    if "run" in box:
-        box["run"].kill()
-
-
-def _survivor(bench: Bench, box: dict[str, Run]) -> Run:
-    run = box.get("run")
-    if run is None or run.finished():
-        if run is not None:
-            run.kill()
-        run = box["run"] = bench.launch("S", **SURVIVOR)
-        wait_for(run.started, timeout_s=300, what="the survivor started")
-    return run
+    box.kill()
 
 
 def test_the_node_table_puts_the_gpus_on_two_nodes(bench: Bench) -> None:
@@ -60,8 +49,8 @@ def test_the_node_table_puts_the_gpus_on_two_nodes(bench: Bench) -> None:
 
 
 @pytest.mark.parametrize("kind", ROWS)
-def test_fault_across_nodes_fails_that_pipeline_alone(bench: Bench, survivor: dict[str, Run], kind: str) -> None:
-    s = _survivor(bench, survivor)
+def test_fault_across_nodes_fails_that_pipeline_alone(bench: Bench, survivor: Survivor, kind: str) -> None:
+    s = survivor.get()
     victim = bench.launch("V", **VICTIM)
     try:
         wait_for(victim.started, timeout_s=300, what="the victim started")
@@ -74,8 +63,8 @@ def test_fault_across_nodes_fails_that_pipeline_alone(bench: Bench, survivor: di
         victim.kill()
 
 
-def test_survivor_ends_cleanly_and_frees_its_gpus(bench: Bench, survivor: dict[str, Run]) -> None:
-    s = _survivor(bench, survivor)
+def test_survivor_ends_cleanly_and_frees_its_gpus(bench: Bench, survivor: Survivor) -> None:
+    s = survivor.get()
     s.driver.stop.remote()
     summary = s.result(RESOLVE_S)
     assert summary is not None and summary["error"] is None and not summary["end_errors"], summary

@@ -285,6 +285,27 @@ class Bench:
         return out
 
 
+class Survivor:
+    """A matrix's shared survivor pipeline (train / infer GPUs ``layout``), started again when a row (or a failed
+    test) ended it: one start-up for all the rows instead of one per row."""
+
+    def __init__(self, bench: Bench, layout: dict[str, list[int]]) -> None:
+        self.bench, self.layout = bench, layout
+        self.run: Run | None = None
+
+    def get(self) -> Run:
+        if self.run is None or self.run.finished():
+            if self.run is not None:
+                self.run.kill()
+            self.run = self.bench.launch("S", self.layout["train"], self.layout["infer"])
+            _wait(self.run.started, 300, "the survivor started", every_s=0.2)
+        return self.run
+
+    def kill(self) -> None:
+        if self.run is not None:
+            self.run.kill()
+
+
 # ---------------------------------------------------------------------------------------------------- injectors
 def _train_cluster(run: Run) -> str:
     return make_cluster_id(run.pipeline_id(), "actor_train")
