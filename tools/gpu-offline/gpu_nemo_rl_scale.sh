@@ -17,12 +17,17 @@
 #      sequential<N>       the same N drivers one after another (the baseline)
 #      split<N>            the static split: the stock recipe, unpatched, one driver per GPU of SPLIT_GPUS, all at once
 #      transport           benchmarks/transport.py on SPLIT_GPUS (per-sync NCCL broadcast vs raw, group set-up)
+#      RUN@SHAPE           RUN at its own SHAPE (its directory gets the shape's suffix), e.g. two shapes at once:
+#                          shared1:none:0.1.2+shared4:none:3@qwen2.5-0.5b
 # Settings (environment): SHAPE=qwen2.5-1.5b|qwen2.5-0.5b (the model's real architecture and vocabulary, random
 # weights), STEPS=8, NEW_TOKENS=512, EAGER=true (false: the stock recipe's CUDA graphs, compiled at start-up),
 # FAULT=driver|engine (time-shared runs: pipeline b's driver, or one of its vLLM engine cores, is SIGKILLed
 # FAULT_DELAY_S=3 s after its log shows step FAULT_STEP=2's training grant, resp. that step's weights back on the GPU,
 # i.e. mid-training, resp. while the cache is built and the awake ranks are refreshed; DIR/fault.log says what and
-# when, DIR/status_after_fault.json what `rlix status` said 30 s later), STANDALONE_ORDER="unpatched patched"
+# when, DIR/status_after_fault.json what `rlix status` said 30 s later), FAULT_RANK=any|active (engine: the last
+# engine core b's console names, or the one on a GPU b does not train on, awake and refreshed while b trains),
+# FAULT_STEPS=$STEPS (the steps of a fault run),
+# STANDALONE_ORDER="unpatched patched"
 # (reverse it to pair with an earlier run), UTIL= (time-shared runs:
 # `rlix recipe --gpu-memory-utilization UTIL`; empty: the stock recipe's share, at which a 1.5B rollout does not fit
 # next to a training step), GPUS=0 (the time-shared runs' GPUs, e.g. 0,1: `rlix recipe --gpus`; standalone uses
@@ -41,26 +46,29 @@ EAGER=${EAGER:-true}
 UTIL=${UTIL:-}
 GPUS=${GPUS:-0}                       # the GPUs the time-shared runs share (`rlix recipe --gpus`), e.g. 0,1
 SPLIT_GPUS=${SPLIT_GPUS:-$GPUS}       # the static split's GPUs, one pipeline on each
-DATA=$WORK/data_$SHAPE
 mkdir -p "$ROOT" "$WORK"
 ray() { python3 -c 'import sys; from ray.scripts.scripts import main; sys.argv[0] = "ray"; sys.exit(main())' "$@"; }
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 RAY_DEDUP_LOGS=0 TORCH_NCCL_ENABLE_MONITORING=0
 
-prepare() {
+prepare() {  # prepare SHAPE...: the package, the patched copy, and each SHAPE's model and one-line recipe
   # The README's PYTHONPATH route: the package (with its entry points) in a directory every NeMo RL actor sees.
   if [ ! -d "$WORK/rlix-site/rlix_plugins" ]; then
     python3 -m pip install -q --no-deps --no-build-isolation --no-compile --target "$WORK/rlix-site" "$REPO" || return 3
   fi
   export PYTHONPATH="$WORK/rlix-site:$PYTHONPATH" VLLM_RAY_EXTRA_ENV_VARS_TO_COPY=PYTHONPATH
-  [ -f "$DATA/model/model.safetensors" ] || python3 "$REPO/tools/gpu-offline/gpu/nemo_rl_real_data.py" "$DATA" --shape "$SHAPE" || return 3
   if [ ! -d "$WORK/patched/nemo_rl" ]; then  # the pinned series on a copy (the kit's source is no git checkout)
     mkdir -p "$WORK/patched" && cp -a "$NEMO_RL_SRC/." "$WORK/patched/"
     cat "$REPO"/rlix_plugins/patches/nemo-rl/7ea279a/0*.patch >"$WORK/series.patch"
     (cd "$WORK/patched" && { git apply --whitespace=nowarn "$WORK/series.patch" || patch -p1 <"$WORK/series.patch"; }) || return 4
   fi
-  STOCK=$WORK/patched/examples/configs/grpo_math_1B_$SHAPE.yaml  # the stock recipe naming the local model
-  printf 'defaults: grpo_math_1B.yaml\npolicy:\n  model_name: %s\n' "$DATA/model" >"$STOCK"
-  cp "$STOCK" "$NEMO_RL_SRC/examples/configs/"
+  local shape SHAPE DATA STOCK REAL
+  for shape in "$@"; do  # before any run starts: runs of one shape read these files at once
+    SHAPE=$shape
+    shape_vars
+    [ -f "$DATA/model/model.safetensors" ] || python3 "$REPO/tools/gpu-offline/gpu/nemo_rl_real_data.py" "$DATA" --shape "$SHAPE" || return 3
+    printf 'defaults: grpo_math_1B.yaml\npolicy:\n  model_name: %s\n' "$DATA/model" >"$STOCK"  # the stock recipe naming the local model
+    cp "$STOCK" "$NEMO_RL_SRC/examples/configs/"
+  done
 }
 
 # The stock recipe at its real batch; only what this machine lacks changes: the model is a local random one of the
@@ -69,12 +77,16 @@ prepare() {
 # image lacks), no validation or checkpoints, local arithmetic prompts, two math reward workers per pipeline
 # (answers to random weights are scored in no time; eight per pipeline would ask for more CPUs than four pipelines
 # have).
-REAL=(policy.dtensor_cfg._v2=false policy.sequence_packing.enabled=false
-  policy.max_total_sequence_length=$((NEW_TOKENS + 512)) policy.generation.max_new_tokens="$NEW_TOKENS"
-  policy.generation.vllm_cfg.enforce_eager="$EAGER" grpo.max_num_steps="$STEPS" grpo.val_period=0
-  checkpointing.enabled=false data.train.dataset_name=ResponseDataset ++data.train.data_path="$DATA/train.jsonl"
-  ++data.train.input_key=input ++data.train.output_key=output data.default.prompt_file=null env.math.num_workers=2
-  logger.monitor_gpus=false logger.tensorboard_enabled=true)
+shape_vars() {  # DATA, STOCK and REAL (the drivers' overrides) of SHAPE, into the caller's locals (bash scopes dynamically)
+  DATA=$WORK/data_$SHAPE
+  STOCK=$WORK/patched/examples/configs/grpo_math_1B_$SHAPE.yaml
+  REAL=(policy.dtensor_cfg._v2=false policy.sequence_packing.enabled=false
+    policy.max_total_sequence_length=$((NEW_TOKENS + 512)) policy.generation.max_new_tokens="$NEW_TOKENS"
+    policy.generation.vllm_cfg.enforce_eager="$EAGER" grpo.max_num_steps="$STEPS" grpo.val_period=0
+    checkpointing.enabled=false data.train.dataset_name=ResponseDataset ++data.train.data_path="$DATA/train.jsonl"
+    ++data.train.input_key=input ++data.train.output_key=output data.default.prompt_file=null env.math.num_workers=2
+    logger.monitor_gpus=false logger.tensorboard_enabled=true)
+}
 
 stamp() { python3 -u -c 'import sys, time
 for line in sys.stdin: sys.stdout.write(f"{time.time():.3f} {line}")'; }
@@ -172,11 +184,12 @@ run_shared() {  # run_shared NAME N MODE (together | sequential): on GPUS, clust
 
 run_shared_with() {  # shared<N>:FAULT[:GPUS]: a shared run with its own FAULT (none: no fault) and GPUs (dots: 2.3),
   # e.g. `shared2:driver:0.1+shared2:engine:2.3` (both faults at once, on their own GPUs and Ray clusters)
-  local spec=$1 name fault gpus
+  local spec=$1 suffix=$2 name fault gpus
   IFS=: read -r name fault gpus <<<"$spec"
-  local FAULT=${fault/none/} GPUS=${gpus:-$GPUS}
+  local FAULT=${fault/none/} GPUS=${gpus:-$GPUS} STEPS=$STEPS
   GPUS=${GPUS//./,}
-  run_shared "$name-${fault}${gpus:+-g${gpus//./}}" "${name#shared}" together
+  [ -n "$FAULT" ] && STEPS=${FAULT_STEPS:-$STEPS} && shape_vars  # a fault run may be shorter than the runs beside it
+  run_shared "$name-${fault}${gpus:+-g${gpus//./}}$suffix" "${name#shared}" together
 }
 
 fault_watch() {  # fault_watch DIR: the FAULT of pipeline b (see the settings above), then `rlix status`
@@ -192,6 +205,8 @@ fault_watch() {  # fault_watch DIR: the FAULT of pipeline b (see the settings ab
     for p in $(pgrep -f -- "logger.log_dir=$dir/logs_b"); do
       case $(cat "/proc/$p/comm" 2>/dev/null) in python*) pid=$p ;; esac
     done
+  elif [ "${FAULT_RANK:-any}" = active ]; then  # b's engine core on a GPU b does not train on: awake through b's step
+    pid=$(active_engine "$dir")
   else  # an engine core of b: Ray forwards b's workers' output to b's console only
     pid=$(grep -aoE "EngineCore pid=[0-9]+" "$log" | tail -1 | cut -d= -f2)
   fi
@@ -202,6 +217,16 @@ fault_watch() {  # fault_watch DIR: the FAULT of pipeline b (see the settings ab
   sleep 30
   python3 -m rlix_plugins.cli status --json >"$dir/status_after_fault.json" 2>&1
   nvidia-smi -i "$GPUS" --query-compute-apps=gpu_uuid,pid,used_memory --format=csv >>"$dir/fault.log" 2>&1
+}
+
+active_engine() {  # active_engine DIR: the pid of b's engine core on a GPU other than b's home (its training GPU)
+  local dir=$1 home p uuid
+  local -a gpus=(${GPUS//,/ })
+  home=${gpus[$(grep -aoE "pipeline b, train \[[0-9]+" "$dir/recipe.log" | grep -oE "[0-9]+$")]}
+  for p in $(grep -aoE "EngineCore pid=[0-9]+" "$dir/console_b.log" | cut -d= -f2 | sort -u); do
+    uuid=$(nvidia-smi --query-compute-apps=pid,gpu_uuid --format=csv,noheader | awk -F', ' -v p="$p" '$1 == p {print $2}')
+    [ -n "$uuid" ] && [ "$(nvidia-smi -i "$uuid" --query-gpu=index --format=csv,noheader)" != "$home" ] && echo "$p" && return
+  done
 }
 
 gpu_after() {  # gpu_after DIR GPUS: the processes and memory left on the run's GPUs
@@ -276,14 +301,17 @@ run_transport() {  # benchmarks/transport.py on SPLIT_GPUS: per-sync NCCL broadc
   touch "$dir/DONE"
 }
 
-run_one() {
+run_one() {  # run_one RUN[@SHAPE]: one run; @SHAPE gives it a shape of its own (two shapes at once on one machine)
+  local spec=${1%@*} SHAPE=$SHAPE DATA STOCK REAL suffix=
+  [[ $1 == *@* ]] && SHAPE=${1##*@} && suffix=-${SHAPE#qwen2.5-}
+  shape_vars
   echo "$(date +%T) start $1"
-  case $1 in
+  case $spec in
   standalone) run_standalone ;;
-  shared[0-9]) run_shared "$1" "${1#shared}" together ;;
-  shared[0-9]:*) run_shared_with "$1" ;;
-  sequential[0-9]) run_shared "$1" "${1#sequential}" sequential ;;
-  split[0-9]) run_split "$1" "${1#split}" ;;
+  shared[0-9]) run_shared "$spec$suffix" "${spec#shared}" together ;;
+  shared[0-9]:*) run_shared_with "$spec" "$suffix" ;;
+  sequential[0-9]) run_shared "$spec$suffix" "${spec#sequential}" sequential ;;
+  split[0-9]) run_split "$spec$suffix" "${spec#split}" ;;
   transport) run_transport ;;
   *) echo "unknown run $1" ;;
   esac
@@ -291,7 +319,10 @@ run_one() {
 }
 
 run() {  # each argument in turn; A+B: A and B at once; A,B: one after the other inside a branch
-  prepare || { echo "prepare failed: $?"; return 1; }
+  local shapes
+  shapes=$(printf '%s\n' "$SHAPE" $(grep -oE '@[^,+ ]+' <<<"$*" | tr -d @) | sort -u)
+  # shellcheck disable=SC2086
+  prepare $shapes || { echo "prepare failed: $?"; return 1; }
   local arg branch part pids
   for arg in "$@"; do
     pids=()
