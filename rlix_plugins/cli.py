@@ -50,7 +50,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     from rlix_plugins.demo.run import run_cli
 
     return run_cli(args.pipelines, args.gpus, args.steps, args.out, args.address, args.sleep_level, args.force,
-                   args.nodes)
+                   args.nodes, args.tp)
 
 
 def _cmd_recipe(args: argparse.Namespace) -> int:
@@ -147,6 +147,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nodes", type=_positive_int, default=1,
                    help="Ray nodes the GPUs span, --gpus / --nodes each (default 1); without --address, that many "
                         "raylets start on this machine (node k at 127.0.0.k+1)")
+    p.add_argument("--tp", type=_positive_int, default=1,
+                   help="vLLM tensor parallel size: each rollout rank is one engine over TP GPUs of one node (default 1)")
     p.add_argument("--steps", type=_positive_int, default=3, help="training steps per pipeline (default 3)")
     p.add_argument("--out", default="out/demo", help="directory for timeline.png and summary.json (default out/demo)")
     p.add_argument("--force", action="store_true", help="overwrite the results of an earlier run in --out")

@@ -17,7 +17,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -52,15 +52,17 @@ def gpu_of_slot(visible: str | None, slot: int) -> str:
 
 
 class DemoEngine:
-    """One DP rank. ``env`` is applied before vLLM is imported (e.g. ``VLLM_ENABLE_V1_MULTIPROCESSING=0``).
-    ``gpu_slot``: on a GPU, the index of its GPU among those its raylet sees (the node table's local id)."""
+    """One DP rank: one engine, of ``tensor_parallel_size`` workers (``llm_kwargs``). ``env`` is applied before vLLM
+    is imported (e.g. ``VLLM_ENABLE_V1_MULTIPROCESSING=0``). ``gpu_slots``: on GPUs, the index of each of its GPUs
+    among those its raylet sees (the node table's local ids), in TP-rank order."""
 
     def __init__(self, dp_rank: int, llm_kwargs: dict[str, Any], env: dict[str, str] | None = None, *,
-                 gpu_slot: int | None = None) -> None:
+                 gpu_slots: Sequence[int] | None = None) -> None:
         """Imports vLLM (slow, touches no device); the engine itself is built by :meth:`load`."""
         env = dict(env or {})
-        if gpu_slot is not None:
-            env[envs.CUDA_VISIBLE_DEVICES] = gpu_of_slot(envs.cuda_visible_devices(), gpu_slot)
+        if gpu_slots is not None:
+            visible = envs.cuda_visible_devices()
+            env[envs.CUDA_VISIBLE_DEVICES] = ",".join(gpu_of_slot(visible, slot) for slot in gpu_slots)
         os.environ.update(env)
         import vllm  # noqa: F401
 

@@ -78,6 +78,8 @@ class PipelineSpec:
     model_dir: str
     train_devices: tuple[int, ...]
     infer_devices: tuple[int, ...]
+    #: vLLM tensor parallel size: each rollout rank is an engine over ``infer_tp`` consecutive ``infer_devices``
+    infer_tp: int = 1
     steps: int = 3
     prompts_per_step: int = 4
     group_size: int = 4
@@ -110,6 +112,8 @@ def engine_kwargs(spec: PipelineSpec) -> tuple[dict[str, Any], dict[str, str]]:
     env = {"HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "TOKENIZERS_PARALLELISM": "false",
            "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
            "RLIX_CONTROL_PLANE": "rlix"}  # the entry point's EngineCore hook: a sync's finish resets the prefix cache
+    if spec.infer_tp > 1:  # workers in processes of their own (vLLM-CPU has no Ray executor)
+        kwargs.update(tensor_parallel_size=spec.infer_tp, distributed_executor_backend="mp")
     if spec.on_gpu:
         kwargs.update(worker_cls=GPU_WORKER_CLS, enable_sleep_mode=True,
                       gpu_memory_utilization=spec.gpu_memory_utilization)
@@ -120,6 +124,12 @@ def engine_kwargs(spec: PipelineSpec) -> tuple[dict[str, Any], dict[str, str]]:
         kwargs["worker_cls"] = spec.worker_cls
     env.update(spec.engine_env)
     return kwargs, env
+
+
+def tp_groups(spec: PipelineSpec) -> list[tuple[int, ...]]:
+    """The GPUs of each rollout rank, in DP-rank order: ``infer_tp`` consecutive ``infer_devices`` each."""
+    tp, devices = spec.infer_tp, spec.infer_devices
+    return [devices[i:i + tp] for i in range(0, len(devices), tp)]
 
 
 def on_node(loc: GpuLocation) -> dict[str, Any]:
@@ -183,14 +193,16 @@ class DemoPipeline:
         spec = self.spec
         kwargs, env = engine_kwargs(spec)
         self.engines = []
-        for rank, gpu in enumerate(spec.infer_devices):
-            loc = table.locate(gpu)
+        for rank, gpus in enumerate(tp_groups(spec)):
+            locs = [table.locate(g) for g in gpus]  # one node: the control plane refuses a TP group across nodes
             env_vars = dict(env)
-            if spec.on_gpu:  # the engine picks its GPU from its raylet's (DemoEngine); Ray must not set the mask
+            if spec.on_gpu:  # the engine picks its GPUs from its raylet's (DemoEngine); Ray must not set the mask
                 env_vars.update(RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES="1")
             actor: Any = ray.remote(DemoEngine).options(num_cpus=0, num_gpus=0, max_concurrency=64,
-                                                   runtime_env={"env_vars": env_vars}, max_restarts=0, **on_node(loc))
-            self.engines.append(actor.remote(rank, kwargs, env_vars, gpu_slot=loc.local_gpu if spec.on_gpu else None))
+                                                   runtime_env={"env_vars": env_vars}, max_restarts=0,
+                                                   **on_node(locs[0]))
+            slots = [loc.local_gpu for loc in locs] if spec.on_gpu else None
+            self.engines.append(actor.remote(rank, kwargs, env_vars, gpu_slots=slots))
 
     def _make_fleet(self) -> Any:
         """Fleet factory, run by the runtime under the INITIALIZATION grant of the inference GPUs."""
@@ -199,7 +211,7 @@ class DemoPipeline:
         spec = self.spec
         seconds = ray.get([e.load.remote() for e in self.engines], timeout=spec.runtime.init_timeout_s)
         self._emit(kind="engines", start_seconds=seconds)
-        return DemoFleet(self.engines, [[place(self._table, g)] for g in spec.infer_devices])
+        return DemoFleet(self.engines, [[place(self._table, g) for g in gpus] for gpus in tp_groups(spec)])
 
     def run(self) -> dict[str, Any]:
         from rlix_plugins.control import client
@@ -223,8 +235,8 @@ class DemoPipeline:
         def offload() -> None:
             ray.get(trainer.offload.remote(), timeout=spec.runtime.sync_timeout_s)
 
-        rt = PipelineRuntime.register(cp, list(spec.train_devices), list(spec.infer_devices), config=spec.runtime,
-                                      coordinator_config=spec.coordinator)
+        rt = PipelineRuntime.register(cp, list(spec.train_devices), list(spec.infer_devices), infer_tp=spec.infer_tp,
+                                      config=spec.runtime, coordinator_config=spec.coordinator)
         self.pipeline_id = rt.pipeline_id
         self._actors["coordinator"] = rt.pipe.coordinator
         self._emit(kind="registered", train=list(spec.train_devices), infer=list(spec.infer_devices))

@@ -303,7 +303,7 @@ def _read_events(driver: Any, since: int, name: str, say: TextIO) -> list[dict[s
 
 
 def run_demo(pipelines: int = 2, gpus: int = 2, steps: int = 3, out: str | os.PathLike[str] = "out/demo", *,
-             nodes: int = 1, address: str | None = None, prompts_per_step: int = 4, group_size: int = 4,
+             nodes: int = 1, tp: int = 1, address: str | None = None, prompts_per_step: int = 4, group_size: int = 4,
              max_tokens: int = 12,
              sleep_level: int = 2, kill_after_step: tuple[int, int] | None = None,
              stream: TextIO | None = None, force: bool = False, deadline_s: float | None = None) -> dict[str, Any]:
@@ -313,7 +313,8 @@ def run_demo(pipelines: int = 2, gpus: int = 2, steps: int = 3, out: str | os.Pa
     overwritten only with ``force``) and that the pipelines fit this machine (``demo/capacity.py``).
     ``nodes``: the GPUs span that many Ray nodes (``gpus / nodes`` each); without a cluster to join, that many
     raylets start on this machine. Trainers and engines run on the node of their GPU, and weights cross nodes by
-    the broadcast.
+    the broadcast. ``tp``: vLLM tensor parallel size; each rollout rank is one engine over ``tp`` consecutive GPUs of
+    one node, and every one of its workers receives and verifies each sync.
     ``kill_after_step=(i, s)`` kills pipeline ``i``'s driver once it finished step ``s`` (failure-isolation demo).
     The pipelines must finish within ``deadline_s`` (default: the start-up bound plus one GPU-request bound per
     step); otherwise their drivers are killed and ``RlixTimeoutError`` names them.
@@ -324,11 +325,15 @@ def run_demo(pipelines: int = 2, gpus: int = 2, steps: int = 3, out: str | os.Pa
     if gpus % nodes:
         raise RlixConfigError(f"--gpus {gpus} over --nodes {nodes}: every node has the same GPU count, so --gpus must "
                               f"be a multiple of --nodes (e.g. --gpus {nodes * max(1, gpus // nodes)})")
+    if tp < 1 or (gpus // nodes) % tp:
+        raise RlixConfigError(f"--tp {tp} with --gpus {gpus} on --nodes {nodes}: a rollout rank's TP group is {tp} GPUs "
+                              f"of one node, so each node's GPUs ({gpus // nodes}) must be a multiple of --tp (e.g. "
+                              f"--gpus {nodes * tp} or --tp 1)")
     check_dependencies()
     on_gpu = _check_gpus(gpus, local=not (address or envs.ray_address()))
     runtime = RuntimeConfig(sleep_level=sleep_level, route_timeout_s=_ROUTE_TIMEOUT_S)
     check_fits(pipelines, gpus, init_timeout_s=runtime.init_timeout_s,
-               gpu_memory_gib=_gpu_memory_gib(gpus) if on_gpu else None)
+               gpu_memory_gib=_gpu_memory_gib(gpus) if on_gpu else None, tp=tp)
     target = address or envs.ray_address()
     if target:
         from rlix_plugins.control.client import check_reachable
@@ -340,14 +345,14 @@ def run_demo(pipelines: int = 2, gpus: int = 2, steps: int = 3, out: str | os.Pa
     t_begin = time.time()
     end_cluster = _start_ray(gpus, address, on_gpu, nodes)
     try:
-        return _run(pipelines, gpus, steps, nodes, out_dir, runtime, on_gpu, prompts_per_step, group_size, max_tokens,
-                    kill_after_step, say, deadline_s, t_begin)
+        return _run(pipelines, gpus, steps, nodes, tp, out_dir, runtime, on_gpu, prompts_per_step, group_size,
+                    max_tokens, kill_after_step, say, deadline_s, t_begin)
     finally:
         if end_cluster is not None:
             end_cluster()
 
 
-def _run(pipelines: int, gpus: int, steps: int, nodes: int, out_dir: Path, runtime: RuntimeConfig, on_gpu: bool,
+def _run(pipelines: int, gpus: int, steps: int, nodes: int, tp: int, out_dir: Path, runtime: RuntimeConfig, on_gpu: bool,
          prompts_per_step: int, group_size: int, max_tokens: int, kill_after_step: tuple[int, int] | None,
          say: TextIO, deadline_s: float | None, t_begin: float) -> dict[str, Any]:
     """:func:`run_demo` once its Ray cluster runs."""
@@ -365,7 +370,8 @@ def _run(pipelines: int, gpus: int, steps: int, nodes: int, out_dir: Path, runti
     _check_nodes(cp.node_table(), gpus, nodes)
     t_trace = time.time()
     print(f"rlix demo: {pipelines} pipelines time-sharing {gpus} {'GPUs' if on_gpu else 'declared GPUs (engines on CPU)'}"
-          f"{f' on {nodes} nodes' if nodes > 1 else ''}, {steps} steps each", file=say, flush=True)
+          f"{f' on {nodes} nodes' if nodes > 1 else ''}{f', vLLM TP {tp}' if tp > 1 else ''}, {steps} steps each",
+          file=say, flush=True)
     specs = []
     with contextlib.suppress(Exception):
         from transformers.utils import logging as hf_logging
@@ -376,6 +382,7 @@ def _run(pipelines: int, gpus: int, steps: int, nodes: int, out_dir: Path, runti
             model = build_tiny_qwen2(out_dir / "models" / f"p{i}", seed=i)
         specs.append(PipelineSpec(
             name=f"p{i}", index=i, model_dir=str(model), train_devices=(i % gpus,), infer_devices=tuple(range(gpus)),
+            infer_tp=tp,
             steps=steps, prompts_per_step=prompts_per_step, group_size=group_size, max_tokens=max_tokens,
             on_gpu=on_gpu, seed=i, gpu_memory_utilization=min(0.9 / (2 * pipelines), 0.3),
             runtime=runtime))
@@ -450,7 +457,7 @@ def _run(pipelines: int, gpus: int, steps: int, nodes: int, out_dir: Path, runti
     status = cp.status()
     allocated = {cid: a["gpus"] for cid, a in status["allocations"].items() if a["gpus"]}
     summary: dict[str, Any] = {
-        "pipelines": [], "gpus": gpus, "nodes": nodes, "on_gpu": on_gpu, "wall_seconds": t_end - t_begin,
+        "pipelines": [], "gpus": gpus, "nodes": nodes, "tp": tp, "on_gpu": on_gpu, "wall_seconds": t_end - t_begin,
         "syncs": len(syncs), "expands": sum(1 for r in syncs if r["op"] == "expand"),
         "all_syncs_verified": bool(syncs) and all(r["verified"] for r in syncs),
         "failed_expands": sum(1 for r in resizes if r["op"] == "expand_failed"),
@@ -501,7 +508,8 @@ def _run(pipelines: int, gpus: int, steps: int, nodes: int, out_dir: Path, runti
 
 
 def run_cli(pipelines: int, gpus: int, steps: int, out: str, address: str | None, sleep_level: int,
-            force: bool = False, nodes: int = 1) -> int:
-    summary = run_demo(pipelines, gpus, steps, out, nodes=nodes, address=address, sleep_level=sleep_level, force=force)
+            force: bool = False, nodes: int = 1, tp: int = 1) -> int:
+    summary = run_demo(pipelines, gpus, steps, out, nodes=nodes, tp=tp, address=address, sleep_level=sleep_level,
+                       force=force)
     ok = all(p["steps"] == steps and not p["error"] for p in summary["pipelines"])
     return 0 if ok and summary["all_syncs_verified"] and not summary["allocated_at_end"] else 1

@@ -89,13 +89,7 @@ class DemoTrainer:
         report = sync_engines(self.cache, plan, {dp: rpc for dp, (rpc, _) in targets.items()},
                               staging_device="cpu", backend="gloo", timeout_s=timeout_s, verify=verify,
                               wake_tags=wake_tags)
-        verified = {dp: min(int(w.get("received", 0)) for w in per) if per else 0
-                    for dp, per in report.verified.items()}
-        result = SyncResult(version=report.transport.version, dp_ranks=tuple(sorted(targets)),
-                            seconds=time.perf_counter() - t0, verified_params=verified,
-                            payload_bytes=report.transport.payload_bytes,
-                            ipc_dp_ranks=report.transport.ipc_dp_ranks,
-                            broadcast_dp_ranks=report.transport.broadcast_dp_ranks)
+        result = SyncResult.of_report(report, targets, time.perf_counter() - t0)
         self.syncs.append({"version": result.version, "ranks": list(result.dp_ranks), "verified": result.verified,
                            "params": len(self.built[-1][1]) if self.built else 0})
         return result

@@ -187,11 +187,7 @@ def sync_from_cache(worker: Any, targets: dict[int, tuple[Any, list[tuple[int, i
     report = sync_engines(cache, plan, {dp: rpc for dp, (rpc, _) in targets.items()},
                           staging_device="cuda" if on_gpu else "cpu", backend=backend or ("nccl" if on_gpu else "gloo"),
                           timeout_s=timeout_s, verify=verify, wake_tags=wake_tags)
-    verified = {dp: min(int(w.get("received", 0)) for w in per) if per else 0 for dp, per in report.verified.items()}
-    return SyncResult(version=report.transport.version, dp_ranks=tuple(sorted(targets)),
-                      seconds=time.perf_counter() - t0, verified_params=verified,
-                      payload_bytes=report.transport.payload_bytes, ipc_dp_ranks=report.transport.ipc_dp_ranks,
-                      broadcast_dp_ranks=report.transport.broadcast_dp_ranks)
+    return SyncResult.of_report(report, targets, time.perf_counter() - t0)
 
 
 # ---------------------------------------------------------------------------------------------- Megatron workers

@@ -15,6 +15,7 @@ resize-handler actor, which calls them from another process. Every method blocks
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -78,10 +79,24 @@ class SyncResult:
     payload_bytes: int = 0
     ipc_dp_ranks: tuple[int, ...] = ()
     broadcast_dp_ranks: tuple[int, ...] = ()
+    #: workers per rank (its vLLM TP workers) whose own checks passed; empty when verification was off
+    verified_workers: dict[int, int] = field(default_factory=dict)
 
     @property
     def verified(self) -> bool:
         return bool(self.dp_ranks) and all(self.verified_params.get(r, 0) > 0 for r in self.dp_ranks)
+
+    @classmethod
+    def of_report(cls, report: Any, dp_ranks: Iterable[int], seconds: float) -> SyncResult:
+        """From ``vllm.driver.sync_engines``' report: a rank counts the parameters its least-verified worker
+        checked (every TP worker verifies what it received), and the workers that verified any."""
+        per_rank = report.verified  # dp rank -> each worker's verify_model result, in TP-rank order
+        params = {dp: min(int(w.get("received", 0)) for w in per) if per else 0 for dp, per in per_rank.items()}
+        workers = {dp: sum(1 for w in per if int(w.get("received", 0)) > 0) for dp, per in per_rank.items()}
+        t = report.transport
+        return cls(version=t.version, dp_ranks=tuple(sorted(dp_ranks)), seconds=seconds, verified_params=params,
+                   payload_bytes=t.payload_bytes, ipc_dp_ranks=t.ipc_dp_ranks,
+                   broadcast_dp_ranks=t.broadcast_dp_ranks, verified_workers=workers)
 
 
 @runtime_checkable

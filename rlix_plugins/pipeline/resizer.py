@@ -226,7 +226,8 @@ class FleetResizer:
         return self._record(op="expand", ranks=ranks, seconds=t_done - t0, wake_s=t_wake - t0,
                             sync_s=t_sync - t_wake, activate_s=t_done - t_sync, version=result.version,
                             published=version, verified=result.verified, verified_params=result.verified_params,
-                            payload_bytes=result.payload_bytes, broadcast_ranks=list(result.broadcast_dp_ranks))
+                            verified_workers=result.verified_workers, payload_bytes=result.payload_bytes,
+                            broadcast_ranks=list(result.broadcast_dp_ranks))
 
     # ------------------------------------------------------------------ runtime entry points
     def refresh_active(self) -> dict[str, Any]:
@@ -247,8 +248,8 @@ class FleetResizer:
                 raise
             return self._record(op="refresh", ranks=active, seconds=time.perf_counter() - t0,
                                 version=result.version, verified=result.verified,
-                                verified_params=result.verified_params, payload_bytes=result.payload_bytes,
-                                broadcast_ranks=list(result.broadcast_dp_ranks))
+                                verified_params=result.verified_params, verified_workers=result.verified_workers,
+                                payload_bytes=result.payload_bytes, broadcast_ranks=list(result.broadcast_dp_ranks))
 
     def prewarm_and_sleep(self, ranks: list[int]) -> dict[str, Any]:
         """Start-up: wake, sync the start-up cache and sleep every rank once while the pipeline holds its inference

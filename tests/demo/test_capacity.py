@@ -32,3 +32,11 @@ def test_gpu_memory_binds_on_small_gpus() -> None:
 
 def test_the_default_demo_fits_an_8_gib_two_core_machine() -> None:
     assert capacity(2, memory_gib=8.0, cores=2, init_timeout_s=900.0).limit >= 2
+
+
+def test_a_tensor_parallel_engine_counts_its_workers_and_its_own_process() -> None:
+    """TP 2 on 4 GPUs: 2 engines of 2 workers + the engine's process each = 6 engine processes (TP 1: 4)."""
+    cap = capacity(4, memory_gib=21.0, cores=2, init_timeout_s=900.0, tp=2)
+    assert cap.limit == int((21.0 - RAY_HOST_GIB) // (6 * ENGINE_HOST_GIB + PIPELINE_HOST_GIB))
+    assert "12 processes" in cap.reason and "2 vLLM engines of TP 2" in cap.reason
+    assert cap.limit < capacity(4, memory_gib=21.0, cores=2, init_timeout_s=900.0).limit

