@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks of the project, batched into few commands of an offline GPU machine (after the vLLM carry kit is
 # set up; see README "GPU").
-#   bash .gpukit/setup.sh bash tools/gpu-offline/gpu_suite.sh [transport] [expand] [wake-window] [vllm|vllm-nccl] [demo]
+#   bash .gpukit/setup.sh bash tools/gpu-offline/gpu_suite.sh [transport] [expand] [wake-window] [vllm|vllm-nccl] [demo] [demo-tp]
 #   (default: transport vllm demo)
 # Where one command may run 10 minutes at most, run "transport vllm" in one command and "demo" in the next.
 # Runs under .gpukit/setup.sh (vLLM + deps on PYTHONPATH), installs the trimmed Ray kit, then:
@@ -10,6 +10,7 @@
 #   1c. benchmarks/wake_window.py (what a wake does to copies)   -> $OUT/wake_window.json
 #   2. vLLM receiver GPU tests (cuda_ipc, NCCL, sleep/wake)     -> $OUT/vllm_gpu_results.json
 #   3. rlix demo on 1 GPU and, when there are 2, on 2 GPUs      -> $OUT/g1/, $OUT/g2/ (summary.json, timeline.png)
+#   3b. demo-tp: rlix demo --tp 2 on 2 (or 4) GPUs: each rollout rank one engine of two TP workers -> $OUT/tp2/
 #   4. real NeMo RL (parts nemo-standalone, nemo-shared, nemo-sequential; tools/gpu-offline/gpu_nemo_rl.sh)
 #   5. nemo-pool: the stock recipe's real shape on 2 or 4 GPUs: the rlix pair on GPUs 0,1 vs the static split and the
 #      transport benchmark (tools/gpu-offline/gpu_nemo_rl_scale.sh; detached: later commands `... gpu_nemo_rl_scale.sh wait`)
@@ -52,6 +53,10 @@ if [[ " $want " == *" demo "* ]]; then
   if [ "$ngpu" -ge 2 ]; then
     part demo-2gpu 270 python3 -m rlix_plugins.cli demo --gpus 2 --out "$OUT/g2"
   fi
+fi
+if [[ " $want " == *" demo-tp "* ]] && [ "$ngpu" -ge 2 ]; then  # vLLM TP 2 rollout ranks: one engine over two GPUs
+  tp_gpus=$([ "$ngpu" -ge 4 ] && echo 4 || echo 2)  # 4: two TP groups per pipeline, one rolls out while it trains
+  part demo-tp2 400 python3 -m rlix_plugins.cli demo --gpus "$tp_gpus" --tp 2 --out "$OUT/tp2"
 fi
 # Real NeMo RL (needs the NeMo RL kit: run under `bash tools/gpu-offline/gpu_kit.sh run`, see docs/gpu.md), one part per call:
 #   nemo-standalone: stock grpo_math_1B (DTensor v1) 5 steps, unpatched then patched, variable unset
