@@ -14,6 +14,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -22,27 +23,33 @@ from rlix_plugins.errors import RlixConfigError
 from tests.harness.cross_node import NODE_B_IP, bindable
 
 
-@pytest.mark.vllm
-@pytest.mark.slow
-def test_two_pipelines_on_two_nodes_sync_across_them(tmp_path: Path) -> None:
+def _demo_on_two_nodes(tmp_path: Path, *args: str) -> tuple[str, list[dict[str, Any]]]:
+    """``rlix demo --nodes 2 --pipelines 2 --steps 2 ARGS`` as a user runs it: its output, and its syncs (expands and
+    refreshes that reached ranks) once it passed with both pipelines done, every sync verified, nothing allocated
+    and none of its Ray processes left."""
     if not bindable(NODE_B_IP):
         pytest.skip(f"{NODE_B_IP} cannot be bound on this machine (Linux routes 127.0.0.0/8 to lo; macOS does not)")
     out = tmp_path / "demo"
-    proc = subprocess.run([sys.executable, "-m", "rlix_plugins.cli", "demo", "--nodes", "2", "--gpus", "2",
-                           "--pipelines", "2", "--steps", "2", "--out", str(out)],
-                          capture_output=True, text=True, timeout=1200)
+    proc = subprocess.run([sys.executable, "-m", "rlix_plugins.cli", "demo", "--nodes", "2", "--pipelines", "2",
+                           "--steps", "2", *args, "--out", str(out)], capture_output=True, text=True, timeout=1500)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "on 2 nodes" in proc.stdout
     summary = json.loads((out / "summary.json").read_text())
     assert summary["nodes"] == 2 and summary["all_syncs_verified"] and not summary["allocated_at_end"], summary
     assert [p["steps"] for p in summary["pipelines"]] == [2, 2]
-    syncs = [r for r in summary["resizes"] if r["op"] in ("expand", "refresh") and r["ranks"]]
+    leftover = subprocess.run(["pgrep", "-af", "rlix-demo-"], capture_output=True, text=True)  # its Ray temp dir
+    assert not leftover.stdout.strip(), f"the demo's Ray processes outlived it: {leftover.stdout}"
+    return proc.stdout, [r for r in summary["resizes"] if r["op"] in ("expand", "refresh") and r["ranks"]]
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_two_pipelines_on_two_nodes_sync_across_them(tmp_path: Path) -> None:
+    stdout, syncs = _demo_on_two_nodes(tmp_path, "--gpus", "2")
+    assert "on 2 nodes" in stdout
     # p0 trains on GPU 0 (node 0): its rank 1 (GPU 1, node 1) is across nodes; p1 the other way round
     for name, other_node_rank in (("p0", 1), ("p1", 0)):
         across = [r for r in syncs if r["pipeline"] == name and other_node_rank in r.get("broadcast_ranks", [])]
         assert across and all(r["verified"] for r in across), (name, syncs)
-    leftover = subprocess.run(["pgrep", "-af", "rlix-demo-"], capture_output=True, text=True)  # its Ray temp dir
-    assert not leftover.stdout.strip(), f"the demo's Ray processes outlived it: {leftover.stdout}"
 
 
 @pytest.mark.vllm
@@ -53,18 +60,8 @@ def test_tensor_parallel_ranks_on_two_nodes_every_worker_verifies(tmp_path: Path
     every sync across nodes by the broadcast and p1's rank 0 takes it two ways at once (its TP rank 1 on p1's
     training GPU by host_pull, TP rank 0 by the broadcast). Every sync must be verified by both workers of every
     rank it reached, as the resize records say."""
-    if not bindable(NODE_B_IP):
-        pytest.skip(f"{NODE_B_IP} cannot be bound on this machine (Linux routes 127.0.0.0/8 to lo; macOS does not)")
-    out = tmp_path / "demo"
-    proc = subprocess.run([sys.executable, "-m", "rlix_plugins.cli", "demo", "--nodes", "2", "--gpus", "4", "--tp", "2",
-                           "--pipelines", "2", "--steps", "2", "--out", str(out)],
-                          capture_output=True, text=True, timeout=1500)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "on 2 nodes, vLLM TP 2" in proc.stdout
-    summary = json.loads((out / "summary.json").read_text())
-    assert summary["tp"] == 2 and summary["all_syncs_verified"] and not summary["allocated_at_end"], summary
-    assert [p["steps"] for p in summary["pipelines"]] == [2, 2]
-    syncs = [r for r in summary["resizes"] if r["op"] in ("expand", "refresh") and r["ranks"]]
+    stdout, syncs = _demo_on_two_nodes(tmp_path, "--gpus", "4", "--tp", "2")
+    assert "on 2 nodes, vLLM TP 2" in stdout
     assert syncs and all(r["verified_workers"] == {str(rank): 2 for rank in r["ranks"]} for r in syncs), syncs
     for name in ("p0", "p1"):  # rank 1 = GPUs 2-3 on node 1, the trainers on node 0
         assert any(r["pipeline"] == name and 1 in r.get("broadcast_ranks", []) for r in syncs), (name, syncs)
