@@ -35,7 +35,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
 def _cmd_timeline(args: argparse.Namespace) -> int:
     from rlix_plugins.control.admin.commands import timeline
 
-    return timeline(address=args.address, out=args.out)
+    return timeline(address=args.address, out=args.out, trace=args.trace)
 
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
@@ -133,6 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("timeline", _cmd_timeline, "Render the scheduler trace as a Gantt chart (one row per GPU).")
     _add_address(p)
     p.add_argument("--out", required=True, help="output picture, e.g. timeline.png")
+    p.add_argument("--trace", default=None,
+                   help="draw a saved trace (JSON lines, .gz allowed) instead of the live control plane's")
 
     p = add("simulate", _cmd_simulate, "Simulate N pipelines time-sharing G GPUs with the real planner.")
     from rlix_plugins.control.capacity.comparison import add_arguments as add_sim_arguments

@@ -143,3 +143,26 @@ def test_rollouts_of_several_pipelines_on_one_gpu_each_get_a_lane_below_the_trai
                      ("d_actor_infer", 0): (1, 3), ("d_actor_infer", 1): (0, 1)}
     assert held_seconds(spans, [0], 0.0, 10.0) == 8.0
     assert render_timeline(events, tmp_path / "t.png").stat().st_size > 0
+
+
+def test_a_saved_trace_draws_without_a_cluster_through_the_cli(tmp_path) -> None:
+    """``rlix timeline --trace`` (what a finished run's saved trace is for): the events round-trip through the file
+    (gzip too), the CLI draws them with no Ray cluster, and a line that is no event is refused naming it."""
+    import os
+    import subprocess
+    import sys
+
+    from rlix_plugins.control.capacity.timeline import read_trace, write_trace
+
+    saved = write_trace(EVENTS, tmp_path / "trace.jsonl.gz")
+    assert read_trace(saved) == EVENTS
+    cli = [sys.executable, "-m", "rlix_plugins.cli", "timeline", "--trace"]
+    done = subprocess.run([*cli, str(saved), "--out", str(tmp_path / "t.png")], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "RAY_ADDRESS": "127.0.0.1:1"})
+    assert done.returncode == 0, done.stderr
+    assert f"({len(EVENTS)} trace events)" in done.stdout and (tmp_path / "t.png").stat().st_size > 10_000
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(write_trace(EVENTS[:1], tmp_path / "one.jsonl").read_text() + "{}\n")
+    refused = subprocess.run([*cli, str(bad), "--out", str(tmp_path / "b.png")], capture_output=True, text=True,
+                             timeout=120)
+    assert refused.returncode == 2 and "line 2: not a trace event" in refused.stderr, refused.stderr

@@ -266,9 +266,10 @@ def _table(header: list[str], rows: list[list[str]], *, empty: str) -> str:
     return "\n".join(fmt.format(*map(str, r)).rstrip() for r in [header, *rows])
 
 
-def timeline(address: str | None, out: str) -> int:
-    """Render the scheduler trace to ``out`` (PNG/SVG/PDF by suffix) as a Gantt chart, one row per GPU."""
-    from rlix_plugins.control.capacity.timeline import render_timeline
+def timeline(address: str | None, out: str, trace: str | None = None) -> int:
+    """Render the scheduler trace to ``out`` (PNG/SVG/PDF by suffix) as a Gantt chart, one row per GPU: the live
+    control plane's, or the one saved in ``trace`` (no cluster needed)."""
+    from rlix_plugins.control.capacity.timeline import read_trace, render_timeline
     from rlix_plugins.control.client import connect
 
     path = Path(out)
@@ -276,6 +277,13 @@ def timeline(address: str | None, out: str) -> int:
         raise RlixConfigError(f"--out {out!r}: use a .png, .svg or .pdf file name")
     if not path.parent.exists():
         raise RlixConfigError(f"--out {out!r}: directory {str(path.parent)!r} does not exist")
+    if trace is not None:
+        saved = read_trace(trace)
+        if not saved:
+            raise RlixConfigError(f"--trace {trace!r}: no events to draw")
+        written = render_timeline(saved, path, title=f"rlix scheduler timeline ({Path(trace).name})")
+        print(f"wrote {written} ({len(saved)} trace events)")
+        return 0
     _connect_ray(_target(address)[0])
     cp = connect(create_if_missing=False)
     events = cp.trace()

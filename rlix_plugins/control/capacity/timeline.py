@@ -9,19 +9,62 @@ narrow panel of its own and the steps get the rest of the width. Occupancy is re
 of rollout spans (of different pipelines); where spans overlapped (co-residence) the GPU's row splits into lanes,
 training on top, each rollout below it in a lane of its own. ``fail``/``timeout``/``error`` events are marked with
 red ticks (not a rollout request's timeout: its waiter asks again).
+A trace saved as JSON lines (:func:`write_trace`, one :class:`TraceEvent` a line, gzip by the ``.gz`` suffix) draws
+later without the cluster (:func:`read_trace`, ``rlix timeline --trace``).
 matplotlib (Agg) is imported lazily, so importing this module is cheap.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import gzip
+import json
 import os
 import pathlib
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import IO, Any
 
 from rlix_plugins.control.types import Priority, TraceEvent, parse_cluster_id
+from rlix_plugins.errors import RlixConfigError
+
+
+def _open_text(path: pathlib.Path, mode: str) -> IO[str]:
+    if path.suffix == ".gz":
+        return gzip.open(path, "wt" if mode == "w" else "rt", encoding="utf-8")
+    return open(path, mode, encoding="utf-8")
+
+
+def write_trace(events: Sequence[TraceEvent], path: str | os.PathLike[str]) -> pathlib.Path:
+    """Save ``events`` as JSON lines (gzip when ``path`` ends in ``.gz``)."""
+    out = pathlib.Path(path)
+    with _open_text(out, "w") as f:
+        for e in events:
+            f.write(json.dumps(dataclasses.asdict(e), default=str) + "\n")
+    return out
+
+
+def read_trace(path: str | os.PathLike[str]) -> list[TraceEvent]:
+    """The events of a trace saved by :func:`write_trace`; a line that is no event is an error naming it."""
+    src = pathlib.Path(path)
+    if not src.is_file():
+        raise RlixConfigError(f"--trace {str(src)!r}: no such file (a trace saved as JSON lines, .gz allowed)")
+    events = []
+    with _open_text(src, "r") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                d = json.loads(line)
+                events.append(TraceEvent(float(d["time"]), str(d["pipeline_id"]), str(d["cluster_id"]), str(d["op"]),
+                                         tuple(int(g) for g in d["gpus"]), d.get("priority"), str(d.get("detail", ""))))
+            except (ValueError, TypeError, KeyError) as exc:
+                raise RlixConfigError(f"--trace {str(src)!r} line {n}: not a trace event ({type(exc).__name__}: "
+                                      f"{exc}); each line is one JSON object with time, pipeline_id, cluster_id, op, "
+                                      "gpus") from None
+    return events
+
 
 OCCUPY_OPS = frozenset({"allocate", "expand"})
 VACATE_OPS = frozenset({"release", "shrink", "unregister", "fail"})
