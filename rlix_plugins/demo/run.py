@@ -387,10 +387,11 @@ def _run(pipelines: int, gpus: int, steps: int, nodes: int, tp: int, out_dir: Pa
             on_gpu=on_gpu, seed=i, gpu_memory_utilization=min(0.9 / (2 * pipelines), 0.3),
             runtime=runtime))
     actor: Any = ray.remote(DemoPipeline).options(num_cpus=0, max_concurrency=4, max_restarts=0)
-    # The start-up barrier waits for every pipeline's first rollout rank. On one GPU a later pipeline can only get
-    # one after an earlier one trains (which the barrier holds back): a deadlock, so one GPU runs without it.
+    # The start-up barrier waits for every pipeline's first rollout rank. With one rollout rank per pipeline (one GPU,
+    # or one TP group over all of them) a later pipeline can only get one after an earlier one trains (which the
+    # barrier holds back): a deadlock, so such a run goes without it.
     gate = (ray.remote(DemoGate).options(num_cpus=0, max_concurrency=2 * pipelines + 4).remote(pipelines)
-            if gpus > 1 else None)
+            if gpus // tp > 1 else None)
     drivers: list[Any] = [actor.remote(s, gate) for s in specs]
     runs = {d.run.remote(): i for i, d in enumerate(drivers)}
     seen = [0] * pipelines
