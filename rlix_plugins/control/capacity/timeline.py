@@ -51,18 +51,23 @@ def read_trace(path: str | os.PathLike[str]) -> list[TraceEvent]:
     if not src.is_file():
         raise RlixConfigError(f"--trace {str(src)!r}: no such file (a trace saved as JSON lines, .gz allowed)")
     events = []
-    with _open_text(src, "r") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
+    n = 0
+    try:
+        with _open_text(src, "r") as f:
+            for line in f:
+                n += 1  # named by the errors below
+                if not line.strip():
+                    continue
                 d = json.loads(line)
+                prio = d.get("priority")
                 events.append(TraceEvent(float(d["time"]), str(d["pipeline_id"]), str(d["cluster_id"]), str(d["op"]),
-                                         tuple(int(g) for g in d["gpus"]), d.get("priority"), str(d.get("detail", ""))))
-            except (ValueError, TypeError, KeyError) as exc:
-                raise RlixConfigError(f"--trace {str(src)!r} line {n}: not a trace event ({type(exc).__name__}: "
-                                      f"{exc}); each line is one JSON object with time, pipeline_id, cluster_id, op, "
-                                      "gpus") from None
+                                         tuple(int(g) for g in d["gpus"]), None if prio is None else int(prio),
+                                         str(d.get("detail", ""))))
+    except (ValueError, TypeError, KeyError, AttributeError) as exc:
+        raise RlixConfigError(f"--trace {str(src)!r} line {n}: not a trace event ({type(exc).__name__}: {exc}); each "
+                              "line is one JSON object with time, pipeline_id, cluster_id, op, gpus") from None
+    except (OSError, EOFError) as exc:  # a damaged or cut .gz
+        raise RlixConfigError(f"--trace {str(src)!r}: unreadable after line {n} ({type(exc).__name__}: {exc})") from None
     return events
 
 
