@@ -9,7 +9,6 @@ trainer plus a rollout rank of every pipeline, and one pipeline's training preem
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import os
 import statistics
@@ -359,7 +358,7 @@ def _run(pipelines: int, gpus: int, steps: int, nodes: int, tp: int, out_dir: Pa
     import ray
 
     from rlix_plugins.control import client
-    from rlix_plugins.control.capacity.timeline import render_timeline
+    from rlix_plugins.control.capacity.timeline import render_timeline, write_trace
     from rlix_plugins.demo.pipeline import DemoGate, DemoPipeline, PipelineSpec
     from rlix_plugins.demo.tiny_model import build_tiny_qwen2
 
@@ -443,9 +442,7 @@ def _run(pipelines: int, gpus: int, steps: int, nodes: int, tp: int, out_dir: Pa
     t_end = time.time()
     trace = cp.trace(since=t_trace)
     analysis = analyse_trace(trace, list(range(gpus)), t_trace, t_end)
-    with (out_dir / "trace.jsonl").open("w") as f:  # every scheduling decision, for offline analysis
-        for decision in trace:
-            f.write(json.dumps(dataclasses.asdict(decision)) + "\n")
+    write_trace(trace, out_dir / "trace.jsonl")  # every scheduling decision, for offline analysis
     try:
         names = {ev["pipeline_id"]: specs[i].name for i, evs in enumerate(all_events) for ev in evs
                  if ev.get("pipeline_id")}

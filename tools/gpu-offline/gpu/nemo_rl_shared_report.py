@@ -118,11 +118,9 @@ def trace_figures(path: Path, t0: float, t1: float, rows: list[dict[str, float]]
     """Allocated share of each GPU over [t0, t1] (some cluster held it) and over all, fairness and, with NVML
     ``rows``, the busy share by what held each GPU, from the scheduler's trace."""
     from rlix_plugins.control.capacity.fairness import fairness
-    from rlix_plugins.control.capacity.timeline import held_seconds, occupancy_spans
-    from rlix_plugins.control.types import TraceEvent
+    from rlix_plugins.control.capacity.timeline import held_seconds, occupancy_spans, read_trace
 
-    events = [TraceEvent(**{**json.loads(line), "gpus": tuple(json.loads(line)["gpus"])})
-              for line in path.read_text().splitlines() if line.strip()]
+    events = read_trace(path)
     events.sort(key=lambda e: e.time)
     # The trace names a GPU as the scheduler does, by its place among the GPUs its Ray cluster sees (0, 1, ...);
     # NVML's columns by the machine's index. A cluster on GPUs 2,3 traces them as 0,1.
