@@ -277,22 +277,20 @@ def timeline(address: str | None, out: str, trace: str | None = None) -> int:
         raise RlixConfigError(f"--out {out!r}: use a .png, .svg or .pdf file name")
     if not path.parent.exists():
         raise RlixConfigError(f"--out {out!r}: directory {str(path.parent)!r} does not exist")
-    if trace is not None:
-        saved = read_trace(trace)
-        if not saved:
+    if trace is not None:  # a saved trace: every GPU it names
+        events, gpus, title = read_trace(trace), None, f"rlix scheduler timeline ({Path(trace).name})"
+        if not events:
             raise RlixConfigError(f"--trace {trace!r}: no events to draw")
-        written = render_timeline(saved, path, title=f"rlix scheduler timeline ({Path(trace).name})")
-        print(f"wrote {written} ({len(saved)} trace events)")
-        return 0
-    _connect_ray(_target(address)[0])
-    cp = connect(create_if_missing=False)
-    events = cp.trace()
-    if not events:
-        raise SchedulerError(
-            "nothing to draw: the control plane has recorded no scheduling decision yet (0 trace events); "
-            "run pipelines on it first (e.g. `rlix demo --address ...`)"
-        )
-    pool = cp.pool()
-    written = render_timeline(events, path, gpus=pool["num_gpus"], title="rlix scheduler timeline")
+    else:
+        _connect_ray(_target(address)[0])
+        cp = connect(create_if_missing=False)
+        events, title = cp.trace(), "rlix scheduler timeline"
+        if not events:
+            raise SchedulerError(
+                "nothing to draw: the control plane has recorded no scheduling decision yet (0 trace events); "
+                "run pipelines on it first (e.g. `rlix demo --address ...`)"
+            )
+        gpus = cp.pool()["num_gpus"]
+    written = render_timeline(events, path, gpus=gpus, title=title)
     print(f"wrote {written} ({len(events)} trace events)")
     return 0
