@@ -1,14 +1,21 @@
 """Shared placement for several pipelines' workers on the same GPUs, and the NeMo RL virtual-cluster surface its
 worker groups read.
 
-* :class:`GpuPlacementPool` - a detached named actor ``rlix:placement`` (namespace ``rlix``) that owns ONE placement
-  group per GPU (one ``{"GPU": 1, "CPU": n}`` bundle each, ``n`` = worker groups per GPU), created on first use and
-  shared by every pipeline. ``groups(gpus, table)`` takes rlix's global GPU ids and the control plane's node table
-  (:mod:`rlix_plugins.control.nodes`: global id = node rank x GPUs per node + local id): each new group's bundle is
-  pinned to the table's node by Ray's ``ray.io/node-id`` label, a probe in the bundle reports where it really runs
-  (node id, node IP, its GPU's index on the node: :func:`local_gpu_indices`), that is checked against the table, and the group is kept under
-  (node id, local GPU id): the local id alone repeats on every node. The actor serialises creation (two drivers
-  never create two groups for one GPU).
+* :class:`GpuPlacementPool` - a detached named actor ``rlix:placement`` (namespace ``rlix``) that owns the placement
+  groups of the cluster's GPUs, shared by every pipeline: one group per **block**, one ``{"GPU": 1, "CPU": n}``
+  bundle per GPU (``n`` = worker groups per GPU). A block is one GPU, or the GPUs of one vLLM tensor-parallel rank
+  (NeMo RL ties a TP group to ONE placement group: ``VllmGeneration._get_tied_worker_bundle_indices`` gives its
+  workers bundles of one group, and vLLM's Ray executor puts its TP workers there). ``place(gpus, size, table)``
+  takes rlix's global GPU ids, the block size and the control plane's node table (:mod:`rlix_plugins.control.nodes`:
+  global id = node rank x GPUs per node + local id): each new group's bundles are pinned to the table's node by
+  Ray's ``ray.io/node-id`` label, a probe in every bundle reports where it really runs (node id, node IP, its GPU's
+  index on the node: :func:`local_gpu_indices`), that is checked against the table, and the group is kept under
+  (node id, local GPU id) of each bundle: the local id alone repeats on every node. A GPU's group is kept while the
+  pool lives, so the first pipeline on a GPU fixes its block; one that needs another block there is refused with the
+  layout. The actor serialises creation (two drivers never create two groups for one GPU).
+* :func:`cover` - the groups a cluster is given: whole blocks, in bundle order (NeMo RL puts one worker on every
+  bundle of every group it gets; so a training slice is a union of blocks, and one-GPU vLLM ranks may use a
+  bigger block only whole).
 * :class:`VirtualClusterAdapter` - duck-typed to the members of NeMo RL's ``RayVirtualCluster`` that
   ``RayWorkerGroup`` / ``Policy`` / ``VllmGeneration`` read (``world_size``, ``node_count``,
   ``get_placement_groups``, ``_init_placement_groups``, ``_sorted_bundle_indices``,
@@ -18,8 +25,8 @@ worker groups read.
   bundle. ``shutdown`` is a no-op (the pool owns the groups). Any other attribute raises AttributeError.
 * :func:`worker_name_prefix` - unique worker-actor names per pipeline (``<pid>-<role>``).
 * :func:`nemo_rl_placement` - what the ``rlix_placement`` hook answers NeMo RL's patched ``setup()`` (patch 0002):
-  the train adapter (one group per ``rlix.train_devices`` GPU, in order: Megatron rank i on GPU i), the inference
-  adapter (one per ``rlix.infer_devices`` GPU: vLLM DP rank r on ``infer_devices[r]``) and the ``name_prefix``
+  the train adapter (the blocks of ``rlix.train_devices``, in order: Megatron rank i on GPU i), the inference
+  adapter (the blocks of ``rlix.infer_devices``: vLLM DP rank r on ``infer_devices[r*T:(r+1)*T]``, TP ``T``) and the ``name_prefix``
   keywords of ``Policy`` / ``VllmGeneration``. It fixes the pipeline id here (``rlix.pipeline_id`` or a fresh one)
   so the names and the registration agree. With a Megatron policy it also names Ray's worker-process setup hook in
   ``policy.megatron_cfg.env_vars``, so each Megatron worker records its ``initialize_model_parallel`` call before
@@ -39,8 +46,8 @@ worker groups read.
   hooks inside its own actor process: there :func:`adopt_setup` adopts the registration by pipeline id through the
   control plane.
 
-Limits (clear errors): vLLM TP 1 only (a TP group needs one multi-bundle placement group, NeMo RL's tied-worker
-layout; such a group will be pinned to one node the same way). Several nodes: tested on CPU with several raylets
+Limits (clear errors): a GPU keeps the block the first pipeline on it asked for (TP-2 ranks on GPUs a TP-1 pipeline
+placed first are refused); a TP rank runs on one node. Several nodes: tested on CPU with several raylets
 (``tests/nemo_rl/without_nemo/test_placement_nodes.py``), not yet on GPU machines.
 """
 
@@ -64,8 +71,8 @@ from rlix_plugins.errors import RlixConfigError, RlixError
 if TYPE_CHECKING:
     from rlix_plugins.nemo_rl.config import RlixRunConfig
 
-__all__ = ["GpuPlacementPool", "SetupGrant", "VirtualClusterAdapter", "adopt_setup", "nemo_rl_placement",
-           "placement_pool", "take_setup", "worker_name_prefix"]
+__all__ = ["GpuPlacementPool", "PlacedBlock", "SetupGrant", "VirtualClusterAdapter", "adopt_setup", "cover",
+           "nemo_rl_placement", "placement_pool", "take_setup", "worker_name_prefix"]
 
 logger = logging.getLogger(__name__)
 
@@ -123,6 +130,43 @@ def _free_port() -> tuple[str, int]:
         return ray.util.get_node_ip_address(), int(s.getsockname()[1])
 
 
+@dataclasses.dataclass(frozen=True)
+class PlacedBlock:
+    """One placement group of the pool: its global GPU ids in bundle order (bundle i holds ``gpus[i]``)."""
+
+    group: PlacementGroup
+    gpus: tuple[int, ...]
+
+
+def _slices(gpus: list[int], size: int) -> list[tuple[int, ...]]:
+    return [tuple(gpus[i:i + size]) for i in range(0, len(gpus), size)]
+
+
+def cover(gpus: list[int], blocks: list[PlacedBlock], what: str = "these GPUs") -> list[PlacementGroup]:
+    """The groups of ``blocks`` that hold ``gpus``, in order: NeMo RL's worker groups put one worker on every bundle
+    of every group they are given (and a vLLM TP group on one group's bundles), so a cluster must list whole blocks,
+    each's GPUs together and in bundle order. Anything else is a ``RlixConfigError`` naming the blocks."""
+    where = {g: b for b in blocks for g in b.gpus}
+    out: list[PlacementGroup] = []
+    i = 0
+    while i < len(gpus):
+        block = where.get(gpus[i])
+        if block is None:
+            raise RlixConfigError(f"GPU {gpus[i]} of {what} has no placement group here (placed: "
+                                  f"{sorted(where)}); this is a bug in the caller, not the config")
+        got = tuple(gpus[i:i + len(block.gpus)])
+        if got != block.gpus:
+            layout = ", ".join(str(list(b.gpus)) for b in blocks)
+            raise RlixConfigError(
+                f"{what} {list(gpus)} do not list whole placement blocks: GPUs {list(block.gpus)} are one placement "
+                f"group (vLLM tensor parallel ranks of {len(block.gpus)} GPUs; blocks: {layout}) but the list has "
+                f"{list(got)} there; list every block's GPUs together, in that order (training GPUs too: NeMo RL puts "
+                "a worker on every GPU of a group it is given)")
+        out.append(block.group)
+        i += len(block.gpus)
+    return out
+
+
 class GpuPlacementPool:
     """See the module docstring. A plain (one call at a time) actor: creation is serialised."""
 
@@ -133,70 +177,136 @@ class GpuPlacementPool:
             raise RlixConfigError(f"worker_groups_per_gpu={worker_groups_per_gpu} must be >= 1")
         self._timeout_s = timeout_s
         self._per_gpu = int(worker_groups_per_gpu)
-        #: (Ray node id, node-local GPU id) -> its group. Never the local id alone: it repeats on every node.
-        self._by_loc: dict[tuple[str, int], PlacementGroup] = {}
+        #: (Ray node id, node-local GPU id) -> its group and bundle index. Never the local id alone: it repeats on
+        #: every node.
+        self._by_loc: dict[tuple[str, int], tuple[PlacementGroup, int]] = {}
+        #: every group: the (node id, local GPU) of each bundle, in bundle order
+        self._keys: dict[PlacementGroup, tuple[tuple[str, int], ...]] = {}
 
     def worker_groups_per_gpu(self) -> int:
         return self._per_gpu
 
     def groups(self, gpus: list[int], table: NodeTable) -> dict[int, PlacementGroup]:
-        """Placement groups of the global GPU ids ``gpus`` (``table``: the control plane's node table), created on
-        first use and kept. Each new group's bundle is pinned to the node the table names (Ray's node-id label);
-        Ray picks the GPU inside that node, so groups are created (one per missing GPU), probed for where they
-        really landed, checked against the table and kept, until every requested GPU has one; a group that landed
-        on another GPU of its node is kept for later requests."""
-        want = {g: table.locate(g) for g in gpus}  # a clear error for an id outside the pool, before creating any
-        while need := [loc for loc in want.values() if (loc.node_id, loc.local_gpu) not in self._by_loc]:
-            new = [placement_group([{"GPU": 1, "CPU": self._per_gpu}], strategy="STRICT_PACK",
-                                   bundle_label_selector=[{NODE_ID_LABEL: loc.node_id}]) for loc in need]
+        """One-GPU groups of the global GPU ids ``gpus`` (``table``: the control plane's node table): :meth:`place`
+        with blocks of one GPU."""
+        return {b.gpus[0]: b.group for b in self.place(list(gpus), 1, table)}
+
+    def place(self, gpus: list[int], block_size: int, table: NodeTable) -> list[PlacedBlock]:
+        """The placement blocks that hold ``gpus`` (global ids; ``table``: the control plane's node table), in order
+        of first use, created where missing: consecutive ``block_size`` GPUs of ``gpus`` are one block (a vLLM
+        tensor-parallel rank: NeMo RL places its TP workers on one group's bundles), one bundle per GPU, pinned to
+        the node the table names (Ray's node-id label). Ray picks the GPUs inside that node, so every new bundle is
+        probed for where it really landed and checked against the table. A one-GPU group that landed on another GPU
+        of its node is kept for later requests; a block that landed on other GPUs is removed and refused. A GPU's
+        group, once made, is kept for the life of the pool: a block of ``block_size`` over GPUs that are already in
+        other groups is refused (so is a one-GPU request on part of a bigger block), naming the layout."""
+        if block_size < 1 or len(gpus) % block_size:
+            raise RlixConfigError(f"{len(gpus)} GPUs {gpus} are not whole blocks of {block_size} GPUs")
+        want = [tuple(table.locate(g) for g in s) for s in _slices(list(gpus), block_size)]  # clear error first
+        for locs in want:
+            if len({loc.node_id for loc in locs}) > 1:
+                raise RlixConfigError(f"GPUs {[loc.gpu for loc in locs]} span nodes {sorted({loc.node_ip for loc in locs})}: "
+                                      "a vLLM tensor-parallel rank runs on one node; list each rank's GPUs on one node")
+        while need := [locs for locs in want if self._missing(locs)]:
+            new = [placement_group([{"GPU": 1, "CPU": self._per_gpu}] * len(locs), strategy="STRICT_PACK",
+                                   bundle_label_selector=[{NODE_ID_LABEL: locs[0].node_id}] * len(locs))
+                   for locs in need]
             try:
-                nodes = sorted({loc.node_ip for loc in need})
-                ray_get([pg.ready() for pg in new], f"{len(new)} per-GPU placement groups ready", self._timeout_s,
-                        hint=f" (each needs 1 free GPU and {self._per_gpu} free CPUs on its node, one CPU per worker "
-                             f"group it holds; GPUs {[loc.gpu for loc in need]} on node(s) {nodes} are missing: "
-                             "free them, or declare more CPUs to Ray, e.g. `ray start --num-cpus`)")
+                nodes = sorted({loc.node_ip for locs in need for loc in locs})
+                ray_get([pg.ready() for pg in new], f"{len(new)} placement groups ready", self._timeout_s,
+                        hint=f" (each GPU needs {self._per_gpu} free CPUs on its node, one per worker group it holds; "
+                             f"GPUs {[loc.gpu for locs in need for loc in locs]} on node(s) {nodes} are missing: free "
+                             "them, or declare more CPUs to Ray, e.g. `ray start --num-cpus`)")
                 probes = [ray.remote(_probe_location).options(num_cpus=0, num_gpus=0.01, scheduling_strategy=(
-                    PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=0))).remote()
-                    for pg in new]
-                found = ray_get(probes, "probing where new placement groups landed", self._timeout_s)
-                fresh = self._check_new(need, found, table)
+                    PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=b))).remote()
+                    for pg, locs in zip(new, need, strict=True) for b in range(len(locs))]
+                found = iter(ray_get(probes, "probing where new placement groups landed", self._timeout_s))
+                landed = self._check_new(need, [[next(found) for _ in locs] for locs in need], table)
             except BaseException:
                 for pg in new:
                     remove_placement_group(pg)
                 raise
-            self._by_loc.update(zip(fresh, new, strict=True))
-        return {g: self._by_loc[(loc.node_id, loc.local_gpu)] for g, loc in want.items()}
-
-    def _check_new(self, need: list[GpuLocation], found: list[tuple[str, str, list[int]]],
-                   table: NodeTable) -> list[tuple[str, int]]:
-        """The (node id, local GPU) keys of new groups from what their probes reported; a group off its pinned node,
-        at an address the table does not hold, or on a GPU another group holds is an error."""
-        keys: list[tuple[str, int]] = []
-        for loc, (node_id, node_ip, local) in zip(need, found, strict=True):
-            if len(local) != 1:
-                raise PlacementMismatchError(f"a one-GPU bundle's worker on node {node_ip} sees GPUs {local}")
-            table.check_location(table.global_gpu(node_id, local[0]), node_id, node_ip, local)
-            if node_id != loc.node_id:
+            astray = [(locs, keys) for locs, keys in zip(need, landed, strict=True)
+                      if len(keys) > 1 and set(keys) != {(loc.node_id, loc.local_gpu) for loc in locs}]
+            if astray:
+                for pg in new:
+                    remove_placement_group(pg)
+                locs, keys = astray[0]
                 raise PlacementMismatchError(
-                    f"the group for GPU {loc.gpu} was pinned to node {loc.node_ip} ({loc.node_id[:8]}…) but landed on "
-                    f"{node_ip} ({node_id[:8]}…): Ray ignored the node label; check the nodes' labels (`ray list "
-                    "nodes --detail`)")
-            key = (node_id, local[0])
-            if key in self._by_loc or key in keys:
-                raise PlacementMismatchError(f"two placement groups report local GPU {local[0]} of node {node_ip}; "
-                                             "Ray's GPU accounting disagrees with the bundles: restart the Ray cluster")
-            keys.append(key)
-        return keys
+                    f"the placement group for GPUs {[loc.gpu for loc in locs]} landed on local GPUs "
+                    f"{sorted(k[1] for k in keys)} of node {locs[0].node_ip}: Ray picks free GPUs inside a node, so "
+                    "GPUs that block needs are held by something outside the pool; free them, or share the GPUs "
+                    "Ray has free")
+            for pg, keys in zip(new, landed, strict=True):
+                self._keys[pg] = keys
+                self._by_loc.update({k: (pg, b) for b, k in enumerate(keys)})
+        blocks: dict[PlacementGroup, PlacedBlock] = {}
+        for locs in want:
+            pg = self._by_loc[(locs[0].node_id, locs[0].local_gpu)][0]
+            block = blocks.get(pg) or PlacedBlock(pg, tuple(table.global_gpu(*k) for k in self._keys[pg]))
+            if block_size > 1 and set(block.gpus) != {loc.gpu for loc in locs}:
+                raise self._conflict([loc.gpu for loc in locs], block_size, table)
+            blocks[pg] = block
+        placed = list(blocks.values())
+        if block_size == 1:
+            cover(list(gpus), placed, f"GPUs {list(gpus)}")  # one-GPU ranks over a bigger block: only all of it
+        return placed
+
+    def _missing(self, locs: tuple[GpuLocation, ...]) -> bool:
+        """True when no GPU of the wanted block has a group; False when all have; a conflict otherwise."""
+        have = [(loc.node_id, loc.local_gpu) in self._by_loc for loc in locs]
+        if any(have) and not all(have):
+            raise RlixConfigError(f"GPUs {[loc.gpu for loc in locs]}: only some have a placement group "
+                                  f"({[loc.gpu for loc, h in zip(locs, have, strict=True) if h]}); a vLLM "
+                                  "tensor-parallel rank needs all its GPUs in one group")
+        return not any(have)
+
+    def _conflict(self, gpus: list[int], size: int, table: NodeTable) -> RlixConfigError:
+        held = sorted({tuple(table.global_gpu(*k) for k in self._keys[self._by_loc[(loc.node_id, loc.local_gpu)][0]])
+                       for loc in (table.locate(g) for g in gpus)})
+        return RlixConfigError(
+            f"a vLLM tensor-parallel rank of {size} GPUs needs GPUs {gpus} in one placement group, but they are "
+            f"already placed as {[list(h) for h in held]} (by pipelines that started earlier; a GPU's group is kept "
+            "while the pool lives): run this pipeline's ranks on GPUs placed as blocks of its TP size, or on GPUs no "
+            "pipeline used yet, or `rlix down` (when nothing runs) to start the placement afresh")
+
+    def _check_new(self, need: list[tuple[GpuLocation, ...]], found: list[list[tuple[str, str, list[int]]]],
+                   table: NodeTable) -> list[tuple[tuple[str, int], ...]]:
+        """Per new group, the (node id, local GPU) of each bundle from what its probes reported; a bundle off its
+        pinned node, at an address the table does not hold, or on a GPU another group holds is an error."""
+        out: list[tuple[tuple[str, int], ...]] = []
+        taken: set[tuple[str, int]] = set()
+        for locs, reports in zip(need, found, strict=True):
+            loc, keys = locs[0], []
+            for node_id, node_ip, local in reports:
+                if len(local) != 1:
+                    raise PlacementMismatchError(f"a one-GPU bundle's worker on node {node_ip} sees GPUs {local}")
+                table.check_location(table.global_gpu(node_id, local[0]), node_id, node_ip, local)
+                if node_id != loc.node_id:
+                    raise PlacementMismatchError(
+                        f"the group for GPU {loc.gpu} was pinned to node {loc.node_ip} ({loc.node_id[:8]}…) but landed "
+                        f"on {node_ip} ({node_id[:8]}…): Ray ignored the node label; check the nodes' labels (`ray list "
+                        "nodes --detail`)")
+                key = (node_id, local[0])
+                if key in self._by_loc or key in taken:
+                    raise PlacementMismatchError(
+                        f"two placement groups report local GPU {local[0]} of node {node_ip}; Ray's GPU accounting "
+                        "disagrees with the bundles: restart the Ray cluster")
+                taken.add(key)
+                keys.append(key)
+            out.append(tuple(keys))
+        return out
 
     def locations(self) -> dict[tuple[str, int], str]:
-        """(node id, local GPU) -> placement group id (hex) of every group the pool holds."""
-        return {loc: pg.id.hex() for loc, pg in self._by_loc.items()}
+        """(node id, local GPU) -> placement group id (hex) of every GPU the pool holds."""
+        return {loc: pg.id.hex() for loc, (pg, _) in self._by_loc.items()}
 
     def release_all(self) -> int:
         """Remove every group (``rlix down``; tests). Workers still placed in them are killed by Ray."""
-        n = len(self._by_loc)
-        for pg in self._by_loc.values():
+        n = len(self._keys)
+        for pg in self._keys:
             remove_placement_group(pg)
+        self._keys.clear()
         self._by_loc.clear()
         return n
 
@@ -210,7 +320,7 @@ def placement_pool(worker_groups_per_gpu: int | None = None) -> Any:
 
 
 class VirtualClusterAdapter:
-    """See the module docstring. ``groups``: placement groups in worker order (one GPU bundle each)."""
+    """See the module docstring. ``groups``: placement groups in worker order (one GPU per bundle)."""
 
     def __init__(self, groups: list[PlacementGroup], *, max_colocated_worker_groups: int, name: str = "") -> None:
         if not groups:
@@ -220,15 +330,16 @@ class VirtualClusterAdapter:
         self._groups = list(groups)
         self.name = name
         self.use_gpus = True
-        # Bundles per node inside ONE of these groups (one), not the machine's GPU count (the node table has that):
-        # NeMo RL compares TP·PP with it to choose a unified cross-node group, refused here (TP 1 only for now).
-        self.num_gpus_per_node = 1
+        # Bundles of ONE of these groups (a vLLM TP block, else one), not the machine's GPU count (the node table has
+        # that): NeMo RL compares TP·PP with it to choose a unified cross-node group, which shared placement refuses,
+        # and derives its vLLM port slots from it.
+        self.num_gpus_per_node = min(pg.bundle_count for pg in self._groups)
         self.max_colocated_worker_groups = max_colocated_worker_groups
         self._sorted_bundle_indices = None
         self._nvlink_domain_per_bundle_index = None
 
     def world_size(self) -> int:
-        return len(self._groups)
+        return sum(pg.bundle_count for pg in self._groups)
 
     def node_count(self) -> int:
         return len(self._groups)
@@ -358,11 +469,6 @@ def nemo_rl_placement(master_config: Any) -> tuple[VirtualClusterAdapter, Virtua
 
     cfg = load_run_config(master_config)
     validate_topology(master_config, cfg)
-    if cfg.infer_tp != 1:
-        raise RlixConfigError(
-            f"shared placement supports vLLM tensor_parallel_size=1 only (got {cfg.infer_tp}): a TP group needs one "
-            "multi-GPU placement group; use policy.generation.vllm_cfg.tensor_parallel_size=1 for time-sharing"
-        )
     cp = client.connect(cfg.ray_address)
     pid = cfg.pipeline_id or cp.allocate_pipeline_id()
     cfg = dataclasses.replace(cfg, pipeline_id=pid)
@@ -370,16 +476,17 @@ def nemo_rl_placement(master_config: Any) -> tuple[VirtualClusterAdapter, Virtua
     if policy_trainer(master_config) == "megatron":  # before setup() creates the Policy's workers
         cfg_set(master_config, "policy.megatron_cfg.env_vars",
                 megatron_worker_env(cfg_path(master_config, "policy.megatron_cfg.env_vars")))
-    gpus = sorted(set(cfg.train_devices) | set(cfg.infer_devices))
     pool, dead = placement_pool(), "the placement pool actor died; `rlix down` and start again"
     table = cp.node_table()  # the control plane's: the ids in rlix.*_devices are its global GPU ids
-    groups = ray_get(pool.groups.remote(gpus, table), f"shared placement groups of GPUs {gpus}", cfg.runtime.init_timeout_s,
+    infer = list(cfg.infer_devices)  # train ⊂ infer (topology): the rollout ranks' blocks hold every GPU
+    blocks = ray_get(pool.place.remote(infer, cfg.infer_tp, table),
+                     f"shared placement groups of GPUs {infer} (blocks of {cfg.infer_tp})", cfg.runtime.init_timeout_s,
                      dead=dead)
+    train_groups = cover(list(cfg.train_devices), blocks, "rlix.train_devices")
+    infer_groups = cover(infer, blocks, "rlix.infer_devices")
     per_gpu = int(ray_get(pool.worker_groups_per_gpu.remote(), "pool.worker_groups_per_gpu", 60.0, dead=dead))
     _register_setup(cp, master_config, cfg)  # last: NeMo RL creates the workers right after this returns
-    train = VirtualClusterAdapter([groups[g] for g in cfg.train_devices], max_colocated_worker_groups=per_gpu,
-                                  name=f"{pid}-train")
-    infer = VirtualClusterAdapter([groups[g] for g in cfg.infer_devices], max_colocated_worker_groups=per_gpu,
-                                  name=f"{pid}-infer")
-    return (train, infer, {"name_prefix": worker_name_prefix(pid, "policy")},
+    train = VirtualClusterAdapter(train_groups, max_colocated_worker_groups=per_gpu, name=f"{pid}-train")
+    infer_cluster = VirtualClusterAdapter(infer_groups, max_colocated_worker_groups=per_gpu, name=f"{pid}-infer")
+    return (train, infer_cluster, {"name_prefix": worker_name_prefix(pid, "policy")},
             {"name_prefix": worker_name_prefix(pid, "vllm")})

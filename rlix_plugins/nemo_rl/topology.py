@@ -9,12 +9,16 @@ Two topologies are accepted:
 * **partial overlap** (the general case): ``train ⊂ infer``, at least 2 inference DP ranks
   (``len(infer) / vllm_tp``) and at least one FULL DP rank outside the training GPUs
   (``len(infer - train) >= vllm_tp``), so one rank keeps generating while the pipeline trains;
-* **one GPU** (:func:`is_one_gpu_topology`): ``train == infer == [g]`` with one vLLM DP rank (TP 1); its
-  docstring says why it is safe and what it costs.
+* **one rank** (:func:`is_one_rank_topology`): ``train == infer`` = the GPUs of ONE vLLM DP rank: one GPU
+  (:func:`is_one_gpu_topology`, TP 1) or one tensor-parallel rank of TP GPUs; its docstring says why it is safe and
+  what it costs.
 
 Checks common to both:
 
 * ``len(infer) % vllm_tp == 0`` and ``len(train) % (TP·PP·CP·EP) == 0`` (Megatron; DTensor: TP·CP);
+* with vLLM TP > 1, ``train`` lists whole rollout ranks of ``infer`` (each rank's GPUs together, in their order):
+  a rank's GPUs are one placement group, and NeMo RL puts a training worker on every bundle of a group it is given
+  (:func:`.placement.cover`);
 * not both ``policy.megatron_cfg.enabled`` and ``policy.dtensor_cfg.enabled`` (the weight cache is built in the
   workers of the one NeMo RL builds; neither set is left to NeMo RL's own error, and to its unit-test mocks);
 * one of the GRPO loops the patch series drives (:func:`grpo_loop`): ``async_grpo_train``
@@ -40,8 +44,8 @@ from typing import Any
 from rlix_plugins.errors import RlixConfigError
 from rlix_plugins.nemo_rl.config import RlixRunConfig, cfg_path
 
-__all__ = ["ASYNC_GRPO", "DATA_PLANE", "SINGLE_CONTROLLER", "grpo_loop", "is_one_gpu_topology", "topology_problems",
-           "training_parallel_size", "validate_topology", "vllm_parallel_problems"]
+__all__ = ["ASYNC_GRPO", "DATA_PLANE", "SINGLE_CONTROLLER", "grpo_loop", "is_one_gpu_topology", "is_one_rank_topology",
+           "topology_problems", "training_parallel_size", "validate_topology", "vllm_parallel_problems"]
 
 #: The GRPO loops the patch series drives (:func:`grpo_loop`).
 ASYNC_GRPO, DATA_PLANE, SINGLE_CONTROLLER = "async_grpo_train", "grpo_train_sync", "single_controller"
@@ -77,9 +81,15 @@ def training_parallel_size(master_config: Any) -> tuple[int, str]:
 
 
 def is_one_gpu_topology(run: RlixRunConfig) -> bool:
-    """The one-GPU topology: ``rlix.train_devices == rlix.infer_devices == [g]``, one vLLM DP rank (TP 1).
+    """The one-rank topology on one GPU: ``rlix.train_devices == rlix.infer_devices == [g]`` (vLLM TP 1)."""
+    return run.infer_tp == 1 and is_one_rank_topology(run)
 
-    The pipeline trains and rolls out on the same GPU. While it trains, its only rollout rank is slept (the
+
+def is_one_rank_topology(run: RlixRunConfig) -> bool:
+    """The one-rank topology: ``rlix.train_devices == rlix.infer_devices``, the GPUs of one vLLM DP rank (one GPU
+    with TP 1, or a tensor-parallel rank of TP GPUs).
+
+    The pipeline trains and rolls out on the same GPUs. While it trains, its only rollout rank is slept (the
     ACTOR_TRAINING grant preempts every GENERATION rank on its mapping, its own included); while a co-tenant on
     that GPU trains, this pipeline's rollout is slept too. Why it cannot deadlock:
 
@@ -98,10 +108,28 @@ def is_one_gpu_topology(run: RlixRunConfig) -> bool:
     batch ahead, with weights one step old, whenever the GPU is its), and every step pays one sleep + wake +
     weight sync of the rank. On more GPUs prefer partial overlap (a rank outside the training GPUs).
     """
-    return run.infer_tp == 1 and len(run.infer_devices) == 1 and tuple(run.train_devices) == tuple(run.infer_devices)
+    return len(run.infer_devices) == run.infer_tp and tuple(run.train_devices) == tuple(run.infer_devices)
 
 
-_ONE_GPU_HINT = "; or, on one GPU, train and roll out on it: rlix.train_devices=[g] rlix.infer_devices=[g] with vLLM TP 1"
+_ONE_GPU_HINT = ("; or train and roll out on the GPUs of one rank: rlix.train_devices = rlix.infer_devices = [g] with "
+                 "vLLM TP 1 (or TP GPUs of one node with vLLM TP > 1)")
+
+
+def _whole_rank_problems(run: RlixRunConfig) -> list[str]:
+    """With vLLM TP > 1, the training GPUs must be whole rollout ranks (see the module docstring)."""
+    tp, infer, train = run.infer_tp, list(run.infer_devices), list(run.train_devices)
+    if tp == 1 or len(infer) % tp or not set(train) <= set(infer):
+        return []  # nothing to split, or reported by another rule
+    ranks = [infer[i:i + tp] for i in range(0, len(infer), tp)]
+    i = 0
+    while i < len(train):
+        rank = next((r for r in ranks if train[i] in r), None)
+        if rank is None or train[i:i + tp] != rank:
+            return [f"rlix.train_devices {train} splits a vLLM tensor-parallel rank: with TP {tp} the ranks are "
+                    f"{ranks}, each one placement group, and NeMo RL puts a training worker on every GPU of a group "
+                    f"it is given; list whole ranks, each in that order (e.g. rlix.train_devices={ranks[0]})"]
+        i += tp
+    return []
 
 
 def _partial_overlap_problems(run: RlixRunConfig) -> list[str]:
@@ -119,14 +147,14 @@ def _partial_overlap_problems(run: RlixRunConfig) -> list[str]:
     return problems
 
 
-def _streaming_on_one_gpu(master_config: Any) -> list[str]:
-    """The SingleController holds the training grant from a step's first chunk to its publish; on one GPU its only
-    rollout rank sleeps meanwhile, so a step must be one chunk (an unresolved interpolation is not judged)."""
+def _streaming_on_one_rank(master_config: Any) -> list[str]:
+    """The SingleController holds the training grant from a step's first chunk to its publish; on one rank's GPUs its
+    only rollout rank sleeps meanwhile, so a step must be one chunk (an unresolved interpolation is not judged)."""
     groups = cfg_path(master_config, "async_rl.min_groups_for_streaming_train")
     per_step = cfg_path(master_config, "grpo.num_prompts_per_step")
     if isinstance(groups, int) and isinstance(per_step, int) and groups < per_step:
-        return [f"async_rl.min_groups_for_streaming_train={groups} < grpo.num_prompts_per_step={per_step}: on one "
-                "GPU the SingleController's rollout sleeps while it trains, so a streamed step never gets its later "
+        return [f"async_rl.min_groups_for_streaming_train={groups} < grpo.num_prompts_per_step={per_step}: with one "
+                "rollout rank on the training GPUs the SingleController's rollout sleeps while it trains, so a streamed step never gets its later "
                 "chunks; set async_rl.min_groups_for_streaming_train=${grpo.num_prompts_per_step} (one chunk per step), "
                 "or give the pipeline an inference GPU outside rlix.train_devices"]
     return []
@@ -172,8 +200,9 @@ def topology_problems(master_config: Any, run: RlixRunConfig) -> list[str]:
     if len(infer) % tp:
         problems.append(f"rlix.infer_devices has {len(infer)} GPUs, not a multiple of the vLLM tensor parallel size "
                         f"{tp}: use a multiple of {tp} GPUs")
-    if not is_one_gpu_topology(run):
+    if not is_one_rank_topology(run):
         problems += _partial_overlap_problems(run)
+    problems += _whole_rank_problems(run)
     if cfg_path(master_config, "policy.megatron_cfg.enabled") and cfg_path(master_config, "policy.dtensor_cfg.enabled"):
         problems.append("policy.megatron_cfg.enabled and policy.dtensor_cfg.enabled are both true: enable one training "
                         "backend (e.g. policy.megatron_cfg.enabled=false for the DTensor policy)")
@@ -205,8 +234,8 @@ def topology_problems(master_config: Any, run: RlixRunConfig) -> list[str]:
     if loop == ASYNC_GRPO and not cfg_path(master_config, "loss_fn.use_importance_sampling_correction"):
         problems.append("set loss_fn.use_importance_sampling_correction=true (trajectories generated with older "
                         "weights must be corrected)")
-    if loop == SINGLE_CONTROLLER and is_one_gpu_topology(run):
-        problems += _streaming_on_one_gpu(master_config)
+    if loop == SINGLE_CONTROLLER and is_one_rank_topology(run):
+        problems += _streaming_on_one_rank(master_config)
     level = cfg_path(master_config, "policy.generation.vllm_cfg.sleep_level")
     if level is not None and int(level) != run.runtime.sleep_level:
         problems.append(f"policy.generation.vllm_cfg.sleep_level={level} differs from rlix.sleep_level="

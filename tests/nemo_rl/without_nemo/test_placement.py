@@ -75,7 +75,7 @@ def test_setup_placement_answers_two_pipelines_the_same_groups(ray_cluster: dict
         nemo_rl_placement(bad)
     tp2 = _run_config([0], infer_devices=[0, 1, 2, 3])
     tp2["policy"]["generation"]["vllm_cfg"]["tensor_parallel_size"] = 2  # type: ignore[index]
-    with pytest.raises(RlixConfigError, match="tensor_parallel_size=1 only"):
+    with pytest.raises(RlixConfigError, match="splits a vLLM tensor-parallel rank"):  # training must take whole ranks
         nemo_rl_placement(tp2)
     with pytest.raises(ValueError):  # nothing placed: no pool was created
         ray.get_actor(POOL_NAME, namespace="rlix")
@@ -186,6 +186,41 @@ def test_setup_grant_adopted_by_the_single_controller_actor(ray_cluster: dict[st
         assert got == [pid, "registered", "ended"], got
         status = cp.status()
         assert pid not in status["pipelines"] and not [c for c in status["allocations"] if c.startswith(pid)]
+    finally:
+        ray.get(pool.release_all.remote(), timeout=60)
+        ray.kill(pool)
+
+
+def test_tensor_parallel_blocks_are_one_group_per_rank_and_shared_whole(ray_cluster: dict[str, float]) -> None:
+    """vLLM TP 2 ranks on GPUs 0-3: one two-bundle group per rank, each bundle probed onto its GPU (bundle order);
+    a TP-1 pipeline on the same GPUs shares the blocks whole (one worker per bundle); a TP-1 rank on part of a block,
+    a TP-2 rank across blocks and training that splits a block are refused, naming the layout. The adapter describes
+    a block as NeMo RL reads a cluster (world size = bundles, bundles per group)."""
+    from rlix_plugins.nemo_rl.placement import cover
+
+    pool, table = placement_pool(worker_groups_per_gpu=1), current_node_table()  # 1 CPU per bundle: 4 GPUs fit here
+    try:
+        blocks = ray.get(pool.place.remote([0, 1, 2, 3], 2, table), timeout=180)
+        assert [b.gpus for b in blocks] == [(0, 1), (2, 3)] and [b.group.bundle_count for b in blocks] == [2, 2]
+        one_gpu = ray.get(placement_pool().place.remote([0, 1, 2, 3], 1, table), timeout=60)  # a TP-1 pipeline
+        assert [(b.gpus, b.group.id) for b in one_gpu] == [(b.gpus, b.group.id) for b in blocks]
+        assert len(ray.get(pool.locations.remote(), timeout=30)) == 4  # still two groups over four GPUs
+        with pytest.raises(RlixConfigError, match=r"do not list whole placement blocks: GPUs \[2, 3\]"):
+            ray.get(pool.place.remote([2], 1, table), timeout=60)
+        with pytest.raises(RlixConfigError, match=r"needs GPUs \[1, 2\] in one placement group.*\[\[0, 1\], \[2, 3\]\]"):
+            ray.get(pool.place.remote([1, 2], 2, table), timeout=60)
+        with pytest.raises(RlixConfigError, match="rlix.train_devices"):
+            cover([1, 0], blocks, "rlix.train_devices")
+
+        infer = VirtualClusterAdapter(cover([0, 1, 2, 3], blocks), max_colocated_worker_groups=1)
+        train = VirtualClusterAdapter(cover([2, 3], blocks), max_colocated_worker_groups=1)
+        assert (infer.world_size(), infer.num_gpus_per_node, train.world_size()) == (4, 2, 2)
+        workers = [_Worker.options(num_gpus=0.5, scheduling_strategy=PlacementGroupSchedulingStrategy(
+            placement_group=pg, placement_group_bundle_index=b)).remote()
+            for pg in train.get_placement_groups() for b in range(pg.bundle_count)]
+        assert ray.get([w.gpu.remote() for w in workers], timeout=120) == [[2], [3]]  # bundle i on the block's GPU i
+        for w in workers:
+            ray.kill(w)
     finally:
         ray.get(pool.release_all.remote(), timeout=60)
         ray.kill(pool)

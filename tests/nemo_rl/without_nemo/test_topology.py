@@ -16,6 +16,7 @@ from rlix_plugins.nemo_rl.topology import (
     SINGLE_CONTROLLER,
     grpo_loop,
     is_one_gpu_topology,
+    is_one_rank_topology,
     topology_problems,
     validate_topology,
 )
@@ -174,7 +175,7 @@ def test_one_gpu_topology_is_an_explicit_case() -> None:
         ({"train_devices": [1], "infer_devices": [0]}, "must be a subset of rlix.infer_devices"),  # trains elsewhere
         ({"train_devices": [0, 1], "infer_devices": [0, 1]}, "at least one full DP rank"),  # 2 GPUs, none outside
         ({"train_devices": [0], "infer_devices": [0], "infer_tp": 2}, "not a multiple of the vLLM tensor"),
-        ({"train_devices": [0, 1], "infer_devices": [0, 1], "infer_tp": 2}, "time-sharing needs >= 2"),  # 1 rank, TP 2
+        ({"train_devices": [0], "infer_devices": [0, 1], "infer_tp": 2}, "splits a vLLM tensor-parallel rank"),
     ],
 )
 def test_unsafe_one_gpu_variants_are_refused_with_the_fix(rlix: dict[str, Any], fix: str) -> None:
@@ -186,9 +187,27 @@ def test_unsafe_one_gpu_variants_are_refused_with_the_fix(rlix: dict[str, Any], 
     assert any(fix in p for p in problems), problems
 
 
+def test_one_tensor_parallel_rank_is_the_one_rank_topology_and_training_takes_whole_ranks() -> None:
+    """vLLM TP 2: train = infer = one rank's two GPUs is the one-rank topology (like one GPU, TP 1); on four GPUs
+    training must list whole ranks (each a placement group NeMo RL fills with training workers)."""
+    def tp2(**rlix: Any) -> dict[str, Any]:
+        cfg = _valid(**rlix, infer_tp=2)
+        cfg["policy"]["generation"]["vllm_cfg"]["tensor_parallel_size"] = 2
+        return cfg
+
+    one_rank = tp2(train_devices=[2, 3], infer_devices=[2, 3])
+    run = load_run_config(one_rank)
+    assert is_one_rank_topology(run) and not is_one_gpu_topology(run) and _problems(one_rank) == []
+    assert _problems(tp2(train_devices=[2, 3], infer_devices=[0, 1, 2, 3])) == []
+    split = _problems(tp2(train_devices=[1, 2], infer_devices=[0, 1, 2, 3]))
+    assert any("splits a vLLM tensor-parallel rank" in p and "[[0, 1], [2, 3]]" in p for p in split), split
+    reordered = _problems(tp2(train_devices=[3, 2], infer_devices=[0, 1, 2, 3]))
+    assert any("each in that order" in p for p in reordered), reordered
+
+
 def test_rank_rule_messages_point_at_the_one_gpu_topology() -> None:
     problems = _problems(_valid(train_devices=[0, 1], infer_devices=[0, 1]))
-    assert any("rlix.train_devices=[g] rlix.infer_devices=[g]" in p for p in problems), problems
+    assert any("rlix.train_devices = rlix.infer_devices = [g] with vLLM TP 1" in p for p in problems), problems
 
 
 def test_megatron_tp2_on_one_gpu_is_refused() -> None:
