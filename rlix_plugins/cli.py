@@ -57,7 +57,7 @@ def _cmd_recipe(args: argparse.Namespace) -> int:
     from rlix_plugins.nemo_rl.recipe import run_cli
 
     return run_cli(args.stock, args.out, args.pipelines, args.gpus, args.gpus_per_node, args.data_plane,
-                   args.gpu_memory_gib, args.host_memory_gib, args.gpu_memory_utilization, args.nodes)
+                   args.gpu_memory_gib, args.host_memory_gib, args.gpu_memory_utilization, args.nodes, args.tp)
 
 
 def _gpu_ids(text: str) -> list[int]:
@@ -174,6 +174,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu-memory-utilization", type=_positive_float, default=None,
                    help="the vLLM engines' share of a GPU (default: the stock recipe's); lower lets a rollout run "
                         "next to another pipeline's training step")
+    p.add_argument("--tp", type=_positive_int, default=None,
+                   help="vLLM tensor parallel size of each rollout rank (default: the stock recipe's); a rank is that "
+                        "many consecutive --gpus of one node")
 
     p = add("patch", _cmd_patch, "Apply, check or revert the pinned NeMo RL patch series; drift: what of it no "
             "longer fits a checkout (hunks that need fuzz or conflict, changed NeMo RL signatures).")

@@ -6,14 +6,16 @@ time-sharing changes, each with its reason as a comment. The stock recipe is res
 replaces a section) without importing NeMo RL; the result (stock + overlay) passes the same start-up checks as a
 real run (:func:`.config.load_run_config`, :func:`.topology.topology_problems`), or nothing is written.
 
-Layout of ``N`` pipelines on ``G`` GPUs (vLLM TP 1: what the shared placement supports). ``--gpus`` are the control
-plane's global GPU ids (:mod:`rlix_plugins.control.nodes`: node rank x ``--gpus-per-node`` + local id), so on
-``--nodes M`` they run ``0 .. M x gpus-per-node - 1``:
+Layout of ``N`` pipelines on ``G`` GPUs with vLLM TP ``T`` (the stock recipe's, or ``--tp``; a rollout rank is
+``T`` consecutive GPUs of ``--gpus``). ``--gpus`` are the control plane's global GPU ids
+(:mod:`rlix_plugins.control.nodes`: node rank x ``--gpus-per-node`` + local id), so on ``--nodes M`` they run
+``0 .. M x gpus-per-node - 1``:
 
-* ``G == 1``: every pipeline trains and rolls out on that GPU (:func:`.topology.is_one_gpu_topology`);
-* ``G >= 2``: partial overlap as in ``recipes/nemo_rl/``: every pipeline rolls out on all G GPUs and trains on
-  its own home slice (``G // N`` GPUs, at most ``G - 1`` so one rank always stays outside, rounded down to whole
-  trainer replicas).
+* ``G == T``: one rollout rank; every pipeline trains and rolls out on its GPUs (:func:`.topology.is_one_rank_topology`;
+  one GPU with TP 1);
+* ``G > T``: partial overlap as in ``recipes/nemo_rl/``: every pipeline rolls out on all G GPUs and trains on
+  its own home slice (``G // N`` GPUs, at most ``G - T`` so one rank always stays outside, rounded down to whole
+  rollout ranks and whole trainer replicas: a rank's GPUs are one placement group, which training takes whole).
 
 The GRPO loop (:func:`.topology.grpo_loop`): a stock SingleController or TransferQueue (``data_plane.enabled``)
 recipe keeps its loop; any other is switched to async GRPO, or with ``--data-plane`` to the TransferQueue loop.
@@ -147,7 +149,7 @@ class PipelineLayout:
     infer_devices: tuple[int, ...]
 
 
-def layout(num_pipelines: int, gpus: Sequence[int], trainer_size: int) -> list[PipelineLayout]:
+def layout(num_pipelines: int, gpus: Sequence[int], trainer_size: int, tp: int = 1) -> list[PipelineLayout]:
     """Where each pipeline trains and rolls out (see the module docstring); refuses what cannot be shared."""
     gpus = tuple(gpus)
     if num_pipelines < 1:
@@ -155,18 +157,24 @@ def layout(num_pipelines: int, gpus: Sequence[int], trainer_size: int) -> list[P
     if num_pipelines > len(string.ascii_lowercase):
         raise RlixConfigError(f"--pipelines {num_pipelines}: at most {len(string.ascii_lowercase)}")
     names = string.ascii_lowercase[:num_pipelines]
-    if len(gpus) == 1:
-        if trainer_size != 1:
-            raise RlixConfigError(f"one model replica of the trainer spans {trainer_size} GPUs; one GPU cannot hold "
-                                  "it: share more GPUs (--gpus) or set the trainer's parallel sizes to 1")
+    if len(gpus) % tp:
+        raise RlixConfigError(f"--gpus {list(gpus)}: {len(gpus)} GPUs are not whole vLLM ranks of TP {tp}; share a "
+                              f"multiple of {tp} GPUs")
+    if len(gpus) == tp:
+        if tp % trainer_size:
+            raise RlixConfigError(f"one model replica of the trainer spans {trainer_size} GPUs; the {tp} GPU(s) of "
+                                  "one rollout rank cannot hold whole replicas: share more GPUs (--gpus) or change "
+                                  "the trainer's parallel sizes")
         return [PipelineLayout(n, gpus, gpus) for n in names]
-    home = len(gpus) // num_pipelines
-    per_pipeline = min(home, len(gpus) - 1) // trainer_size * trainer_size
+    step = math.lcm(tp, trainer_size)  # whole rollout ranks (one placement group each) of whole trainer replicas
+    home = len(gpus) // num_pipelines // tp * tp
+    per_pipeline = min(home, len(gpus) - tp) // step * step
     if per_pipeline < 1:
         raise RlixConfigError(
             f"{num_pipelines} pipelines on {len(gpus)} GPUs leave each a home slice of {home} GPU(s) to train on; "
-            f"a trainer replica needs {trainer_size} and one GPU must stay outside training: use more GPUs, fewer "
-            "pipelines, or one GPU for all (--gpus g)")
+            f"it must be whole rollout ranks (vLLM TP {tp}) of whole trainer replicas ({trainer_size} GPU(s)), and "
+            f"one rank ({tp} GPU(s)) must stay outside training: use more GPUs, fewer pipelines, or the GPUs of one "
+            "rank for all (--gpus with as many GPUs as the TP size)")
     return [PipelineLayout(n, gpus[i * home:i * home + per_pipeline], gpus) for i, n in enumerate(names)]
 
 
@@ -205,9 +213,6 @@ def _refusals(stock: Mapping[str, Any], gpus: Sequence[int], gpus_per_node: int,
         problems.append(f"policy.generation.backend={backend!r}: time-sharing supports vLLM only; use a vLLM recipe "
                         "or set policy.generation.backend=vllm in it")
     tp = _resolved(stock, "policy.generation.vllm_cfg.tensor_parallel_size") or 1
-    if int(tp) != 1:
-        problems.append(f"policy.generation.vllm_cfg.tensor_parallel_size={tp}: shared placement supports vLLM TP 1 "
-                        "only; set it to 1 in the recipe")
     problems += vllm_parallel_problems(_resolved(stock, "policy.generation.vllm_cfg.pipeline_parallel_size"),
                                        _resolved(stock, "policy.generation.vllm_cfg.expert_parallel_size"), tp)
     stock_nodes = int(_resolved(stock, "cluster.num_nodes") or 1)
@@ -317,14 +322,20 @@ def _rollouts_per_gpu(tenants: Sequence[Any], g: int) -> str:
 def make_overlays(stock: Mapping[str, Any], num_pipelines: int, gpus: Sequence[int],
                   gpus_per_node: int | None = None, data_plane: bool = False, *,
                   gpu_memory_gib: float | None = None, host_memory_gib: float | None = None,
-                  gpu_memory_utilization: float | None = None, nodes: int = 1) -> list[Overlay]:
+                  gpu_memory_utilization: float | None = None, nodes: int = 1, tp: int | None = None) -> list[Overlay]:
     """The overlay of each pipeline, validated by the start-up checks and the memory budget; ``RlixConfigError``
     lists every refusal. ``data_plane``: switch the stock recipe to NeMo RL's TransferQueue loop
     (``grpo_train_sync``). ``gpu_memory_gib`` / ``host_memory_gib``: the memory of the GPUs and the host the
     pipelines will run on (None: not checked; with the GPU's, the overlays carry the scheduler's memory figures).
     ``gpu_memory_utilization``: the vLLM engines' share of a GPU (None: the stock recipe's). ``nodes``: machines
-    the GPUs span (``gpus`` are global ids; more than one needs ``gpus_per_node``)."""
+    the GPUs span (``gpus`` are global ids; more than one needs ``gpus_per_node``). ``tp``: vLLM's tensor parallel
+    size (None: the stock recipe's)."""
     gpus = list(gpus)
+    if tp is not None:
+        if tp < 1:
+            raise RlixConfigError(f"--tp {tp}: give a tensor parallel size >= 1")
+        stock = _merge(dict(stock), {"policy": {"generation": {"vllm_cfg": {"tensor_parallel_size": tp}}}})
+    vllm_tp = int(_resolved(stock, "policy.generation.vllm_cfg.tensor_parallel_size") or 1)
     if gpu_memory_utilization is not None:
         if not 0 < gpu_memory_utilization <= 1:
             raise RlixConfigError(f"--gpu-memory-utilization {gpu_memory_utilization}: give a share in (0, 1]")
@@ -341,7 +352,7 @@ def make_overlays(stock: Mapping[str, Any], num_pipelines: int, gpus: Sequence[i
         raise RlixConfigError("cannot time-share this recipe:\n  - " + "\n  - ".join(problems))
     trainer_size, how = training_parallel_size(stock)
     try:
-        layouts = layout(num_pipelines, gpus, trainer_size)
+        layouts = layout(num_pipelines, gpus, trainer_size, vllm_tp)
     except RlixConfigError as exc:
         raise RlixConfigError(f"cannot time-share this recipe ({how}): {exc}") from None
     memory, figures = check_memory(stock, layouts, gpu_memory_gib=gpu_memory_gib, host_memory_gib=host_memory_gib)
@@ -351,6 +362,9 @@ def make_overlays(stock: Mapping[str, Any], num_pipelines: int, gpus: Sequence[i
         if gpu_memory_utilization is not None:
             ov.changes["policy.generation.vllm_cfg.gpu_memory_utilization"] = (
                 gpu_memory_utilization, "--gpu-memory-utilization: the vLLM engine's share of the GPU")
+        if tp is not None:
+            ov.changes["policy.generation.vllm_cfg.tensor_parallel_size"] = (
+                tp, "--tp: each rollout rank is one vLLM engine over that many GPUs (one placement group)")
         if figures is not None:
             ov.changes["rlix.memory"] = (figures, f"GiB per GPU of {gpu_memory_gib:.0f} (--gpu-memory-gib): the "
                                          "scheduler runs a rollout next to another pipeline's training step where "
@@ -383,19 +397,20 @@ def _overlay(stock: Mapping[str, Any], p: PipelineLayout, num_pipelines: int, gp
         ov.notes.append(f"NeMo RL's {loop} loop: {kept} (run it with {ENTRY_POINTS[loop]})"
                         + ("; vLLM switched to non-colocated (the scheduler shares the GPUs instead)" if colocated
                            else ""))
-        if loop == SINGLE_CONTROLLER and len(p.infer_devices) == 1:
+        if loop == SINGLE_CONTROLLER and p.train_devices == p.infer_devices:
             _set(ov, stock, "async_rl.min_groups_for_streaming_train", "${grpo.num_prompts_per_step}",
-                 "one GPU: one chunk per step (its rollout sleeps while it trains)")
+                 "one rollout rank: one chunk per step (its rollout sleeps while it trains)")
     elif not _resolved(stock, "grpo.async_grpo.enabled") or colocated:
         sync = not _resolved(stock, "grpo.async_grpo.enabled")
         ov.notes.append(
             f"the stock recipe runs {'synchronous' if sync else 'async'} GRPO with {'colocated' if colocated else 'non-colocated'} "
             "inference; time-sharing needs async GRPO with non-colocated vLLM (the scheduler shares the GPUs "
             "instead): switched, with importance-sampling correction for the trajectories from older weights")
-    one_gpu = len(p.infer_devices) == 1
-    if one_gpu:
-        ov.notes.append("one GPU: this pipeline trains and rolls out on it; its rollout sleeps while any pipeline "
-                        "on the GPU trains (no generation/training overlap for it; see topology.is_one_gpu_topology)")
+    one_rank = p.train_devices == p.infer_devices
+    gpus_word = "one GPU" if len(p.infer_devices) == 1 else f"the {len(p.infer_devices)} GPUs of one rollout rank"
+    if one_rank:
+        ov.notes.append(f"{gpus_word}: this pipeline trains and rolls out there; its rollout sleeps while any pipeline "
+                        "on those GPUs trains (no generation/training overlap for it; see topology.is_one_rank_topology)")
     if loop not in (DATA_PLANE, SINGLE_CONTROLLER):
         _set(ov, stock, "grpo.async_grpo.enabled", True, "time-sharing drives async_grpo_train")
         _set(ov, stock, "loss_fn.use_importance_sampling_correction", True,
@@ -425,7 +440,7 @@ def _overlay(stock: Mapping[str, Any], p: PipelineLayout, num_pipelines: int, gp
             if isinstance(base, str):
                 _set(ov, stock, key, f"{base.rstrip('/')}/rlix_{p.name}",
                      "pipelines made from one recipe must not write the same directory")
-    where = "the one GPU (one-GPU topology)" if one_gpu else f"its home slice of {len(p.train_devices)} GPU(s)"
+    where = f"{gpus_word} (one-rank topology)" if one_rank else f"its home slice of {len(p.train_devices)} GPU(s)"
     _set(ov, stock, "rlix.train_devices", list(p.train_devices), f"trains on {where}")
     _set(ov, stock, "rlix.infer_devices", list(p.infer_devices), "rolls out on every shared GPU")
     _set(ov, stock, "rlix.bucket_size_bytes", *bucket_size_for(_resolved(stock, "policy.model_name")))
@@ -473,12 +488,13 @@ def write_overlays(stock_path: str | os.PathLike[str], out_dir: str | os.PathLik
                    gpus: Sequence[int], gpus_per_node: int | None = None,
                    data_plane: bool = False, *, gpu_memory_gib: float | None = None,
                    host_memory_gib: float | None = None,
-                   gpu_memory_utilization: float | None = None, nodes: int = 1) -> list[tuple[Path, Overlay]]:
+                   gpu_memory_utilization: float | None = None, nodes: int = 1,
+                   tp: int | None = None) -> list[tuple[Path, Overlay]]:
     """Validate, then write ``<out>/<stock stem>_rlix_<name>.yaml`` per pipeline (``defaults:`` relative to out)."""
     stock_path, out = Path(stock_path).resolve(), Path(out_dir)
     overlays = make_overlays(load_stock(stock_path), num_pipelines, gpus, gpus_per_node, data_plane,
                              gpu_memory_gib=gpu_memory_gib, host_memory_gib=host_memory_gib,
-                             gpu_memory_utilization=gpu_memory_utilization, nodes=nodes)
+                             gpu_memory_utilization=gpu_memory_utilization, nodes=nodes, tp=tp)
     out.mkdir(parents=True, exist_ok=True)
     defaults = os.path.relpath(stock_path, out.resolve())
     written = []
@@ -492,7 +508,7 @@ def write_overlays(stock_path: str | os.PathLike[str], out_dir: str | os.PathLik
 def run_cli(stock: str, out: str, num_pipelines: int, gpus: Sequence[int], gpus_per_node: int | None,
             data_plane: bool = False, gpu_memory_gib: float | None = None,
             host_memory_gib: float | None = None, gpu_memory_utilization: float | None = None,
-            nodes: int = 1) -> int:
+            nodes: int = 1, tp: int | None = None) -> int:
     """``rlix recipe``. Memory figures not given default to this machine's when it has a GPU (it is then taken to be
     where the pipelines run); on a machine without one, only what is given is checked."""
     from rlix_plugins.nemo_rl.memory_budget import local_gpu_memory_gib, local_host_memory_gib
@@ -503,7 +519,7 @@ def run_cli(stock: str, out: str, num_pipelines: int, gpus: Sequence[int], gpus_
         host_memory_gib = host_memory_gib if host_memory_gib is not None else local_host_memory_gib()
     written = write_overlays(stock, out, num_pipelines, gpus, gpus_per_node, data_plane,
                              gpu_memory_gib=gpu_memory_gib, host_memory_gib=host_memory_gib,
-                             gpu_memory_utilization=gpu_memory_utilization, nodes=nodes)
+                             gpu_memory_utilization=gpu_memory_utilization, nodes=nodes, tp=tp)
     for path, ov in written:
         print(f"{path}: pipeline {ov.pipeline.name}, train {list(ov.pipeline.train_devices)}, "
               f"infer {list(ov.pipeline.infer_devices)}")

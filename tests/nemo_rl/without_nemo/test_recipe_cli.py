@@ -21,7 +21,7 @@ from rlix_plugins.cli import main as rlix_main
 from rlix_plugins.errors import RlixConfigError
 from rlix_plugins.nemo_rl.config import load_run_config
 from rlix_plugins.nemo_rl.recipe import _merge, load_stock
-from rlix_plugins.nemo_rl.topology import is_one_gpu_topology, validate_topology
+from rlix_plugins.nemo_rl.topology import is_one_gpu_topology, is_one_rank_topology, validate_topology
 
 _BASE = """\
 grpo: {num_prompts_per_step: 8, async_grpo: {enabled: false, max_trajectory_age_steps: 1}}
@@ -195,6 +195,23 @@ def test_two_gpus_partial_overlap(stock: Path, tmp_path: Path) -> None:
     assert [r.train_devices for r in runs] == [(0,), (1,)] and all(r.infer_devices == (0, 1) for r in runs)
 
 
+def test_tensor_parallel_ranks(stock: Path, tmp_path: Path, capsys: Any) -> None:
+    """--tp 2: on two GPUs one rollout rank, where every pipeline trains and rolls out (the one-rank topology); on
+    four, two ranks and each pipeline trains on a whole rank of its own. Every overlay passes the start-up checks."""
+    rc, files = _recipe(stock, tmp_path / "one", "--tp", "2", "--gpus", "0,1")
+    assert rc == 0 and "GPUs of one rollout rank" in capsys.readouterr().out
+    for f in files:
+        cfg = load_stock(f)
+        run = load_run_config(cfg)
+        validate_topology(cfg, run)
+        assert is_one_rank_topology(run) and run.infer_tp == 2 and run.train_devices == run.infer_devices == (0, 1)
+        assert cfg["policy"]["generation"]["vllm_cfg"]["tensor_parallel_size"] == 2
+    rc, files = _recipe(stock, tmp_path / "four", "--tp", "2", "--gpus", "0,1,2,3")
+    runs = [load_run_config(load_stock(f)) for f in files]
+    assert rc == 0 and [r.train_devices for r in runs] == [(0, 1), (2, 3)]
+    assert all(r.infer_devices == (0, 1, 2, 3) and r.infer_tp == 2 for r in runs)
+
+
 @pytest.mark.parametrize("stock_nodes", [1, 2])
 def test_two_nodes(stock_nodes: int, tmp_path: Path) -> None:
     """--nodes 2 --gpus-per-node 2: global GPU ids 0..3 (node rank x 2 + local id); each pipeline trains on one
@@ -223,8 +240,10 @@ def test_two_nodes(stock_nodes: int, tmp_path: Path) -> None:
     ("edit", "args", "fix"),
     [
         (lambda c: c["policy"]["generation"].update(backend="sglang"), [], "supports vLLM only"),
-        (lambda c: c["policy"]["generation"]["vllm_cfg"].update(tensor_parallel_size=2), [], "vLLM TP 1"),
-        (lambda c: c["policy"]["dtensor_cfg"].update(tensor_parallel_size=2), [], "one GPU cannot hold it"),
+        (lambda c: c["policy"]["generation"]["vllm_cfg"].update(tensor_parallel_size=2), [],
+         "1 GPUs are not whole vLLM ranks of TP 2"),
+        (lambda c: None, ["--tp", "2", "--pipelines", "3", "--gpus", "0,1,2,3"], "whole rollout ranks (vLLM TP 2)"),
+        (lambda c: c["policy"]["dtensor_cfg"].update(tensor_parallel_size=2), [], "one rollout rank cannot hold whole replicas"),
         (lambda c: c["policy"].update(model_name="Qwen/Qwen2.5-1.5B"),
          ["--pipelines", "4", "--gpu-memory-gib", "139", "--host-memory-gib", "128"], "host memory: 4 pipelines need"),
         (lambda c: c["policy"].update(model_name="Qwen/Qwen2.5-1.5B"),
