@@ -149,12 +149,14 @@ class NemoRuntime:
 
     def step_metrics(self, step: int) -> dict[str, float]:
         """The ``rlix/`` figures of ``step`` (since the previous call): expands (ranks woken + synced, their
-        seconds), shrinks, and how many of the shrinks were preemptions by a training grant (the scheduler's
-        trace). Reads the resize actor's history and the scheduler's trace (bounded RPCs)."""
+        seconds), shrinks, how many of the shrinks were preemptions by a training grant (the scheduler's trace), and
+        the vLLM workers that verified the weights they received (every TP worker of a rank counts) and the syncs
+        any worker did not verify. Reads the resize actor's history and the scheduler's trace (bounded RPCs)."""
         history = self.rt.resize_history(self._history_seen)
         self._history_seen += len(history)
         expands = [e for e in history if e.get("op") == "expand"]
         shrinks = [e for e in history if e.get("op") == "shrink"]
+        syncs = [e for e in history if e.get("op") in ("expand", "refresh") and e.get("ranks")]
         now = time.time()
         trace = self.rt.pipe.control_plane.trace(self._trace_since)
         self._trace_since = now
@@ -165,6 +167,8 @@ class NemoRuntime:
             "rlix/ranks_expanded": float(sum(len(e.get("ranks", ())) for e in expands)),
             "rlix/ranks_shrunk": float(sum(len(e.get("ranks", ())) for e in shrinks)),
             "rlix/preemptions": float(len(preempted)),
+            "rlix/workers_verified": float(sum(sum((e.get("verified_workers") or {}).values()) for e in syncs)),
+            "rlix/syncs_unverified": float(sum(1 for e in syncs if not e.get("verified"))),
         }
 
     def stop(self, error: str | None = None) -> None:

@@ -28,7 +28,8 @@
 # engine core b's console names, or the one on a GPU b does not train on, awake and refreshed while b trains),
 # FAULT_STEPS=$STEPS (the steps of a fault run),
 # STANDALONE_ORDER="unpatched patched"
-# (reverse it to pair with an earlier run), UTIL= (time-shared runs:
+# (reverse it to pair with an earlier run), TP= (time-shared runs: `rlix recipe --tp TP`, vLLM tensor-parallel rollout
+# ranks of TP GPUs; empty: the stock recipe's 1), UTIL= (time-shared runs:
 # `rlix recipe --gpu-memory-utilization UTIL`; empty: the stock recipe's share, at which a 1.5B rollout does not fit
 # next to a training step), GPUS=0 (the time-shared runs' GPUs, e.g. 0,1: `rlix recipe --gpus`; standalone uses
 # the first), SPLIT_GPUS=$GPUS (the static split's GPUs, one pipeline each; may be other GPUs than GPUS, so that
@@ -151,7 +152,7 @@ run_shared() {  # run_shared NAME N MODE (together | sequential): on GPUS, clust
   ids=$(seq -s, 0 $(($(tr ',' '\n' <<<"$GPUS" | wc -l) - 1)))
   fresh_dir "$dir"
   python3 -m rlix_plugins.cli recipe "$STOCK" --pipelines "$n" --gpus "$ids" --out "$cfgdir" \
-    ${UTIL:+--gpu-memory-utilization "$UTIL"} >"$dir/recipe.log" 2>&1 ||
+    ${UTIL:+--gpu-memory-utilization "$UTIL"} ${TP:+--tp "$TP"} >"$dir/recipe.log" 2>&1 ||
     { cat "$dir/recipe.log"; finish "$dir" recipe; return 1; }
   ray_head "$dir" $([ "$first" -eq 0 ] && echo 0 || echo $((3 + first))) "$GPUS"
   export RAY_ADDRESS

@@ -220,4 +220,6 @@ def test_full_mode_resumed_run_progress_versions_and_logged_metrics(mock_grpo_co
     assert logged[0]["rlix/ranks_expanded"] >= 1 and logged[0]["rlix/expand_s"] > 0  # the first expand(s)
     # Step 2's training grant on GPU 0 preempted the pipeline's own rollout rank there (woken by the first expand).
     assert logged[0]["rlix/preemptions"] >= 1 and logged[0]["rlix/ranks_shrunk"] >= 1, logged[0]
+    # Every vLLM worker that received weights verified them (its checksums), and no sync went unverified.
+    assert sum(m["rlix/workers_verified"] for m in logged) >= 1 and all(m["rlix/syncs_unverified"] == 0 for m in logged)
     assert all(isinstance(v, float) and v >= 0 for m in logged for k, v in m.items() if k.startswith("rlix/"))

@@ -209,7 +209,7 @@ def test_tensor_parallel_blocks_are_one_group_per_rank_and_shared_whole(ray_clus
             ray.get(pool.place.remote([2], 1, table), timeout=60)
         with pytest.raises(RlixConfigError, match=r"needs GPUs \[1, 2\] in one placement group.*\[\[0, 1\], \[2, 3\]\]"):
             ray.get(pool.place.remote([1, 2], 2, table), timeout=60)
-        with pytest.raises(RlixConfigError, match="rlix.train_devices"):
+        with pytest.raises(RlixConfigError, match=r"rlix\.train_devices \[1, 0\] do not list whole"):
             cover([1, 0], blocks, "rlix.train_devices")
 
         infer = VirtualClusterAdapter(cover([0, 1, 2, 3], blocks), max_colocated_worker_groups=1)
