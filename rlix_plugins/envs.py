@@ -54,6 +54,9 @@ __all__ = [
     "search_path",
     "state_dir",
     "time_sharing",
+    "vllm_port",
+    "vllm_port_slot",
+    "worker_rank",
     "xdg_cache_home",
 ]
 
@@ -63,6 +66,7 @@ RLIX_CONTROL_PLANE: Final = "RLIX_CONTROL_PLANE"
 TIME_SHARING_VALUE: Final = "rlix"
 RLIX_PIPELINE_ID: Final = "RLIX_PIPELINE_ID"
 RLIX_INIT_TIMEOUT_S: Final = "RLIX_INIT_TIMEOUT_S"
+RLIX_VLLM_PORT_SLOT: Final = "RLIX_VLLM_PORT_SLOT"
 RLIX_CHAINED_WORKER_PROCESS_SETUP_HOOK: Final = "RLIX_CHAINED_WORKER_PROCESS_SETUP_HOOK"
 RLIX_PATCHES_DIR: Final = "RLIX_PATCHES_DIR"
 RLIX_STATE_DIR: Final = "RLIX_STATE_DIR"
@@ -75,6 +79,8 @@ RLIX_NODE_IP: Final = "RLIX_NODE_IP"
 
 # ------------------------------------------------------------------------------- names (others', read by rlix only)
 RAY_ADDRESS: Final = "RAY_ADDRESS"
+RAY_RANK: Final = "RANK"
+VLLM_PORT: Final = "VLLM_PORT"
 RAY_USE_TLS: Final = "RAY_USE_TLS"
 RAY_AUTH_MODE: Final = "RAY_AUTH_MODE"
 RAY_AUTH_TOKEN: Final = "RAY_AUTH_TOKEN"
@@ -110,6 +116,11 @@ VARIABLES: Final[tuple[EnvVar, ...]] = (
            "set by the NeMo RL placement hook on vLLM workers: the pipeline whose start-up grant they wait for"),
     EnvVar(RLIX_INIT_TIMEOUT_S, str(DEFAULT_INIT_TIMEOUT_S), "rlix",
            "seconds a vLLM worker waits for its pipeline's start-up (INITIALIZATION) grant; a positive number"),
+    EnvVar(RLIX_VLLM_PORT_SLOT, None, "rlix",
+           "set by the NeMo RL placement hook on vLLM workers: the pipeline's slot of vLLM port windows on a node"),
+    EnvVar(RAY_RANK, None, "torch.distributed / NeMo RL",
+           "a worker's global rank (NeMo RL's worker group sets it; a vLLM rank's port window is chosen by it)"),
+    EnvVar(VLLM_PORT, None, "vLLM", "where vLLM's port searches start (rewritten per engine: rlix_plugins.vllm.ports)"),
     EnvVar(RLIX_CHAINED_WORKER_PROCESS_SETUP_HOOK, None, "rlix",
            "a Ray worker-process setup hook that was there before rlix's; run first by rlix's hook"),
     EnvVar(RLIX_PATCHES_DIR, None, "rlix", "a directory of NeMo RL patch series used instead of the shipped one"),
@@ -161,6 +172,34 @@ def time_sharing() -> bool:
 def pipeline_id() -> str | None:
     """``RLIX_PIPELINE_ID``: the time-shared pipeline this vLLM worker serves (None: none, nothing waits)."""
     return _set(RLIX_PIPELINE_ID)
+
+
+def vllm_port_slot() -> int | None:
+    """``RLIX_VLLM_PORT_SLOT``: the pipeline's slot of vLLM port windows (None: unset); an int >= 0."""
+    return _non_negative_int(RLIX_VLLM_PORT_SLOT)
+
+
+def worker_rank() -> int | None:
+    """``RANK``: this worker's global rank (None: unset); an int >= 0."""
+    return _non_negative_int(RAY_RANK)
+
+
+def vllm_port() -> str | None:
+    """``VLLM_PORT`` as set (vLLM reads it; rlix only checks that it is set before rewriting it)."""
+    return _raw(VLLM_PORT)
+
+
+def _non_negative_int(name: str) -> int | None:
+    text = _set(name)
+    if text is None:
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise RlixConfigError(f"{name}={text!r}: expected an int >= 0")
+    return value
 
 
 def init_timeout_s() -> float:

@@ -182,9 +182,19 @@ class GpuPlacementPool:
         self._by_loc: dict[tuple[str, int], tuple[PlacementGroup, int]] = {}
         #: every group: the (node id, local GPU) of each bundle, in bundle order
         self._keys: dict[PlacementGroup, tuple[tuple[str, int], ...]] = {}
+        self._port_slots: dict[str, int] = {}
 
     def worker_groups_per_gpu(self) -> int:
         return self._per_gpu
+
+    def port_slot(self, pipeline_id: str) -> int:
+        """The pipeline's slot of vLLM port windows (:mod:`rlix_plugins.vllm.ports`): its own, the same on every
+        call; slots go round, so up to ``ports.SLOTS`` pipelines started one after another get different ones."""
+        from rlix_plugins.vllm.ports import SLOTS
+
+        if pipeline_id not in self._port_slots:
+            self._port_slots[pipeline_id] = len(self._port_slots) % SLOTS
+        return self._port_slots[pipeline_id]
 
     def groups(self, gpus: list[int], table: NodeTable) -> dict[int, PlacementGroup]:
         """One-GPU groups of the global GPU ids ``gpus`` (``table``: the control plane's node table): :meth:`place`
@@ -387,17 +397,19 @@ _SETUP_GRANTS: dict[str, SetupGrant] = {}
 _SETUP_LOCK = threading.Lock()
 
 
-def _register_setup(cp: Any, master_config: Any, cfg: RlixRunConfig) -> None:
+def _register_setup(cp: Any, master_config: Any, cfg: RlixRunConfig, port_slot: int) -> None:
     """Register the pipeline (no GPU is asked for yet: see the module docstring) and tell its vLLM ranks which
-    pipeline's start-up grant they wait for (``policy.generation.vllm_cfg.env_vars``, which NeMo RL hands to every
-    vLLM worker actor)."""
+    pipeline's start-up grant they wait for and its slot of port windows (``policy.generation.vllm_cfg.env_vars``,
+    which NeMo RL hands to every vLLM worker actor)."""
+    from rlix_plugins import envs
     from rlix_plugins.control.start_gate import INIT_TIMEOUT_ENV, PIPELINE_ENV
     from rlix_plugins.nemo_rl.config import cfg_path, cfg_set
 
     assert cfg.pipeline_id is not None  # fixed by nemo_rl_placement
     env = cfg_path(master_config, "policy.generation.vllm_cfg.env_vars") or {}
     cfg_set(master_config, "policy.generation.vllm_cfg.env_vars",
-            {**env, PIPELINE_ENV: cfg.pipeline_id, INIT_TIMEOUT_ENV: str(cfg.runtime.init_timeout_s)})
+            {**env, PIPELINE_ENV: cfg.pipeline_id, INIT_TIMEOUT_ENV: str(cfg.runtime.init_timeout_s),
+             envs.RLIX_VLLM_PORT_SLOT: str(port_slot)})
     pipe = cfg.register(cp)
     pipe.keep_alive()  # the lease runs from here: its vLLM ranks take the start-up grant while setup() goes on
     with _SETUP_LOCK:
@@ -485,7 +497,8 @@ def nemo_rl_placement(master_config: Any) -> tuple[VirtualClusterAdapter, Virtua
     train_groups = cover(list(cfg.train_devices), blocks, "rlix.train_devices")
     infer_groups = cover(infer, blocks, "rlix.infer_devices")
     per_gpu = int(ray_get(pool.worker_groups_per_gpu.remote(), "pool.worker_groups_per_gpu", 60.0, dead=dead))
-    _register_setup(cp, master_config, cfg)  # last: NeMo RL creates the workers right after this returns
+    port_slot = int(ray_get(pool.port_slot.remote(pid), "pool.port_slot", 60.0, dead=dead))
+    _register_setup(cp, master_config, cfg, port_slot)  # last: NeMo RL creates the workers right after this returns
     train = VirtualClusterAdapter(train_groups, max_colocated_worker_groups=per_gpu, name=f"{pid}-train")
     infer_cluster = VirtualClusterAdapter(infer_groups, max_colocated_worker_groups=per_gpu, name=f"{pid}-infer")
     return (train, infer_cluster, {"name_prefix": worker_name_prefix(pid, "policy")},

@@ -17,7 +17,8 @@ worker, the model-registry probe subprocess), possibly several times; it must be
   imported; a missing one raises one line naming the vLLM version and the attribute), and records that the plugin
   ran here (``rlix_receiver_info()["plugin_loaded"]`` reports it per worker).
   Where vLLM's ``EngineCore`` is imported (vLLM loads plugins in its ``__init__``), it lets a sync's finish
-  call reset the prefix cache (:mod:`rlix_plugins.vllm.engine_hook`; only that rlix method is affected).
+  call reset the prefix cache (:mod:`rlix_plugins.vllm.engine_hook`; only that rlix method is affected). In a
+  time-shared NeMo RL engine it moves ``VLLM_PORT`` to the engine's own port window (:mod:`rlix_plugins.vllm.ports`).
 
 The entry point does not inject the receiver into engines: an engine gets it from its construction
 arguments (see :mod:`rlix_plugins.vllm`), because vLLM resolves ``worker_extension_cls`` /
@@ -59,6 +60,9 @@ def register() -> None:
     from rlix_plugins.vllm import engine_hook
 
     engine_hook.install()  # each call: an in-process EngineCore is imported after the driver's first call
+    from rlix_plugins.vllm.ports import apply_port_window
+
+    apply_port_window()  # before this process's engine picks ports (vLLM reads VLLM_PORT lazily until it is up)
     if _loaded:
         return
     from rlix_plugins.vllm import internals, receiver  # fail at engine start, not mid-sync

@@ -39,6 +39,7 @@ out = {
         and sys.modules["rlix_plugins.vllm.plugin"].loaded_here(),
     "amx": amx_status,
     "xtiledata": bool((permitted_xfeatures() or 0) & (1 << 18)),  # AMX tile data permitted to this process
+    "vllm_port": __import__("vllm.envs").envs.VLLM_PORT,  # what vLLM's port searches would start from
 }
 print("PROBE" + json.dumps(out))
 """
@@ -72,6 +73,9 @@ def res(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
         "without_rlix": {"VLLM_PLUGINS": "lora_filesystem_resolver,lora_hf_hub_resolver"},
         "unset": {},  # RLIX_CONTROL_PLANE removed from the environment
         "enabled": {"RLIX_CONTROL_PLANE": "rlix"},
+        # a time-shared NeMo RL engine: its pipeline's port slot, its leader's rank, NeMo RL's VLLM_PORT
+        "engine": {"RLIX_CONTROL_PLANE": "rlix", "RLIX_VLLM_PORT_SLOT": "3", "RANK": "2", "VLLM_PORT": "7000"},
+        "engine_standalone": {"RLIX_VLLM_PORT_SLOT": "3", "RANK": "2", "VLLM_PORT": "7000"},
     }, cwd=str(tmp_path_factory.mktemp("probe_cwd")))
 
 
@@ -91,6 +95,16 @@ def test_entry_point_installed_and_a_noop_unless_enabled(res: dict[str, dict]) -
     assert enabled["loaded"] is True
     assert "rlix_plugins.vllm.receiver" in enabled["new_modules"]
     assert enabled["env_changed"] == base["env_changed"]
+
+
+def test_a_time_shared_engine_searches_ports_in_a_window_of_its_own(res: dict[str, dict]) -> None:
+    """Every engine of a time-shared pipeline starts vLLM's port searches in its own window (rlix_plugins/vllm/ports.py:
+    two pipelines' TP engines once probed one port and the later binder died); standalone, VLLM_PORT is untouched."""
+    from rlix_plugins.vllm.ports import window_port
+
+    assert res["engine"]["vllm_port"] == window_port(3, 2) == 7000 + (3 * 8 + 2) * 100
+    assert res["engine_standalone"]["vllm_port"] == 7000 and res["enabled"]["vllm_port"] is None
+    assert len({window_port(s, r) for s in range(32) for r in range(8)}) == 256 and window_port(31, 7) + 100 <= 32768
 
 
 def test_entry_point_asks_for_amx_in_every_vllm_process(res: dict[str, dict]) -> None:

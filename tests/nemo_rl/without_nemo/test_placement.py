@@ -205,6 +205,8 @@ def test_tensor_parallel_blocks_are_one_group_per_rank_and_shared_whole(ray_clus
         one_gpu = ray.get(placement_pool().place.remote([0, 1, 2, 3], 1, table), timeout=60)  # a TP-1 pipeline
         assert [(b.gpus, b.group.id) for b in one_gpu] == [(b.gpus, b.group.id) for b in blocks]
         assert len(ray.get(pool.locations.remote(), timeout=30)) == 4  # still two groups over four GPUs
+        slots = [ray.get(pool.port_slot.remote(p), timeout=30) for p in ("ft_a", "ft_b", "ft_a")]
+        assert slots == [0, 1, 0]  # each pipeline's vLLM engines search ports in windows of their own
         with pytest.raises(RlixConfigError, match=r"do not list whole placement blocks: GPUs \[2, 3\]"):
             ray.get(pool.place.remote([2], 1, table), timeout=60)
         with pytest.raises(RlixConfigError, match=r"needs GPUs \[1, 2\] in one placement group.*\[\[0, 1\], \[2, 3\]\]"):
