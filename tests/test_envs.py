@@ -30,6 +30,8 @@ ALLOWED = {
     ("rlix_plugins/demo/run.py", 'os.environ.setdefault("HF_HUB_OFFLINE", "1")'): "write: the demo runs offline",
     ("rlix_plugins/transport/_place.py", "os.environ.update({envs.RLIX_NODE_ID: found[0], envs.RLIX_NODE_IP: found[1]})"):
         "write: a Ray process's node, for the child processes it starts",
+    ("rlix_plugins/vllm/ports.py", "os.environ.update({envs.VLLM_PORT: str(port)})"):
+        "write: the engine's own port window, before vLLM picks ports",
     ("rlix_plugins/control/admin/ray_auth.py", 'os.environ[MODE_ENV] = "token"'):
         "write: token mode on Ray 2.56, what Ray 2.60's _enable_token_auth does",
 }
