@@ -420,7 +420,7 @@ def _overlay(stock: Mapping[str, Any], p: PipelineLayout, num_pipelines: int, gp
     infer_nodes = len({g // gpus_per_node for g in p.infer_devices})
     if infer_nodes == 1:
         _set(ov, stock, "policy.generation.colocated.resources.gpus_per_node", len(p.infer_devices),
-             "one vLLM rank per rlix.infer_devices GPU")
+             "the rlix.infer_devices GPUs (one vLLM DP rank per TP-size GPUs)")
         _set(ov, stock, "policy.generation.colocated.resources.num_nodes", 1, "one node")
     else:
         _set(ov, stock, "policy.generation.colocated.resources.gpus_per_node", gpus_per_node,
