@@ -198,8 +198,11 @@ class GpuPlacementPool:
 
     def groups(self, gpus: list[int], table: NodeTable) -> dict[int, PlacementGroup]:
         """One-GPU groups of the global GPU ids ``gpus`` (``table``: the control plane's node table): :meth:`place`
-        with blocks of one GPU."""
-        return {b.gpus[0]: b.group for b in self.place(list(gpus), 1, table)}
+        with blocks of one GPU (GPUs in a bigger block are refused: ask :meth:`place` for them)."""
+        blocks = self.place(list(gpus), 1, table)
+        if bigger := [list(b.gpus) for b in blocks if len(b.gpus) > 1]:
+            raise RlixConfigError(f"GPUs {bigger} are placed as tensor-parallel blocks, not one group per GPU")
+        return {b.gpus[0]: b.group for b in blocks}
 
     def place(self, gpus: list[int], block_size: int, table: NodeTable) -> list[PlacedBlock]:
         """The placement blocks that hold ``gpus`` (global ids; ``table``: the control plane's node table), in order
