@@ -189,7 +189,8 @@ def vllm_port() -> str | None:
     return _raw(VLLM_PORT)
 
 
-def _non_negative_int(name: str) -> int | None:
+def _non_negative_int(name: str, meaning: str = "") -> int | None:
+    """``name`` as an int >= 0 (None when unset); else a one-line error naming it (``meaning``: what it is for)."""
     text = _set(name)
     if text is None:
         return None
@@ -198,7 +199,7 @@ def _non_negative_int(name: str) -> int | None:
     except ValueError:
         value = -1
     if value < 0:
-        raise RlixConfigError(f"{name}={text!r}: expected an int >= 0")
+        raise RlixConfigError(f"{name}={text!r} is not an int >= 0{meaning}")
     return value
 
 
@@ -245,17 +246,8 @@ def native_checksum() -> bool:
 
 def profile_pull() -> int:
     """``RLIX_PROFILE_PULL``: the host_pull to profile (0: none); an int >= 0."""
-    text = _set(RLIX_PROFILE_PULL)
-    if text is None:
-        return 0
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise RlixConfigError(f"{RLIX_PROFILE_PULL}={text!r} is not an int >= 0 (the host_pull to profile, "
-                              "counting from 1; 0 or unset: none)")
-    return value
+    value = _non_negative_int(RLIX_PROFILE_PULL, " (the host_pull to profile, counting from 1; 0 or unset: none)")
+    return 0 if value is None else value
 
 
 def profile_calls() -> bool:
