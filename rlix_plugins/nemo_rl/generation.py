@@ -31,6 +31,7 @@ from rlix_plugins import envs
 from rlix_plugins.control.rpc import ray_get
 from rlix_plugins.errors import RlixConfigError
 from rlix_plugins.nemo_rl import worker_ops
+from rlix_plugins.nemo_rl.topology import rank_slices
 from rlix_plugins.pipeline.protocols import ShardPreemptedError
 from rlix_plugins.pipeline.router import RouterClient
 
@@ -64,8 +65,8 @@ class NemoVllmFleet:
                 "GPUs: make policy.generation.colocated.resources match rlix.infer_devices"
             )
         per_node = gpus_per_node or max(infer_devices) + 1
-        devices = {r: [(g // per_node, g % per_node) for g in infer_devices[r * infer_tp:(r + 1) * infer_tp]]
-                   for r in range(dp)}
+        devices = {r: [(g // per_node, g % per_node) for g in gpus]
+                   for r, gpus in enumerate(rank_slices(infer_devices, infer_tp))}
         leaders = [wg.workers[wg.get_dp_leader_worker_idx(r)] for r in range(dp)]
         return cls(leaders, devices)
 

@@ -67,6 +67,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from rlix_plugins.control.nodes import NODE_ID_LABEL, GpuLocation, NodeTable, PlacementMismatchError
 from rlix_plugins.control.rpc import ray_get
 from rlix_plugins.errors import RlixConfigError, RlixError
+from rlix_plugins.nemo_rl.topology import rank_slices
 
 if TYPE_CHECKING:
     from rlix_plugins.nemo_rl.config import RlixRunConfig
@@ -138,10 +139,6 @@ class PlacedBlock:
     gpus: tuple[int, ...]
 
 
-def _slices(gpus: list[int], size: int) -> list[tuple[int, ...]]:
-    return [tuple(gpus[i:i + size]) for i in range(0, len(gpus), size)]
-
-
 def cover(gpus: list[int], blocks: list[PlacedBlock], what: str = "these GPUs") -> list[PlacementGroup]:
     """The groups of ``blocks`` that hold ``gpus``, in order: NeMo RL's worker groups put one worker on every bundle
     of every group they are given (and a vLLM TP group on one group's bundles), so a cluster must list whole blocks,
@@ -177,9 +174,8 @@ class GpuPlacementPool:
             raise RlixConfigError(f"worker_groups_per_gpu={worker_groups_per_gpu} must be >= 1")
         self._timeout_s = timeout_s
         self._per_gpu = int(worker_groups_per_gpu)
-        #: (Ray node id, node-local GPU id) -> its group and bundle index. Never the local id alone: it repeats on
-        #: every node.
-        self._by_loc: dict[tuple[str, int], tuple[PlacementGroup, int]] = {}
+        #: (Ray node id, node-local GPU id) -> its group. Never the local id alone: it repeats on every node.
+        self._by_loc: dict[tuple[str, int], PlacementGroup] = {}
         #: every group: the (node id, local GPU) of each bundle, in bundle order
         self._keys: dict[PlacementGroup, tuple[tuple[str, int], ...]] = {}
         self._port_slots: dict[str, int] = {}
@@ -215,7 +211,7 @@ class GpuPlacementPool:
         other groups is refused (so is a one-GPU request on part of a bigger block), naming the layout."""
         if block_size < 1 or len(gpus) % block_size:
             raise RlixConfigError(f"{len(gpus)} GPUs {gpus} are not whole blocks of {block_size} GPUs")
-        want = [tuple(table.locate(g) for g in s) for s in _slices(list(gpus), block_size)]  # clear error first
+        want = [tuple(table.locate(g) for g in s) for s in rank_slices(gpus, block_size)]  # clear error first
         for locs in want:
             if len({loc.node_id for loc in locs}) > 1:
                 raise RlixConfigError(f"GPUs {[loc.gpu for loc in locs]} span nodes {sorted({loc.node_ip for loc in locs})}: "
@@ -252,10 +248,10 @@ class GpuPlacementPool:
                     "Ray has free")
             for pg, keys in zip(new, landed, strict=True):
                 self._keys[pg] = keys
-                self._by_loc.update({k: (pg, b) for b, k in enumerate(keys)})
+                self._by_loc.update(dict.fromkeys(keys, pg))
         blocks: dict[PlacementGroup, PlacedBlock] = {}
         for locs in want:
-            pg = self._by_loc[(locs[0].node_id, locs[0].local_gpu)][0]
+            pg = self._by_loc[(locs[0].node_id, locs[0].local_gpu)]
             block = blocks.get(pg) or PlacedBlock(pg, tuple(table.global_gpu(*k) for k in self._keys[pg]))
             if block_size > 1 and set(block.gpus) != {loc.gpu for loc in locs}:
                 raise self._conflict([loc.gpu for loc in locs], block_size, table)
@@ -275,7 +271,7 @@ class GpuPlacementPool:
         return not any(have)
 
     def _conflict(self, gpus: list[int], size: int, table: NodeTable) -> RlixConfigError:
-        held = sorted({tuple(table.global_gpu(*k) for k in self._keys[self._by_loc[(loc.node_id, loc.local_gpu)][0]])
+        held = sorted({tuple(table.global_gpu(*k) for k in self._keys[self._by_loc[(loc.node_id, loc.local_gpu)]])
                        for loc in (table.locate(g) for g in gpus)})
         return RlixConfigError(
             f"a vLLM tensor-parallel rank of {size} GPUs needs GPUs {gpus} in one placement group, but they are "
@@ -312,7 +308,7 @@ class GpuPlacementPool:
 
     def locations(self) -> dict[tuple[str, int], str]:
         """(node id, local GPU) -> placement group id (hex) of every GPU the pool holds."""
-        return {loc: pg.id.hex() for loc, (pg, _) in self._by_loc.items()}
+        return {loc: pg.id.hex() for loc, pg in self._by_loc.items()}
 
     def release_all(self) -> int:
         """Remove every group (``rlix down``; tests). Workers still placed in them are killed by Ray."""

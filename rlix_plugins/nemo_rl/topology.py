@@ -39,13 +39,14 @@ Checks common to both:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from rlix_plugins.errors import RlixConfigError
 from rlix_plugins.nemo_rl.config import RlixRunConfig, cfg_path
 
 __all__ = ["ASYNC_GRPO", "DATA_PLANE", "SINGLE_CONTROLLER", "grpo_loop", "is_one_gpu_topology", "is_one_rank_topology",
-           "topology_problems", "training_parallel_size", "validate_topology", "vllm_parallel_problems"]
+           "rank_slices", "topology_problems", "training_parallel_size", "validate_topology", "vllm_parallel_problems"]
 
 #: The GRPO loops the patch series drives (:func:`grpo_loop`).
 ASYNC_GRPO, DATA_PLANE, SINGLE_CONTROLLER = "async_grpo_train", "grpo_train_sync", "single_controller"
@@ -115,12 +116,17 @@ _ONE_GPU_HINT = ("; or train and roll out on the GPUs of one rank: rlix.train_de
                  "vLLM TP 1 (or TP GPUs of one node with vLLM TP > 1)")
 
 
+def rank_slices(gpus: Sequence[int], tp: int) -> list[tuple[int, ...]]:
+    """The GPUs of each vLLM DP rank: ``tp`` consecutive entries of ``gpus`` each (NeMo RL's order of DP ranks)."""
+    return [tuple(gpus[i:i + tp]) for i in range(0, len(gpus), tp)]
+
+
 def _whole_rank_problems(run: RlixRunConfig) -> list[str]:
     """With vLLM TP > 1, the training GPUs must be whole rollout ranks (see the module docstring)."""
     tp, infer, train = run.infer_tp, list(run.infer_devices), list(run.train_devices)
     if tp == 1 or len(infer) % tp or not set(train) <= set(infer):
         return []  # nothing to split, or reported by another rule
-    ranks = [infer[i:i + tp] for i in range(0, len(infer), tp)]
+    ranks = [list(r) for r in rank_slices(infer, tp)]
     i = 0
     while i < len(train):
         rank = next((r for r in ranks if train[i] in r), None)
