@@ -74,6 +74,7 @@ RECIPES = REPO / "recipes" / "nemo_rl"
 SETUP_EXPECTED = {
     "test_standalone_setup_builds_its_own_clusters_and_static_world",
     "test_two_pipelines_share_per_gpu_groups_under_unique_names",
+    "test_tensor_parallel_ranks_share_one_block_through_nemo_rls_worker_group",
 }
 
 

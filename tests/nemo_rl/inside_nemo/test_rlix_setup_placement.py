@@ -13,6 +13,7 @@ Driven by ``tests/nemo_rl/drives_nemo/test_nemo_rl_time_sharing.py`` of rlix-plu
 ``examples/configs/rlix/``); not part of NeMo RL.
 """
 
+import os
 import sys
 import threading
 import time
@@ -91,6 +92,84 @@ class StandinVllmGeneration(_Recording):
         pass
 
 
+TP_WORKER_FQN = f"{__name__}.PlacedVllmWorker"
+
+
+@ray.remote
+class PlacedTpWorker:
+    """One vLLM TP worker as vLLM's Ray executor creates it: an actor on one bundle of its engine's placement group."""
+
+    def where(self):
+        ctx = ray.get_runtime_context()
+        return {"gpus": [int(g) for g in ray.get_gpu_ids()], "pg": ctx.get_placement_group_id()}
+
+
+@ray.remote
+class PlacedVllmWorker:
+    """Stands in for NeMo RL's vLLM worker (Ray's default 1 CPU, like it) with NeMo RL's REAL ``configure_worker`` (a
+    TP group's workers ask no GPU, the leader gets the group's bundle indices). The leader places its engine's TP
+    workers as vLLM's Ray executor does under NeMo RL: one per bundle of ``VLLM_RAY_BUNDLE_INDICES`` of its own
+    placement group, each ``VLLM_RAY_PER_WORKER_GPUS`` = the worker's GPU fraction / TP of a GPU (vllm_worker.py)."""
+
+    @staticmethod
+    def configure_worker(num_gpus, bundle_indices=None, num_gpus_per_node=None):
+        from nemo_rl.models.generation.vllm.vllm_worker import BaseVllmGenerationWorker
+
+        return BaseVllmGenerationWorker.configure_worker(num_gpus, bundle_indices, num_gpus_per_node)
+
+    def __init__(self, bundle_indices=None, fraction_of_gpus=1.0, **_kwargs):
+        self.bundle_indices, self.fraction = bundle_indices, fraction_of_gpus
+        self.tp = []
+
+    def where(self):
+        ctx = ray.get_runtime_context()
+        env = {k: os.environ.get(k) for k in ("VLLM_PORT", "RANK", "RLIX_VLLM_PORT_SLOT")}
+        return {"name": ctx.get_actor_name(), "gpus": [int(g) for g in ray.get_gpu_ids()],
+                "pg": ctx.get_placement_group_id(), "bundles": self.bundle_indices, "env": env}
+
+    def start_engine(self):
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        pg = ray.util.get_current_placement_group()
+        per_worker = self.fraction / len(self.bundle_indices)
+        self.tp = [PlacedTpWorker.options(num_cpus=0, num_gpus=per_worker, scheduling_strategy=(
+            PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=b))).remote()
+            for b in self.bundle_indices]
+        return ray.get([w.where.remote() for w in self.tp], timeout=120)
+
+
+class StandinTpVllmGeneration(_Recording):
+    """``VllmGeneration``'s TP > 1 path with NeMo RL's own code where it places: ``_init_placement_groups``, its
+    ``NamedSharding``, ``_get_tied_worker_bundle_indices`` (called as NeMo RL's function) and ``RayWorkerGroup``
+    with those tied bundles and the ``vllm_cfg.env_vars`` it hands every worker."""
+
+    weight_synchronizer = None
+
+    def __init__(self, cluster, config, name_prefix="vllm_policy", workers_per_node=None, calls=None):
+        import numpy as np
+        from nemo_rl.distributed.named_sharding import NamedSharding
+        from nemo_rl.distributed.worker_groups import RayWorkerBuilder, RayWorkerGroup
+        from nemo_rl.models.generation.vllm.vllm_generation import VllmGeneration
+
+        tp = config["vllm_cfg"]["tensor_parallel_size"]
+        cluster._init_placement_groups(strategy="PACK", use_unified_pg=tp > cluster.num_gpus_per_node)
+        self.cluster, self.calls = cluster, calls
+        self.sharding_annotations = NamedSharding(layout=np.arange(cluster.world_size()).reshape(
+            cluster.world_size() // tp, 1, tp), names=["data_parallel", "pipeline_parallel", "tensor_parallel"])
+        tied = VllmGeneration._get_tied_worker_bundle_indices(self, cluster)
+        env = {str(k): str(v) for k, v in config["vllm_cfg"].get("env_vars", {}).items()}
+        CREATED.append((name_prefix, type(self).__name__, time.time()))
+        self.worker_group = RayWorkerGroup(cluster, RayWorkerBuilder(TP_WORKER_FQN), name_prefix=name_prefix,
+                                           bundle_indices_list=tied, sharding_annotations=self.sharding_annotations,
+                                           env_vars=env)
+
+    def finish_generation(self, *args, **kwargs):
+        return True
+
+    def prepare_refit_info(self, state_dict_info):
+        pass
+
+
 def _master_config(path: Path, **cluster):
     from unittest.mock import MagicMock
 
@@ -108,7 +187,7 @@ def _master_config(path: Path, **cluster):
     return MasterConfig.model_validate(config), tokenizer
 
 
-def _setup(monkeypatch, master_config, tokenizer, calls):
+def _setup(monkeypatch, master_config, tokenizer, calls, generation=None):
     from unittest.mock import MagicMock
 
     from nemo_rl.algorithms import grpo as grpo_mod
@@ -133,12 +212,13 @@ def _setup(monkeypatch, master_config, tokenizer, calls):
             return 1
 
     monkeypatch.setitem(ACTOR_ENVIRONMENT_REGISTRY, WORKER_FQN, PY_EXECUTABLES.SYSTEM)
+    monkeypatch.setitem(ACTOR_ENVIRONMENT_REGISTRY, TP_WORKER_FQN, PY_EXECUTABLES.SYSTEM)
     monkeypatch.setattr(grpo_mod, "Logger", lambda *_a, **_k: MagicMock())
     monkeypatch.setattr(grpo_mod, "CheckpointManager", lambda *_a, **_k: Checkpointer())
     monkeypatch.setattr(grpo_mod, "ClippedPGLossFn", lambda *_a, **_k: MagicMock())
     monkeypatch.setattr(grpo_mod, "StatefulDataLoader", Loader)
     monkeypatch.setattr(grpo_mod, "Policy", lambda **kw: StandinPolicy(**kw, calls=calls))
-    monkeypatch.setattr(grpo_mod, "VllmGeneration", lambda **kw: StandinVllmGeneration(**kw, calls=calls))
+    monkeypatch.setattr(grpo_mod, "VllmGeneration", lambda **kw: (generation or StandinVllmGeneration)(**kw, calls=calls))
     dataset = MagicMock()
     dataset.__len__.return_value = 2
     result = grpo_mod.setup(master_config, tokenizer, dataset, dataset)  # train and validation data
@@ -236,6 +316,54 @@ def test_two_pipelines_share_per_gpu_groups_under_unique_names(monkeypatch):
             policy.kill()
             generation.kill()
         for pipe in grants.values():
+            pipe.unregister("test over")
+        ray.get(pool.release_all.remote(), timeout=60)
+        ray.kill(pool)
+
+
+def test_tensor_parallel_ranks_share_one_block_through_nemo_rls_worker_group(monkeypatch):
+    """vLLM TP 2 under RLIX_CONTROL_PLANE=rlix: two pipelines from our recipes, each training and rolling out on GPUs
+    0-1 (the one-rank topology) with one TP-2 rank. NeMo RL's setup(), tied-bundle code and worker group place both
+    pipelines' trainers and TP groups in ONE shared two-bundle placement group: the trainers one worker per bundle
+    (GPU 0, GPU 1), each TP group's leader given both bundles, its engine's TP workers one per bundle on GPUs 0 and 1.
+    NeMo RL gives both engines the port window of bundle 0 (VLLM_PORT 7000); the pipelines' port slots, delivered
+    through vllm_cfg.env_vars, differ, so their engines search different windows (rlix_plugins.vllm.ports)."""
+    from rlix_plugins.nemo_rl.placement import placement_pool, take_setup
+    from rlix_plugins.vllm.ports import window_port
+
+    monkeypatch.setenv("RLIX_CONTROL_PLANE", "rlix")
+    pool = placement_pool(worker_groups_per_gpu=4)  # a bundle holds both trainers' and both TP groups' workers
+    made, pipes = [], []
+    try:
+        for name in "ab":
+            cfg, tokenizer = _master_config(REPO / f"examples/configs/rlix/two_pipelines_2gpu_{name}.yaml")
+            cfg.policy["generation"]["vllm_cfg"]["tensor_parallel_size"] = 2
+            cfg.model_extra["rlix"].update(train_devices=[0, 1], infer_devices=[0, 1])
+            made.append(_setup(monkeypatch, cfg, tokenizer, [], generation=StandinTpVllmGeneration))
+            pipes.append(take_setup(cfg).pipe)
+        blocks, slots = set(), set()
+        for pipe, (policy, generation, train_cluster, inference_cluster) in zip(pipes, made, strict=True):
+            pid = pipe.pipeline_id
+            assert train_cluster.num_gpus_per_node == inference_cluster.num_gpus_per_node == 2
+            trained = policy.placements()
+            assert [p["gpus"] for p in trained] == [[0], [1]] and len({p["pg"] for p in trained}) == 1
+            assert generation.worker_group.dp_size == 1
+            leader, secondary = generation.placements()
+            assert (leader["name"], secondary["name"]) == (f"{pid}-vllm-grp0-0", f"{pid}-vllm-grp0-1")
+            assert leader["gpus"] == secondary["gpus"] == [] and leader["bundles"] == [0, 1]  # NeMo RL: TP asks none
+            assert leader["pg"] == secondary["pg"] == trained[0]["pg"]
+            tp_workers = ray.get(generation.worker_group.workers[0].start_engine.remote(), timeout=120)
+            assert [w["gpus"] for w in tp_workers] == [[0], [1]] and {w["pg"] for w in tp_workers} == {leader["pg"]}
+            env = leader["env"]
+            assert env["VLLM_PORT"] == "7000" and env["RANK"] == "0", env  # NeMo RL's window of bundle 0, both
+            blocks.add(leader["pg"])
+            slots.add(window_port(int(env["RLIX_VLLM_PORT_SLOT"]), int(env["RANK"])))
+        assert len(blocks) == 1 and len(slots) == 2  # one shared block; two port windows
+    finally:
+        for policy, generation, *_ in made:
+            policy.kill()
+            generation.kill()
+        for pipe in pipes:
             pipe.unregister("test over")
         ray.get(pool.release_all.remote(), timeout=60)
         ray.kill(pool)
