@@ -1,7 +1,8 @@
 """How many pipelines one GPU and one host hold: the memory budget ``rlix recipe`` checks before it writes anything.
 
-A GPU is owned by one cluster at a time (the scheduler's rule), so at most one phase of one pipeline is awake on it;
-every other pipeline on that GPU still keeps something there while it sleeps. A pipeline's figures
+The budget is the worst case without co-residence: one phase of one pipeline awake on a GPU at a time, while every
+other pipeline on that GPU still keeps something there asleep (the scheduler wakes more phases side by side only
+where their figures fit: ``control.scheduling.coresidence``). A pipeline's figures
 (:func:`pipeline_memory`):
 
 * **asleep on a GPU** (``gpu_asleep_gib``): its vLLM engine after a sleep (CUDA context and non-pool allocations:

@@ -298,8 +298,9 @@ def _coresidence_note(layouts: Sequence[PipelineLayout], figures: Mapping[str, M
 
 
 def _rollouts_per_gpu(tenants: Sequence[Any], g: int) -> str:
-    """How many rollouts of different pipelines fit awake on GPU ``g`` together, alone and next to a training step
-    (the scheduler wakes as many as fit: ``control.scheduling.coresidence``); empty with one rollout tenant."""
+    """How many rollouts of different pipelines fit awake on GPU ``g`` together, alone and next to a training step,
+    and how many training steps side by side (the scheduler wakes as many as fit: ``control.scheduling.coresidence``);
+    empty with one rollout tenant."""
     from rlix_plugins.control.scheduling.coresidence import gpu_load
 
     engines = [s for s in tenants if s.is_generation]
@@ -315,8 +316,9 @@ def _rollouts_per_gpu(tenants: Sequence[Any], g: int) -> str:
 
     host = next(s for s in tenants if not s.is_generation)
     beside = most([host.cluster_id], [s for s in engines if s.pipeline_id != host.pipeline_id])
-    return f"; up to {most([], engines)} rollouts of different pipelines awake on GPU {g} at once, {beside} next to a " \
-           "training step"
+    steps = most([], [s for s in tenants if not s.is_generation])
+    return (f"; up to {most([], engines)} rollouts of different pipelines awake on GPU {g} at once, {beside} next to a "
+            "training step" + (f"; up to {steps} training steps of different pipelines side by side" if steps > 1 else ""))
 
 
 def make_overlays(stock: Mapping[str, Any], num_pipelines: int, gpus: Sequence[int],

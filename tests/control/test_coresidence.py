@@ -16,6 +16,7 @@ from rlix_plugins.control.types import (
     ClusterMemory,
     ClusterSpec,
     ExpandOp,
+    Grant,
     PendingRequest,
     Priority,
     SchedulerSnapshot,
@@ -229,6 +230,79 @@ def test_a_training_step_keeps_the_rollouts_it_fits_beside_and_preempts_the_rest
     assert active(plan2, "c_actor_infer") == {0}
 
 
+# ---- training steps side by side (the 0.5 B pool is paced by one training step at a time per GPU: DESIGN §9) ---
+def test_training_steps_of_two_pipelines_run_side_by_side_with_the_rollouts_that_fit() -> None:
+    """Four 0.5 B pipelines on one H200: a trains next to b's and c's rollouts when b's step comes. b's own rollout
+    sleeps and b trains next to a and c (two steps 27.8 + a rollout 43.7 + the rest asleep 9 = 80.5 GiB); a step
+    used to wait for the other to end."""
+    c = four_on_one_gpu()
+    snap = snapshot(1, c, [whole_alloc(c["a_actor_train"]), *(gen_alloc(c[f"{p}_actor_infer"], [0]) for p in "bc")],
+                    [PendingRequest("b_actor_train", TRAIN, 1)])
+    plan = plan_cycle(snap)
+    validate_plan(snap, plan)
+    assert [(s.cluster_id, s.reason) for s in plan.shrinks] == [("b_actor_infer", "preempt")]
+    assert [g.cluster_id for g in plan.grants] == ["b_actor_train"]
+    assert plan.allocations["a_actor_train"].gpus == plan.allocations["b_actor_train"].gpus == {0}
+    assert active(plan, "c_actor_infer") == {0}
+    _check_holders(snap, plan.allocations)
+    # a's step ends while b's runs: a's rollout wakes beside b's step and c's rollout (112.3 GiB), d's does not fit
+    after = apply_plan(snap, plan)
+    after = replace(after, allocations={k: v for k, v in after.allocations.items() if k != "a_actor_train"},
+                    pending=(PendingRequest("a_actor_infer", GEN, 2), PendingRequest("d_actor_infer", GEN, 3)))
+    plan2 = plan_cycle(after)
+    validate_plan(after, plan2)
+    assert not plan2.shrinks and [(e.cluster_id, e.dp_ranks) for e in plan2.expands] == [("a_actor_infer", (0,))]
+    assert plan2.allocations["b_actor_train"].gpus == {0}
+    _check_holders(after, plan2.allocations)
+
+
+def test_a_third_step_beside_two_keeps_only_the_rollouts_that_still_fit() -> None:
+    c = four_on_one_gpu()
+    snap = snapshot(1, c, [whole_alloc(c["a_actor_train"]), whole_alloc(c["b_actor_train"]),
+                           *(gen_alloc(c[f"{p}_actor_infer"], [0]) for p in "cd")],
+                    [PendingRequest("c_actor_train", TRAIN, 1)])
+    plan = plan_cycle(snap)
+    validate_plan(snap, plan)
+    # c's own rollout sleeps; d's stays (three steps 41.7 + one rollout 43.7 + the rest asleep 6 = 91.4 GiB)
+    assert [(s.cluster_id, s.reason) for s in plan.shrinks] == [("c_actor_infer", "preempt")]
+    assert {cid for cid, a in plan.allocations.items() if a.priority == TRAIN} == \
+        {"a_actor_train", "b_actor_train", "c_actor_train"}
+    assert active(plan, "d_actor_infer") == {0}
+    _check_holders(snap, plan.allocations)
+
+
+@pytest.mark.parametrize("case", ["does not fit", "initialization", "no figures"])
+def test_a_training_step_waits_where_it_may_not_run_beside_the_holder(case: str) -> None:
+    c = two_on_one_gpu(train_awake=50.0 if case == "does not fit" else 35.0,  # 50 + 50 + 2 engines asleep > 100
+                       skip="b_actor_train" if case == "no figures" else "")
+    holder = whole_alloc(c["a_actor_infer"], Priority.INITIALIZATION) if case == "initialization" \
+        else whole_alloc(c["a_actor_train"])
+    snap = snapshot(1, c, [holder], [PendingRequest("b_actor_train", TRAIN, 1),
+                                     PendingRequest("a_actor_infer", GEN, 2)])
+    plan = plan_cycle(snap)
+    validate_plan(snap, plan)
+    assert not plan.grants and "b_actor_train" not in plan.allocations
+    assert not plan.expands  # the waiting step reserves the GPU: no rollout wakes there meanwhile
+
+
+@pytest.mark.parametrize("bad", ["does not fit", "start-up", "one pipeline"])
+def test_invariants_refuse_two_non_generation_holders_the_rule_forbids(bad: str) -> None:
+    c = two_on_one_gpu(train_awake=50.0 if bad == "does not fit" else 35.0)
+    first = whole_alloc(c["a_actor_infer"], Priority.INITIALIZATION) if bad == "start-up" \
+        else whole_alloc(c["a_actor_train"])
+    second = whole_alloc(c["a_actor_train"] if bad == "one pipeline" else c["b_actor_train"])
+    snap = snapshot(1, c, [first], [PendingRequest(second.cluster_id, TRAIN, 1)])
+    if bad == "one pipeline":
+        snap = snapshot(1, c, [], [PendingRequest("a_actor_train", TRAIN, 1)])
+        first = whole_alloc(c["a_actor_infer"], Priority.CRITIC_TRAINING)  # a second training-type hold of a
+    plan = plan_cycle(snap)
+    corrupt = replace(plan, allocations={first.cluster_id: first, second.cluster_id: second},
+                      grants=(Grant(second.cluster_id, TRAIN, 1, second.gpus),))
+    with pytest.raises(PlanInvariantError) as info:
+        validate_plan(replace(snap, allocations={first.cluster_id: first}), corrupt)
+    assert info.value.invariant == "no double allocation", str(info.value)
+
+
 def test_invariants_refuse_rollouts_that_do_not_fit_together() -> None:
     c = two_on_one_gpu()  # two 60 GiB rollouts: 120 + 6 > 100
     snap = snapshot(1, c, [gen_alloc(c["a_actor_infer"], [0])], [PendingRequest("b_actor_infer", GEN, 1)])
@@ -262,22 +336,15 @@ def _expand(cid: str, rank: int) -> ExpandOp:
 
 
 def _check_holders(snap: SchedulerSnapshot, allocations: dict) -> None:
-    """Independent of the code under test: a GPU has at most one non-generation holder and at most one generation
-    rank per pipeline; more than one holder only next to a training-type holder of another pipeline (or none), and
-    then every tenant's figures add up within the GPU."""
+    """Independent of the code under test: a GPU holds at most one allocation of each pipeline; more than one holder
+    only when every non-generation one is training-type, and then every tenant's figures add up within the GPU."""
     for g in snap.gpus:
         holders = [(cid, a) for cid, a in allocations.items() if g in a.gpus]
-        gen = [cid for cid, a in holders if a.priority == GEN]
-        other = [(cid, a) for cid, a in holders if a.priority != GEN]
-        assert len(other) <= 1, f"GPU {g}: {holders}"
-        pipelines = [snap.clusters[c].pipeline_id for c in gen]
+        pipelines = [snap.clusters[c].pipeline_id for c, _ in holders]
         assert len(set(pipelines)) == len(pipelines), f"GPU {g}: {holders}"
         if len(holders) < 2:
             continue
-        if other:
-            host, halloc = other[0]
-            assert Priority.INITIALIZATION < halloc.priority < GEN
-            assert snap.clusters[host].pipeline_id not in pipelines
+        assert all(Priority.INITIALIZATION < a.priority < GEN for _, a in holders if a.priority != GEN), holders
         awake = {cid for cid, _ in holders}
         tenants = [s for s in snap.clusters.values() if g in s.device_mapping]
         assert all(s.memory is not None for s in tenants)

@@ -145,6 +145,30 @@ def test_rollouts_of_several_pipelines_on_one_gpu_each_get_a_lane_below_the_trai
     assert render_timeline(events, tmp_path / "t.png").stat().st_size > 0
 
 
+def test_training_steps_side_by_side_keep_their_spans_and_lanes(tmp_path) -> None:
+    """Two pipelines' training steps on GPU 0 at once (co-residence), with c's rollout beside them: neither step's
+    allocate closes the other's span, each step keeps its number, and the GPU's row has two training lanes on top of
+    the rollout's."""
+    from rlix_plugins.control.capacity.timeline import _lanes
+
+    train = int(Priority.ACTOR_TRAINING)
+    events = [
+        TraceEvent(1.0, "a", "a_actor_train", "allocate", (0,), train),
+        TraceEvent(2.0, "c", "c_actor_infer", "expand", (0,)),
+        TraceEvent(3.0, "b", "b_actor_train", "allocate", (0,), train),
+        TraceEvent(6.0, "a", "a_actor_train", "release", (0,), train, "step=0"),
+        TraceEvent(8.0, "b", "b_actor_train", "release", (0,), train, "step=4"),
+        TraceEvent(9.0, "c", "c_actor_infer", "shrink", (0,)),
+    ]
+    spans = occupancy_spans(events)
+    assert sorted((s.cluster_id, s.start, s.end, s.step) for s in spans) == [
+        ("a_actor_train", 1.0, 6.0, 0), ("b_actor_train", 3.0, 8.0, 4), ("c_actor_infer", 2.0, 9.0, None)]
+    lanes = {s.cluster_id: lane for s, lane in zip(spans, _lanes(spans), strict=True)}
+    assert lanes == {"a_actor_train": (0, 3), "b_actor_train": (1, 3), "c_actor_infer": (2, 3)}
+    assert held_seconds(spans, [0], 0.0, 10.0) == 8.0
+    assert render_timeline(events, tmp_path / "t.png").stat().st_size > 0
+
+
 def test_a_saved_trace_draws_without_a_cluster_through_the_cli(tmp_path) -> None:
     """``rlix timeline --trace`` (what a finished run's saved trace is for): the events round-trip through the file
     (gzip too), the CLI draws them with no Ray cluster, and a line that is no event is refused naming it."""

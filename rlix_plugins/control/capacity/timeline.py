@@ -5,9 +5,9 @@ phases differ at a glance: rollout is a pale tint, training (and log-probs) the 
 outline and the step number, initialisation a grey cross-hatch. When start-up fills much of the run it gets a
 narrow panel of its own and the steps get the rest of the width. Occupancy is reconstructed from the trace:
 ``allocate``/``expand`` start a span for the event's cluster on its GPUs, ``release``/``shrink``/``unregister``/
-``fail`` end it (see ``control/trace.py``). A GPU holds at most one span other than rollout at a time and any number
-of rollout spans (of different pipelines); where spans overlapped (co-residence) the GPU's row splits into lanes,
-training on top, each rollout below it in a lane of its own. ``fail``/``timeout``/``error`` events are marked with
+``fail`` end it (see ``control/trace.py``). A GPU holds spans of different pipelines side by side (co-residence:
+training steps and rollouts); where spans overlapped the GPU's row splits into lanes, training on top, rollouts
+below, each in a lane of its own. ``fail``/``timeout``/``error`` events are marked with
 red ticks (not a rollout request's timeout: its waiter asks again).
 A trace saved as JSON lines (:func:`write_trace`, one :class:`TraceEvent` a line, gzip by the ``.gz`` suffix) draws
 later without the cluster (:func:`read_trace`, ``rlix timeline --trace``).
@@ -120,12 +120,12 @@ def occupancy_spans(events: Sequence[TraceEvent]) -> list[Span]:
     ordered = sorted(events, key=lambda e: e.time)
     if not ordered:
         return []
-    # (gpu, rollout cluster or "") -> (start, pipeline, cluster, phase): one span other than rollout per GPU at a time,
-    # and one rollout span per cluster (co-residence)
-    open_: dict[tuple[int, str], tuple[float, str, str, str]] = {}
+    # (gpu, cluster, rollout or not) -> (start, pipeline, cluster, phase): on a GPU, one span of each kind per cluster
+    # (co-residence: training steps and rollouts of different pipelines side by side)
+    open_: dict[tuple[int, str, bool], tuple[float, str, str, str]] = {}
     spans: list[Span] = []
 
-    def close(key: tuple[int, str], t: float, detail: str = "") -> None:
+    def close(key: tuple[int, str, bool], t: float, detail: str = "") -> None:
         start, pid, cid, phase = open_.pop(key)
         step = _STEP.search(detail) if phase in ("training", "log-probs") else None
         if t > start:
@@ -135,7 +135,7 @@ def occupancy_spans(events: Sequence[TraceEvent]) -> list[Span]:
         if e.op in OCCUPY_OPS:
             phase = phase_of(e.priority if e.op == "allocate" else Priority.GENERATION, e.cluster_id)
             for g in e.gpus:
-                key = (g, e.cluster_id if phase == "rollout" else "")
+                key = (g, e.cluster_id, phase == "rollout")
                 if key in open_:
                     close(key, e.time)
                 open_[key] = (e.time, e.pipeline_id, e.cluster_id, phase)
@@ -174,20 +174,18 @@ def _routine(e: TraceEvent) -> bool:
 
 
 def _lanes(spans: Sequence[Span]) -> list[tuple[int, int]]:
-    """(lane, lanes of its GPU) for each of ``spans``: one lane on a GPU whose spans never overlapped; else lane 0
-    for the spans other than rollout (at most one at a time) when one overlapped a rollout, and the rollouts
-    packed greedily into the lanes below (co-residence)."""
+    """(lane, lanes of its GPU) for each of ``spans``: one lane on a GPU whose spans never overlapped; else the spans
+    other than rollout packed greedily into the top lanes and, where one ran next to a training step, the rollouts
+    into the lanes below (co-residence)."""
     by_gpu: dict[int, list[int]] = {}
     for i, s in enumerate(spans):
         by_gpu.setdefault(s.gpu, []).append(i)
     out = [(0, 1)] * len(spans)
-    for idx in by_gpu.values():
-        rollout = sorted((i for i in idx if spans[i].phase == "rollout"), key=lambda i: (spans[i].start, spans[i].end))
-        other = [i for i in idx if spans[i].phase != "rollout"]
-        first = int(any(spans[o].start < spans[r].end and spans[r].start < spans[o].end for o in other for r in rollout))
-        ends: list[float] = []  # per rollout lane, the end of its last span
-        lane_of: dict[int, int] = {}
-        for i in rollout:
+
+    def pack(idx: list[int], first: int, lane_of: dict[int, int]) -> int:
+        """Put ``idx`` in lanes from ``first`` on, none overlapping within a lane; return the lanes used."""
+        ends: list[float] = []  # per lane, the end of its last span
+        for i in sorted(idx, key=lambda i: (spans[i].start, spans[i].end)):
             lane = next((k for k, end in enumerate(ends) if end <= spans[i].start), None)
             if lane is None:
                 lane = len(ends)
@@ -195,9 +193,19 @@ def _lanes(spans: Sequence[Span]) -> list[tuple[int, int]]:
             else:
                 ends[lane] = spans[i].end
             lane_of[i] = lane + first
-        count = first + len(ends) if rollout else 1
+        return len(ends)
+
+    for idx in by_gpu.values():
+        lane_of: dict[int, int] = {}
+        other = [i for i in idx if spans[i].phase != "rollout"]
+        rollout = [i for i in idx if spans[i].phase == "rollout"]
+        # rollouts get lanes of their own only where one ran next to a training step (else turns share lane 0)
+        below = any(spans[o].start < spans[r].end and spans[r].start < spans[o].end for o in other for r in rollout)
+        top = pack(other, 0, lane_of)
+        used = pack(rollout, top if below else 0, lane_of)
+        count = top + used if below else max(top, used)
         for i in idx:
-            out[i] = (lane_of.get(i, 0), count)
+            out[i] = (lane_of[i], max(count, 1))
     return out
 
 

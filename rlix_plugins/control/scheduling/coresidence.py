@@ -5,18 +5,20 @@ third of the time, an eager rollout a sixth, and a 0.5 B rollout's decode is bou
 §9). When phases of different pipelines fit in the GPU's memory together, running them at the same time fills those
 gaps. The rule (DESIGN §4, "Co-residence"):
 
-* A GPU holds at most one non-GENERATION allocation and any number of GENERATION ranks, at most one per pipeline.
-  It holds more than one of them only when the non-GENERATION allocation, if any, is training-type
-  (:data:`COTENANT_PRIORITIES`: not INITIALIZATION, whose start-up profiles the free memory), no GENERATION rank there
-  belongs to its pipeline (a pipeline's own rollout ranks on its training GPUs sleep while it trains: its trainer
-  expects the memory they free) and the GPU's memory fits them all (:func:`fits`).
+* A GPU holds any number of allocations, at most one of each pipeline: non-GENERATION ones (a pipeline's training
+  step) and GENERATION ranks. It holds more than one only when every non-GENERATION one there is training-type
+  (:data:`COTENANT_PRIORITIES`: not INITIALIZATION, whose start-up profiles the free memory), no pipeline has two
+  (a pipeline's own rollout ranks on its training GPUs sleep while it trains: its trainer expects the memory they
+  free) and the GPU's memory fits them all (:func:`fits`).
 * Memory of a GPU (:func:`fits`): every cluster whose mapping holds the GPU counts its ``awake_gib`` when it is awake
   there and its ``asleep_gib`` otherwise; the sum must not exceed the smallest ``gpu_gib`` any of them declared. A
   cluster without figures (``ClusterSpec.memory is None``) shares its GPUs with nobody.
-* The planner uses it twice: a training-type grant leaves co-tenants' rollout ranks awake instead of preempting them
-  (as many as fit), and a rollout rank that wants a GPU wakes next to the GPU's holders (another pipeline's training
-  step, other pipelines' rollout ranks) where it fits, never on a GPU a waiting request reserves: before the gap
-  ratio for a cluster with no rank and no idle GPU to take, after it for every cluster. A
+* The planner uses it three times: a training-type grant runs next to other pipelines' training steps on its GPUs
+  where they all fit (two steps side by side fill each other's idle time: a step keeps an H200 busy 0.2-0.4 alone),
+  it leaves co-tenants' rollout ranks awake instead of preempting them (as many as fit), and a rollout rank that
+  wants a GPU wakes next to the GPU's holders (other pipelines' training steps and rollout ranks) where it fits,
+  never on a GPU a waiting request reserves: before the gap ratio for a cluster with no rank and no idle GPU to
+  take, after it for every cluster. A
   co-resident rank is never a gap-ratio donor, and a GPU with a co-resident rank is never given by the gap ratio;
   such a rank leaves by a shrink like any other (preemption, a planned release, the planner's co-resident swap: a
   pipeline with work and no rank takes the place of one rank of a pipeline that keeps another) or stays when its
@@ -133,24 +135,33 @@ def fits(tenants: Tenants, gpu: int, awake: Collection[str]) -> bool:
     return load is not None and load[0] <= load[1]
 
 
-def sharing_problem(tenants: Tenants, gpu: int, generation: Sequence[ClusterSpec], host: ClusterSpec | None = None,
-                    host_priority: Priority | None = None, *, memory: bool = True) -> str | None:
-    """Why the GENERATION ranks of ``generation`` may not all be awake on ``gpu`` together, next to ``host``'s
-    allocation at ``host_priority`` (no host: none there); None when they may. ``memory=False``: the rules only,
+Host = tuple[ClusterSpec, Priority]  #: a non-GENERATION allocation on a GPU: its cluster and priority
+
+
+def sharing_problem(tenants: Tenants, gpu: int, generation: Sequence[ClusterSpec], hosts: Sequence[Host] = (), *,
+                    memory: bool = True) -> str | None:
+    """Why the GENERATION ranks of ``generation`` may not all be awake on ``gpu`` together, next to the
+    non-GENERATION allocations ``hosts`` (cluster, priority); None when they may. ``memory=False``: the rules only,
     for a caller that checked the memory itself (the planner's room index)."""
-    if host is not None:
-        if host_priority not in COTENANT_PRIORITIES:
-            held = host_priority.name if host_priority is not None else "an unknown priority"
-            return f"{host.cluster_id} holds it at {held}, not training-type work"
-        own = [g.cluster_id for g in generation if g.pipeline_id == host.pipeline_id]
-        if own:
-            return f"{own[0]} and {host.cluster_id} are one pipeline (its rollout sleeps while it trains)"
+    if len(generation) + len(hosts) < 2:
+        return None  # alone on the GPU: nothing is shared
+    host_pipelines: dict[str, str] = {}
+    for host, priority in hosts:
+        if priority not in COTENANT_PRIORITIES:
+            return f"{host.cluster_id} holds it at {priority.name}, not training-type work"
+        other = host_pipelines.setdefault(host.pipeline_id, host.cluster_id)
+        if other != host.cluster_id:
+            return f"{other} and {host.cluster_id} are one pipeline (one training-type allocation at a time)"
+    own = [g for g in generation if g.pipeline_id in host_pipelines]
+    if own:
+        return (f"{own[0].cluster_id} and {host_pipelines[own[0].pipeline_id]} are one pipeline "
+                "(its rollout sleeps while it trains)")
     pipelines = [g.pipeline_id for g in generation]
     if len(set(pipelines)) != len(pipelines):
         return f"two ranks of one pipeline on GPU {gpu}"
-    awake = [g.cluster_id for g in generation] + ([host.cluster_id] if host is not None else [])
-    if len(awake) < 2 or not memory:
-        return None  # alone on the GPU: nothing is shared
+    if not memory:
+        return None
+    awake = [g.cluster_id for g in generation] + [h.cluster_id for h, _ in hosts]
     load = gpu_load(tenants.get(gpu, ()), awake)
     if load is None:
         return "a cluster on it has no memory figures"

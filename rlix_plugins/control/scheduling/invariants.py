@@ -83,33 +83,27 @@ def _check_alloc(cid: str, alloc: Allocation, specs: dict[str, ClusterSpec], poo
 
 
 def _holders(allocs: dict[str, Allocation], specs: dict[str, ClusterSpec], where: str,
-             tenants: Tenants | None = None) -> tuple[dict[int, frozenset[str]], dict[int, str]]:
-    """(GPU -> generation holders, GPU -> non-generation holder). A GPU has at most one non-generation holder, and
-    more than one holder in all only where they may co-reside (``coresidence.sharing_problem``)."""
+             tenants: Tenants | None = None) -> tuple[dict[int, frozenset[str]], dict[int, frozenset[str]]]:
+    """(GPU -> generation holders, GPU -> non-generation holders). A GPU has more than one holder only where they
+    may co-reside (``coresidence.sharing_problem``: training steps and rollout ranks of different pipelines)."""
     gen: dict[int, set[str]] = {}
-    other: dict[int, str] = {}
+    other: dict[int, set[str]] = {}
     for cid, alloc in allocs.items():
-        if is_generation_alloc(alloc):
-            for g in alloc.gpus:
-                gen.setdefault(g, set()).add(cid)
-            continue
+        into = gen if is_generation_alloc(alloc) else other
         for g in alloc.gpus:
-            prev = other.get(g)
-            if prev is not None:
-                raise PlanInvariantError("no double allocation", f"{where}: GPU {g} held by both {prev} and {cid}")
-            other[g] = cid
-    shared = sorted(g for g, held in gen.items() if len(held) + (g in other) > 1)
+            into.setdefault(g, set()).add(cid)
+    shared = sorted(g for g in gen.keys() | other.keys() if len(gen.get(g, ())) + len(other.get(g, ())) > 1)
     if shared:
         tenants = gpu_tenants(specs.values()) if tenants is None else tenants
         for g in shared:
-            host = other.get(g)
-            problem = sharing_problem(tenants, g, [specs[c] for c in sorted(gen[g])], specs[host] if host else None,
-                                      Priority(allocs[host].priority) if host else None)
+            hosts = sorted(other.get(g, ()))
+            problem = sharing_problem(tenants, g, [specs[c] for c in sorted(gen.get(g, ()))],
+                                      [(specs[h], Priority(allocs[h].priority)) for h in hosts])
             if problem is not None:
-                held = sorted(gen[g]) + ([host] if host else [])
+                held = sorted(gen.get(g, ())) + hosts
                 raise PlanInvariantError("no double allocation",
                                          f"{where}: GPU {g} held by {' and '.join(held)}: {problem}")
-    return {g: frozenset(c) for g, c in gen.items()}, other
+    return {g: frozenset(c) for g, c in gen.items()}, {g: frozenset(c) for g, c in other.items()}
 
 
 def validate_snapshot(snap: SchedulerSnapshot) -> None:
@@ -233,13 +227,14 @@ def validate_plan(snapshot: SchedulerSnapshot, plan: CyclePlan) -> None:
             if rank_index(specs[c])[g] not in expanded.get(c, ()):
                 raise PlanInvariantError("gpu conservation", f"GPU {g} joined {c} rank {rank_index(specs[c])[g]} "
                                          "without an expand")
-        ob, oa = other_before.get(g), other_after.get(g)
-        if ob != oa:
-            if ob is not None and oa is not None:
+        ob, oa = other_before.get(g, frozenset()), other_after.get(g, frozenset())
+        for c in sorted(oa - ob):
+            if c not in granted:
+                raise PlanInvariantError("gpu conservation", f"GPU {g} joined {c} without a grant")
+            if ob - oa:
+                left = min(ob - oa)
                 raise PlanInvariantError("gpu conservation",
-                                         f"GPU {g} moved from {ob} ({before[ob].priority.name}) to {oa}")
-            if oa is not None and oa not in granted:
-                raise PlanInvariantError("gpu conservation", f"GPU {g} joined {oa} without a grant")
+                                         f"GPU {g} moved from {left} ({before[left].priority.name}) to {c}")
 
     # --- priority order: no grant takes GPUs that an earlier-ordered waiting request needs ------------------
     owed = owed_gpus(snapshot)

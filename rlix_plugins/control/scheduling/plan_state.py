@@ -11,7 +11,7 @@ import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from rlix_plugins.control.scheduling.coresidence import GpuTenancy, gpu_tenants
+from rlix_plugins.control.scheduling.coresidence import GpuTenancy, Host, gpu_tenants
 from rlix_plugins.control.types import (
     Allocation,
     ClusterSpec,
@@ -105,7 +105,8 @@ _REASON_RANK = {"release": 0, "preempt": 1, "rebalance": 2}
 @dataclass
 class PlanState:
     snap: SchedulerSnapshot
-    owner: dict[int, str]  #: allocated GPU → cluster id (its non-generation holder if any, else one generation rank)
+    #: allocated GPU → cluster id (a non-generation holder if any, else one generation rank)
+    owner: dict[int, str]
     gen_active: dict[str, set[int]]  #: generation cluster → active DP ranks (GENERATION allocations only)
     nongen: dict[str, Allocation]  #: non-GENERATION allocations
     free: set[int]  #: idle GPUs
@@ -117,7 +118,8 @@ class PlanState:
     protected: set[tuple[str, int]] = field(default_factory=set)
     grants: list[Grant] = field(default_factory=list)
     released: set[str] = field(default_factory=set)
-    #: GPU → generation clusters whose ranks are awake there next to its ``owner`` (``coresidence``); never empty
+    #: GPU → clusters awake there next to its ``owner`` (``coresidence``): generation ranks, and training steps of
+    #: other pipelines when the owner is one; never empty
     coresident: dict[int, set[str]] = field(default_factory=dict)
     #: GPU → clusters mapped on it; empty when no cluster declared memory figures (``coresidence.gpu_tenants``)
     tenants: Mapping[int, GpuTenancy] = field(default_factory=dict)
@@ -193,11 +195,22 @@ class PlanState:
 
     def generation_holders(self, gpu: int) -> list[str]:
         """The generation clusters awake on ``gpu`` (sorted)."""
+        nongen = self.nongen
+        held = {c for c in self.coresident.get(gpu, ()) if c not in nongen}
         owner = self.owner.get(gpu)
-        held = set(self.coresident.get(gpu, ()))
-        if owner is not None and owner not in self.nongen:
+        if owner is not None and owner not in nongen:
             held.add(owner)
         return sorted(held)
+
+    def hosts(self, gpu: int) -> list[Host]:
+        """The non-generation allocations on ``gpu`` (cluster, priority), by cluster id: none, one, or training
+        steps of different pipelines side by side (``coresidence``)."""
+        nongen, clusters = self.nongen, self.snap.clusters
+        owner = self.owner.get(gpu)
+        if owner is None or owner not in nongen:
+            return []  # a non-generation holder is always the owner (``allocate``, ``from_snapshot``)
+        held = sorted({owner, *(c for c in self.coresident.get(gpu, ()) if c in nongen)})
+        return [(clusters[c], Priority(nongen[c].priority)) for c in held]
 
     def active_gpus(self, cid: str) -> int:
         ranks = self.gen_active.get(cid)

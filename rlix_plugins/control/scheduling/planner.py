@@ -8,10 +8,11 @@
 2. **Non-generation requests** (priorities 0-5), by ``(priority, seq)``. Each needs its cluster's *whole* device
    mapping. GPUs held by GENERATION ranks (of any pipeline, including its own) are taken by preempting every
    rank whose bundle overlaps the mapping (reason ``"preempt"``); the rest of such a bundle becomes idle.
-   A request that cannot be satisfied now (a GPU is held by another non-generation allocation, or is needed by
-   an earlier request that is still waiting) **waits and reserves its whole mapping**: no later request (lower
-   priority, or same priority with a larger ``seq``) is granted any of those GPUs, and the gap ratio does not
-   wake ranks on idle reserved GPUs. A waiting request preempts nothing (its generation neighbours keep working
+   A training-type request runs next to other pipelines' training steps on its GPUs where they all fit
+   (co-residence, 4.). A request that cannot be satisfied now (a GPU is held by another non-generation allocation
+   it may not run beside, or is needed by an earlier request that is still waiting) **waits and reserves its whole
+   mapping**: no later request (lower priority, or same priority with a larger ``seq``) is granted any of those
+   GPUs, and the gap ratio does not wake ranks on idle reserved GPUs. A waiting request preempts nothing (its generation neighbours keep working
    until it can really start). A request whose cluster already holds its whole mapping is granted at once.
    Fair turns (``scheduling.turns``): a training-type request of a pipeline that owes a waiting pipeline a turn
    waits, without reserving, while it needs a GPU of that waiter.
@@ -130,9 +131,8 @@ def _non_generation(state: PlanState) -> None:
         if deferred(snap, owed, req):
             continue  # fair turns: it owes a waiter these GPUs; it waits without reserving them
         # (isdisjoint, not a union per request: hundreds of requests, reserved sets of hundreds of GPUs at scale)
-        blocked = not need.isdisjoint(state.reserved) or not need.isdisjoint(snap.fenced_gpus) or any(
-            (o := state.owner.get(g)) is not None and o in state.nongen for g in need
-        )
+        blocked = not need.isdisjoint(state.reserved) or not need.isdisjoint(snap.fenced_gpus) or \
+            not _side_by_side(state, spec, Priority(req.priority), need)
         victims = [] if blocked else _preemptions(state, spec, Priority(req.priority), need)
         # A rank of a cluster with an expand in flight cannot be put to sleep now: wait for that expand to return.
         if blocked or any(cid in snap.expanding for cid, _ in victims):
@@ -142,6 +142,20 @@ def _non_generation(state: PlanState) -> None:
             state.shrink(gen_cid, rank, "preempt")
         state.allocate(req.cluster_id, Priority(req.priority), need)
         state.grants.append(Grant(req.cluster_id, Priority(req.priority), req.seq, need))
+
+
+def _side_by_side(state: PlanState, spec: ClusterSpec, priority: Priority, need: frozenset[int]) -> bool:
+    """Whether a grant of ``need`` to ``spec`` may run next to the non-generation allocations on those GPUs: True where
+    there are none, else where every one of them and this one are training steps of different pipelines that fit
+    together with the GPU's generation ranks asleep (``coresidence``; which ranks stay is ``_preemptions``'s)."""
+    owner, nongen = state.owner, state.nongen
+    for g in need:
+        o = owner.get(g)
+        if o is None or o not in nongen:
+            continue
+        if not state.tenants or sharing_problem(state.tenants, g, (), [*state.hosts(g), (spec, priority)]) is not None:
+            return False
+    return True
 
 
 def _preemptions(state: PlanState, spec: ClusterSpec, priority: Priority,
@@ -180,7 +194,7 @@ def _may_stay(state: PlanState, spec: ClusterSpec, rank: int, host: ClusterSpec,
     ranks ``kept`` there so far."""
     if not state.tenants:
         return False
-    return all(sharing_problem(state.tenants, g, [*kept.get(g, ()), spec], host, priority) is None
+    return all(sharing_problem(state.tenants, g, [*kept.get(g, ()), spec], [*state.hosts(g), (host, priority)]) is None
                for g in spec.bundle(rank) if g in need)
 
 
@@ -300,7 +314,7 @@ def _room_on(state: PlanState, gpu: int) -> int | None:
     if owner is None or tenancy is None or not tenancy.complete or gpu in state.reserved \
             or gpu in state.snap.fenced_gpus:
         return None
-    # awake there: the owner (a training step, or a rollout rank) and the rollout ranks beside it
+    # awake there: the owner (a training step, or a rollout rank) and the steps and rollout ranks beside it
     return tenancy.cap - tenancy.load({owner, *state.coresident.get(gpu, ())})
 
 
@@ -371,12 +385,11 @@ def _coresidable(state: PlanState, gpu: int, spec: ClusterSpec, leaving: str | N
     if owner is None or gpu in state.reserved or gpu in state.snap.fenced_gpus:
         return False
     clusters = state.snap.clusters
-    host = state.nongen.get(owner)
+    hosts = state.hosts(gpu)
     generation = [clusters[c] for c in state.generation_holders(gpu) if c != leaving]
-    if host is None and not generation:
+    if not hosts and not generation:
         return False  # idle once ``leaving`` sleeps: the gap ratio's
-    return sharing_problem(state.tenants, gpu, [*generation, spec], clusters[owner] if host else None,
-                           Priority(host.priority) if host else None, memory=memory) is None
+    return sharing_problem(state.tenants, gpu, [*generation, spec], hosts, memory=memory) is None
 
 
 def _generation_grants(state: PlanState) -> None:

@@ -123,6 +123,7 @@ def test_four_pipelines_on_one_gpu_when_memory_allows(stock: Path, tmp_path: Pat
                     "--host-memory-gib", "500", "--gpu-memory-utilization", "0.3")
     out = capsys.readouterr().out
     assert rc == 0 and "up to 2 rollouts of different pipelines awake on GPU 0 at once, 2 next to a training" in out
+    assert "up to 4 training steps of different pipelines side by side" in out  # 4 x 13.9 + 4 engines asleep
     cfg["policy"]["model_name"] = "Qwen/Qwen2.5-1.5B"
     small.write_text(yaml.safe_dump(cfg))
     rc, files = _recipe(small, tmp_path / "four_big", "--pipelines", "4", "--gpus", "0", "--gpu-memory-gib", "139",
