@@ -396,8 +396,9 @@ _FITS = {"actor_infer": {"gpu_gib": 100, "awake_gib": 60, "asleep_gib": 1},
 
 
 def test_rollout_runs_next_to_another_pipelines_training_when_memory_fits(control_plane: client.ControlPlane) -> None:
-    """Co-residence through the real scheduler: B's training leaves A's rank awake on GPU 3, A's rollout wakes next to
-    B's next step after A trained, and the figures the pipelines registered are in `rlix status`."""
+    """Co-residence through the real scheduler: B's training leaves A's rank awake on GPU 3, A's step then runs next
+    to B's (A's own rank sleeps), B's rollout wakes next to A's step, and the figures the pipelines registered are in
+    `rlix status`."""
     cp = control_plane
     a, ha = make_pipeline(cp, train=[3], infer=[3], memory=_FITS)
     b, _ = make_pipeline(cp, train=[3], infer=[3], memory=_FITS)
@@ -408,14 +409,18 @@ def test_rollout_runs_next_to_another_pipelines_training_when_memory_fits(contro
     assert not [c for c in calls(ha) if c[1]], "A's rank was shrunk"
     assert st["pipelines"][a.pipeline_id]["clusters"]["actor_train"]["memory"] == {
         "gpu_gib": 100.0, "awake_gib": 35.0, "asleep_gib": 3.0}
-    # A trains (its own rank sleeps; B's step still holds the GPU, so A waits), B's step ends, A's grant follows
-    b.release_gpus("actor_train", step=0)
+    # A's step comes while B's runs: A's own rank sleeps, A trains beside B (two steps + two engines asleep: 72 GiB)
     assert a.request_gpus("actor_train", Priority.ACTOR_TRAINING, step=0, timeout_s=10) == [3]
+    st = cp.status()
+    assert st["allocations"][a.cluster_id("actor_train")]["gpus"] == st["allocations"][b.cluster_id("actor_train")][
+        "gpus"] == [3]
+    assert a.cluster_id("actor_infer") not in st["allocations"] and not st["invariant_violations"]
+    # B's step ends; B's rollout wakes next to A's step (60 + 35 + 1 + 3 = 99 GiB)
+    b.release_gpus("actor_train", step=0)
     assert b.request_gpus("actor_infer", GEN, step_target_estimate=8, timeout_s=10) == [3]
     st = cp.status()
     assert st["allocations"][a.cluster_id("actor_train")]["gpus"] == [3]
     assert st["allocations"][b.cluster_id("actor_infer")]["gpus"] == [3]
-    assert a.cluster_id("actor_infer") not in st["allocations"]
     a.release_gpus("actor_train", step=0)
 
 

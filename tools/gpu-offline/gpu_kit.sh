@@ -18,9 +18,9 @@ groups)
   k="bash tools/gpu-offline/gpu_kit.sh"
   # One list: what each part carries, and the command that takes it there.
   parts=(".gpukit/p1 .gpukit/stash.sh .gpukit/raykit/ray_setup.sh"
-    ".gpukit/nemokit/w1 .gpukit/raykit/deps .gpukit/p2"
+    ".gpukit/nemokit/w1 .gpukit/p2"
     ".gpukit/deps .gpukit/setup.sh .gpukit/nemokit/w2"
-    ".gpukit/raykit/ray.tar.xz .gpukit/nemokit/w3"
+    ".gpukit/raykit/ray.tar.xz .gpukit/raykit/deps .gpukit/nemokit/w3"
     ".gpukit/loopskit .gpukit/megakit")
   how=("$k stash" "$k stash" "$k stash" "$k run ..." "gpu_nemo_rl_loops.sh only: part 4 stashes, part 5 runs")
   for i in "${!parts[@]}"; do printf 'part %d: %-72s (%s)\n' $((i + 1)) "${parts[$i]}" "${how[$i]}"; done
