@@ -35,7 +35,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
 def _cmd_timeline(args: argparse.Namespace) -> int:
     from rlix_plugins.control.admin.commands import timeline
 
-    return timeline(address=args.address, out=args.out, trace=args.trace)
+    return timeline(address=args.address, out=args.out, trace=args.trace, names=args.name)
 
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
@@ -135,6 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="output picture, e.g. timeline.png")
     p.add_argument("--trace", default=None,
                    help="draw a saved trace (JSON lines, .gz allowed) instead of the live control plane's")
+    p.add_argument("--name", action="append", default=[], metavar="PIPELINE_ID=NAME",
+                   help="the legend's name for a pipeline (repeatable), e.g. --name ft_a19aa0f04941=a")
 
     p = add("simulate", _cmd_simulate, "Simulate N pipelines time-sharing G GPUs with the real planner.")
     from rlix_plugins.control.capacity.comparison import add_arguments as add_sim_arguments

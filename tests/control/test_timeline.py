@@ -185,6 +185,14 @@ def test_a_saved_trace_draws_without_a_cluster_through_the_cli(tmp_path) -> None
                           timeout=120, env={**os.environ, "RAY_ADDRESS": "127.0.0.1:1"})
     assert done.returncode == 0, done.stderr
     assert f"({len(EVENTS)} trace events)" in done.stdout and (tmp_path / "t.png").stat().st_size > 10_000
+    (tmp_path / "matplotlibrc").write_text("svg.fonttype: none\n")  # the SVG keeps its text as text
+    named = subprocess.run([*cli, str(saved), "--out", str(tmp_path / "n.svg"), "--name", "a=trainer-a"],
+                           capture_output=True, text=True, timeout=120,
+                           env={**os.environ, "MATPLOTLIBRC": str(tmp_path / "matplotlibrc")})
+    assert named.returncode == 0 and ">trainer-a<" in (tmp_path / "n.svg").read_text(), named.stderr
+    unknown = subprocess.run([*cli, str(saved), "--out", str(tmp_path / "u.png"), "--name", "zz=x"],
+                             capture_output=True, text=True, timeout=120)
+    assert unknown.returncode == 2 and "no pipeline zz in the trace" in unknown.stderr, unknown.stderr
     bad = tmp_path / "bad.jsonl"
     bad.write_text(write_trace(EVENTS[:1], tmp_path / "one.jsonl").read_text() + "{}\n")
     refused = subprocess.run([*cli, str(bad), "--out", str(tmp_path / "b.png")], capture_output=True, text=True,

@@ -171,7 +171,13 @@ run_shared() {  # run_shared NAME N MODE (together | sequential): on GPUS, clust
   if [ "$mode" = together ]; then for p in "${pids[@]}"; do wait "$p" || rc=$((rc + 1)); done; fi
   [ -n "$watcher" ] && kill "$watcher" 2>/dev/null
   python3 -m rlix_plugins.cli status --json >"$dir/status.json" 2>&1
-  python3 -m rlix_plugins.cli timeline --out "$dir/timeline.png" >"$dir/timeline.log" 2>&1
+  # the legend names each pipeline as its console does (a, b, ...), from the id its hooks log
+  local legend=() c id
+  for c in "$dir"/console_*.log; do
+    id=$(grep -o -m1 'rlix ft_[0-9a-f]*' "$c" | cut -d' ' -f2)
+    [ -n "$id" ] && legend+=(--name "$id=$(basename "$c" .log | sed 's/^console_//')")
+  done
+  python3 -m rlix_plugins.cli timeline --out "$dir/timeline.png" "${legend[@]}" >"$dir/timeline.log" 2>&1
   python3 "$REPO/tools/gpu-offline/gpu/dump_trace.py" "$dir/trace.jsonl" >>"$dir/timeline.log" 2>&1
   sleep 5  # let the workers' processes exit, then read what is left on the GPU
   kill "$sampler" 2>/dev/null

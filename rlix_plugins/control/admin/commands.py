@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Final
 
@@ -266,9 +267,10 @@ def _table(header: list[str], rows: list[list[str]], *, empty: str) -> str:
     return "\n".join(fmt.format(*map(str, r)).rstrip() for r in [header, *rows])
 
 
-def timeline(address: str | None, out: str, trace: str | None = None) -> int:
+def timeline(address: str | None, out: str, trace: str | None = None, names: Sequence[str] = ()) -> int:
     """Render the scheduler trace to ``out`` (PNG/SVG/PDF by suffix) as a Gantt chart, one row per GPU: the live
-    control plane's, or the one saved in ``trace`` (no cluster needed)."""
+    control plane's, or the one saved in ``trace`` (no cluster needed). ``names``: ``PIPELINE_ID=NAME`` items, the
+    names the legend shows for those pipelines."""
     from rlix_plugins.control.capacity.timeline import read_trace, render_timeline
     from rlix_plugins.control.client import connect
 
@@ -277,6 +279,12 @@ def timeline(address: str | None, out: str, trace: str | None = None) -> int:
         raise RlixConfigError(f"--out {out!r}: use a .png, .svg or .pdf file name")
     if not path.parent.exists():
         raise RlixConfigError(f"--out {out!r}: directory {str(path.parent)!r} does not exist")
+    legend: dict[str, str] = {}
+    for item in names:
+        pid, sep, name = item.partition("=")
+        if not sep or not pid or not name:
+            raise RlixConfigError(f"--name {item!r}: write PIPELINE_ID=NAME, e.g. --name ft_a19aa0f04941=a")
+        legend[pid] = name
     if trace is not None:  # a saved trace: every GPU it names
         events, gpus, title = read_trace(trace), None, f"rlix scheduler timeline ({Path(trace).name})"
         if not events:
@@ -291,6 +299,10 @@ def timeline(address: str | None, out: str, trace: str | None = None) -> int:
                 "run pipelines on it first (e.g. `rlix demo --address ...`)"
             )
         gpus = cp.pool()["num_gpus"]
-    written = render_timeline(events, path, gpus=gpus, title=title)
+    unknown = sorted(legend.keys() - {e.pipeline_id for e in events})
+    if unknown:
+        raise RlixConfigError(f"--name: no pipeline {', '.join(unknown)} in the trace; its pipelines are "
+                              f"{', '.join(sorted({e.pipeline_id for e in events if e.pipeline_id}))}")
+    written = render_timeline(events, path, gpus=gpus, title=title, names=legend)
     print(f"wrote {written} ({len(events)} trace events)")
     return 0
