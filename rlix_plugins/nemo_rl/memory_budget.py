@@ -11,7 +11,7 @@ where their figures fit: ``control.scheduling.coresidence``). A pipeline's figur
 * **awake** (``gpu_awake_gib``): the largest of its start-up (the engine just initialised, ``gpu_memory_utilization``
   of the GPU plus its context, next to the trainer's freshly loaded policy and reference weights,
   :data:`TRAINER_LOADED_BYTES_PER_PARAM`), its rollout (the engine alone) and its training step
-  (:data:`TRAINER_STEP_BYTES_PER_PARAM`);
+  (:func:`step_gib`: per parameter, plus the logits of one micro-batch);
 * **host** (``host_gib``): its trainer process, which holds the offloaded weights, gradients, Adam moments and the
   reference model, plus the CPU bucket cache (:data:`TRAINER_HOST_BYTES_PER_PARAM`), and its other processes
   (driver, engine, collector, replay buffer, reward workers: :data:`PROCESSES_HOST_GIB`).
@@ -45,10 +45,18 @@ ENGINE_ASLEEP_GIB: Final = 1.25
 TRAINER_OFFLOADED_GIB: Final = 3.0
 #: A trainer right after it loaded (fp32 policy and reference weights; 11.6 GiB measured at 1.54 B parameters).
 TRAINER_LOADED_BYTES_PER_PARAM: Final = 8
-#: A training step: fp32 weights, gradients and Adam moments (16 bytes) plus activations and vocabulary logits of the
-#: stock micro-batch (42.7 GiB measured at 1.54 B: 29.7 bytes per parameter). Activations follow the micro-batch and
-#: the sequence length, not the parameters: a recipe with larger ones needs more.
-TRAINER_STEP_BYTES_PER_PARAM: Final = 30
+#: A training step: fp32 weights, gradients and Adam moments (16 bytes) and the activations that grow with the model,
+#: per parameter, plus :data:`TRAINER_STEP_LOGIT_BYTES` of vocabulary logits per micro-batch token. Fitted to two
+#: shapes of one vocabulary (151,936) at micro-batch 4 x 1,024 tokens on an H200: 42.7 GiB at 1.54 B parameters, 20.2
+#: GiB at 0.49 B (four 0.5B pipelines, a step's share read from three GPU states; 30 bytes per parameter alone, fitted
+#: to the first, planned 13.9), and rounded up: 44.3 and 20.9 GiB.
+TRAINER_STEP_BYTES_PER_PARAM: Final = 24
+#: Bytes per vocabulary entry per micro-batch token of a training step (fp32 logits and their copies: softmax,
+#: gradient; ~4 x 4 bytes).
+TRAINER_STEP_LOGIT_BYTES: Final = 17
+#: The micro-batch a step's logits are counted for when the recipe does not say (NeMo RL's stock ``grpo_math_1B``:
+#: ``train_micro_batch_size`` 4 x ``max_total_sequence_length`` 512).
+DEFAULT_STEP_TOKENS: Final = 4 * 512
 #: A pipeline's host memory grows with the model by this much (its trainer's offloaded weights, gradients, Adam
 #: moments, reference model and the bucket cache) on top of :data:`PROCESSES_HOST_GIB`. Both come from a fit to two
 #: measured shapes (peak host use per pipeline over a whole run): 49.5 GiB at 1.54 B parameters (two pipelines),
@@ -74,34 +82,44 @@ class PipelineMemory:
     detail: str
 
 
+def step_gib(shape: ModelShape, train_gpus: int = 1, step_tokens: int = DEFAULT_STEP_TOKENS) -> float:
+    """A training step's device memory on each of its ``train_gpus`` GPUs: the model's share (its states sharded over
+    them) and the logits of one micro-batch of ``step_tokens`` tokens (every GPU computes its own)."""
+    shard = shape.num_parameters / max(train_gpus, 1)
+    return (shard * TRAINER_STEP_BYTES_PER_PARAM + step_tokens * shape.vocab_size * TRAINER_STEP_LOGIT_BYTES) / GiB
+
+
 def pipeline_memory(name: str, shape: ModelShape, *, gpu_memory_gib: float, gpu_memory_utilization: float,
-                    trains_here: bool = True, train_gpus: int = 1) -> PipelineMemory:
+                    trains_here: bool = True, train_gpus: int = 1,
+                    step_tokens: int = DEFAULT_STEP_TOKENS) -> PipelineMemory:
     """The memory figures of one pipeline training ``shape`` (see the module docstring). ``trains_here``: whether
-    its trainer also lives on the GPU in question; ``train_gpus``: GPUs its trainer shards the states over."""
+    its trainer also lives on the GPU in question; ``train_gpus``: GPUs its trainer shards the states over;
+    ``step_tokens``: tokens of one training micro-batch."""
     params = shape.num_parameters
     shard = params / max(train_gpus, 1)
     engine_gib = gpu_memory_utilization * gpu_memory_gib + ENGINE_ASLEEP_GIB
-    step_gib = shard * TRAINER_STEP_BYTES_PER_PARAM / GiB if trains_here else 0.0
+    step = step_gib(shape, train_gpus, step_tokens) if trains_here else 0.0
     start_gib = engine_gib + (shard * TRAINER_LOADED_BYTES_PER_PARAM / GiB if trains_here else 0.0)
     asleep = ENGINE_ASLEEP_GIB + (TRAINER_OFFLOADED_GIB if trains_here else 0.0)
-    awake = max(start_gib, engine_gib, step_gib)
+    awake = max(start_gib, engine_gib, step)
     trainer_host = params * TRAINER_HOST_BYTES_PER_PARAM / GiB
     host = trainer_host + PROCESSES_HOST_GIB
     detail = (f"{params / 1e9:.2f} B parameters: engine {engine_gib:.1f} GiB awake ({gpu_memory_utilization:g} x "
-              f"{gpu_memory_gib:.0f} GiB + context), start-up {start_gib:.1f}, training step {step_gib:.1f}, asleep "
+              f"{gpu_memory_gib:.0f} GiB + context), start-up {start_gib:.1f}, training step {step:.1f}, asleep "
               f"{asleep:.1f} GiB; host: trainer {trainer_host:.1f} (offloaded states, reference model, bucket cache) "
               f"+ processes {PROCESSES_HOST_GIB:.0f} GiB")
     return PipelineMemory(name, asleep, awake, host, detail)
 
 
 def cluster_memory(shape: ModelShape, *, gpu_memory_gib: float, gpu_memory_utilization: float,
-                   train_gpus: int = 1, bucket_size_bytes: int = 0) -> dict[str, dict[str, float]]:
+                   train_gpus: int = 1, bucket_size_bytes: int = 0,
+                   step_tokens: int = DEFAULT_STEP_TOKENS) -> dict[str, dict[str, float]]:
     """The scheduler's figures of one pipeline's clusters (``rlix.memory``; ``control.types.ClusterMemory``), GiB per
     GPU, rounded up to 0.1: its vLLM engine awake (with the two bucket-sized buffers a weight sync receives into,
     outside vLLM's share) / asleep, its trainer's step / offloaded, and the share of the GPU the pipelines may plan
     for."""
     shard = shape.num_parameters / max(train_gpus, 1)
-    trainer = shard * max(TRAINER_STEP_BYTES_PER_PARAM, TRAINER_LOADED_BYTES_PER_PARAM) / GiB
+    trainer = max(step_gib(shape, train_gpus, step_tokens), shard * TRAINER_LOADED_BYTES_PER_PARAM / GiB)
 
     def up(x: float) -> float:
         return math.ceil(x * 10 - 1e-9) / 10

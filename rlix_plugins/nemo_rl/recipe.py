@@ -35,6 +35,7 @@ from typing import Any, Final
 from rlix_plugins.errors import RlixConfigError
 from rlix_plugins.nemo_rl.config import cfg_path, load_run_config
 from rlix_plugins.nemo_rl.memory_budget import (
+    DEFAULT_STEP_TOKENS,
     PipelineMemory,
     check_fits,
     cluster_memory,
@@ -231,6 +232,16 @@ def _refusals(stock: Mapping[str, Any], gpus: Sequence[int], gpus_per_node: int,
     return problems
 
 
+def _step_tokens(stock: Mapping[str, Any]) -> int:
+    """Tokens of one training micro-batch (``policy.train_micro_batch_size`` x ``policy.max_total_sequence_length``),
+    whose vocabulary logits a training step holds; the stock recipe's when the recipe does not say."""
+    micro = _resolved(stock, "policy.train_micro_batch_size")
+    length = _resolved(stock, "policy.max_total_sequence_length")
+    if isinstance(micro, int) and isinstance(length, int) and micro > 0 and length > 0:
+        return micro * length
+    return DEFAULT_STEP_TOKENS
+
+
 def check_memory(stock: Mapping[str, Any], layouts: Sequence[PipelineLayout], *, gpu_memory_gib: float | None,
                  host_memory_gib: float | None) -> tuple[str, dict[str, dict[str, float]] | None]:
     """Refuse layouts whose pipelines do not fit in GPU or host memory (:mod:`.memory_budget`); returns a note on
@@ -242,12 +253,14 @@ def check_memory(stock: Mapping[str, Any], layouts: Sequence[PipelineLayout], *,
     if shape is None:
         return f"memory not checked: the shape of {model!r} is not known here", None
     util = float(_resolved(stock, "policy.generation.vllm_cfg.gpu_memory_utilization") or 0.9)
+    tokens = _step_tokens(stock)
     gib = gpu_memory_gib or 0.0
     by_gpu: dict[int, list[PipelineMemory]] = {}
     everyone = []
     for p in layouts:
         mem = {g: pipeline_memory(p.name, shape, gpu_memory_gib=gib, gpu_memory_utilization=util,
-                                  trains_here=g in p.train_devices, train_gpus=len(p.train_devices))
+                                  trains_here=g in p.train_devices, train_gpus=len(p.train_devices),
+                                  step_tokens=tokens)
                for g in p.infer_devices}
         everyone.append(mem[p.train_devices[0]])
         for g, m in mem.items():
@@ -262,7 +275,8 @@ def check_memory(stock: Mapping[str, Any], layouts: Sequence[PipelineLayout], *,
     if not gpu_memory_gib:
         return note, None
     figures = cluster_memory(shape, gpu_memory_gib=gpu_memory_gib, gpu_memory_utilization=util,
-                             train_gpus=len(layouts[0].train_devices), bucket_size_bytes=bucket_size_for(model)[0])
+                             train_gpus=len(layouts[0].train_devices), bucket_size_bytes=bucket_size_for(model)[0],
+                             step_tokens=tokens)
     return f"{note}; {_coresidence_note(layouts, figures, gpu_memory_gib, util)}", figures
 
 
@@ -314,11 +328,15 @@ def _rollouts_per_gpu(tenants: Sequence[Any], g: int) -> str:
             k += 1
         return k
 
-    host = next(s for s in tenants if not s.is_generation)
-    beside = most([host.cluster_id], [s for s in engines if s.pipeline_id != host.pipeline_id])
-    steps = most([], [s for s in tenants if not s.is_generation])
+    trainers = [s for s in tenants if not s.is_generation]
+    beside = most([trainers[0].cluster_id], [s for s in engines if s.pipeline_id != trainers[0].pipeline_id])
+    steps = most([], trainers)
+    two = [t.pipeline_id for t in trainers[:2]]
+    pair = f" ({most([t.cluster_id for t in trainers[:2]], [s for s in engines if s.pipeline_id not in two])} " \
+           "rollouts next to two)" if steps > 1 else ""
     return (f"; up to {most([], engines)} rollouts of different pipelines awake on GPU {g} at once, {beside} next to a "
-            "training step" + (f"; up to {steps} training steps of different pipelines side by side" if steps > 1 else ""))
+            "training step" + (f"; up to {steps} training steps of different pipelines side by side{pair}"
+                               if steps > 1 else ""))
 
 
 def make_overlays(stock: Mapping[str, Any], num_pipelines: int, gpus: Sequence[int],

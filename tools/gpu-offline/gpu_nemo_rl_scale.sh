@@ -67,7 +67,9 @@ prepare() {  # prepare SHAPE...: the package, the patched copy, and each SHAPE's
     SHAPE=$shape
     shape_vars
     [ -f "$DATA/model/model.safetensors" ] || python3 "$REPO/tools/gpu-offline/gpu/nemo_rl_real_data.py" "$DATA" --shape "$SHAPE" || return 3
-    printf 'defaults: grpo_math_1B.yaml\npolicy:\n  model_name: %s\n' "$DATA/model" >"$STOCK"  # the stock recipe naming the local model
+    # the stock recipe naming the local model and the runs' sequence length (`rlix recipe` sizes a step's logits by it)
+    printf 'defaults: grpo_math_1B.yaml\npolicy:\n  model_name: %s\n  max_total_sequence_length: %d\n' "$DATA/model" \
+      $((NEW_TOKENS + 512)) >"$STOCK"
     cp "$STOCK" "$NEMO_RL_SRC/examples/configs/"
   done
 }

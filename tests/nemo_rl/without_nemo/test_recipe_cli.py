@@ -123,7 +123,8 @@ def test_four_pipelines_on_one_gpu_when_memory_allows(stock: Path, tmp_path: Pat
                     "--host-memory-gib", "500", "--gpu-memory-utilization", "0.3")
     out = capsys.readouterr().out
     assert rc == 0 and "up to 2 rollouts of different pipelines awake on GPU 0 at once, 2 next to a training" in out
-    assert "up to 4 training steps of different pipelines side by side" in out  # 4 x 13.9 + 4 engines asleep
+    # steps of the stock micro-batch (4 x 512 tokens): 16.0 GiB; two rollouts next to two steps 127.9 of 132.8 GiB
+    assert "up to 4 training steps of different pipelines side by side (2 rollouts next to two)" in out, out
     cfg["policy"]["model_name"] = "Qwen/Qwen2.5-1.5B"
     small.write_text(yaml.safe_dump(cfg))
     rc, files = _recipe(small, tmp_path / "four_big", "--pipelines", "4", "--gpus", "0", "--gpu-memory-gib", "139",
@@ -145,6 +146,8 @@ def test_memory_figures_let_the_scheduler_run_a_rollout_next_to_a_training_step(
     cfg = load_stock(stock)
     cfg["policy"]["model_name"] = "Qwen/Qwen2.5-1.5B"
     cfg["policy"]["generation"]["vllm_cfg"]["gpu_memory_utilization"] = 0.6  # the stock grpo_math_1B's
+    # a training micro-batch as the H200 runs': 4 x (512 prompt + 512 new tokens)
+    cfg["policy"].update(train_micro_batch_size=4, max_total_sequence_length=1024)
     big = tmp_path / "big.yaml"
     big.write_text(yaml.safe_dump(cfg))
     common = ("--pipelines", "2", "--gpus", "0", "--gpu-memory-gib", "140.4", "--host-memory-gib", "500")
@@ -383,6 +386,16 @@ def test_bucket_size_fits_the_models_largest_tensor(stock: Path, tmp_path: Path,
     assert 446 << 20 >= 151936 * 1536 * 2
 
 
+def _qwen(shape: str) -> Any:
+    """The Qwen2.5 shape of the H200 runs (vocabulary 151,936), built here: no hub, no cache."""
+    from rlix_plugins.nemo_rl.model_shape import ModelShape
+
+    dims = {"qwen2.5-1.5b": (1536, 28, 8960, 12), "qwen2.5-0.5b": (896, 24, 4864, 14)}[shape]
+    return ModelShape(vocab_size=151936, hidden_size=dims[0], num_hidden_layers=dims[1], intermediate_size=dims[2],
+                      num_attention_heads=dims[3], num_key_value_heads=2, tie_word_embeddings=True,
+                      head_dim=dims[0] // dims[3], qkv_bias=True)
+
+
 @pytest.mark.parametrize(("shape", "measured_gib"), [
     # peak host use per pipeline over a whole run, less what Ray and the control plane used before the first driver
     # (benchmarks/results/h200-2026-11-26-real-scale/: shared2-coresident, two 1.5B pipelines, 101.1 - 2.2 GiB;
@@ -395,11 +408,25 @@ def test_host_estimate_covers_what_the_real_shapes_used(shape: str, measured_gib
     below (the share of host memory it plans for, 90%, keeps the margin) and 10% above (the first figures, fitted to
     the 1.5B shape alone, put a 0.5B pipeline at 22.9 GiB against 27.8 measured)."""
     from rlix_plugins.nemo_rl.memory_budget import pipeline_memory
-    from rlix_plugins.nemo_rl.model_shape import ModelShape
 
-    dims = {"qwen2.5-1.5b": (1536, 28, 8960, 12), "qwen2.5-0.5b": (896, 24, 4864, 14)}[shape]
-    model = ModelShape(vocab_size=151936, hidden_size=dims[0], num_hidden_layers=dims[1], intermediate_size=dims[2],
-                       num_attention_heads=dims[3], num_key_value_heads=2, tie_word_embeddings=True,
-                       head_dim=dims[0] // dims[3], qkv_bias=True)
+    model = _qwen(shape)
     est = pipeline_memory("a", model, gpu_memory_gib=140.0, gpu_memory_utilization=0.3).host_gib
     assert 0.97 * measured_gib <= est <= 1.1 * measured_gib, (shape, est, measured_gib)
+
+
+@pytest.mark.parametrize(("shape", "measured_gib"), [
+    # a training step's device memory at micro-batch 4 x 1,024 tokens: 42.7 GiB (two 1.5B pipelines,
+    # benchmarks/results/h200-2026-11-26-real-scale/); 20.2 GiB read from three GPU states of four 0.5B pipelines
+    # (benchmarks/results/h200-2026-11-29-four-side-by-side/: 30 bytes per parameter planned 13.9)
+    ("qwen2.5-1.5b", 42.7),
+    ("qwen2.5-0.5b", 20.2),
+])
+def test_step_figure_covers_what_the_real_shapes_used(shape: str, measured_gib: float) -> None:
+    """The training step figure the scheduler plans with (steps side by side add up) is never below what a step of
+    the stock recipe held on the H200, and at most 8% above."""
+    from rlix_plugins.nemo_rl.memory_budget import cluster_memory
+
+    model = _qwen(shape)
+    step = cluster_memory(model, gpu_memory_gib=140.0, gpu_memory_utilization=0.3,
+                          step_tokens=4 * 1024)["actor_train"]["awake_gib"]
+    assert measured_gib <= step <= 1.08 * measured_gib, (shape, step, measured_gib)
