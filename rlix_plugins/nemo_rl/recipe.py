@@ -234,9 +234,12 @@ def _refusals(stock: Mapping[str, Any], gpus: Sequence[int], gpus_per_node: int,
 
 def _step_tokens(stock: Mapping[str, Any]) -> int:
     """Tokens of one training micro-batch (``policy.train_micro_batch_size`` x ``policy.max_total_sequence_length``),
-    whose vocabulary logits a training step holds; the stock recipe's when the recipe does not say."""
-    micro = _resolved(stock, "policy.train_micro_batch_size")
-    length = _resolved(stock, "policy.max_total_sequence_length")
+    whose vocabulary logits a training step holds; the stock recipe's when the recipe does not say plainly."""
+    try:
+        micro = _resolved(stock, "policy.train_micro_batch_size")
+        length = _resolved(stock, "policy.max_total_sequence_length")
+    except RlixConfigError:  # an expression rlix recipe does not evaluate: size the step by the stock micro-batch
+        return DEFAULT_STEP_TOKENS
     if isinstance(micro, int) and isinstance(length, int) and micro > 0 and length > 0:
         return micro * length
     return DEFAULT_STEP_TOKENS
