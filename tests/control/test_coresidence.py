@@ -288,18 +288,16 @@ def test_a_training_step_waits_where_it_may_not_run_beside_the_holder(case: str)
 @pytest.mark.parametrize("bad", ["does not fit", "start-up", "one pipeline"])
 def test_invariants_refuse_two_non_generation_holders_the_rule_forbids(bad: str) -> None:
     c = two_on_one_gpu(train_awake=50.0 if bad == "does not fit" else 35.0)
-    first = whole_alloc(c["a_actor_infer"], Priority.INITIALIZATION) if bad == "start-up" \
-        else whole_alloc(c["a_actor_train"])
+    first = {"start-up": whole_alloc(c["a_actor_infer"], Priority.INITIALIZATION),
+             "one pipeline": whole_alloc(c["a_actor_infer"], Priority.CRITIC_TRAINING),  # a's other training-type hold
+             }.get(bad, whole_alloc(c["a_actor_train"]))
     second = whole_alloc(c["a_actor_train"] if bad == "one pipeline" else c["b_actor_train"])
     snap = snapshot(1, c, [first], [PendingRequest(second.cluster_id, TRAIN, 1)])
-    if bad == "one pipeline":
-        snap = snapshot(1, c, [], [PendingRequest("a_actor_train", TRAIN, 1)])
-        first = whole_alloc(c["a_actor_infer"], Priority.CRITIC_TRAINING)  # a second training-type hold of a
     plan = plan_cycle(snap)
     corrupt = replace(plan, allocations={first.cluster_id: first, second.cluster_id: second},
                       grants=(Grant(second.cluster_id, TRAIN, 1, second.gpus),))
     with pytest.raises(PlanInvariantError) as info:
-        validate_plan(replace(snap, allocations={first.cluster_id: first}), corrupt)
+        validate_plan(snap, corrupt)
     assert info.value.invariant == "no double allocation", str(info.value)
 
 

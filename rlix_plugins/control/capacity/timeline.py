@@ -205,7 +205,7 @@ def _lanes(spans: Sequence[Span]) -> list[tuple[int, int]]:
         used = pack(rollout, top if below else 0, lane_of)
         count = top + used if below else max(top, used)
         for i in idx:
-            out[i] = (lane_of[i], max(count, 1))
+            out[i] = (lane_of[i], count)
     return out
 
 
