@@ -172,6 +172,45 @@ def test_demo_bad_input_is_one_line_before_anything_starts(args: list[str], frag
     assert (earlier / "summary.json").read_text() == "{}"
 
 
+def test_demo_refuses_a_token_file_others_can_read_before_starting_ray(tmp_path: Path) -> None:
+    """The demo's own cluster uses the user's token file as Ray would: one others could read (Ray's own start
+    writes it 0644) is refused in one line naming the fix, before Ray starts (nothing under TMPDIR)."""
+    home = tmp_path / "home"
+    (home / ".ray").mkdir(parents=True, mode=0o700)
+    token = home / ".ray" / "auth_token"
+    token.write_text("0" * 64)
+    token.chmod(0o644)
+    (tmp_path / "tmp").mkdir()
+    err = one_line_error(rlix("demo", "--gpus", "1", "--out", str(tmp_path / "o"), drop=("RAY_AUTH_TOKEN_PATH",),
+                              env={"HOME": str(home), "TMPDIR": str(tmp_path / "tmp")}), "demo")
+    assert f"the Ray auth token file {token} is open to group or others (mode 0644)" in err
+    assert f"run `chmod 600 {token}`" in err
+    assert list((tmp_path / "tmp").iterdir()) == []
+
+
+_DEMO_CLUSTER = """
+import os, stat, sys
+import ray
+from rlix_plugins.demo.run import _start_ray
+_start_ray(gpus=1, address=None, on_gpu=False)
+path = os.path.expanduser("~/.ray/auth_token")
+print("MODES", oct(stat.S_IMODE(os.stat(path).st_mode)), oct(stat.S_IMODE(os.stat(os.path.dirname(path)).st_mode)),
+      ray.cluster_resources().get("GPU"))
+ray.shutdown()
+"""
+
+
+@pytest.mark.slow
+def test_the_demos_own_cluster_creates_a_private_token(tmp_path: Path) -> None:
+    """Without a token, Ray's local start would write ~/.ray/auth_token 0644; the demo creates it 0600 in a 0700
+    directory first (as `rlix up` does) and its cluster runs with that token."""
+    (tmp_path / "home").mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_AUTH", "RAY_ADDRESS"))}
+    res = subprocess.run([sys.executable, "-c", _DEMO_CLUSTER], capture_output=True, text=True, timeout=180,
+                         env={**env, "HOME": str(tmp_path / "home")})
+    assert "MODES 0o600 0o700 1.0" in res.stdout, res.stdout[-1000:] + res.stderr[-2000:]
+
+
 def test_demo_too_many_pipelines_names_the_limit_and_why(tmp_path: Path) -> None:
     err = one_line_error(rlix("demo", "--pipelines", "1000", "--gpus", "2", "--out", str(tmp_path / "o")), "demo")
     limit = int(err.split("at most ")[1].split(",")[0])

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -75,7 +76,7 @@ def test_a_head_rlix_up_starts_refuses_clients_without_its_token(tmp_path: Path)
     state = tmp_path / "state"
     token = tmp_path / "tokens" / "auth_token"  # none yet: `rlix up` creates it
     auth = {"RAY_AUTH_TOKEN_PATH": str(token)}
-    res = rlix("up", "--num-gpus", "1", "--num-cpus", "1", state_dir=state, timeout=240, env=auth)
+    res = res_up = rlix("up", "--num-gpus", "1", "--num-cpus", "1", state_dir=state, timeout=240, env=auth)
     assert res.returncode == 0, res.stderr
     record = _record(state)
     try:
@@ -92,6 +93,14 @@ def test_a_head_rlix_up_starts_refuses_clients_without_its_token(tmp_path: Path)
         assert raw_ray_client(record.address, _env(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(tmp_path / "other"))) \
             == "REFUSED ConnectionError"
         assert raw_ray_client(record.address, _env(RAY_AUTH_MODE="token", **auth)) == "JOINED 1.0"
+
+        # The join advice `rlix up` prints, followed as a NeMo RL driver joins (init_ray: "auto" under RAY_ADDRESS):
+        # it joins; without the mode the advice names, the same driver sends no token and is refused.
+        advice = dict(pair.split("=", 1) for pair in
+                      re.search(r"pipelines join with (.+?) and this cluster's", res_up.stdout).group(1).split())
+        assert advice == {"RAY_ADDRESS": record.address, "RAY_AUTH_MODE": "token"}
+        assert raw_ray_client("auto", _env(**advice, **auth)) == "JOINED 1.0"
+        assert raw_ray_client("auto", _env(RAY_ADDRESS=record.address, **auth)) == "REFUSED ConnectionError"
 
         err = one_line_error(rlix("status", state_dir=state, **without_token(tmp_path)), "status")
         assert "requires its auth token and this machine has none" in err

@@ -197,6 +197,7 @@ def _start_ray(gpus: int, address: str | None, on_gpu: bool, nodes: int = 1) -> 
     otherwise: one raylet ends with this process)."""
     import ray
 
+    from rlix_plugins.control.admin import ray_auth
     from rlix_plugins.control.client import ensure_ray
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -208,6 +209,10 @@ def _start_ray(gpus: int, address: str | None, on_gpu: bool, nodes: int = 1) -> 
         return None
     if nodes > 1:
         return _start_local_nodes(gpus, nodes, on_gpu)
+    # Ray's local start would write a missing token file with the umask's mode (0644: readable by every local
+    # user); make it private first, as `rlix up` does, and refuse an existing one others may read.
+    if (envs.ray_auth_mode() or "token").lower() == "token":
+        ray_auth.ensure_private_token()
     # address="local": a new cluster. Neither "auto" (any Ray cluster on the machine, e.g. another user's) nor
     # None (the last `ray start` head recorded in /tmp/ray); a cluster of `rlix up` is joined with --address.
     ray.init(address="local", num_gpus=None if on_gpu else gpus, num_cpus=max(8, os.cpu_count() or 2),

@@ -60,6 +60,10 @@ shared_runs() {  # shared_runs NAME MODE: MODE "together" (both drivers at once)
   mkdir -p "$dir"
   python3 -m rlix_plugins.cli recipe "$WORK/patched/examples/configs/grpo_math_1B.yaml" --pipelines 2 --gpus 0 \
     --out "$cfgdir" >"$dir/recipe.log" 2>&1 || { cat "$dir/recipe.log"; return 1; }
+  # Ray's token authentication as `rlix up` runs it (README "Security"): a private token (made 0600 when missing),
+  # the head and the drivers in token mode (they join by RAY_ADDRESS, where Ray never turns it on by itself)
+  python3 -c 'from rlix_plugins.control.admin.ray_auth import ensure_private_token; ensure_private_token()' || return 1
+  local -x RAY_AUTH_MODE=token
   ray start --head --num-gpus 1 --include-dashboard=false --disable-usage-stats >"$dir/ray_start.log" 2>&1
   export RAY_ADDRESS=127.0.0.1:6379
   python3 -m rlix_plugins.cli up --address "$RAY_ADDRESS" >"$dir/rlix_up.log" 2>&1 || { cat "$dir/rlix_up.log"; return 1; }

@@ -86,6 +86,10 @@ loop_run() {  # loop_run PART: async GRPO (a) + the PART loop (b), both drivers 
     --out "$cfg/a" >"$dir/recipe_a.log" 2>&1 || { cat "$dir/recipe_a.log"; return 1; }
   python3 -m rlix_plugins.cli recipe "$SRC/examples/configs/$stock" --pipelines 1 --gpus 0 "${extra[@]}" \
     --out "$cfg/$part" >"$dir/recipe_b.log" 2>&1 || { cat "$dir/recipe_b.log"; return 1; }
+  # Ray's token authentication as `rlix up` runs it (README "Security"): a private token (made 0600 when missing),
+  # the head and the drivers in token mode (they join by RAY_ADDRESS, where Ray never turns it on by itself)
+  python3 -c 'from rlix_plugins.control.admin.ray_auth import ensure_private_token; ensure_private_token()' || return 1
+  local -x RAY_AUTH_MODE=token
   ray start --head --num-gpus 1 --include-dashboard=false --disable-usage-stats >"$dir/ray_start.log" 2>&1
   export RAY_ADDRESS=127.0.0.1:6379
   python3 -m rlix_plugins.cli up --address "$RAY_ADDRESS" >"$dir/rlix_up.log" 2>&1 || { cat "$dir/rlix_up.log"; return 1; }

@@ -156,6 +156,11 @@ run_shared() {  # run_shared NAME N MODE (together | sequential): on GPUS, clust
   python3 -m rlix_plugins.cli recipe "$STOCK" --pipelines "$n" --gpus "$ids" --out "$cfgdir" \
     ${UTIL:+--gpu-memory-utilization "$UTIL"} ${TP:+--tp "$TP"} >"$dir/recipe.log" 2>&1 ||
     { cat "$dir/recipe.log"; finish "$dir" recipe; return 1; }
+  # Ray's token authentication as `rlix up` runs it (README "Security"): a private token (made 0600 when missing),
+  # the head and the drivers in token mode (they join by RAY_ADDRESS, where Ray never turns it on by itself)
+  python3 -c 'from rlix_plugins.control.admin.ray_auth import ensure_private_token; ensure_private_token()' \
+    >"$dir/auth.log" 2>&1 || { cat "$dir/auth.log"; finish "$dir" auth; return 1; }
+  local -x RAY_AUTH_MODE=token
   ray_head "$dir" $([ "$first" -eq 0 ] && echo 0 || echo $((3 + first))) "$GPUS"
   export RAY_ADDRESS
   RAY_ADDRESS=$(cat "$dir/ray_address")

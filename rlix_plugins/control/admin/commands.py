@@ -149,7 +149,9 @@ def _auth_note() -> str:
     """How clients authenticate to the cluster this process joined (token mode: its GCS demanded the token)."""
     if (envs.ray_auth_mode() or "").lower() != "token":
         return " (no token authentication)"
-    return f" and this cluster's auth token ({ray_auth.token_source()} here)"
+    # RAY_AUTH_MODE too: a process joining by an explicit address (NeMo RL's init_ray under RAY_ADDRESS) never
+    # turns token mode on by itself, sends no token and is refused (NeMo RL then fails to start a cluster of its own).
+    return f" {envs.RAY_AUTH_MODE}=token and this cluster's auth token ({ray_auth.token_source()} here)"
 
 
 def down(address: str | None, stop_ray: bool) -> int:

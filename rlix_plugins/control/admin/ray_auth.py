@@ -8,8 +8,9 @@ What Ray 2.60 does (``ray/_private/authentication``, ``ray/scripts/scripts.py``,
   no token exists; ``ray start --head`` turns it on only when a token already exists (it never writes one);
   ``ray get-auth-token --generate`` writes one.
 * a process joining by an explicit ``host:port`` never turns token mode on by itself (only ``address="auto"``
-  does), so it sends no token and the GCS answers every call UNAUTHENTICATED; ``ray.init`` then retries and fails
-  with "Failed to connect". A token-mode client joins a cluster without authentication just as well.
+  does, and only for a head it finds on the machine: ``"auto"`` under ``RAY_ADDRESS=host:port``, as NeMo RL's
+  ``init_ray`` joins, does not), so it sends no token and the GCS answers every call UNAUTHENTICATED; ``ray.init``
+  then retries and fails with "Failed to connect". Such clients need ``RAY_AUTH_MODE=token``. A token-mode client joins a cluster without authentication just as well.
 
 Ray writes ``~/.ray/auth_token`` with the umask's mode (usually 0644, in a 0755 directory: any local user could
 read it and run code on the cluster) and never checks it. What rlix does: ``rlix up`` creates a missing token file
