@@ -215,20 +215,17 @@ class DemoEngine:
         self._run(wake, timeout_s, "wake_up")
 
     def memory_in_use(self) -> int | None:
-        """Device bytes this process tree holds (the engine runs in-process), per NVML; None on CPU or when the
-        driver lists other PIDs. Device-wide numbers would count the co-tenant pipelines' engines on the same
-        GPU, so they are only logged (``memory_log``), never checked."""
+        """Device bytes this process tree holds on its fullest GPU (the engine and any TP workers are in it), per
+        NVML; None on CPU or when the driver lists other PIDs. Device-wide numbers would count the co-tenant
+        pipelines' engines on the same GPU, so they are only logged (``memory_log``), never checked."""
         from rlix_plugins.pipeline.gpu_memory import process_tree_gpu_bytes
 
         return process_tree_gpu_bytes()
 
     def _device_free(self) -> int | None:
-        try:
-            import torch
+        from rlix_plugins.pipeline.gpu_memory import visible_gpu_free_bytes
 
-            return int(torch.cuda.mem_get_info()[0]) if torch.cuda.is_available() else None
-        except Exception:
-            return None
+        return visible_gpu_free_bytes()  # NVML: no CUDA context here (a TP engine's workers are other processes)
 
     def memory_log(self) -> list[dict[str, Any]]:
         """(op, time, seconds, device-wide free bytes before/after) of every sleep and wake (the bytes are None on

@@ -17,10 +17,11 @@ class RuntimeConfig:
     #: vLLM sleep level for scheduler-driven shrinks: 2 drops weights and KV cache (default), 1 keeps weights
     #: in host memory (level 2's buffer restore poisoned a co-tenant's allocator on some stacks).
     sleep_level: int = 2
-    #: After a sleep, the rank's device memory must be below this (where measurable; None skips the check). A slept
-    #: engine keeps its CUDA context and what libraries loaded into it: 0.96 GiB on an H200 when it only took weights
-    #: by host_pull, 1.18 GiB on an H100 once it had received them over NCCL (a 1 GiB limit failed two healthy
-    #: pipelines there); a sleep that failed keeps the weights and the KV cache, several GiB at any real shape.
+    #: After a sleep, the rank's device memory on each of its GPUs must be below this (where measurable; None skips
+    #: the check). A slept engine keeps its CUDA context and what libraries loaded into it: 0.96 GiB on an H200
+    #: when it only took weights by host_pull, 1.18 GiB on an H100 once it had received them over NCCL (a 1 GiB
+    #: limit failed two healthy pipelines there); a sleep that failed keeps the weights and the KV cache, several
+    #: GiB at any real shape.
     post_sleep_max_bytes: int | None = 2 << 30
     #: Bound of every blocking GPU request (training, GENERATION).
     request_timeout_s: float = 1800.0

@@ -14,7 +14,7 @@ import contextlib
 import os
 from pathlib import Path
 
-__all__ = ["process_tree_gpu_bytes", "process_tree_pids"]
+__all__ = ["per_gpu_bytes", "process_tree_gpu_bytes", "process_tree_pids", "visible_gpu_free_bytes"]
 
 
 def process_tree_pids(root: int | None = None) -> set[int]:
@@ -39,8 +39,21 @@ def process_tree_pids(root: int | None = None) -> set[int]:
     return tree
 
 
+def per_gpu_bytes(procs: dict[int, list[tuple[int, int]]], pids: set[int]) -> dict[int, int]:
+    """``{GPU index: bytes}`` that ``pids`` hold, from NVML's ``{index: [(pid, used bytes), ...]}``; GPUs where none
+    of them runs are left out."""
+    out: dict[int, int] = {}
+    for index, listed in procs.items():
+        for pid, used in listed:
+            if pid in pids:
+                out[index] = out.get(index, 0) + used
+    return out
+
+
 def process_tree_gpu_bytes(root: int | None = None) -> int | None:
-    """Device bytes held by ``root``'s process tree on all GPUs (NVML); ``None`` when not measurable."""
+    """Device bytes ``root``'s process tree holds on the one GPU where it holds the most (NVML); ``None`` when not
+    measurable. Per GPU, not summed: the next tenant of a GPU loses what is left on THAT GPU, and a tensor-parallel
+    rank's processes (one per GPU, each with its CUDA context and NCCL buffers) would otherwise count T times."""
     try:
         import pynvml
     except ImportError:
@@ -50,16 +63,33 @@ def process_tree_gpu_bytes(root: int | None = None) -> int | None:
     except Exception:
         return None
     try:
-        pids = process_tree_pids(root)
-        found = False
-        total = 0
-        for index in range(pynvml.nvmlDeviceGetCount()):
-            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-            for proc in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
-                if proc.pid in pids:
-                    found = True
-                    total += int(proc.usedGpuMemory or 0)
-        return total if found else None
+        procs = {index: [(p.pid, int(p.usedGpuMemory or 0)) for p in
+                         pynvml.nvmlDeviceGetComputeRunningProcesses(pynvml.nvmlDeviceGetHandleByIndex(index))]
+                 for index in range(pynvml.nvmlDeviceGetCount())}
+        held = per_gpu_bytes(procs, process_tree_pids(root))
+        return max(held.values()) if held else None
+    except Exception:
+        return None
+    finally:
+        with contextlib.suppress(Exception):
+            pynvml.nvmlShutdown()
+
+
+def visible_gpu_free_bytes() -> int | None:
+    """Free bytes, device-wide, of the first GPU in ``CUDA_VISIBLE_DEVICES`` (an index or a UUID), per NVML: no
+    CUDA context in the calling process (``torch.cuda.mem_get_info`` would make one, ~0.5 GiB that then counts
+    as the process's own). ``None`` when not measurable."""
+    first = (os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0].strip()
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception:
+        return None
+    try:
+        handle = (pynvml.nvmlDeviceGetHandleByIndex(int(first)) if first.isdigit()
+                  else pynvml.nvmlDeviceGetHandleByUUID(first))
+        return int(pynvml.nvmlDeviceGetMemoryInfo(handle).free)
     except Exception:
         return None
     finally:

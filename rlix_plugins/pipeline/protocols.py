@@ -63,7 +63,8 @@ class RolloutFleet(Protocol):
         ...
 
     def memory_in_use(self, dp_ranks: list[int], timeout_s: float) -> dict[int, int | None]:
-        """Device bytes each rank holds now; None where not measurable (vLLM-CPU, where sleep is a no-op)."""
+        """Device bytes each rank holds now on the one of its GPUs where it holds the most; None where not
+        measurable (vLLM-CPU, where sleep is a no-op)."""
         ...
 
 

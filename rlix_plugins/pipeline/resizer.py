@@ -167,7 +167,7 @@ class FleetResizer:
         high = {r: b for r, b in after.items() if b is not None and limit is not None and b > limit}
         if high:
             raise RlixError(
-                f"pipeline {self._pid}: dp ranks {sorted(high)} still hold {high} bytes after sleep(level="
+                f"pipeline {self._pid}: dp ranks {sorted(high)} still hold {high} bytes on a GPU after sleep(level="
                 f"{cfg.sleep_level}) (limit {limit}, RuntimeConfig.post_sleep_max_bytes): the GPU is not free for "
                 "the next tenant; check enable_sleep_mode and that no request was left running"
             )

@@ -7,7 +7,12 @@ import sys
 
 import pytest
 
-from rlix_plugins.pipeline.gpu_memory import process_tree_gpu_bytes, process_tree_pids
+from rlix_plugins.pipeline.gpu_memory import (
+    per_gpu_bytes,
+    process_tree_gpu_bytes,
+    process_tree_pids,
+    visible_gpu_free_bytes,
+)
 
 
 def test_tree_holds_this_process_and_a_grandchild_but_not_the_parent() -> None:
@@ -33,3 +38,21 @@ def test_gpu_bytes_not_measurable_without_a_gpu() -> None:
     if torch.cuda.is_available():
         pytest.skip("a GPU is present: covered by the GPU demo run")
     assert process_tree_gpu_bytes() is None
+
+
+def test_a_tensor_parallel_ranks_bytes_are_counted_per_gpu_not_summed() -> None:
+    """NVML's per-GPU process lists (as a TP-2 engine shows them: its front-end and worker 0 on GPU 0, worker 1 on
+    GPU 1, another pipeline's engine on both): the tree's bytes per GPU, other processes left out. The post-sleep
+    check takes the fullest GPU (2.5 GiB here), not the sum over the rank's GPUs (4.5 GiB)."""
+    gib = 1 << 30
+    procs = {0: [(10, gib), (11, 3 * gib // 2), (99, 40 * gib)], 1: [(12, 2 * gib), (99, 40 * gib)], 2: []}
+    assert per_gpu_bytes(procs, {10, 11, 12}) == {0: 5 * gib // 2, 1: 2 * gib}
+    assert per_gpu_bytes(procs, {12, 13}) == {1: 2 * gib}
+    assert per_gpu_bytes(procs, {13}) == {}
+
+
+def test_free_bytes_not_measurable_without_a_gpu() -> None:
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: covered by the GPU demo run")
+    assert visible_gpu_free_bytes() is None
