@@ -13,12 +13,12 @@ with complete more than ``limit`` training steps** (``SchedulerConfig.fair_turn_
   not reset it, only a step of its own does). Once ``x`` has completed ``limit`` such steps and shares a GPU with
   ``p``, ``x`` *owes* ``p`` a turn (:meth:`TurnLedger.owed`, carried to the planner as
   ``SchedulerSnapshot.turns_owed``) until ``p`` completes a step. The planner then (a) grants no training-type
-  request of ``x`` that needs a GPU of ``p``'s turn (:func:`owed_gpus`: ``p``'s active rollout GPUs while it has
-  some and does not wait, else all of ``p``'s GPUs), without reserving it, and (b) serves ``p``, while it has no
-  rollout rank, before the other acceptors and lets it take ``x``'s last rollout rank. So ``p`` rolls out and trains
-  its step before ``x`` trains again; ``x`` keeps training on GPUs ``p`` does not use meanwhile. (Not a hard bound
-  yet: a step ``x`` began there while ``p`` rolled out still completes if a third pipeline's training takes ``p``'s
-  last rank meanwhile and ``p`` waits again; ``tests/control/test_turns.py`` keeps such a case as a strict xfail.)
+  request of ``x`` that needs any GPU of ``p`` (:func:`owed_gpus`), without reserving it, and (b) serves ``p``, while
+  it has no rollout rank, before the other acceptors and lets it take ``x``'s last rollout rank. So ``p`` rolls out
+  and trains its step before ``x`` trains again on a GPU they share. Not only on ``p``'s rollout GPUs: a step ``x``
+  began beside them while ``p`` rolled out still completes if a third pipeline's training then takes ``p``'s last
+  rank and ``p`` waits again (the property found such runs: 3 steps watched), and while ``p`` waits with a rank its
+  rollout GPUs are not its turn at all.
 
 Why the training step is the unit: a step is the work one turn buys, and it is the thing users count. Async GRPO
 lets a pipeline queue several batches, so without turns one pipeline trains back to back (each training grant
@@ -72,24 +72,12 @@ def pipeline_gpus(clusters: Iterable[ClusterSpec]) -> dict[str, frozenset[int]]:
 
 
 def owed_gpus(snap: SchedulerSnapshot) -> dict[str, frozenset[int]]:
-    """Pipeline id -> the GPUs its debts hold (``SchedulerSnapshot.turns_owed``): of each pipeline it owes, the GPUs
-    of that pipeline's active rollout ranks while its turn runs there (it has some and does not wait), else all its
-    GPUs. A creditor with active ranks still waits while its training request is held back (by its own debt to a
-    third pipeline, a reservation, ...): its rollout GPUs are then not its turn, and a debtor that trained beside
-    them would complete more steps while it waits."""
+    """Pipeline id -> the GPUs its debts hold (``SchedulerSnapshot.turns_owed``): every GPU of each pipeline it owes,
+    until that pipeline's next step (see the module docstring for why not only the GPUs it rolls out on)."""
     if not snap.turns_owed:
         return {}
     gpus = pipeline_gpus(snap.clusters.values())
-    waiting = waiting_pipelines(snap)
-    active: dict[str, set[int]] = {}
-    for cid, alloc in snap.allocations.items():
-        if cid in snap.clusters and alloc.priority == Priority.GENERATION and alloc.active_dp_ranks:
-            active.setdefault(snap.clusters[cid].pipeline_id, set()).update(alloc.gpus)
-
-    def turn(p: str) -> frozenset[int]:
-        return frozenset(active[p]) if p in active and p not in waiting else gpus.get(p, frozenset())
-
-    return {x: frozenset().union(*(turn(p) for p in owed)) for x, owed in snap.turns_owed.items()}
+    return {x: frozenset().union(*(gpus.get(p, frozenset()) for p in owed)) for x, owed in snap.turns_owed.items()}
 
 
 def deferred(snap: SchedulerSnapshot, owed: Mapping[str, frozenset[int]], req: PendingRequest) -> bool:
