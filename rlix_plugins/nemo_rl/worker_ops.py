@@ -90,7 +90,8 @@ def _run_on_engine_loop(llm: Any, coro: Any, timeout_s: float = 30.0) -> None:
 
 def device_memory_in_use(worker: Any) -> int | None:
     """Device bytes this worker's process tree holds on its fullest GPU, per NVML (vLLM's engine core is a child
-    process; NCCL and vLLM pools count too). Not device-wide: co-tenant pipelines on the same GPU would fail the post-sleep check."""
+    process; NCCL and vLLM pools count too). Not device-wide: co-tenant pipelines on the same GPU would fail the
+    post-sleep check."""
     from rlix_plugins.pipeline.gpu_memory import process_tree_gpu_bytes
 
     return process_tree_gpu_bytes()

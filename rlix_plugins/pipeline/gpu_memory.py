@@ -78,7 +78,8 @@ def process_tree_gpu_bytes(root: int | None = None) -> int | None:
 def visible_gpu_free_bytes() -> int | None:
     """Free bytes, device-wide, of the first GPU in ``CUDA_VISIBLE_DEVICES`` (an index or a UUID), per NVML: no
     CUDA context in the calling process (``torch.cuda.mem_get_info`` would make one, ~0.5 GiB that then counts
-    as the process's own). ``None`` when not measurable."""
+    as the process's own). An index is taken as NVML's (PCI bus order, CUDA's too on a node of one GPU model); only
+    logged, never checked. ``None`` when not measurable."""
     first = (os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0].strip()
     try:
         import pynvml

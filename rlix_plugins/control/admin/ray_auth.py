@@ -10,7 +10,8 @@ What Ray 2.60 does (``ray/_private/authentication``, ``ray/scripts/scripts.py``,
 * a process joining by an explicit ``host:port`` never turns token mode on by itself (only ``address="auto"``
   does, and only for a head it finds on the machine: ``"auto"`` under ``RAY_ADDRESS=host:port``, as NeMo RL's
   ``init_ray`` joins, does not), so it sends no token and the GCS answers every call UNAUTHENTICATED; ``ray.init``
-  then retries and fails with "Failed to connect". Such clients need ``RAY_AUTH_MODE=token``. A token-mode client joins a cluster without authentication just as well.
+  then retries and fails with "Failed to connect". Such clients need ``RAY_AUTH_MODE=token``. A token-mode client
+  joins a cluster without authentication just as well.
 
 Ray writes ``~/.ray/auth_token`` with the umask's mode (usually 0644, in a 0755 directory: any local user could
 read it and run code on the cluster) and never checks it. What rlix does: ``rlix up`` creates a missing token file
