@@ -14,6 +14,8 @@ import contextlib
 import os
 from pathlib import Path
 
+from rlix_plugins import envs
+
 __all__ = ["per_gpu_bytes", "process_tree_gpu_bytes", "process_tree_pids", "visible_gpu_free_bytes"]
 
 
@@ -80,7 +82,7 @@ def visible_gpu_free_bytes() -> int | None:
     CUDA context in the calling process (``torch.cuda.mem_get_info`` would make one, ~0.5 GiB that then counts
     as the process's own). An index is taken as NVML's (PCI bus order, CUDA's too on a node of one GPU model); only
     logged, never checked. ``None`` when not measurable."""
-    first = (os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0].strip()
+    first = (envs.cuda_visible_devices() or "0").split(",")[0].strip()
     try:
         import pynvml
 
