@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from rlix_plugins import envs
 
@@ -52,29 +54,37 @@ def per_gpu_bytes(procs: dict[int, list[tuple[int, int]]], pids: set[int]) -> di
     return out
 
 
-def process_tree_gpu_bytes(root: int | None = None) -> int | None:
-    """Device bytes ``root``'s process tree holds on the one GPU where it holds the most (NVML); ``None`` when not
-    measurable. Per GPU, not summed: the next tenant of a GPU loses what is left on THAT GPU, and a tensor-parallel
-    rank's processes (one per GPU, each with its CUDA context and NCCL buffers) would otherwise count T times."""
+def _nvml_read(read: Callable[[Any], int | None]) -> int | None:
+    """``read(pynvml)`` between NVML's init and shutdown; ``None`` when NVML is missing or anything fails (no GPU,
+    another PID namespace): what these readings are for is never worth an error."""
     try:
         import pynvml
-    except ImportError:
-        return None
-    try:
+
         pynvml.nvmlInit()
     except Exception:
         return None
     try:
-        procs = {index: [(p.pid, int(p.usedGpuMemory or 0)) for p in
-                         pynvml.nvmlDeviceGetComputeRunningProcesses(pynvml.nvmlDeviceGetHandleByIndex(index))]
-                 for index in range(pynvml.nvmlDeviceGetCount())}
-        held = per_gpu_bytes(procs, process_tree_pids(root))
-        return max(held.values()) if held else None
+        return read(pynvml)
     except Exception:
         return None
     finally:
         with contextlib.suppress(Exception):
             pynvml.nvmlShutdown()
+
+
+def process_tree_gpu_bytes(root: int | None = None) -> int | None:
+    """Device bytes ``root``'s process tree holds on the one GPU where it holds the most (NVML); ``None`` when not
+    measurable. Per GPU, not summed: the next tenant of a GPU loses what is left on THAT GPU, and a tensor-parallel
+    rank's processes (one per GPU, each with its CUDA context and NCCL buffers) would otherwise count T times."""
+
+    def read(nvml: Any) -> int | None:
+        procs = {index: [(p.pid, int(p.usedGpuMemory or 0)) for p in
+                         nvml.nvmlDeviceGetComputeRunningProcesses(nvml.nvmlDeviceGetHandleByIndex(index))]
+                 for index in range(nvml.nvmlDeviceGetCount())}
+        held = per_gpu_bytes(procs, process_tree_pids(root))
+        return max(held.values()) if held else None
+
+    return _nvml_read(read)
 
 
 def visible_gpu_free_bytes() -> int | None:
@@ -83,18 +93,9 @@ def visible_gpu_free_bytes() -> int | None:
     as the process's own). An index is taken as NVML's (PCI bus order, CUDA's too on a node of one GPU model); only
     logged, never checked. ``None`` when not measurable."""
     first = (envs.cuda_visible_devices() or "0").split(",")[0].strip()
-    try:
-        import pynvml
 
-        pynvml.nvmlInit()
-    except Exception:
-        return None
-    try:
-        handle = (pynvml.nvmlDeviceGetHandleByIndex(int(first)) if first.isdigit()
-                  else pynvml.nvmlDeviceGetHandleByUUID(first))
-        return int(pynvml.nvmlDeviceGetMemoryInfo(handle).free)
-    except Exception:
-        return None
-    finally:
-        with contextlib.suppress(Exception):
-            pynvml.nvmlShutdown()
+    def read(nvml: Any) -> int:
+        handle = nvml.nvmlDeviceGetHandleByIndex(int(first)) if first.isdigit() else nvml.nvmlDeviceGetHandleByUUID(first)
+        return int(nvml.nvmlDeviceGetMemoryInfo(handle).free)
+
+    return _nvml_read(read)
