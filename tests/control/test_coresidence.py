@@ -70,12 +70,41 @@ def test_training_preempts_a_co_tenants_rollout_that_does_not_fit() -> None:
     assert [(s.cluster_id, s.reason) for s in plan.shrinks] == [("a_actor_infer", "preempt")]
 
 
-def test_a_pipelines_own_rollout_sleeps_while_it_trains_even_when_it_would_fit() -> None:
-    c = two_on_one_gpu(infer_awake=10.0)
+@pytest.mark.parametrize("infer_awake", [60.0, 62.0])
+def test_a_pipelines_own_rollout_stays_awake_beside_its_own_step_where_both_fit(infer_awake: float) -> None:
+    """A pipeline alone on a GPU: its rollout keeps generating the next batch while it trains where the figures fit
+    (60 + 35 + b's asleep parts 4 = 99 of 100 GiB), and sleeps where they do not (101). Asleep, every other step
+    waited for its batch (30 steps/h for one 1.5 B pipeline, against 44-46 for stock NeMo RL: DESIGN §9)."""
+    c = two_on_one_gpu(infer_awake=infer_awake)
     snap = snapshot(1, c, [gen_alloc(c["a_actor_infer"], [0])], [PendingRequest("a_actor_train", TRAIN, 1)])
     plan = plan_cycle(snap)
     validate_plan(snap, plan)
-    assert [s.cluster_id for s in plan.shrinks] == ["a_actor_infer"]
+    assert [g.cluster_id for g in plan.grants] == ["a_actor_train"]
+    if infer_awake == 60.0:
+        assert not plan.shrinks and active(plan, "a_actor_infer") == {0}
+    else:
+        assert [(s.cluster_id, s.reason) for s in plan.shrinks] == [("a_actor_infer", "preempt")]
+    _check_holders(snap, plan.allocations)
+
+
+@pytest.mark.parametrize("others", [False, True])
+def test_room_that_opens_during_a_step_goes_to_other_pipelines_rollouts(others: bool) -> None:
+    """A rank that slept for its pipeline's step does not wake beside that step: room that opens meanwhile goes to
+    another pipeline's rollout (its batch is what the step holds up). On one GPU with room for one rollout, the
+    pipeline's own rank took every place its co-tenant's step freed."""
+    c = two_on_one_gpu()
+    pending = [PendingRequest("a_actor_infer", GEN, 1)] + ([PendingRequest("b_actor_infer", GEN, 2)] if others else [])
+    snap = snapshot(1, c, [whole_alloc(c["a_actor_train"])], pending)
+    plan = plan_cycle(snap)
+    validate_plan(snap, plan)
+    assert [(e.cluster_id, e.dp_ranks) for e in plan.expands] == ([("b_actor_infer", (0,))] if others else [])
+    # the step ends: a's rank wakes (now beside b's, where it fits, or alone)
+    after = replace(apply_plan(snap, plan), pending=tuple(p for p in pending if p.cluster_id == "a_actor_infer"))
+    after = replace(after, allocations={k: v for k, v in after.allocations.items() if k != "a_actor_train"})
+    plan2 = plan_cycle(after)
+    validate_plan(after, plan2)
+    assert active(plan2, "a_actor_infer") == ({0} if not others else set())  # 60 + 60 + 6 > 100: it waits for b
+    _check_holders(after, plan2.allocations)
 
 
 def test_a_waiting_rollout_wakes_next_to_a_training_step_and_stays_when_it_ends() -> None:
@@ -94,13 +123,13 @@ def test_a_waiting_rollout_wakes_next_to_a_training_step_and_stays_when_it_ends(
     assert not plan2.shrinks and not plan2.expands and active(plan2, "a_actor_infer") == {0}
 
 
-@pytest.mark.parametrize("case", ["initialization", "no figures", "reserved", "does not fit", "own pipeline"])
+@pytest.mark.parametrize("case", ["initialization", "no figures", "reserved", "does not fit", "own, does not fit"])
 def test_no_co_residence_where_the_rule_forbids_it(case: str) -> None:
     pipes = {**pipeline("a", [0], [0]), **pipeline("b", [0], [0]), **pipeline("c", [0], [0])}
-    c = with_memory(pipes, gpu=110.0, infer_awake=68.0 if case == "does not fit" else 60.0,
+    c = with_memory(pipes, gpu=110.0, infer_awake=68.0 if "does not fit" in case else 60.0,
                     skip="c_actor_infer" if case == "no figures" else "")
     host, priority = ("b_actor_infer", Priority.INITIALIZATION) if case == "initialization" else ("b_actor_train", TRAIN)
-    if case == "own pipeline":
+    if case == "own, does not fit":
         host = "a_actor_train"
     pending = [PendingRequest("a_actor_infer", GEN, 1)]
     if case == "reserved":
@@ -215,43 +244,43 @@ def test_a_shared_place_is_never_taken_from_a_pipelines_last_rank() -> None:
     assert not plan.shrinks and not active(plan, "c_actor_infer")  # a and b each keep their one rank; c waits
 
 
-def test_a_training_step_keeps_the_rollouts_it_fits_beside_and_preempts_the_rest() -> None:
+def test_a_training_step_keeps_the_rollouts_it_fits_beside_its_own_included() -> None:
     c = four_on_one_gpu()
     snap = snapshot(1, c, [gen_alloc(c[f"{p}_actor_infer"], [0]) for p in "bc"],
                     [PendingRequest("a_actor_train", TRAIN, 1)])
     plan = plan_cycle(snap)
     validate_plan(snap, plan)
     assert not plan.shrinks and [g.cluster_id for g in plan.grants] == ["a_actor_train"]
-    # b's own training: b's rollout sleeps, c's stays
+    # b's own training: b's rollout stays too (b's step 13.9 + two rollouts 87.4 + the rest asleep 11 = 112.3 GiB)
     snap2 = replace(snap, pending=(PendingRequest("b_actor_train", TRAIN, 1),))
     plan2 = plan_cycle(snap2)
     validate_plan(snap2, plan2)
-    assert [(s.cluster_id, s.reason) for s in plan2.shrinks] == [("b_actor_infer", "preempt")]
-    assert active(plan2, "c_actor_infer") == {0}
+    assert not plan2.shrinks and active(plan2, "b_actor_infer") == active(plan2, "c_actor_infer") == {0}
+    _check_holders(snap2, plan2.allocations)
 
 
 # ---- training steps side by side (the 0.5 B pool is paced by one training step at a time per GPU: DESIGN §9) ---
 def test_training_steps_of_two_pipelines_run_side_by_side_with_the_rollouts_that_fit() -> None:
-    """Four 0.5 B pipelines on one H200: a trains next to b's and c's rollouts when b's step comes. b's own rollout
-    sleeps and b trains next to a and c (two steps 27.8 + a rollout 43.7 + the rest asleep 9 = 80.5 GiB); a step
-    used to wait for the other to end."""
+    """Four 0.5 B pipelines on one H200: a trains next to b's and c's rollouts when b's step comes. b trains next to
+    a's step with both rollouts awake, its own included (two steps 27.8 + two rollouts 87.4 + the rest asleep 9 =
+    124.2 GiB); a step used to wait for the other to end."""
     c = four_on_one_gpu()
     snap = snapshot(1, c, [whole_alloc(c["a_actor_train"]), *(gen_alloc(c[f"{p}_actor_infer"], [0]) for p in "bc")],
                     [PendingRequest("b_actor_train", TRAIN, 1)])
     plan = plan_cycle(snap)
     validate_plan(snap, plan)
-    assert [(s.cluster_id, s.reason) for s in plan.shrinks] == [("b_actor_infer", "preempt")]
-    assert [g.cluster_id for g in plan.grants] == ["b_actor_train"]
+    assert not plan.shrinks and [g.cluster_id for g in plan.grants] == ["b_actor_train"]
     assert plan.allocations["a_actor_train"].gpus == plan.allocations["b_actor_train"].gpus == {0}
-    assert active(plan, "c_actor_infer") == {0}
+    assert active(plan, "b_actor_infer") == active(plan, "c_actor_infer") == {0}
     _check_holders(snap, plan.allocations)
-    # a's step ends while b's runs: a's rollout wakes beside b's step and c's rollout (112.3 GiB), d's does not fit
+    # a's step ends while b's runs: a third rollout does not fit beside b's step (145.1 GiB), so a and d wait for a
+    # rank without taking one (each of b and c has one: no co-resident swap)
     after = apply_plan(snap, plan)
     after = replace(after, allocations={k: v for k, v in after.allocations.items() if k != "a_actor_train"},
                     pending=(PendingRequest("a_actor_infer", GEN, 2), PendingRequest("d_actor_infer", GEN, 3)))
     plan2 = plan_cycle(after)
     validate_plan(after, plan2)
-    assert not plan2.shrinks and [(e.cluster_id, e.dp_ranks) for e in plan2.expands] == [("a_actor_infer", (0,))]
+    assert not plan2.shrinks and not plan2.expands
     assert plan2.allocations["b_actor_train"].gpus == {0}
     _check_holders(after, plan2.allocations)
 
@@ -315,10 +344,10 @@ def test_invariants_refuse_rollouts_that_do_not_fit_together() -> None:
     assert info.value.invariant == "no double allocation" and "they need 126.0 GiB" in str(info.value)
 
 
-@pytest.mark.parametrize("bad", ["does not fit", "one pipeline", "start-up"])
+@pytest.mark.parametrize("bad", ["does not fit", "own, does not fit", "start-up"])
 def test_invariants_refuse_a_pair_the_rule_forbids(bad: str) -> None:
-    c = two_on_one_gpu(infer_awake=62.0 if bad == "does not fit" else 60.0)
-    host = c["a_actor_train"] if bad == "one pipeline" else c["b_actor_train"]
+    c = two_on_one_gpu(infer_awake=62.0 if "does not fit" in bad else 60.0)
+    host = c["a_actor_train"] if bad.startswith("own") else c["b_actor_train"]
     prio = Priority.INITIALIZATION if bad == "start-up" else TRAIN
     snap = snapshot(1, c, [whole_alloc(host, prio)], [PendingRequest("a_actor_infer", GEN, 1)])
     plan = plan_cycle(snap)
@@ -334,12 +363,13 @@ def _expand(cid: str, rank: int) -> ExpandOp:
 
 
 def _check_holders(snap: SchedulerSnapshot, allocations: dict) -> None:
-    """Independent of the code under test: a GPU holds at most one allocation of each pipeline; more than one holder
-    only when every non-generation one is training-type, and then every tenant's figures add up within the GPU."""
+    """Independent of the code under test: a GPU holds at most one allocation of each kind (training-type,
+    GENERATION) of each pipeline; more than one holder only when every non-generation one is training-type, and then
+    every tenant's figures add up within the GPU."""
     for g in snap.gpus:
         holders = [(cid, a) for cid, a in allocations.items() if g in a.gpus]
-        pipelines = [snap.clusters[c].pipeline_id for c, _ in holders]
-        assert len(set(pipelines)) == len(pipelines), f"GPU {g}: {holders}"
+        kinds = [(snap.clusters[c].pipeline_id, a.priority == GEN) for c, a in holders]
+        assert len(set(kinds)) == len(kinds), f"GPU {g}: {holders}"
         if len(holders) < 2:
             continue
         assert all(Priority.INITIALIZATION < a.priority < GEN for _, a in holders if a.priority != GEN), holders

@@ -424,6 +424,23 @@ def test_rollout_runs_next_to_another_pipelines_training_when_memory_fits(contro
     a.release_gpus("actor_train", step=0)
 
 
+def test_a_pipelines_own_rollout_keeps_generating_beside_its_step(control_plane: client.ControlPlane) -> None:
+    """A pipeline alone on GPU 3 through the real scheduler: its training grant leaves its own rank awake where the
+    figures fit (60 + 35 = 95 of 100 GiB), so async GRPO makes the next batch during the step; with figures that do
+    not fit the rank sleeps."""
+    cp = control_plane
+    big = {**_FITS, "actor_train": {**_FITS["actor_train"], "awake_gib": 45.0}}  # 60 + 45 > 100
+    for memory, stays in ((_FITS, True), (big, False)):
+        a, ha = make_pipeline(cp, train=[3], infer=[3], memory=memory)
+        assert a.request_gpus("actor_infer", GEN, step_target_estimate=8, timeout_s=10) == [3]
+        assert a.request_gpus("actor_train", Priority.ACTOR_TRAINING, step=0, timeout_s=10) == [3]
+        st = cp.status()
+        assert (a.cluster_id("actor_infer") in st["allocations"]) is stays and not st["invariant_violations"]
+        assert bool([c for c in calls(ha) if c[1]]) is not stays, calls(ha)
+        a.release_gpus("actor_train", step=0)
+        a.unregister()
+
+
 def test_two_pipelines_rollouts_share_a_gpu_when_memory_fits(control_plane: client.ControlPlane) -> None:
     """Several rollout ranks on a GPU through the real scheduler: B's rollout wakes next to A's on GPU 3 instead of
     taking it (no shrink of A's rank), and C's training step then keeps both awake beside it."""

@@ -162,14 +162,16 @@ def _preemptions(state: PlanState, spec: ClusterSpec, priority: Priority,
                  need: frozenset[int]) -> list[tuple[str, int]]:
     """The generation ranks (cluster, rank) a grant of ``need`` to ``spec`` puts to sleep: every rank that overlaps
     the mapping (its own pipeline's included), unless it may stay awake next to this work and the ranks kept before
-    it (co-residence). Reads ``state`` only."""
+    it (co-residence; the grantee's own rank too). Reads ``state`` only."""
     clusters = state.snap.clusters
     kept: dict[int, list[ClusterSpec]] = {}
     victims: list[tuple[str, int]] = []
-    # Where not every co-tenant fits, the pipelines with the fewest awake ranks stay first: kept in cluster-id order,
-    # the same pipeline lost its rank to every training step on three GPUs and stepped 132 s instead of 75 (DESIGN §9).
-    def keep_order(c: str) -> tuple[int, str]:
-        return len(state.gen_active.get(c, ())), c
+    # Where not every co-tenant fits, other pipelines' ranks stay before the grantee's own (its step is progress
+    # already; theirs is what the step holds up), then the pipelines with the fewest awake ranks: kept in cluster-id
+    # order, the same pipeline lost its rank to every training step on three GPUs and stepped 132 s instead of 75
+    # (DESIGN §9).
+    def keep_order(c: str) -> tuple[bool, int, str]:
+        return clusters[c].pipeline_id == spec.pipeline_id, len(state.gen_active.get(c, ())), c
 
     for g in sorted(need):
         for gen_cid in sorted(state.generation_holders(g), key=keep_order):
@@ -202,7 +204,11 @@ def _coresident_fill(state: PlanState, *, starving_only: bool = False) -> None:
     """Wake rollout ranks that want a GPU next to the GPU's holders where they fit (``coresidence``).
 
     Clusters with no active rank go first (the longest waiter first), then the others, by pipeline id; a cluster
-    takes every rank it can. Never on a GPU a waiting request reserves, never one of its ranks shrunk this cycle.
+    takes every rank it can. Never on a GPU a waiting request reserves, never one of its ranks shrunk this cycle,
+    never beside its own pipeline's training step: a rank awake when its pipeline's step is granted may stay there
+    (``_preemptions``), but room that opens during a step goes to other pipelines' rollouts, whose batches the step
+    holds up (on one GPU with room for one rollout, the pipeline's own rank took every place its co-tenant's step
+    freed).
     ``starving_only``: only clusters with no active rank and no idle, unreserved GPU in their mapping.
     """
     if not state.tenants:
@@ -233,7 +239,8 @@ def _coresident_fill(state: PlanState, *, starving_only: bool = False) -> None:
                 continue
             bundle = spec.bundle(r)
             if all(rooms.has(g, need) for g in bundle) and \
-                    all(_coresidable(state, g, spec, memory=False) for g in bundle):
+                    all(_coresidable(state, g, spec, memory=False) and not _own_step_on(state, g, spec)
+                        for g in bundle):
                 state.expand(cid, r, coresident=True)
                 rooms.took(bundle, need)
 
@@ -362,13 +369,19 @@ def _coresident_swap(state: PlanState) -> None:
                         or (donor, drank) in protected):
                     continue
                 if all(rooms.has(g, room_needed) for g in bundle) and \
-                        all(_coresidable(state, g, spec, leaving=donor) for g in bundle):
+                        all(_coresidable(state, g, spec, leaving=donor) and not _own_step_on(state, g, spec)
+                            for g in bundle):
                     take = (r, drank)
             if take is not None:
                 state.shrink(donor, take[1], "rebalance")
                 state.expand(cid, take[0], coresident=True)
                 rooms.changed(spec.bundle(take[0]))
                 break
+
+
+def _own_step_on(state: PlanState, gpu: int, spec: ClusterSpec) -> bool:
+    """Whether ``spec``'s pipeline holds a training-type allocation on ``gpu``."""
+    return any(host.pipeline_id == spec.pipeline_id for host, _ in state.hosts(gpu))
 
 
 def _extra(state: PlanState, spec: ClusterSpec) -> int:
