@@ -285,8 +285,9 @@ def check_memory(stock: Mapping[str, Any], layouts: Sequence[PipelineLayout], *,
 
 def _coresidence_note(layouts: Sequence[PipelineLayout], figures: Mapping[str, Mapping[str, float]],
                       gpu_memory_gib: float, util: float) -> str:
-    """Whether a rollout fits next to another pipeline's training step on the fullest GPU, by the scheduler's own
-    rule (``control.scheduling.coresidence``), and the utilisation that would make it fit when it does not."""
+    """Whether a rollout fits next to a training step (another pipeline's, or its own pipeline's where one
+    pipeline trains and rolls out on a GPU) on the fullest GPU, by the scheduler's own rule
+    (``control.scheduling.coresidence``), and the utilisation that would make it fit when it does not."""
     from rlix_plugins.control.registration import parse_cluster_memory, pipeline_clusters
     from rlix_plugins.control.scheduling.coresidence import gpu_load
 
@@ -296,21 +297,22 @@ def _coresidence_note(layouts: Sequence[PipelineLayout], figures: Mapping[str, M
     for g in sorted({g for p in layouts for g in p.train_devices}):
         tenants = [s for s in specs if g in s.device_mapping]
         for host in (s for s in tenants if not s.is_generation):
-            for guest in (s for s in tenants if s.is_generation and s.pipeline_id != host.pipeline_id):
+            for guest in (s for s in tenants if s.is_generation):
                 load = gpu_load(tenants, (host.cluster_id, guest.cluster_id))
                 if load is not None and (worst is None or load[0] > worst[0]):
                     worst = (load[0], load[1], g)
     if worst is None:
-        return "co-residence: no GPU holds one pipeline's training and another's rollout"
+        return "co-residence: no GPU holds both a training step and a rollout"
     need, cap, g = worst
     engine, train = figures["actor_infer"]["awake_gib"], figures["actor_train"]["awake_gib"]
     if need <= cap:
-        return (f"co-residence on: a rollout ({engine:.1f} GiB) runs next to another pipeline's training step "
-                f"({train:.1f} GiB) where both fit ({need:.1f} of {cap:.1f} GiB on GPU {g})"
-                + _rollouts_per_gpu([s for s in specs if g in s.device_mapping], g))
+        return (f"co-residence on: a rollout ({engine:.1f} GiB) keeps generating next to a training step "
+                f"({train:.1f} GiB), its own pipeline's or another's, where both fit ({need:.1f} of {cap:.1f} GiB on "
+                f"GPU {g})" + _rollouts_per_gpu([s for s in specs if g in s.device_mapping], g))
     fit = math.floor((util - (need - cap) / gpu_memory_gib) * 20) / 20
-    return (f"co-residence off: a rollout ({engine:.1f} GiB) next to another pipeline's training step ({train:.1f} "
-            f"GiB) needs {need:.1f} of {cap:.1f} GiB on GPU {g}; turns on a GPU are exclusive"
+    return (f"co-residence off: a rollout ({engine:.1f} GiB) next to a training step ({train:.1f} GiB) needs "
+            f"{need:.1f} of {cap:.1f} GiB on GPU {g}; turns on a GPU are exclusive (a rollout sleeps while a step "
+            "runs there)"
             + (f" (--gpu-memory-utilization {fit:g} would let them run together)" if fit >= 0.1 else ""))
 
 
@@ -422,7 +424,7 @@ def _overlay(stock: Mapping[str, Any], p: PipelineLayout, num_pipelines: int, gp
                            else ""))
         if loop == SINGLE_CONTROLLER and p.train_devices == p.infer_devices:
             _set(ov, stock, "async_rl.min_groups_for_streaming_train", "${grpo.num_prompts_per_step}",
-                 "one rollout rank: one chunk per step (its rollout sleeps while it trains)")
+                 "one rollout rank: one chunk per step (its rollout may sleep while it trains)")
     elif not _resolved(stock, "grpo.async_grpo.enabled") or colocated:
         sync = not _resolved(stock, "grpo.async_grpo.enabled")
         ov.notes.append(
@@ -432,8 +434,9 @@ def _overlay(stock: Mapping[str, Any], p: PipelineLayout, num_pipelines: int, gp
     one_rank = p.train_devices == p.infer_devices
     gpus_word = "one GPU" if len(p.infer_devices) == 1 else f"the {len(p.infer_devices)} GPUs of one rollout rank"
     if one_rank:
-        ov.notes.append(f"{gpus_word}: this pipeline trains and rolls out there; its rollout sleeps while any pipeline "
-                        "on those GPUs trains (no generation/training overlap for it; see topology.is_one_rank_topology)")
+        ov.notes.append(f"{gpus_word}: this pipeline trains and rolls out there; its rollout keeps generating beside "
+                        "a training step (its own included) where the memory figures fit (the co-residence note), "
+                        "and sleeps while one runs that it does not fit beside (see topology.is_one_rank_topology)")
     if loop not in (DATA_PLANE, SINGLE_CONTROLLER):
         _set(ov, stock, "grpo.async_grpo.enabled", True, "time-sharing drives async_grpo_train")
         _set(ov, stock, "loss_fn.use_importance_sampling_correction", True,

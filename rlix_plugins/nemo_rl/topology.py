@@ -29,7 +29,8 @@ Checks common to both:
   backend; for async GRPO ``loss_fn.use_importance_sampling_correction`` (trajectories from older weights are
   corrected; the TransferQueue loop is on-policy, the SingleController validates its own staleness rules);
 * the SingleController on one GPU: ``async_rl.min_groups_for_streaming_train == grpo.num_prompts_per_step`` (its
-  training grant spans a step's chunks while its only rollout rank sleeps; one chunk per step);
+  training grant spans a step's chunks, and its only rollout rank sleeps meanwhile wherever it does not fit beside
+  the step; one chunk per step);
 * ``vllm_cfg.sleep_level`` (patch 0003), when set, equals ``rlix.sleep_level`` (scheduler shrinks pass
   ``rlix.sleep_level`` per call; two different configured levels would only confuse);
 * ``vllm_cfg.tensor_parallel_size`` equals ``rlix.infer_tp``;
@@ -90,9 +91,12 @@ def is_one_rank_topology(run: RlixRunConfig) -> bool:
     """The one-rank topology: ``rlix.train_devices == rlix.infer_devices``, the GPUs of one vLLM DP rank (one GPU
     with TP 1, or a tensor-parallel rank of TP GPUs).
 
-    The pipeline trains and rolls out on the same GPUs. While it trains, its only rollout rank is slept (the
-    ACTOR_TRAINING grant preempts every GENERATION rank on its mapping, its own included); while a co-tenant on
-    that GPU trains, this pipeline's rollout is slept too. Why it cannot deadlock:
+    The pipeline trains and rolls out on the same GPUs. Where the memory figures (``rlix.memory``) show that its
+    rollout fits beside its own training step, the rank keeps generating while it trains and the in-flight refresh
+    after the step updates it (co-residence, DESIGN §4). Otherwise, and without figures, its only rollout rank is
+    slept while it trains (the ACTOR_TRAINING grant preempts every GENERATION rank on its mapping that does not
+    fit, its own included), and while a co-tenant's step it does not fit beside runs there. Why it cannot
+    deadlock when the rank sleeps:
 
     * the training grant never waits for rollout: GENERATION is preemptable by every other priority, so
       ``before_training`` gets the GPU once the rank is aborted, drained and slept; the collector's requests
@@ -105,9 +109,10 @@ def is_one_rank_topology(run: RlixRunConfig) -> bool:
       after training; among pipelines waiting for the same GPU the one that has waited longest is woken first,
       so co-tenants take turns instead of one starving until the other finishes.
 
-    What it costs: no overlap of generation and training for that pipeline (async GRPO still generates the next
-    batch ahead, with weights one step old, whenever the GPU is its), and every step pays one sleep + wake +
-    weight sync of the rank. On more GPUs prefer partial overlap (a rank outside the training GPUs).
+    What sleeping costs: no overlap of generation and training for that pipeline (async GRPO still generates the
+    next batch ahead, with weights one step old, whenever the GPU is its), and every step pays one sleep + wake +
+    weight sync of the rank: one 1.5 B pipeline alone on an H200 made 30 steps/h that way, 53 with its rollout
+    awake beside its step (DESIGN §9). On more GPUs prefer partial overlap (a rank outside the training GPUs).
     """
     return len(run.infer_devices) == run.infer_tp and tuple(run.train_devices) == tuple(run.infer_devices)
 
@@ -155,12 +160,13 @@ def _partial_overlap_problems(run: RlixRunConfig) -> list[str]:
 
 def _streaming_on_one_rank(master_config: Any) -> list[str]:
     """The SingleController holds the training grant from a step's first chunk to its publish; on one rank's GPUs its
-    only rollout rank sleeps meanwhile, so a step must be one chunk (an unresolved interpolation is not judged)."""
+    only rollout rank sleeps meanwhile wherever it does not fit beside the step (without memory figures, or a
+    co-tenant's step takes its room), so a step must be one chunk (an unresolved interpolation is not judged)."""
     groups = cfg_path(master_config, "async_rl.min_groups_for_streaming_train")
     per_step = cfg_path(master_config, "grpo.num_prompts_per_step")
     if isinstance(groups, int) and isinstance(per_step, int) and groups < per_step:
         return [f"async_rl.min_groups_for_streaming_train={groups} < grpo.num_prompts_per_step={per_step}: with one "
-                "rollout rank on the training GPUs the SingleController's rollout sleeps while it trains, so a streamed step never gets its later "
+                "rollout rank on the training GPUs the SingleController's rollout may sleep while it trains, so a streamed step never gets its later "
                 "chunks; set async_rl.min_groups_for_streaming_train=${grpo.num_prompts_per_step} (one chunk per step), "
                 "or give the pipeline an inference GPU outside rlix.train_devices"]
     return []

@@ -49,7 +49,7 @@ GPUS=${GPUS:-0}                       # the GPUs the time-shared runs share (`rl
 SPLIT_GPUS=${SPLIT_GPUS:-$GPUS}       # the static split's GPUs, one pipeline on each
 mkdir -p "$ROOT" "$WORK"
 ray() { python3 -c 'import sys; from ray.scripts.scripts import main; sys.argv[0] = "ray"; sys.exit(main())' "$@"; }
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 RAY_DEDUP_LOGS=0 TORCH_NCCL_ENABLE_MONITORING=0
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 RAY_DEDUP_LOGS=0 TORCH_NCCL_ENABLE_MONITORING=0 RAY_AUTH_MODE=token
 
 prepare() {  # prepare SHAPE...: the package, the patched copy, and each SHAPE's model and one-line recipe
   # The README's PYTHONPATH route: the package (with its entry points) in a directory every NeMo RL actor sees.
@@ -115,7 +115,13 @@ ray_head() {  # ray_head DIR K GPUS: a Ray head of its own (K: 0 shared runs, 1 
   # Its ports, client server and worker ports differ by K, so several clusters run on one machine at once; the
   # drivers find theirs by RAY_ADDRESS (DIR/ray_address), never by "the latest cluster".
   # K 3 + g: a shared run whose GPUs start at g > 0 (shared<N>:FAULT:GPUS beside another shared run).
+  # Every head and driver in Ray's token mode, as `rlix up` runs it (README "Security"): a private token (made 0600
+  # when missing; RAY_AUTH_MODE=token is exported above). Once the token file exists, a head Ray starts turns token
+  # mode on by itself, and a driver that joins by RAY_ADDRESS without RAY_AUTH_MODE=token is refused: the stock
+  # standalone run after a shared one failed that way.
   local dir=$1 k=$2 gpus=$3 port=$((6379 + 10 * $2)) more=()
+  python3 -c 'from rlix_plugins.control.admin.ray_auth import ensure_private_token; ensure_private_token()' \
+    >>"$dir/auth.log" 2>&1 || { cat "$dir/auth.log"; return 1; }
   [ "$k" -gt 0 ] && more=(--ray-client-server-port $((30000 + k)) --dashboard-agent-listen-port $((52365 + k))
     --min-worker-port $((30100 + 2000 * k)) --max-worker-port $((32099 + 2000 * k)))
   CUDA_VISIBLE_DEVICES=$gpus ray start --head --port "$port" --num-gpus "$(tr ',' '\n' <<<"$gpus" | wc -l)" \
@@ -156,11 +162,6 @@ run_shared() {  # run_shared NAME N MODE (together | sequential): on GPUS, clust
   python3 -m rlix_plugins.cli recipe "$STOCK" --pipelines "$n" --gpus "$ids" --out "$cfgdir" \
     ${UTIL:+--gpu-memory-utilization "$UTIL"} ${TP:+--tp "$TP"} >"$dir/recipe.log" 2>&1 ||
     { cat "$dir/recipe.log"; finish "$dir" recipe; return 1; }
-  # Ray's token authentication as `rlix up` runs it (README "Security"): a private token (made 0600 when missing),
-  # the head and the drivers in token mode (they join by RAY_ADDRESS, where Ray never turns it on by itself)
-  python3 -c 'from rlix_plugins.control.admin.ray_auth import ensure_private_token; ensure_private_token()' \
-    >"$dir/auth.log" 2>&1 || { cat "$dir/auth.log"; finish "$dir" auth; return 1; }
-  local -x RAY_AUTH_MODE=token
   ray_head "$dir" $([ "$first" -eq 0 ] && echo 0 || echo $((3 + first))) "$GPUS"
   export RAY_ADDRESS
   RAY_ADDRESS=$(cat "$dir/ray_address")

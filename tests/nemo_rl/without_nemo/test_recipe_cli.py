@@ -157,6 +157,11 @@ def test_memory_figures_let_the_scheduler_run_a_rollout_next_to_a_training_step(
     rc, files = _recipe(big, tmp_path / "lower", *common, "--gpu-memory-utilization", "0.5")
     out = capsys.readouterr().out
     assert rc == 0 and "co-residence on" in out, out
+    # one pipeline alone: its rollout keeps generating beside its own step (the scheduler allows it where it fits)
+    alone = ("--pipelines", "1", *common[2:], "--gpu-memory-utilization", "0.5")
+    assert _recipe(big, tmp_path / "alone", *alone)[0] == 0
+    out = capsys.readouterr().out
+    assert "co-residence on" in out and "its own pipeline's or another's" in out, out
 
     def specs(f: Path, pid: str) -> dict:
         merged = _merge(load_stock(big), load_stock(f))
@@ -323,7 +328,7 @@ data_plane: {enabled: true}
 
 def test_single_controller_recipe_keeps_its_loop(stock: Path, tmp_path: Path, capsys: Any) -> None:
     """A SingleController recipe (``async_rl`` + data plane) is not switched to async GRPO; on one GPU a streamed step
-    becomes one chunk (the rollout sleeps while it trains); on two GPUs streaming stays; its entry point is printed."""
+    becomes one chunk (the rollout may sleep while it trains); on two GPUs streaming stays; its entry point is printed."""
     from rlix_plugins.nemo_rl.topology import grpo_loop
 
     sc = stock.parent / "sc.yaml"
