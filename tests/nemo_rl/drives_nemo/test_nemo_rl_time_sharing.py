@@ -25,6 +25,7 @@ EXPECTED = {
     "test_standalone_loads_nothing_of_rlix",
     "test_time_sharing_hook_order_with_real_control_plane",
     "test_full_mode_resumed_run_progress_versions_and_logged_metrics",
+    "test_full_mode_own_rollout_keeps_generating_beside_its_step",
 }
 
 

@@ -223,3 +223,69 @@ def test_full_mode_resumed_run_progress_versions_and_logged_metrics(mock_grpo_co
     # Every vLLM worker that received weights verified them (its checksums), and no sync went unverified.
     assert sum(m["rlix/workers_verified"] for m in logged) >= 1 and all(m["rlix/syncs_unverified"] == 0 for m in logged)
     assert all(isinstance(v, float) and v >= 0 for m in logged for k, v in m.items() if k.startswith("rlix/"))
+
+
+#: one GPU whose memory figures let the pipeline's rollout stay awake beside its own step (60 + 35 of 100 GiB)
+OWN_BESIDE = {**FULL, "infer_devices": [0],
+              "memory": {"actor_infer": {"gpu_gib": 100, "awake_gib": 60, "asleep_gib": 1},
+                         "actor_train": {"gpu_gib": 100, "awake_gib": 35, "asleep_gib": 3}}}
+
+
+def test_full_mode_own_rollout_keeps_generating_beside_its_step(mock_grpo_components, tmp_path, monkeypatch):
+    """FULL mode on one GPU with memory figures that fit the rollout beside the step (DESIGN §9: one 1.5 B pipeline
+    alone made 30 steps/h with its rollout slept for every step, 53 with it awake): through the patched loop, the
+    real hooks, runtime, scheduler, router, resizer, cache, transport and receiver, the rank wakes once and is never
+    shrunk while the run trains, and every step's weights reach it by the in-flight refresh after the step,
+    verified."""
+    monkeypatch.setenv("RLIX_CONTROL_PLANE", "rlix")
+    from tests.unit.algorithms.rlix_worker_standins import (  # imports rlix_plugins: not at module level
+        CollectorHandle,
+        RecordingCollectorActor,
+        ReplayBufferActor,
+        StandinMegatronWorker,
+        StandinVllmLeader,
+        StandinWorkerGroup,
+    )
+
+    from rlix_plugins.control import client
+
+    cp = client.connect()
+    cfg = configure(mock_grpo_components, tmp_path, steps=NUM_STEPS, rlix=OWN_BESIDE)
+    mock_grpo_components["master_config"].policy["megatron_cfg"] = {"enabled": True}  # the trainer stand-in's backend
+    prompts = section(section(cfg, "grpo"), "num_prompts_per_step")
+    actor = {"num_cpus": 0}
+    leader = ray.remote(StandinVllmLeader).options(**actor).remote(2)
+    trainer = ray.remote(StandinMegatronWorker).options(**actor).remote(100)
+    collector = ray.remote(RecordingCollectorActor).options(**actor).remote()
+    batch = next(iter(mock_grpo_components["train_dataloader"]))
+    replay = ray.remote(ReplayBufferActor).options(**actor).remote(batch, prompts, 0)
+    policy = mock_grpo_components["policy"]
+    policy.worker_group = StandinWorkerGroup([trainer])
+    generation = _mock_policy_generation()
+    generation.worker_group = StandinWorkerGroup([leader])
+    generation.attach_fleet_health = MagicMock()  # NeMo RL's seam on VllmGeneration (the mock's spec lacks it)
+    capture = HookCapture()
+    awake_in_step = []  # whether the scheduler had the pipeline's rollout rank allocated inside each train
+
+    def on_train(n):
+        REAL_RAY_GET(trainer.train.remote(100 + n + 1), timeout=60)
+        allocs = cp.status()["allocations"]
+        pid = capture.impl.pipeline_id
+        awake_in_step.append(sorted(cid[len(pid) + 1:] for cid, a in allocs.items() if a["pipeline_id"] == pid))
+
+    events, refits = [], []
+    record_policy(policy, events, lambda: None, on_train=on_train)
+    with capture:
+        run_async_grpo(mock_grpo_components, generation, CollectorHandle(collector), refits, replay_buffer=replay)
+
+    hooks = capture.impl
+    assert type(hooks.runtime).__name__ == "NemoRuntime", "not in full mode: the stand-in worker groups were not seen"
+    assert awake_in_step == [["actor_infer", "actor_train"]] * NUM_STEPS, awake_in_step
+    history = hooks.runtime.rt.resize_history()
+    ops = [e["op"] for e in history]
+    last_refresh = max(i for i, op in enumerate(ops) if op == "refresh")
+    assert ops.count("expand") == 1 and "shrink" not in ops[:last_refresh], ops  # the end's planned shrink follows
+    refreshes = [e for e in history if e["op"] == "refresh"]
+    assert len(refreshes) == NUM_STEPS and all(e["ranks"] == [0] and e["verified"] for e in refreshes), refreshes
+    versions = sorted({v for v, _ in REAL_RAY_GET(collector.get_versions.remote(), timeout=30)})
+    assert versions == list(range(NUM_STEPS + 1)), versions
