@@ -19,6 +19,7 @@ from rlix_plugins.control.types import (
     Grant,
     PendingRequest,
     Priority,
+    Progress,
     SchedulerSnapshot,
 )
 
@@ -87,6 +88,22 @@ def test_a_pipelines_own_rollout_stays_awake_beside_its_own_step_where_both_fit(
     _check_holders(snap, plan.allocations)
 
 
+def test_a_waiting_pipelines_rollout_takes_the_place_of_a_rank_beside_its_own_step() -> None:
+    """Two pipelines on one GPU with room for one rollout beside one step: a's step keeps a's rank only while nobody
+    else wants the place. b waits with work and no rank, so b's rollout takes it (the co-resident swap), as when a's
+    rank slept for every step of a's: kept, b would wait two of a's steps (the fair-turn bound) and then run its
+    rollout alone on the GPU."""
+    c = two_on_one_gpu()
+    snap = snapshot(1, c, [gen_alloc(c["a_actor_infer"], [0])],
+                    [PendingRequest("b_actor_infer", GEN, 1), PendingRequest("a_actor_train", TRAIN, 2)])
+    plan = plan_cycle(snap)
+    validate_plan(snap, plan)
+    assert sorted(g.cluster_id for g in plan.grants) == ["a_actor_train", "b_actor_infer"]
+    assert [(s.cluster_id, s.reason) for s in plan.shrinks] == [("a_actor_infer", "rebalance")]
+    assert [(e.cluster_id, e.dp_ranks) for e in plan.expands] == [("b_actor_infer", (0,))]
+    _check_holders(snap, plan.allocations)
+
+
 @pytest.mark.parametrize("others", [False, True])
 def test_room_that_opens_during_a_step_goes_to_other_pipelines_rollouts(others: bool) -> None:
     """A rank that slept for its pipeline's step does not wake beside that step: room that opens meanwhile goes to
@@ -138,6 +155,35 @@ def test_no_co_residence_where_the_rule_forbids_it(case: str) -> None:
     plan = plan_cycle(snap)
     validate_plan(snap, plan)
     assert not plan.expands and not active(plan, "a_actor_infer")
+
+
+def test_rollouts_without_work_leave_a_gpu_to_the_pipeline_they_owe_a_turn() -> None:
+    """The stall a simulated run found: p0's and p1's rollouts (30 + 60 GiB) have nothing left to collect and hold
+    the GPU together, their steps wait for the turn they owe p2, whose rollout (70 GiB) fits beside neither. Both
+    leave (a co-resident rank was never a gap-ratio donor, and the swap took one rank at a time and never a last
+    one), and p2 wakes alone on the GPU."""
+    pipes = {**pipeline("p0", [0], [0]), **pipeline("p1", [0], [0]), **pipeline("p2", [0], [0])}
+    gib = {"p0": 30.0, "p1": 60.0, "p2": 70.0}
+    c = {cid: replace(s, memory=ClusterMemory(100.0, gib[s.pipeline_id], 1.0) if s.is_generation
+                      else ClusterMemory(100.0, 35.0, 3.0)) for cid, s in pipes.items()}
+    snap = snapshot(1, c, [gen_alloc(c["p0_actor_infer"], [0]), gen_alloc(c["p1_actor_infer"], [0])],
+                    [PendingRequest("p2_actor_infer", GEN, 1), PendingRequest("p0_actor_train", TRAIN, 2),
+                     PendingRequest("p1_actor_train", TRAIN, 3)])
+    snap = replace(snap, progress={"p0": Progress("p0", 16, 16), "p1": Progress("p1", 256, 256),
+                                   "p2": Progress("p2", 16, 0)},
+                   turns_owed={"p0": frozenset({"p2"}), "p1": frozenset({"p0", "p2"})})
+    plan = plan_cycle(snap)
+    validate_plan(snap, plan)
+    assert [(s.cluster_id, s.reason) for s in plan.shrinks] == [("p0_actor_infer", "rebalance"),
+                                                                ("p1_actor_infer", "rebalance")]
+    assert active(plan, "p2_actor_infer") == {0} and not plan.grants[1:]
+    _check_holders(snap, plan.allocations)
+    # without the debt and with work left, p1 keeps its rank: only p0 (no work) would leave, and that is not enough
+    busy = replace(snap, progress={**snap.progress, "p1": Progress("p1", 256, 100)}, turns_owed={},
+                   pending=snap.pending[:1])
+    plan2 = plan_cycle(busy)
+    validate_plan(busy, plan2)
+    assert not plan2.shrinks and not active(plan2, "p2_actor_infer")
 
 
 def test_a_co_resident_rank_released_leaves_the_training_step_its_gpu() -> None:
@@ -273,14 +319,16 @@ def test_training_steps_of_two_pipelines_run_side_by_side_with_the_rollouts_that
     assert plan.allocations["a_actor_train"].gpus == plan.allocations["b_actor_train"].gpus == {0}
     assert active(plan, "b_actor_infer") == active(plan, "c_actor_infer") == {0}
     _check_holders(snap, plan.allocations)
-    # a's step ends while b's runs: a third rollout does not fit beside b's step (145.1 GiB), so a and d wait for a
-    # rank without taking one (each of b and c has one: no co-resident swap)
+    # a's step ends while b's runs: a third rollout does not fit beside b's step (145.1 GiB), so a, which waited
+    # longest, takes the place of b's own rank beside b's step (the co-resident swap); c keeps its one rank, d waits
     after = apply_plan(snap, plan)
     after = replace(after, allocations={k: v for k, v in after.allocations.items() if k != "a_actor_train"},
                     pending=(PendingRequest("a_actor_infer", GEN, 2), PendingRequest("d_actor_infer", GEN, 3)))
     plan2 = plan_cycle(after)
     validate_plan(after, plan2)
-    assert not plan2.shrinks and not plan2.expands
+    assert [(s.cluster_id, s.reason) for s in plan2.shrinks] == [("b_actor_infer", "rebalance")]
+    assert [(e.cluster_id, e.dp_ranks) for e in plan2.expands] == [("a_actor_infer", (0,))]
+    assert active(plan2, "c_actor_infer") == {0} and not active(plan2, "d_actor_infer")
     assert plan2.allocations["b_actor_train"].gpus == {0}
     _check_holders(after, plan2.allocations)
 

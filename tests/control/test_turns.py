@@ -14,7 +14,7 @@ from rlix_plugins.control.capacity.fairness import fairness
 from rlix_plugins.control.capacity.simulation import JobSpec, Simulation
 from rlix_plugins.control.scheduling.planner import plan_cycle, validate_plan
 from rlix_plugins.control.scheduling.turns import TurnLedger, owed_gpus, waiting_pipelines
-from rlix_plugins.control.types import PendingRequest, Priority, TraceEvent
+from rlix_plugins.control.types import ClusterMemory, PendingRequest, Priority, TraceEvent
 
 from ._planner_fixtures import GEN, active, gen_alloc, pipeline, snapshot, whole_alloc
 
@@ -153,6 +153,47 @@ def test_no_waiting_pipeline_watches_another_complete_more_than_two_steps(n: int
     assert run.steps == sum(j.steps for j in jobs)
     f = run.fairness()
     assert f.max_steps_watched <= 2, f.line()
+
+
+#: (rollout awake, step awake) GiB on a 100 GiB GPU, asleep 1 and 3: a rollout beside its own or another's step
+#: (60 + 35), two rollouts (40 + 40), two steps (35 + 35), or nothing shared (70 + 60)
+FIGURES = st.sampled_from([(60.0, 35.0), (40.0, 15.0), (30.0, 35.0), (70.0, 60.0)])
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(2, 4), st.sampled_from([1, 2, 4]), st.data())
+def test_fair_turns_hold_with_co_residence(n: int, gpus: int, data: st.DataObject) -> None:
+    """The same property with memory figures declared: phases of different pipelines share a GPU where they fit, a
+    pipeline's own rollout stays beside its own step unless a co-tenant with work and no rank takes the place; each
+    pipeline finishes, and none watched another complete > 2 steps."""
+    gpus = max(gpus, n) if gpus > 1 else 1
+    jobs = []
+    for i in range(n):
+        infer_gib, train_gib = data.draw(FIGURES)
+        memory = (ClusterMemory(100.0, infer_gib, 1.0), ClusterMemory(100.0, train_gib, 3.0))
+        jobs.append(replace(_job(f"p{i}", i, data.draw(JOBS)), memory=memory))
+    run = Simulation(jobs, rlix_placements(jobs, gpus, 8), gpus, 8).run()
+    assert run.steps == sum(j.steps for j in jobs)
+    f = run.fairness()
+    assert f.max_steps_watched <= 2, f.line()
+
+
+def test_idle_co_resident_rollouts_give_their_place_to_the_pipeline_they_owe_a_turn() -> None:
+    """A run the co-residence property found (2026-11-29; it made no progress before that day's fix): three pipelines
+    on one 100 GiB GPU. p0's and p1's rollouts (30 and 60 GiB) had collected everything their windows allowed and
+    stayed awake together; their steps waited for the turn they owed p2, whose rollout (70 GiB) fitted beside
+    neither, and nothing gave way. Now ranks without work, and ranks of debtors, leave for it."""
+    def job(name: str, target: int, traj: float, train: float, steps: int, age: int, start: float,
+            infer_gib: float, train_gib: float) -> JobSpec:
+        return JobSpec(name=name, train_gpus=1, step_target=target, traj_time_s=traj, seqs_per_rank=64,
+                       train_time_s=train, sync_time_s=1.0, expand_time_s=0.5, init_time_s=20.0, steps=steps,
+                       max_age=age, start_s=start,
+                       memory=(ClusterMemory(100.0, infer_gib, 1.0), ClusterMemory(100.0, train_gib, 3.0)))
+
+    jobs = [job("p0", 16, 1.0, 20.0, 6, 1, 0.0, 30.0, 35.0), job("p1", 256, 3.0, 20.0, 6, 2, 30.0, 60.0, 35.0),
+            job("p2", 16, 10.0, 2.0, 5, 1, 0.0, 70.0, 60.0)]
+    run = Simulation(jobs, rlix_placements(jobs, 1, 8), 1, 8, max_time_s=20_000).run()
+    assert run.steps == 17 and run.fairness().max_steps_watched <= 2, run.fairness().line()
 
 
 def test_without_turns_one_pipeline_trains_back_to_back_while_the_other_waits() -> None:

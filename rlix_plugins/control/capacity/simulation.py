@@ -11,7 +11,8 @@ Model (one pipeline = one ``JobSpec``):
   (``v`` steps trained) trajectories are produced for steps ``<= v + max_age``, as NeMo RL's trajectory
   collector does; so with ``max_age=1`` the next batch is generated while the current one waits or trains.
 * **Training** of step ``s`` starts when batch ``s`` is complete and the ACTOR_TRAINING request for the whole
-  ``actor_train`` mapping is granted (the planner preempts overlapping rollout ranks); it holds the GPUs for
+  ``actor_train`` mapping is granted (the planner preempts overlapping rollout ranks, but those that fit beside the
+  step by ``JobSpec.memory`` stay and keep producing, the pipeline's own included); it holds the GPUs for
   ``train_time_s + sync_time_s`` (train, build the CPU cache, refresh the active ranks, publish) and releases.
 * **Synchronous** jobs (``sync=True``, the stock colocated baseline) roll out step ``s+1`` only after step ``s``
   trained: no overlap of rollout and training.
@@ -38,6 +39,7 @@ from rlix_plugins.control.scheduling.planner import plan_cycle, validate_plan
 from rlix_plugins.control.scheduling.turns import FAIR_TURN_STEPS, TurnLedger
 from rlix_plugins.control.types import (
     Allocation,
+    ClusterMemory,
     ClusterSpec,
     CyclePlan,
     PendingRequest,
@@ -70,6 +72,9 @@ class JobSpec:
     max_age: int = 1
     start_s: float = 0.0  #: admission time (staggered admission, as the reference launcher's admit delay)
     sync: bool = False  #: synchronous (colocated) GRPO: roll out step s+1 only after step s trained
+    #: memory figures of (its rollout cluster, its training cluster), as ``rlix recipe`` writes ``rlix.memory``:
+    #: with them the planner lets phases share a GPU where they fit (co-residence); None: whole-GPU turns
+    memory: tuple[ClusterMemory, ClusterMemory] | None = None
 
 
 @dataclass(frozen=True)
@@ -152,7 +157,11 @@ class Simulation:
         self.pipes: list[_Pipe] = []
         for job, pl in zip(jobs, placements, strict=True):
             pid = job.name
-            self.clusters.update(pipeline_clusters(pid, pl.train, pl.infer, job.tp))
+            specs = pipeline_clusters(pid, pl.train, pl.infer, job.tp)
+            if job.memory is not None:
+                specs = {cid: replace(sp, memory=job.memory[0] if sp.is_generation else job.memory[1])
+                         for cid, sp in specs.items()}
+            self.clusters.update(specs)
             self.pipes.append(_Pipe(job, pid, cluster_id(pid, "actor_train"), cluster_id(pid, "actor_infer")))
         # Registration-time check, as in the scheduler: cycles never re-check the (frozen) specs. Per spec only:
         # the baseline placements (static partition, one after another) train on GPUs their rollout does not use.

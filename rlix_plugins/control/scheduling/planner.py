@@ -52,7 +52,7 @@ import heapq
 from collections.abc import Iterable
 
 from rlix_plugins.control.registration import validate_cluster_specs
-from rlix_plugins.control.scheduling.coresidence import sharing_problem
+from rlix_plugins.control.scheduling.coresidence import fits, sharing_problem
 from rlix_plugins.control.scheduling.gap_ratio import cluster_demands, plan_gap_ratio
 from rlix_plugins.control.scheduling.invariants import PlanInvariantError, validate_plan, validate_snapshot
 from rlix_plugins.control.scheduling.plan_state import PlanState, bundles, rank_index
@@ -92,6 +92,7 @@ def plan_cycle(snapshot: SchedulerSnapshot) -> CyclePlan:
     plan_gap_ratio(state)
     _coresident_fill(state)
     _coresident_swap(state)
+    _yield_places(state)
     _generation_grants(state)
     return state.to_plan()
 
@@ -327,7 +328,12 @@ def _room_on(state: PlanState, gpu: int) -> int | None:
 
 def _coresident_swap(state: PlanState) -> None:
     """Give each rollout cluster that has work and still no active rank one rank on a shared GPU, in place of a
-    co-resident rollout rank of another pipeline that keeps at least one other rank (the longest waiter first).
+    co-resident rollout rank of another pipeline that keeps at least one other rank, or that runs beside its own
+    pipeline's training step (the longest waiter first). The second kind: a pipeline's own rollout may stay awake
+    beside its own step where nobody else wants the room (alone on a GPU, that is what lets async GRPO overlap
+    generation with training), but a co-tenant with work and no rank goes first, as it did when the rank slept for
+    every step of its own pipeline; keeping it instead, two pipelines on one GPU would take turns of two steps
+    each (the fair-turn bound), and the GPU would run the newcomer's rollout alone at every turn.
 
     Only where the GPUs of the rank stay held by someone else after the swap (an idle GPU is the gap ratio's), the
     donor rank covers the same GPUs, is not protected (woken this cycle, or an expand in flight) and the newcomer
@@ -345,6 +351,7 @@ def _coresident_swap(state: PlanState) -> None:
                       key=lambda c: (waiting.get(c, -1), clusters[c].pipeline_id, c))
     rooms = _Rooms(state)
     protected = state.protected
+    training = {clusters[c].pipeline_id for c in state.nongen}
     # donor -> (the most room all GPUs of one of its unprotected ranks have, that rank), None without such a rank;
     # computed when first asked and kept up to date at each swap: a donor none of whose ranks has the room a
     # newcomer needs is skipped without a scan of its ranks. In a pool where every pipeline rolls out everywhere a
@@ -395,8 +402,8 @@ def _coresident_swap(state: PlanState) -> None:
         # The donor with the best key that has a rank to give: the most awake ranks, then the lowest demand. Only
         # donors of the newcomer's TP size: a rank's GPUs must be one of the newcomer's bundles.
         donors = sorted((d for d, kept in state.gen_active.items()
-                         if len(kept) >= 2 and clusters[d].pipeline_id != spec.pipeline_id
-                         and clusters[d].tp_size == spec.tp_size),
+                         if (len(kept) >= 2 or clusters[d].pipeline_id in training)
+                         and clusters[d].pipeline_id != spec.pipeline_id and clusters[d].tp_size == spec.tp_size),
                         key=lambda d: (-len(state.gen_active[d]), demands.get(d, 0), d))
         for donor in donors:
             dspec = clusters[donor]
@@ -406,11 +413,13 @@ def _coresident_swap(state: PlanState) -> None:
                 continue  # no rank of this donor has the room (``rooms.has`` below would refuse every one)
             theirs = bundles(dspec)
             take: tuple[int, int] | None = None  # (acceptor rank, donor rank): the acceptor's lowest rank
+            last = len(state.gen_active[donor]) < 2  # its last rank gives only beside its own pipeline's step
             for drank in state.gen_active[donor]:
                 bundle = theirs[drank]
                 r = index.get(bundle[0])
                 if (r is None or (take is not None and r >= take[0]) or r in shrunk or mine[r] != bundle
-                        or (donor, drank) in protected):
+                        or (donor, drank) in protected
+                        or (last and not all(_own_step_on(state, g, dspec) for g in bundle))):
                     continue
                 if all(rooms.has(g, room_needed) for g in bundle) and \
                         all(_coresidable(state, g, spec, leaving=donor) and not _own_step_on(state, g, spec)
@@ -427,6 +436,75 @@ def _coresident_swap(state: PlanState) -> None:
 def _own_step_on(state: PlanState, gpu: int, spec: ClusterSpec) -> bool:
     """Whether ``spec``'s pipeline holds a training-type allocation on ``gpu``."""
     return any(host.pipeline_id == spec.pipeline_id for host, _ in state.hosts(gpu))
+
+
+def _yield_places(state: PlanState) -> None:
+    """Give each rollout cluster that has work and still no rank a place that rollout ranks of other pipelines leave
+    when they have no work (their progress reports nothing left to collect) or their pipeline owes it a turn: as many of them on one rank's GPUs as it
+    takes to fit, a pipeline's last rank too (the longest waiter first; the lowest rank with room).
+
+    Without it, co-residence could stall: two rollout ranks without work held a GPU together (a co-resident rank is
+    never a gap-ratio donor, and the swap takes one rank at a time and never a last one), their pipelines' training
+    waited for the turn they owed a third pipeline, and that pipeline's rollout fitted beside neither (a simulated
+    run of four pipelines on one GPU made no progress; ``tests/control/test_turns.py``). Ranks without work go
+    first, then those of debtors; only ranks of the newcomer's TP size that cover its rank's GPUs exactly."""
+    if not state.tenants:
+        return
+    snap = state.snap
+    clusters = snap.clusters
+    waiting = snap.generation_waiting_since
+    demands = cluster_demands(state)
+    starving = sorted((c for c, d in demands.items() if d > 0 and c not in state.gen_active
+                       and c not in snap.expanding and c not in state.released),
+                      key=lambda c: (waiting.get(c, -1), clusters[c].pipeline_id, c))
+    for cid in starving:
+        spec = clusters[cid]
+        owed = {d for d, creditors in snap.turns_owed.items() if spec.pipeline_id in creditors}
+        # bundle -> the ranks there that yield to this cluster, those without work first
+        yielding: dict[tuple[int, ...], list[tuple[bool, str, int]]] = {}
+        for d, active in state.gen_active.items():
+            dspec = clusters[d]
+            # no work: its progress says its batches are complete (a cluster that has not reported yet is not idle)
+            no_work = snap.progress.get(dspec.pipeline_id) is not None and demands.get(d, 0) <= 0
+            if dspec.pipeline_id == spec.pipeline_id or dspec.tp_size != spec.tp_size or not (
+                    no_work or dspec.pipeline_id in owed):
+                continue
+            theirs = bundles(dspec)
+            for drank in active:
+                if (d, drank) not in state.protected:
+                    yielding.setdefault(theirs[drank], []).append((not no_work, d, drank))
+        if not yielding:
+            continue
+        index, mine, shrunk = rank_index(spec), bundles(spec), state.shrunk.get(cid, set())
+        for bundle in sorted(yielding, key=lambda b: index.get(b[0], len(mine))):
+            r = index.get(bundle[0])
+            if r is None or r in shrunk or mine[r] != bundle:
+                continue
+            cands = sorted(yielding[bundle])
+            k = next((k for k in range(1, len(cands) + 1)
+                      if all(_fits_once_left(state, g, spec, {d for _, d, _ in cands[:k]}) for g in bundle)), None)
+            if k is None:
+                continue
+            left = {d for _, d, _ in cands[:k]}
+            idle = [not state.hosts(g) and set(state.generation_holders(g)) <= left for g in bundle]
+            if any(idle) and not all(idle):
+                continue  # some of its GPUs left idle, some still held: not one place (the gap ratio's, next cycle)
+            for _, d, drank in cands[:k]:
+                state.shrink(d, drank, "rebalance")
+            state.expand(cid, r, coresident=not all(idle))
+            break
+
+
+def _fits_once_left(state: PlanState, gpu: int, spec: ClusterSpec, leaving: set[str]) -> bool:
+    """Whether a rank of ``spec`` may wake on ``gpu`` once the rollout ranks of ``leaving`` there sleep: beside the
+    holders that stay, or alone where none does (``coresidence``)."""
+    if state.owner.get(gpu) is None or gpu in state.reserved or gpu in state.snap.fenced_gpus:
+        return False
+    clusters = state.snap.clusters
+    generation = [clusters[c] for c in state.generation_holders(gpu) if c not in leaving]
+    return sharing_problem(state.tenants, gpu, [*generation, spec], state.hosts(gpu)) is None \
+        and fits(state.tenants, gpu, [*(g.cluster_id for g in generation), spec.cluster_id,
+                                      *(h.cluster_id for h, _ in state.hosts(gpu))])
 
 
 def _extra(state: PlanState, spec: ClusterSpec) -> int:
