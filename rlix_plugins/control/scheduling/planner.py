@@ -344,11 +344,8 @@ def _coresident_swap(state: PlanState) -> None:
         return
     snap = state.snap
     clusters = snap.clusters
-    waiting = snap.generation_waiting_since
     demands = cluster_demands(state)
-    starving = sorted((c for c, d in demands.items() if d > 0 and c not in state.gen_active
-                       and c not in snap.expanding and c not in state.released),
-                      key=lambda c: (waiting.get(c, -1), clusters[c].pipeline_id, c))
+    starving = _starving(state, demands)
     rooms = _Rooms(state)
     protected = state.protected
     training = {clusters[c].pipeline_id for c in state.nongen}
@@ -452,11 +449,8 @@ def _yield_places(state: PlanState) -> None:
         return
     snap = state.snap
     clusters = snap.clusters
-    waiting = snap.generation_waiting_since
     demands = cluster_demands(state)
-    starving = sorted((c for c, d in demands.items() if d > 0 and c not in state.gen_active
-                       and c not in snap.expanding and c not in state.released),
-                      key=lambda c: (waiting.get(c, -1), clusters[c].pipeline_id, c))
+    starving = _starving(state, demands)
     for cid in starving:
         spec = clusters[cid]
         owed = {d for d, creditors in snap.turns_owed.items() if spec.pipeline_id in creditors}
@@ -505,6 +499,16 @@ def _fits_once_left(state: PlanState, gpu: int, spec: ClusterSpec, leaving: set[
     return sharing_problem(state.tenants, gpu, [*generation, spec], state.hosts(gpu)) is None \
         and fits(state.tenants, gpu, [*(g.cluster_id for g in generation), spec.cluster_id,
                                       *(h.cluster_id for h, _ in state.hosts(gpu))])
+
+
+def _starving(state: PlanState, demands: dict[str, int]) -> list[str]:
+    """Rollout clusters with work and no active rank (none waking, none released this cycle), the longest waiter
+    first."""
+    snap, clusters = state.snap, state.snap.clusters
+    waiting = snap.generation_waiting_since
+    return sorted((c for c, d in demands.items() if d > 0 and c not in state.gen_active
+                   and c not in snap.expanding and c not in state.released),
+                  key=lambda c: (waiting.get(c, -1), clusters[c].pipeline_id, c))
 
 
 def _extra(state: PlanState, spec: ClusterSpec) -> int:

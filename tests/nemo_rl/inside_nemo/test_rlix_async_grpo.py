@@ -125,6 +125,42 @@ def test_time_sharing_hook_order_with_real_control_plane(mock_grpo_components, t
     assert not [c for c, a in status["allocations"].items() if a["pipeline_id"] == pid]
 
 
+def _full_mode(components, tmp_path, rlix: dict, *, steps: int, start: int):
+    """FULL mode's parts (rlix_worker_standins): the control plane, and a namespace with the trainer stand-in (at the
+    weights of step ``start``), one vLLM leader stand-in per inference GPU, the collector actor and its handle, a
+    replay buffer actor, and NeMo RL's mock policy and generation wired to them."""
+    from types import SimpleNamespace
+
+    from tests.unit.algorithms.rlix_worker_standins import (  # imports rlix_plugins: not at module level
+        CollectorHandle,
+        RecordingCollectorActor,
+        ReplayBufferActor,
+        StandinMegatronWorker,
+        StandinVllmLeader,
+        StandinWorkerGroup,
+    )
+
+    from rlix_plugins.control import client
+
+    cfg = configure(components, tmp_path, steps=steps, rlix=rlix)
+    components["master_config"].policy["megatron_cfg"] = {"enabled": True}  # the trainer stand-in's backend
+    prompts = section(section(cfg, "grpo"), "num_prompts_per_step")
+    actor = {"num_cpus": 0}
+    leaders = [ray.remote(StandinVllmLeader).options(**actor).remote(2) for _ in rlix["infer_devices"]]
+    trainer = ray.remote(StandinMegatronWorker).options(**actor).remote(100 + start)  # the checkpoint's weights
+    collector = ray.remote(RecordingCollectorActor).options(**actor).remote()
+    batch = next(iter(components["train_dataloader"]))
+    replay = ray.remote(ReplayBufferActor).options(**actor).remote(batch, prompts, start)
+    policy = components["policy"]
+    policy.worker_group = StandinWorkerGroup([trainer])
+    generation = _mock_policy_generation()
+    generation.worker_group = StandinWorkerGroup(leaders)
+    generation.attach_fleet_health = MagicMock()  # NeMo RL's seam on VllmGeneration (the mock's spec lacks it)
+    return client.connect(), SimpleNamespace(trainer=trainer, collector=collector,
+                                             collector_handle=CollectorHandle(collector), replay=replay,
+                                             policy=policy, generation=generation, prompts=prompts)
+
+
 START, RESUMED_STEPS = 2, 2  # a run resumed at step 2 (its checkpoint), trained to step 4
 FULL = {**RLIX, "init_timeout_s": 60, "sync_timeout_s": 60, "drain_timeout_s": 30, "release_timeout_s": 60,
         "watchdog_interval_s": 0.5, "bucket_size_bytes": 1 << 20}
@@ -142,32 +178,9 @@ def test_full_mode_resumed_run_progress_versions_and_logged_metrics(mock_grpo_co
       (finding 5): the published version, the wait for the training grant, ranks expanded / shrunk, preemptions.
     """
     monkeypatch.setenv("RLIX_CONTROL_PLANE", "rlix")
-    from tests.unit.algorithms.rlix_worker_standins import (  # imports rlix_plugins: not at module level
-        CollectorHandle,
-        RecordingCollectorActor,
-        ReplayBufferActor,
-        StandinMegatronWorker,
-        StandinVllmLeader,
-        StandinWorkerGroup,
-    )
-
-    from rlix_plugins.control import client
-
-    cp = client.connect()
-    cfg = configure(mock_grpo_components, tmp_path, steps=START + RESUMED_STEPS, rlix=FULL)
-    mock_grpo_components["master_config"].policy["megatron_cfg"] = {"enabled": True}  # the trainer stand-in's backend
-    prompts = section(section(cfg, "grpo"), "num_prompts_per_step")
-    actor = {"num_cpus": 0}
-    leaders = [ray.remote(StandinVllmLeader).options(**actor).remote(2) for _ in FULL["infer_devices"]]
-    trainer = ray.remote(StandinMegatronWorker).options(**actor).remote(100 + START)  # the checkpoint's weights
-    collector = ray.remote(RecordingCollectorActor).options(**actor).remote()
-    batch = next(iter(mock_grpo_components["train_dataloader"]))
-    replay = ray.remote(ReplayBufferActor).options(**actor).remote(batch, prompts, START)
-    policy = mock_grpo_components["policy"]
-    policy.worker_group = StandinWorkerGroup([trainer])
-    generation = _mock_policy_generation()
-    generation.worker_group = StandinWorkerGroup(leaders)
-    generation.attach_fleet_health = MagicMock()  # NeMo RL's seam on VllmGeneration (the mock's spec lacks it)
+    cp, full = _full_mode(mock_grpo_components, tmp_path, FULL, steps=START + RESUMED_STEPS, start=START)
+    trainer, collector, replay, policy, generation, prompts = (full.trainer, full.collector, full.replay,
+                                                              full.policy, full.generation, full.prompts)
     capture = HookCapture()
     at_train = []  # (versions the collector had, the scheduler's progress of this pipeline) inside each train
 
@@ -185,7 +198,7 @@ def test_full_mode_resumed_run_progress_versions_and_logged_metrics(mock_grpo_co
     events, refits = [], []
     record_policy(policy, events, lambda: None, on_train=on_train)
     with capture:
-        run_async_grpo(mock_grpo_components, generation, CollectorHandle(collector), refits, start_step=START,
+        run_async_grpo(mock_grpo_components, generation, full.collector_handle, refits, start_step=START,
                        replay_buffer=replay)
 
     hooks = capture.impl
@@ -238,32 +251,8 @@ def test_full_mode_own_rollout_keeps_generating_beside_its_step(mock_grpo_compon
     shrunk while the run trains, and every step's weights reach it by the in-flight refresh after the step,
     verified."""
     monkeypatch.setenv("RLIX_CONTROL_PLANE", "rlix")
-    from tests.unit.algorithms.rlix_worker_standins import (  # imports rlix_plugins: not at module level
-        CollectorHandle,
-        RecordingCollectorActor,
-        ReplayBufferActor,
-        StandinMegatronWorker,
-        StandinVllmLeader,
-        StandinWorkerGroup,
-    )
-
-    from rlix_plugins.control import client
-
-    cp = client.connect()
-    cfg = configure(mock_grpo_components, tmp_path, steps=NUM_STEPS, rlix=OWN_BESIDE)
-    mock_grpo_components["master_config"].policy["megatron_cfg"] = {"enabled": True}  # the trainer stand-in's backend
-    prompts = section(section(cfg, "grpo"), "num_prompts_per_step")
-    actor = {"num_cpus": 0}
-    leader = ray.remote(StandinVllmLeader).options(**actor).remote(2)
-    trainer = ray.remote(StandinMegatronWorker).options(**actor).remote(100)
-    collector = ray.remote(RecordingCollectorActor).options(**actor).remote()
-    batch = next(iter(mock_grpo_components["train_dataloader"]))
-    replay = ray.remote(ReplayBufferActor).options(**actor).remote(batch, prompts, 0)
-    policy = mock_grpo_components["policy"]
-    policy.worker_group = StandinWorkerGroup([trainer])
-    generation = _mock_policy_generation()
-    generation.worker_group = StandinWorkerGroup([leader])
-    generation.attach_fleet_health = MagicMock()  # NeMo RL's seam on VllmGeneration (the mock's spec lacks it)
+    cp, full = _full_mode(mock_grpo_components, tmp_path, OWN_BESIDE, steps=NUM_STEPS, start=0)
+    trainer, collector = full.trainer, full.collector
     capture = HookCapture()
     awake_in_step = []  # whether the scheduler had the pipeline's rollout rank allocated inside each train
 
@@ -274,9 +263,9 @@ def test_full_mode_own_rollout_keeps_generating_beside_its_step(mock_grpo_compon
         awake_in_step.append(sorted(cid[len(pid) + 1:] for cid, a in allocs.items() if a["pipeline_id"] == pid))
 
     events, refits = [], []
-    record_policy(policy, events, lambda: None, on_train=on_train)
+    record_policy(full.policy, events, lambda: None, on_train=on_train)
     with capture:
-        run_async_grpo(mock_grpo_components, generation, CollectorHandle(collector), refits, replay_buffer=replay)
+        run_async_grpo(mock_grpo_components, full.generation, full.collector_handle, refits, replay_buffer=full.replay)
 
     hooks = capture.impl
     assert type(hooks.runtime).__name__ == "NemoRuntime", "not in full mode: the stand-in worker groups were not seen"
