@@ -443,7 +443,7 @@ def _yield_places(state: PlanState) -> None:
     Without it, co-residence could stall: two rollout ranks without work held a GPU together (a co-resident rank is
     never a gap-ratio donor, and the swap takes one rank at a time and never a last one), their pipelines' training
     waited for the turn they owed a third pipeline, and that pipeline's rollout fitted beside neither (a simulated
-    run of four pipelines on one GPU made no progress; ``tests/control/test_turns.py``). Ranks without work go
+    runs of three and four pipelines on one GPU made no progress; ``tests/control/test_turns.py``). Ranks without work go
     first, then those of debtors; only ranks of the newcomer's TP size that cover its rank's GPUs exactly."""
     if not state.tenants:
         return
