@@ -437,14 +437,15 @@ def _own_step_on(state: PlanState, gpu: int, spec: ClusterSpec) -> bool:
 
 def _yield_places(state: PlanState) -> None:
     """Give each rollout cluster that has work and still no rank a place that rollout ranks of other pipelines leave
-    when they have no work (their progress reports nothing left to collect) or their pipeline owes it a turn: as many of them on one rank's GPUs as it
-    takes to fit, a pipeline's last rank too (the longest waiter first; the lowest rank with room).
+    when they have no work (their progress reports nothing left to collect) or their pipeline owes it a turn: as
+    many of them on one rank's GPUs as it takes to fit, a pipeline's last rank too (the longest waiter first; the
+    lowest rank with room).
 
     Without it, co-residence could stall: two rollout ranks without work held a GPU together (a co-resident rank is
     never a gap-ratio donor, and the swap takes one rank at a time and never a last one), their pipelines' training
-    waited for the turn they owed a third pipeline, and that pipeline's rollout fitted beside neither (a simulated
-    runs of three and four pipelines on one GPU made no progress; ``tests/control/test_turns.py``). Ranks without work go
-    first, then those of debtors; only ranks of the newcomer's TP size that cover its rank's GPUs exactly."""
+    waited for the turn they owed a third pipeline, and that pipeline's rollout fitted beside neither (simulated
+    runs of three and four pipelines on one GPU made no progress; ``tests/control/test_turns.py``). Ranks without
+    work go first, then those of debtors; only ranks of the newcomer's TP size that cover its rank's GPUs exactly."""
     if not state.tenants:
         return
     snap = state.snap
