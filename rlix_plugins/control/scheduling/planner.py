@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 
 from rlix_plugins.control.registration import validate_cluster_specs
 from rlix_plugins.control.scheduling.coresidence import fits, sharing_problem
@@ -419,7 +419,7 @@ def _coresident_swap(state: PlanState) -> None:
                         or (last and not all(_own_step_on(state, g, dspec) for g in bundle))):
                     continue
                 if all(rooms.has(g, room_needed) for g in bundle) and \
-                        all(_coresidable(state, g, spec, leaving=donor) and not _own_step_on(state, g, spec)
+                        all(_coresidable(state, g, spec, (donor,)) and not _own_step_on(state, g, spec)
                             for g in bundle):
                     take = (r, drank)
             if take is not None:
@@ -477,7 +477,8 @@ def _yield_places(state: PlanState) -> None:
                 continue
             cands = sorted(yielding[bundle])
             k = next((k for k in range(1, len(cands) + 1)
-                      if all(_fits_once_left(state, g, spec, {d for _, d, _ in cands[:k]}) for g in bundle)), None)
+                      if all(_coresidable(state, g, spec, {d for _, d, _ in cands[:k]}, alone=True) for g in bundle)),
+                     None)
             if k is None:
                 continue
             left = {d for _, d, _ in cands[:k]}
@@ -488,18 +489,6 @@ def _yield_places(state: PlanState) -> None:
                 state.shrink(d, drank, "rebalance")
             state.expand(cid, r, coresident=not all(idle))
             break
-
-
-def _fits_once_left(state: PlanState, gpu: int, spec: ClusterSpec, leaving: set[str]) -> bool:
-    """Whether a rank of ``spec`` may wake on ``gpu`` once the rollout ranks of ``leaving`` there sleep: beside the
-    holders that stay, or alone where none does (``coresidence``)."""
-    if state.owner.get(gpu) is None or gpu in state.reserved or gpu in state.snap.fenced_gpus:
-        return False
-    clusters = state.snap.clusters
-    generation = [clusters[c] for c in state.generation_holders(gpu) if c not in leaving]
-    return sharing_problem(state.tenants, gpu, [*generation, spec], state.hosts(gpu)) is None \
-        and fits(state.tenants, gpu, [*(g.cluster_id for g in generation), spec.cluster_id,
-                                      *(h.cluster_id for h, _ in state.hosts(gpu))])
 
 
 def _starving(state: PlanState, demands: dict[str, int]) -> list[str]:
@@ -517,19 +506,20 @@ def _extra(state: PlanState, spec: ClusterSpec) -> int:
     return state.tenants[spec.device_mapping[0]].extra.get(spec.cluster_id, 0) if spec.device_mapping else 0
 
 
-def _coresidable(state: PlanState, gpu: int, spec: ClusterSpec, leaving: str | None = None, *,
-                 memory: bool = True) -> bool:
-    """Whether a rank of ``spec`` may wake on ``gpu`` next to its holders (an idle GPU is the gap ratio's), once
-    ``leaving``'s rank there sleeps (the co-resident swap; someone must still hold the GPU then). ``memory=False``:
-    the caller's room index already found room for it next to the holders (the same sum, ``_room_on``)."""
+def _coresidable(state: PlanState, gpu: int, spec: ClusterSpec, leaving: Collection[str] = (), *,
+                 memory: bool = True, alone: bool = False) -> bool:
+    """Whether a rank of ``spec`` may wake on ``gpu`` next to its holders, once the ranks of ``leaving`` there sleep
+    (the co-resident swap, the yield phase). An idle GPU is the gap ratio's: where no holder stays, only with
+    ``alone`` (the yield phase), and then where its figures fit. ``memory=False``: the caller's room index already
+    found room for it next to the holders (the same sum, ``_room_on``)."""
     owner = state.owner.get(gpu)
     if owner is None or gpu in state.reserved or gpu in state.snap.fenced_gpus:
         return False
     clusters = state.snap.clusters
     hosts = state.hosts(gpu)
-    generation = [clusters[c] for c in state.generation_holders(gpu) if c != leaving]
+    generation = [clusters[c] for c in state.generation_holders(gpu) if c not in leaving]
     if not hosts and not generation:
-        return False  # idle once ``leaving`` sleeps: the gap ratio's
+        return alone and fits(state.tenants, gpu, [spec.cluster_id])
     return sharing_problem(state.tenants, gpu, [*generation, spec], hosts, memory=memory) is None
 
 
