@@ -2,8 +2,8 @@
 
 ``RLIX_FAULT_FILE`` names a JSON file ``{"op": ..., "action": ..., "seconds": ..., "node_ip": ...}`` (``node_ip``:
 only a process on that Ray node claims it). The process that reaches
-``op`` first claims it by renaming the file to ``<file>.hit`` (atomic, so a fault fires once) and records its
-pid there; the injector waits for that file to know the operation is under way.
+``op`` first claims it by renaming the file (atomic, so a fault fires once), then puts its record, pid included, at
+``<file>.hit`` in one rename; the injector waits for that file to know the operation is under way.
 """
 
 from __future__ import annotations
@@ -32,12 +32,16 @@ def claim_fault(op: str) -> dict[str, Any] | None:
         return None
     if fault.get("node_ip") and os.environ.get("RLIX_NODE_IP") != fault["node_ip"]:
         return None  # aimed at the engine on another Ray node (``transport.export_node_env`` names this one's)
+    claimed = f"{path}.claimed.{os.getpid()}"
     try:
-        os.rename(path, path + ".hit")
+        os.rename(path, claimed)
     except OSError:
         return None  # another process claimed it
-    with open(path + ".hit", "w") as f:
+    # The record appears under ``.hit`` whole, pid included: renaming the armed file straight to ``.hit`` let the
+    # injector read the fault's own JSON (no pid yet) in the moment before this process rewrote it.
+    with open(claimed, "w") as f:
         json.dump({**fault, "pid": os.getpid(), "time": time.time()}, f)
+    os.replace(claimed, path + ".hit")
     return dict(fault)
 
 

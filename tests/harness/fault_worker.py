@@ -9,8 +9,8 @@ check at three points: a bucket arriving at the receiver (``update``: both trans
   which the chaos tools kill a process mid-operation); ``corrupt``: flip one byte of the received bucket
   before it is checksummed and staged (the sender's checksums must catch it).
 
-A fault fires once: the worker claims it by renaming the file to ``<file>.hit`` (atomic) and writes its pid
-there, which is how the injector knows the operation is in progress.
+A fault fires once: the worker claims it by renaming the file (atomic), then puts its record, pid included, at
+``<file>.hit``, which is how the injector knows the operation is in progress.
 """
 
 from __future__ import annotations
