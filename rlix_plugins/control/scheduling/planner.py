@@ -52,10 +52,10 @@ import heapq
 from collections.abc import Collection, Iterable
 
 from rlix_plugins.control.registration import validate_cluster_specs
-from rlix_plugins.control.scheduling.coresidence import fits, sharing_problem
+from rlix_plugins.control.scheduling.coresidence import COTENANT_PRIORITIES, fits, sharing_problem
 from rlix_plugins.control.scheduling.gap_ratio import cluster_demands, plan_gap_ratio
 from rlix_plugins.control.scheduling.invariants import PlanInvariantError, validate_plan, validate_snapshot
-from rlix_plugins.control.scheduling.plan_state import PlanState, bundles, rank_index
+from rlix_plugins.control.scheduling.plan_state import PlanState, bundles, rank_index, shape_id
 from rlix_plugins.control.scheduling.turns import deferred, owed_gpus
 from rlix_plugins.control.types import Allocation, ClusterSpec, CyclePlan, Grant, Priority, SchedulerSnapshot
 
@@ -223,8 +223,11 @@ def _coresident_fill(state: PlanState, *, starving_only: bool = False) -> None:
                        starving_only and (c in state.gen_active or not usable.isdisjoint(clusters[c].device_mapping)))),
                    key=lambda c: (c in state.gen_active, waiting.get(c, -1), clusters[c].pipeline_id, c))
     rooms = _Rooms(state)
+    room = state.room
+    joinable = _Joinable(state)
     for cid in order:
         spec = clusters[cid]
+        pid = spec.pipeline_id
         active = state.gen_active.get(cid, set())
         shrunk = state.shrunk.get(cid, set())
         need = _extra(state, spec)
@@ -235,15 +238,62 @@ def _coresident_fill(state: PlanState, *, starving_only: bool = False) -> None:
             ranks: Iterable[int] = sorted({index[g] for g in rooms.at_least(need) if g in index})
         else:
             ranks = range(spec.num_dp_ranks)
-        for r in ranks:
+        theirs = bundles(spec)
+        for r in ranks:  # (plain loops, not all() over generators: ~10,000 ranks a decision at 2,048 GPUs)
             if r in active or r in shrunk:
                 continue
-            bundle = spec.bundle(r)
-            if all(rooms.has(g, need) for g in bundle) and \
-                    all(_coresidable(state, g, spec, memory=False) and not _own_step_on(state, g, spec)
-                        for g in bundle):
+            bundle = theirs[r]
+            for g in bundle:
+                left = room(g)
+                if left is None or left < need or not joinable(g, pid):
+                    break
+            else:
                 state.expand(cid, r, coresident=True)
-                rooms.took(bundle, need)
+                joinable.woke(bundle, pid)
+
+
+class _Joinable:
+    """Whether a rollout rank of a pipeline may wake on a GPU next to its holders by the rules alone, never beside
+    its own pipeline's training step: ``_coresidable(memory=False) and not _own_step_on`` for a GPU with room
+    (``PlanState.room`` not None: it has a holder), from each GPU's host and rollout pipelines, worked out once per
+    fill (the fill only wakes ranks: its hosts stay, its rollout pipelines only grow)."""
+
+    def __init__(self, state: PlanState) -> None:
+        self._state = state
+        #: GPU -> (its hosts' pipelines, its awake rollout ranks' pipelines); None: no rank may join (a host that is
+        #: no training-type work, two hosts or two ranks of one pipeline)
+        self._gpu: dict[int, tuple[frozenset[str], set[str]] | None] = {}
+
+    def _rules(self, gpu: int) -> tuple[frozenset[str], set[str]] | None:
+        state = self._state
+        clusters, nongen = state.snap.clusters, state.nongen
+        hosts: list[str] = []
+        rollout: list[str] = []
+        for c in {state.owner[gpu], *state.coresident.get(gpu, ())}:  # (the holders: ``hosts``, ``generation_holders``)
+            held = nongen.get(c)
+            if held is None:
+                rollout.append(clusters[c].pipeline_id)
+            elif held.priority in COTENANT_PRIORITIES:
+                hosts.append(clusters[c].pipeline_id)
+            else:
+                return None
+        host_pipelines = frozenset(hosts)
+        if len(host_pipelines) != len(hosts) or len(set(rollout)) != len(rollout):
+            return None
+        return host_pipelines, set(rollout)
+
+    def __call__(self, gpu: int, pipeline_id: str) -> bool:
+        if gpu in self._gpu:
+            rules = self._gpu[gpu]
+        else:
+            rules = self._gpu[gpu] = self._rules(gpu)
+        return rules is not None and pipeline_id not in rules[0] and pipeline_id not in rules[1]
+
+    def woke(self, gpus: Iterable[int], pipeline_id: str) -> None:
+        for g in gpus:
+            rules = self._gpu.get(g)
+            if rules is not None:
+                rules[1].add(pipeline_id)
 
 
 #: up to this many ranks a cluster's ranks are checked one by one (on each GPU's room first); above it, only the
@@ -252,24 +302,18 @@ _FEW_RANKS = 64
 
 
 class _Rooms:
-    """The memory each GPU has left for one more awake rollout rank next to its holders (``_coresidable``'s memory
-    test as a number, in ``coresidence`` units), for the co-resident fill: a rank is checked only on GPUs with room
-    for it, not every rank of every cluster with work (~500,000 checks a decision at 256 pipelines x 2,048 GPUs in
-    the pool layout). Only expands happen during the fill, so a GPU's room only shrinks: the order by room taken at
-    the start gives a superset of the GPUs with enough room, and :meth:`fresh` the exact figure."""
+    """The GPUs with room for one more awake rollout rank next to their holders (``PlanState.room``), for the
+    co-resident fill and swap: a rank is checked only on GPUs with room for it, not every rank of every cluster
+    with work (~500,000 checks a decision at 256 pipelines x 2,048 GPUs in the pool layout). During the fill only
+    expands happen, so a GPU's room only shrinks: the order by room taken at the start gives a superset of the GPUs
+    with enough room, and ``PlanState.room`` the exact figure."""
 
     def __init__(self, state: PlanState) -> None:
         self._state = state
-        self._room: dict[int, int | None] = {}
+        self.fresh = state.room  # room on a GPU now; None where no rank may wake next to its holders at all
         self._order: list[int] | None = None
         self._neg: list[int] = []  # ascending: bisect finds where the room drops below a need
         self._heap: list[tuple[int, int]] | None = None  # (-room, GPU), for any_has
-
-    def fresh(self, gpu: int) -> int | None:
-        """Room on ``gpu`` now; None where no rank may wake next to its holders at all."""
-        if gpu not in self._room:
-            self._room[gpu] = _room_on(self._state, gpu)
-        return self._room[gpu]
 
     def has(self, gpu: int, need: int) -> bool:
         room = self.fresh(gpu)
@@ -301,29 +345,6 @@ class _Rooms:
             self._order = sorted(start, key=lambda g: -start[g])
             self._neg = [-start[g] for g in self._order]
         return self._order[:bisect.bisect_right(self._neg, -need)]
-
-    def changed(self, gpus: Iterable[int]) -> None:
-        for g in gpus:
-            self._room.pop(g, None)
-
-    def took(self, gpus: Iterable[int], need: int) -> None:
-        """A rank that adds ``need`` woke on ``gpus`` next to their holders (a GPU's load is a sum: exact)."""
-        for g in gpus:
-            room = self._room.get(g)
-            if room is not None:
-                self._room[g] = room - need
-
-
-def _room_on(state: PlanState, gpu: int) -> int | None:
-    """``coresidence`` units left on ``gpu`` with its holders awake; None where no rollout rank may wake next to
-    them (no holder, reserved, fenced, a tenant without memory figures)."""
-    owner = state.owner.get(gpu)
-    tenancy = state.tenants.get(gpu)
-    if owner is None or tenancy is None or not tenancy.complete or gpu in state.reserved \
-            or gpu in state.snap.fenced_gpus:
-        return None
-    # awake there: the owner (a training step, or a rollout rank) and the steps and rollout ranks beside it
-    return tenancy.cap - tenancy.load({owner, *state.coresident.get(gpu, ())})
 
 
 def _coresident_swap(state: PlanState) -> None:
@@ -379,9 +400,13 @@ def _coresident_swap(state: PlanState) -> None:
         hit = best_room[donor]
         return None if hit is None else hit[0]
 
-    def swapped(gpus: tuple[int, ...]) -> None:
-        """Rooms on ``gpus`` changed: update the cached best of every donor with a rank there."""
-        for donor in list(best_room):
+    def swapped(gave: str, gpus: tuple[int, ...]) -> None:
+        """``gave`` put a rank on ``gpus`` to sleep, and rooms there changed: update the cached best of every donor
+        with a rank there (a rank not awake is nobody's best, but the one that just went to sleep may be)."""
+        affected = {gave}.union(*(state.generation_holders(g) for g in gpus))
+        for donor in affected:
+            if donor not in best_room:
+                continue
             index = rank_index(clusters[donor])
             for drank in {index[g] for g in gpus if g in index}:
                 hit, low = best_room.get(donor), rank_room(donor, drank)
@@ -390,20 +415,31 @@ def _coresident_swap(state: PlanState) -> None:
                 elif low is not None and (hit is None or low > hit[0]):
                     best_room[donor] = (low, drank)
 
+    # Mapping shape -> (swaps so far, the least need) of a newcomer that found no rank to take, that had none of
+    # its ranks shrunk this cycle and whose pipeline trains nowhere: a later newcomer of that shape needing as much
+    # finds none either while no swap happened in between. It sees the same donors (a pipeline's one rollout
+    # cluster is the newcomer itself), the same ranks of them, and needs as much room; its own shrunk ranks and
+    # its own pipeline's steps only rule more out. In a pool where every pipeline rolls out everywhere, two in
+    # three newcomers found nothing, each after a walk over every donor (~25 ms a decision at 2,048 GPUs).
+    failed: dict[int, tuple[int, int]] = {}
+    swaps = 0
+    donors = _SwapDonors(state, demands, training)
     for cid in starving:
         spec = clusters[cid]
         shrunk = state.shrunk.get(cid, set())
         index = rank_index(spec)
         mine = bundles(spec)
         need = _extra(state, spec)
+        shape = shape_id(spec)
+        seen = failed.get(shape)
+        if seen is not None and seen[0] == swaps and seen[1] <= need:
+            continue
         # The donor with the best key that has a rank to give: the most awake ranks, then the lowest demand. Only
         # donors of the newcomer's TP size: a rank's GPUs must be one of the newcomer's bundles.
-        donors = sorted((d for d, kept in state.gen_active.items()
-                         if (len(kept) >= 2 or clusters[d].pipeline_id in training)
-                         and clusters[d].pipeline_id != spec.pipeline_id and clusters[d].tp_size == spec.tp_size),
-                        key=lambda d: (-len(state.gen_active[d]), demands.get(d, 0), d))
-        for donor in donors:
+        for *_, donor in donors.of(spec.tp_size):
             dspec = clusters[donor]
+            if dspec.pipeline_id == spec.pipeline_id:
+                continue
             room_needed = need - _extra(state, dspec)  # what the GPU must have left once the donor's rank sleeps
             most = most_room(donor)
             if most is None or most < room_needed:
@@ -411,23 +447,73 @@ def _coresident_swap(state: PlanState) -> None:
             theirs = bundles(dspec)
             take: tuple[int, int] | None = None  # (acceptor rank, donor rank): the acceptor's lowest rank
             last = len(state.gen_active[donor]) < 2  # its last rank gives only beside its own pipeline's step
-            for drank in state.gen_active[donor]:
+            # Sorted mappings, contiguous bundles: the donor's ranks in order cover the acceptor's in order, so the
+            # first that may give is the acceptor's lowest.
+            for drank in sorted(state.gen_active[donor]):
                 bundle = theirs[drank]
                 r = index.get(bundle[0])
-                if (r is None or (take is not None and r >= take[0]) or r in shrunk or mine[r] != bundle
-                        or (donor, drank) in protected
+                if (r is None or r in shrunk or mine[r] != bundle or (donor, drank) in protected
                         or (last and not all(_own_step_on(state, g, dspec) for g in bundle))):
                     continue
                 if all(rooms.has(g, room_needed) for g in bundle) and \
                         all(_coresidable(state, g, spec, (donor,)) and not _own_step_on(state, g, spec)
                             for g in bundle):
                     take = (r, drank)
+                    break
             if take is not None:
                 state.shrink(donor, take[1], "rebalance")
                 state.expand(cid, take[0], coresident=True)
-                rooms.changed(spec.bundle(take[0]))
-                swapped(spec.bundle(take[0]))
+                swapped(donor, spec.bundle(take[0]))
+                donors.moved(donor, cid)
+                swaps += 1
                 break
+        else:
+            if not shrunk and spec.pipeline_id not in training and (seen is None or seen[0] != swaps or need < seen[1]):
+                failed[shape] = (swaps, need)
+
+
+class _SwapDonors:
+    """The rollout clusters that may give a rank in the co-resident swap (at least two awake ranks, or a pipeline
+    that trains), per TP size, in the order they give: the most awake ranks, then the lowest demand. Sorted once
+    per TP size and kept in order at each swap (sorting every donor for every newcomer cost ~10 ms a decision at
+    256 pipelines)."""
+
+    def __init__(self, state: PlanState, demands: dict[str, int], training: set[str]) -> None:
+        self._state, self._demands, self._training = state, demands, training
+        self._by_tp: dict[int, list[tuple[int, int, str]]] = {}
+        self._key: dict[str, tuple[int, int, str]] = {}  # each listed donor's entry
+
+    def _entry(self, cid: str) -> tuple[int, int, str] | None:
+        kept = self._state.gen_active.get(cid)
+        if not kept or (len(kept) < 2 and self._state.snap.clusters[cid].pipeline_id not in self._training):
+            return None
+        return -len(kept), self._demands.get(cid, 0), cid
+
+    def of(self, tp: int) -> list[tuple[int, int, str]]:
+        """The donors of TP size ``tp``, in order: (-awake ranks, demand, cluster id). Read, never kept: a swap
+        reorders it."""
+        listed = self._by_tp.get(tp)
+        if listed is None:
+            clusters = self._state.snap.clusters
+            listed = self._by_tp[tp] = sorted(e for c in self._state.gen_active
+                                              if clusters[c].tp_size == tp and (e := self._entry(c)) is not None)
+            self._key.update((e[2], e) for e in listed)
+        return listed
+
+    def moved(self, *cids: str) -> None:
+        """The awake ranks of ``cids`` changed."""
+        clusters = self._state.snap.clusters
+        for cid in cids:
+            listed = self._by_tp.get(clusters[cid].tp_size)
+            if listed is None:
+                continue
+            old = self._key.pop(cid, None)
+            if old is not None:
+                del listed[bisect.bisect_left(listed, old)]
+            new = self._entry(cid)
+            if new is not None:
+                bisect.insort(listed, new)
+                self._key[cid] = new
 
 
 def _own_step_on(state: PlanState, gpu: int, spec: ClusterSpec) -> bool:
@@ -511,7 +597,7 @@ def _coresidable(state: PlanState, gpu: int, spec: ClusterSpec, leaving: Collect
     """Whether a rank of ``spec`` may wake on ``gpu`` next to its holders, once the ranks of ``leaving`` there sleep
     (the co-resident swap, the yield phase). An idle GPU is the gap ratio's: where no holder stays, only with
     ``alone`` (the yield phase), and then where its figures fit. ``memory=False``: the caller's room index already
-    found room for it next to the holders (the same sum, ``_room_on``)."""
+    found room for it next to the holders (the same sum, ``PlanState.room``)."""
     owner = state.owner.get(gpu)
     if owner is None or gpu in state.reserved or gpu in state.snap.fenced_gpus:
         return False
