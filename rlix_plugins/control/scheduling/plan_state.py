@@ -8,7 +8,7 @@ here is shared between cycles except the per-spec GPU→rank index cache (specs 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from rlix_plugins.control.scheduling.coresidence import GpuTenancy, Host, gpu_tenants
@@ -110,7 +110,7 @@ class PlanState:
     gen_active: dict[str, set[int]]  #: generation cluster → active DP ranks (GENERATION allocations only)
     nongen: dict[str, Allocation]  #: non-GENERATION allocations
     free: set[int]  #: idle GPUs
-    reserved: set[int] = field(default_factory=set)  #: GPUs that waiting non-generation requests need
+    reserved: set[int] = field(default_factory=set)  #: GPUs that waiting non-generation requests need (``reserve``)
     shrunk: dict[str, set[int]] = field(default_factory=dict)
     shrink_reason: dict[str, str] = field(default_factory=dict)
     expanded: dict[str, set[int]] = field(default_factory=dict)
@@ -126,7 +126,6 @@ class PlanState:
     #: GPU → :meth:`room`, kept current by every change of its holders below (the fills and the swap ask for every
     #: GPU's room; computing it afresh in each phase cost ~10 ms a decision at 2,048 GPUs)
     _rooms: dict[int, int | None] = field(default_factory=dict)
-    _rooms_reserved: int = 0  #: ``len(reserved)`` when ``_rooms`` was filled: reserved only grows (planner)
 
     @classmethod
     def from_snapshot(cls, snap: SchedulerSnapshot) -> PlanState:
@@ -162,12 +161,10 @@ class PlanState:
     def room(self, gpu: int) -> int | None:
         """``coresidence`` units left on ``gpu`` with its holders awake; None where no rollout rank may wake next to
         them (no holder, reserved, fenced, a tenant without memory figures)."""
-        rooms = self._rooms
-        if len(self.reserved) != self._rooms_reserved:
-            rooms.clear()  # a waiting request reserved GPUs since: no room there now
-            self._rooms_reserved = len(self.reserved)
-        if gpu in rooms:
-            return rooms[gpu]
+        try:
+            return self._rooms[gpu]
+        except KeyError:
+            pass
         owner = self.owner.get(gpu)
         tenancy = self.tenants.get(gpu)
         if owner is None or tenancy is None or not tenancy.complete or gpu in self.reserved \
@@ -175,8 +172,14 @@ class PlanState:
             room = None
         else:  # awake there: the owner (a training step, or a rollout rank) and the steps and rollout ranks beside it
             room = tenancy.cap - tenancy.load({owner, *self.coresident.get(gpu, ())})
-        rooms[gpu] = room
+        self._rooms[gpu] = room
         return room
+
+    def reserve(self, gpus: Iterable[int]) -> None:
+        """Keep ``gpus`` for a waiting non-generation request: no rollout rank wakes there this cycle."""
+        for g in gpus:
+            self._rooms.pop(g, None)
+        self.reserved.update(gpus)
 
     # ---- generation ops -------------------------------------------------------------------------------
     def shrink(self, cid: str, rank: int, reason: str) -> None:
