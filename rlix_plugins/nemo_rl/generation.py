@@ -3,8 +3,8 @@
 * :class:`NemoVllmFleet` - :class:`~rlix_plugins.pipeline.protocols.RolloutFleet` over the DP-leader Ray workers
   of a ``VllmGeneration`` (``worker_group.workers[worker_group.get_dp_leader_worker_idx(r)]``): ``sleep`` =
   ``sleep_async(level=)`` (the runtime's ``rlix.sleep_level``, per call through patch 0003; the workers' own
-  ``vllm_cfg.sleep_level`` is only their default), ``wake_up`` = ``wake_up_async(tags=)``, ``abort`` / ``memory_in_use`` via
-  :mod:`.worker_ops` (``__ray_call__``), ``engine_rpc`` = ``RayEngineRpc(leader, "checkpoint_engine_rpc_async",
+  ``vllm_cfg.sleep_level`` is only their default), ``wake_up`` = ``wake_up_async(tags=)``, ``abort`` via :mod:`.worker_ops` (``__ray_call__``),
+  ``memory_in_use`` from the leader's process tree (``__ray_call__``) and every TP worker's (``collective_rpc``), ``engine_rpc`` = ``RayEngineRpc(leader, "checkpoint_engine_rpc_async",
   "reset_prefix_cache_async")`` (NeMo RL's existing pass-through to ``collective_rpc``). Holds actor handles
   only: picklable, never a ``VllmGeneration`` (whose ``__del__`` shuts the workers down).
 * :class:`RouterShardSelector` + :class:`RouterFleetMonitor` - installed with NeMo RL's existing seam
@@ -106,9 +106,17 @@ class NemoVllmFleet:
         return {r: e for r, e in zip(dp_ranks, errors, strict=True) if e}
 
     def memory_in_use(self, dp_ranks: list[int], timeout_s: float) -> dict[int, int | None]:
-        values = _get([self.leaders[r].__ray_call__.remote(worker_ops.device_memory_in_use) for r in dp_ranks],
-                      f"memory probe on dp ranks {dp_ranks}", timeout_s)
-        return dict(zip(dp_ranks, values, strict=True))
+        """Bytes each rank still holds on its fullest GPU: its DP leader's process tree (the engine front-end and,
+        without Ray workers, the engine core with its worker) and every TP worker's own reading through
+        ``collective_rpc``: NeMo RL runs TP > 1 on vLLM's Ray executor, whose workers are Ray actors outside the
+        leader's tree (the leader itself asks no GPU), so the leader alone saw none of what a TP rank kept."""
+        from rlix_plugins.pipeline.gpu_memory import fullest_gpu_bytes
+
+        leaders = [self.leaders[r].__ray_call__.remote(worker_ops.device_usage) for r in dp_ranks]
+        workers = [self.leaders[r].checkpoint_engine_rpc_async.remote("rlix_device_usage") for r in dp_ranks]
+        got = _get(leaders + workers, f"memory probe on dp ranks {dp_ranks}", timeout_s)
+        n = len(dp_ranks)
+        return {r: fullest_gpu_bytes([got[i], *(got[n + i] or ())]) for i, r in enumerate(dp_ranks)}
 
 
 class RouterShardSelector:

@@ -12,7 +12,7 @@ iterator gathers across the trainer's ranks inside), the owner (global rank 0) k
 vLLM workers (async engine: ``self.llm`` is a ``vllm.v1.engine.async_llm.AsyncLLM``):
 * :func:`vllm_abort_all` aborts every request the engine holds; vLLM then finishes each caller's stream with
   ``finish_reason="abort"`` (so callers return instead of hanging). Returns the number aborted.
-* :func:`device_memory_in_use` - bytes in use on the worker's device (``mem_get_info``), None on CPU.
+* :func:`device_usage` - (pid, GPU, bytes) its process tree holds, per NVML; None on CPU.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "build_cache",
-    "device_memory_in_use",
+    "device_usage",
     "is_cache_owner",
     "mark_offloaded",
     "megatron_destroy_nccl",
@@ -88,13 +88,14 @@ def _run_on_engine_loop(llm: Any, coro: Any, timeout_s: float = 30.0) -> None:
     asyncio.run_coroutine_threadsafe(coro, loop).result(timeout=timeout_s)
 
 
-def device_memory_in_use(worker: Any) -> int | None:
-    """Device bytes this worker's process tree holds on its fullest GPU, per NVML (vLLM's engine core is a child
-    process; NCCL and vLLM pools count too). Not device-wide: co-tenant pipelines on the same GPU would fail the
-    post-sleep check."""
-    from rlix_plugins.pipeline.gpu_memory import process_tree_gpu_bytes
+def device_usage(worker: Any) -> list[list[int]] | None:
+    """[pid, NVML GPU index, bytes] of this worker's process tree (vLLM's engine core is a child process; NCCL and
+    vLLM pools count too), None when not measurable. Not device-wide: co-tenant pipelines on the same GPU would
+    fail the post-sleep check. The fleet adds the TP workers' own readings (``rlix_device_usage``)."""
+    from rlix_plugins.pipeline.gpu_memory import process_tree_gpu_usage
 
-    return process_tree_gpu_bytes()
+    usage = process_tree_gpu_usage()
+    return None if usage is None else [list(u) for u in usage]
 
 
 # ---------------------------------------------------------------------------------------------- policy workers

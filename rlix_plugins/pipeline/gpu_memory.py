@@ -12,13 +12,25 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from rlix_plugins import envs
 
-__all__ = ["per_gpu_bytes", "process_tree_gpu_bytes", "process_tree_pids", "visible_gpu_free_bytes"]
+__all__ = [
+    "fullest_gpu_bytes",
+    "per_gpu_bytes",
+    "process_tree_gpu_bytes",
+    "process_tree_gpu_usage",
+    "process_tree_pids",
+    "visible_gpu_free_bytes",
+]
+
+T = TypeVar("T")
+
+#: (pid, NVML GPU index, bytes): one process's memory on one GPU of its node
+Usage = tuple[int, int, int]
 
 
 def process_tree_pids(root: int | None = None) -> set[int]:
@@ -54,7 +66,7 @@ def per_gpu_bytes(procs: dict[int, list[tuple[int, int]]], pids: set[int]) -> di
     return out
 
 
-def _nvml_read(read: Callable[[Any], int | None]) -> int | None:
+def _nvml_read(read: Callable[[Any], T]) -> T | None:
     """``read(pynvml)`` between NVML's init and shutdown; ``None`` when NVML is missing or anything fails (no GPU,
     another PID namespace): what these readings are for is never worth an error."""
     try:
@@ -72,19 +84,40 @@ def _nvml_read(read: Callable[[Any], int | None]) -> int | None:
             pynvml.nvmlShutdown()
 
 
+def process_tree_gpu_usage(root: int | None = None) -> list[Usage] | None:
+    """(pid, GPU index, bytes) of every process of ``root``'s tree that NVML lists on a GPU of this node; ``None``
+    when not measurable."""
+
+    def read(nvml: Any) -> list[Usage]:
+        tree = process_tree_pids(root)
+        return [(int(p.pid), index, int(p.usedGpuMemory or 0))
+                for index in range(nvml.nvmlDeviceGetCount())
+                for p in nvml.nvmlDeviceGetComputeRunningProcesses(nvml.nvmlDeviceGetHandleByIndex(index))
+                if p.pid in tree]
+
+    return _nvml_read(read)
+
+
+def fullest_gpu_bytes(usages: Iterable[Iterable[Sequence[int]] | None]) -> int | None:
+    """The bytes on the fullest GPU of several readings of one node (:func:`process_tree_gpu_usage` of a rank's
+    front-end and of each of its TP workers): per GPU the sum over distinct processes (a process two readings list,
+    a worker in its front-end's tree, counts once). ``None`` when no reading measured anything held."""
+    seen: dict[tuple[int, int], int] = {}
+    for usage in usages:
+        for pid, index, used in usage or ():
+            seen[(int(pid), int(index))] = int(used)
+    per_gpu: dict[int, int] = {}
+    for (_, index), used in seen.items():
+        per_gpu[index] = per_gpu.get(index, 0) + used
+    return max(per_gpu.values()) if per_gpu else None
+
+
 def process_tree_gpu_bytes(root: int | None = None) -> int | None:
     """Device bytes ``root``'s process tree holds on the one GPU where it holds the most (NVML); ``None`` when not
     measurable. Per GPU, not summed: the next tenant of a GPU loses what is left on THAT GPU, and a tensor-parallel
-    rank's processes (one per GPU, each with its CUDA context and NCCL buffers) would otherwise count T times."""
-
-    def read(nvml: Any) -> int | None:
-        procs = {index: [(p.pid, int(p.usedGpuMemory or 0)) for p in
-                         nvml.nvmlDeviceGetComputeRunningProcesses(nvml.nvmlDeviceGetHandleByIndex(index))]
-                 for index in range(nvml.nvmlDeviceGetCount())}
-        held = per_gpu_bytes(procs, process_tree_pids(root))
-        return max(held.values()) if held else None
-
-    return _nvml_read(read)
+    rank's processes (one per GPU, each with its CUDA context and NCCL buffers) would otherwise count T times. A
+    rank whose TP workers are not in its tree (vLLM's Ray executor) needs their readings too: :func:`fullest_gpu_bytes`."""
+    return fullest_gpu_bytes([process_tree_gpu_usage(root)])
 
 
 def visible_gpu_free_bytes() -> int | None:

@@ -99,7 +99,7 @@ def _install_engine_hook() -> None:
 
 class RlixReceiverMixin:
     """The six receiver methods plus helpers (``rlix_finish_weight_update``, ``rlix_abort_weight_update``,
-    ``rlix_discard_weight_backup``, ``rlix_report_place``, ``rlix_receiver_info``).
+    ``rlix_discard_weight_backup``, ``rlix_device_usage``, ``rlix_report_place``, ``rlix_receiver_info``).
 
     Runs on the vLLM worker's own thread with no background thread, so the RPC reply is the barrier the sender
     waits on. The one exception is on the GPU: a deferred host_pull leaves its copies (and their checksums) queued
@@ -435,6 +435,15 @@ class RlixReceiverMixin:
             return False
         self._rlix_drop(state)
         return True
+
+    def rlix_device_usage(self) -> list[list[int]] | None:
+        """[pid, NVML GPU index, bytes] of this worker's process tree (NVML; None when not measurable): the
+        post-sleep check of a rank whose TP workers are not in its front-end's process tree (vLLM's Ray executor,
+        as NeMo RL runs TP > 1) asks every worker through ``collective_rpc``."""
+        from rlix_plugins.pipeline.gpu_memory import process_tree_gpu_usage
+
+        usage = process_tree_gpu_usage()
+        return None if usage is None else [list(u) for u in usage]
 
     def rlix_report_place(self) -> dict[str, Any]:
         """Where this worker runs (``transport.local_place`` of its device): the sender checks its plan against it.

@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from rlix_plugins.pipeline.gpu_memory import (
+    fullest_gpu_bytes,
     per_gpu_bytes,
     process_tree_gpu_bytes,
     process_tree_pids,
@@ -49,6 +50,20 @@ def test_a_tensor_parallel_ranks_bytes_are_counted_per_gpu_not_summed() -> None:
     assert per_gpu_bytes(procs, {10, 11, 12}) == {0: 5 * gib // 2, 1: 2 * gib}
     assert per_gpu_bytes(procs, {12, 13}) == {1: 2 * gib}
     assert per_gpu_bytes(procs, {13}) == {}
+
+
+def test_a_rank_is_its_fullest_gpu_over_its_leaders_and_its_tp_workers_readings() -> None:
+    """A TP-2 rank on vLLM's Ray executor (NeMo RL): the DP leader's tree holds its front-end (pid 10) and engine core
+    (11) on GPU 0; the TP workers (20 on GPU 0, 21 on GPU 1) are other Ray actors, seen only by their own readings.
+    Per GPU the sum over distinct processes: GPU 0 holds 0.5 + 0.25 + 2 GiB. A process two readings list (a
+    worker inside its leader's tree, vLLM's multiprocessing executor) counts once; no reading: not measurable."""
+    gib = 1 << 30
+    leader = [(10, 0, gib // 2), (11, 0, gib // 4)]
+    workers = [[(20, 0, 2 * gib)], [(21, 1, 3 * gib)]]
+    assert fullest_gpu_bytes([leader, *workers]) == 3 * gib
+    assert fullest_gpu_bytes([leader, [(20, 0, 2 * gib), (11, 0, gib // 4)], None]) == 2 * gib + 3 * gib // 4
+    assert fullest_gpu_bytes([leader]) == 3 * gib // 4  # the leader's reading alone missed the TP workers
+    assert fullest_gpu_bytes([None, None]) is None and fullest_gpu_bytes([[], None]) is None
 
 
 def test_free_bytes_not_measurable_without_a_gpu() -> None:

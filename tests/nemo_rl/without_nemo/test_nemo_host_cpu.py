@@ -10,6 +10,7 @@ On CPU vLLM's sleep is a no-op, so "memory dropped" is not measurable here (GPU-
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -35,15 +36,63 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 ENV = {"HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "TOKENIZERS_PARALLELISM": "false",
        "OMP_NUM_THREADS": "1"}
+ROOT = Path(__file__).resolve().parents[3]
+
+#: NVML stand-in on the engines' PYTHONPATH (a CPU machine has no NVML). While the file ``RLIX_TEST_NVML_HOLD``
+#: names exists, a process that asks sees one process on GPU 0, itself, holding the bytes the file says: each
+#: reading sees only its own process, as a DP leader's reading (filtered by its process tree) does not see a TP
+#: worker that vLLM's Ray executor runs as another Ray actor. Without the file it sees no GPU process (None).
+_NVML_STUB = """import os
+from types import SimpleNamespace
+
+
+def _held():
+    try:
+        with open(os.environ["RLIX_TEST_NVML_HOLD"]) as f:
+            return int(f.read())
+    except (KeyError, OSError, ValueError):
+        return None
+
+
+def nvmlInit():
+    pass
+
+
+def nvmlShutdown():
+    pass
+
+
+def nvmlDeviceGetCount():
+    return 0 if _held() is None else 1
+
+
+def nvmlDeviceGetHandleByIndex(index):
+    return index
+
+
+def nvmlDeviceGetComputeRunningProcesses(handle):
+    held = _held()
+    return [] if held is None else [SimpleNamespace(pid=os.getpid(), usedGpuMemory=held)]
+"""
 
 
 @pytest.fixture(scope="module")
-def engines(ray_cluster: dict[str, float], tmp_path_factory: pytest.TempPathFactory) -> Any:
+def nvml_hold(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The file the engines' NVML stand-in reads (absent: no GPU process), and the stand-in's directory."""
+    stub = tmp_path_factory.mktemp("nvml")
+    (stub / "pynvml.py").write_text(_NVML_STUB)
+    return stub / "hold"
+
+
+@pytest.fixture(scope="module")
+def engines(ray_cluster: dict[str, float], tmp_path_factory: pytest.TempPathFactory, nvml_hold: Path) -> Any:
     """Two AsyncLLM engines (one per DP rank), shared by the module (each costs ~25 s and ~1 GiB)."""
     from rlix_plugins.demo.tiny_model import build_tiny_qwen2
 
     model = build_tiny_qwen2(tmp_path_factory.mktemp("m") / "tiny", seed=0)
-    cls = ray.remote(StandinVllmWorker).options(num_cpus=0, runtime_env={"env_vars": ENV})
+    path = (str(nvml_hold.parent), str(ROOT), os.environ.get("PYTHONPATH", ""))
+    env = {**ENV, "RLIX_TEST_NVML_HOLD": str(nvml_hold), "PYTHONPATH": os.pathsep.join(p for p in path if p)}
+    cls = ray.remote(StandinVllmWorker).options(num_cpus=0, runtime_env={"env_vars": env})
     # The workers' own default level is NeMo RL's (1, vllm_cfg.sleep_level unset): rlix.sleep_level (2 by default)
     # must reach them per call, or the configured level has no effect (the sleep asserts below fail).
     leaders = [cls.remote(str(model), 1) for _ in range(2)]
@@ -183,6 +232,22 @@ def test_abort_finishes_callers_and_partial_sleep_wake(engines: Any) -> None:
     fleet.wake_up([1], ["weights"], 30)
     assert ray.get(leaders[1].calls.remote()) == [("sleep", 2), ("wake_up", ["weights"])]
     assert ray.get(leaders[0].calls.remote()) == []
+
+
+def test_memory_probe_reads_every_vllm_worker_not_only_the_leaders_tree(engines: Any, nvml_hold: Path) -> None:
+    """The post-sleep probe of a rank counts what its vLLM workers hold though the DP leader's process tree does not
+    show them (NeMo RL runs TP > 1 on vLLM's Ray executor: the TP workers are other Ray actors). The NVML stand-in
+    shows each reading only its own process: the leader's front-end and, through ``collective_rpc``, the engine's
+    worker each hold 3 GiB on GPU 0, so the rank holds 6 GiB there; the leader's reading alone said 3."""
+    _model, leaders = engines
+    fleet = NemoVllmFleet.from_generation(StandinGeneration(leaders), [0, 1], 1, 4)
+    nvml_hold.write_text(str(3 << 30))
+    try:
+        held = fleet.memory_in_use([0, 1], 60)
+    finally:
+        nvml_hold.unlink()
+    assert held == {0: 6 << 30, 1: 6 << 30}
+    assert fleet.memory_in_use([1], 30) == {1: None}  # nothing measurable: the probe says so, it does not guess
 
 
 def test_shrink_aborts_a_request_that_reaches_vllm_after_its_first_abort(engines: Any,
