@@ -138,3 +138,35 @@ def test_cli_rejects_bad_input_with_a_reason(tmp_path, capsys) -> None:
         rlix_main(["simulate", "--steps", "0"])
     rc = rlix_main(["simulate", "--pipelines", "2", "--tp", "1,1,1", "--out", str(tmp_path)])
     assert rc == 2
+
+
+def test_cli_memory_figures_let_phases_share_a_gpu(tmp_path, capsys) -> None:
+    """``--gpu-gib/--rollout-gib/--train-gib`` (the figures ``rlix recipe`` writes) turn co-residence on in the rlix
+    run only: two 1.5 B pipelines on one H200 (figures of the stock recipe) run one's rollout next to the other's
+    step, so they beat whole-GPU turns; the one-after-another baseline (stock NeMo RL) is the same run either way."""
+    common = ["simulate", "--pipelines", "2", "--gpus", "1", "--steps", "3", "--step-target", "512", "--traj-time",
+              "20", "--train-time", "60", "--init-time", "10", "--no-validate"]
+    summaries = {}
+    for name, extra in (("turns", []), ("shared", ["--gpu-gib", "133.3", "--rollout-gib", "72.4/1.25",
+                                                   "--train-gib", "44.4/3"])):
+        assert rlix_main([*common, *extra, "--out", str(tmp_path / name)]) == 0
+        summaries[name] = json.loads((tmp_path / name / "summary.json").read_text())
+    capsys.readouterr()
+    turns, shared = summaries["turns"], summaries["shared"]
+    assert shared["jobs"][0]["memory"][0] == {"gpu_gib": 133.3, "awake_gib": 72.4, "asleep_gib": 1.25}
+    assert turns["jobs"][0]["memory"] is None
+    assert shared["modes"]["sequential"] == turns["modes"]["sequential"]
+    assert shared["modes"]["rlix"]["steps"] == turns["modes"]["rlix"]["steps"] == 6
+    assert shared["modes"]["rlix"]["steps_per_hour"] > 1.2 * turns["modes"]["rlix"]["steps_per_hour"]
+
+
+@pytest.mark.parametrize(("flags", "says"), [
+    (["--gpu-gib", "80"], "--gpu-gib, --rollout-gib and --train-gib together"),
+    (["--gpu-gib", "80", "--rollout-gib", "90/1", "--train-gib", "40/3"], "--rollout-gib / --gpu-gib of pipeline p0"),
+    (["--gpu-gib", "80", "--rollout-gib", "30/1,30/1,30/1", "--train-gib", "40/3"], "3 values for 2 pipelines"),
+])
+def test_cli_memory_figures_refused_with_the_fix(tmp_path, capsys, flags, says) -> None:
+    assert rlix_main(["simulate", "--gpus", "1", *flags, "--out", str(tmp_path)]) == 2
+    assert says in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        rlix_main(["simulate", "--rollout-gib", "72.4"])  # not AWAKE/ASLEEP: argparse names the form

@@ -27,6 +27,8 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import TypedDict, Unpack
 
 from rlix_plugins.control.capacity.simulation import JobSpec, Placement, SimRun, Simulation
+from rlix_plugins.control.registration import parse_cluster_memory
+from rlix_plugins.control.types import ClusterMemory
 from rlix_plugins.errors import RlixConfigError
 
 __all__ = ["Comparison", "JobSpec", "SimOptions", "SimRun", "add_arguments", "best_alone", "best_stock", "compare", "rlix_placements",
@@ -83,8 +85,10 @@ def rlix_placements(jobs: Sequence[JobSpec], num_gpus: int, gpus_per_node: int) 
 def stock_configs(job: JobSpec, size: int, gpus_per_node: int) -> list[tuple[JobSpec, Placement]]:
     """What stock NeMo RL can run on ``size`` GPUs of its own: async non-colocated (train on ``train_gpus``,
     rollout on the rest) when a rollout rank fits, and synchronous colocated (rollout and training take turns on
-    all ``size`` GPUs; training data-parallel over them, time scaled by ``train_gpus / size``, optimistically)."""
+    all ``size`` GPUs; training data-parallel over them, time scaled by ``train_gpus / size``, optimistically).
+    Without memory figures: stock NeMo RL never runs a rollout next to a training step."""
     out: list[tuple[JobSpec, Placement]] = []
+    job = replace(job, memory=None)
     infer = _bundles(job.train_gpus, size, job.tp, gpus_per_node) if job.train_gpus < size else []
     if infer:
         out.append((replace(job, start_s=0.0), Placement(tuple(range(job.train_gpus)), tuple(infer))))
@@ -225,6 +229,56 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dt", type=float, default=1.0, help="simulation time step in seconds (default 1)")
     parser.add_argument("--out", default="out/simulate", help="directory for timeline PNGs and summary.json (default out/simulate)")
     parser.add_argument("--no-validate", action="store_true", help="skip validate_plan on every cycle (faster)")
+    parser.add_argument("--gpu-gib", type=float, default=None,
+                        help="memory figures, as `rlix recipe` writes rlix.memory: GiB each GPU offers its tenants "
+                             "(its gpu_gib); with --rollout-gib and --train-gib, phases of different pipelines share "
+                             "a GPU where they fit (co-residence), as the scheduler runs such a recipe (default: "
+                             "none, whole-GPU turns)")
+    parser.add_argument("--rollout-gib", type=_memory, default=None,
+                        help="a rollout rank's GiB per GPU awake/asleep (actor_infer's awake_gib/asleep_gib), "
+                             "comma list per pipeline, e.g. 72.4/1.25")
+    parser.add_argument("--train-gib", type=_memory, default=None,
+                        help="a training step's GiB per GPU awake/asleep (actor_train's awake_gib/asleep_gib), "
+                             "comma list per pipeline, e.g. 44.4/3")
+
+
+def _memory(text: str) -> list[tuple[float, float]]:
+    """argparse type: a comma list of AWAKE/ASLEEP GiB pairs."""
+    out = []
+    for item in (x.strip() for x in text.split(",") if x.strip()):
+        try:
+            awake, asleep = (float(v) for v in item.split("/"))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected AWAKE/ASLEEP GiB pairs like 72.4/1.25, got {item!r}") from None
+        out.append((awake, asleep))
+    if not out:
+        raise argparse.ArgumentTypeError(f"expected AWAKE/ASLEEP GiB pairs like 72.4/1.25, got {text!r}")
+    return out
+
+
+def _memory_of(args: argparse.Namespace, n: int) -> list[tuple[ClusterMemory, ClusterMemory] | None]:
+    """Each pipeline's (rollout, training) memory figures from the flags, checked as registration checks them."""
+    given = [args.gpu_gib is not None, args.rollout_gib is not None, args.train_gib is not None]
+    if not any(given):
+        return [None] * n
+    if not all(given):
+        raise RlixConfigError("memory figures need --gpu-gib, --rollout-gib and --train-gib together "
+                              "(the rlix.memory figures `rlix recipe` writes), or none of them")
+    out: list[tuple[ClusterMemory, ClusterMemory] | None] = []
+    for i in range(n):
+        pair = []
+        for flag, name, values in (("--rollout-gib", "actor_infer", args.rollout_gib),
+                                   ("--train-gib", "actor_train", args.train_gib)):
+            if len(values) > n:
+                raise RlixConfigError(f"{flag} has {len(values)} values for {n} pipelines; give at most one per pipeline")
+            awake, asleep = values[i % len(values)]
+            try:
+                pair.append(parse_cluster_memory(name, {"gpu_gib": args.gpu_gib, "awake_gib": awake,
+                                                        "asleep_gib": asleep}))
+            except RlixConfigError as exc:
+                raise RlixConfigError(f"{flag} / --gpu-gib of pipeline p{i}: {exc}") from None
+        out.append((pair[0], pair[1]))
+    return out
 
 
 def jobs_from_args(args: argparse.Namespace) -> list[JobSpec]:
@@ -237,11 +291,13 @@ def jobs_from_args(args: argparse.Namespace) -> list[JobSpec]:
             raise RlixConfigError(f"{flag} has {len(values)} values for {n} pipelines; give at most one per pipeline")
         return values[i % len(values)]  # shorter lists repeat
 
+    memory = _memory_of(args, n)
     jobs = []
     for i in range(n):
         jobs.append(
             JobSpec(
                 name=f"p{i}",
+                memory=memory[i],
                 train_gpus=int(pick(args.train_gpus, "--train-gpus", i)),
                 tp=int(pick(args.tp, "--tp", i)),
                 step_target=int(pick(args.step_target, "--step-target", i)),
@@ -268,6 +324,9 @@ def run_cli(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     print(f"rlix simulate: {len(jobs)} pipelines on {args.gpus} GPUs ({args.gpus_per_node}/node), same planner as the scheduler")
     print(cmp.table())
+    if any(j.memory is not None for j in jobs):
+        print("busy counts every phase on a GPU: with memory figures two pipelines' phases share one, so rlix's share "
+              "can pass 100%")
     print(f"rlix {cmp.runs['rlix'].fairness().line()}")
     pictures = []
     for mode in (m for m in MODES if m in cmp.runs):
