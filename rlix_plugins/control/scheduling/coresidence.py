@@ -79,7 +79,10 @@ class GpuTenancy(tuple[ClusterSpec, ...]):  # the tenants, with their figures su
 
     def load(self, awake: Collection[str]) -> int:
         """The GPU's load (units) with the tenants in ``awake`` (cluster ids) awake and every other one asleep."""
-        return self.base + sum(self.extra.get(c, 0) for c in set(awake))
+        extra, total = self.extra, self.base
+        for c in awake if isinstance(awake, (set, frozenset)) else set(awake):  # (a loop: the planner asks per GPU)
+            total += extra.get(c, 0)
+        return total
 
 
 def _figures(spec: ClusterSpec) -> tuple[int, int, int] | None:

@@ -212,12 +212,14 @@ class PlanState:
         """Wake ``rank`` of ``cid`` on idle GPUs, or (``coresident``) next to the holders of its GPUs (the caller
         checked ``coresidence.sharing_problem``)."""
         spec = self.snap.clusters[cid]
-        rooms = self._rooms
+        rooms, owner, guests_of = self._rooms, self.owner, self.coresident  # (a few thousand wakes a decision)
         for g in spec.bundle(rank):
             if coresident:
-                guests = self.coresident.setdefault(g, set())
+                guests = guests_of.get(g)
+                if guests is None:
+                    guests = guests_of[g] = set()
                 room = rooms.get(g)
-                if room is not None and cid not in guests and cid != self.owner.get(g):
+                if room is not None and cid not in guests and cid != owner.get(g):
                     rooms[g] = room - self.tenants[g].extra.get(cid, 0)  # a load is a sum: exact
                 else:
                     rooms.pop(g, None)
@@ -225,7 +227,7 @@ class PlanState:
             else:
                 rooms.pop(g, None)
                 self.free.remove(g)
-                self.owner[g] = cid
+                owner[g] = cid
         self.gen_active.setdefault(cid, set()).add(rank)
         self.expanded.setdefault(cid, set()).add(rank)
         self.protected.add((cid, rank))
