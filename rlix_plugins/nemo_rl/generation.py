@@ -3,8 +3,9 @@
 * :class:`NemoVllmFleet` - :class:`~rlix_plugins.pipeline.protocols.RolloutFleet` over the DP-leader Ray workers
   of a ``VllmGeneration`` (``worker_group.workers[worker_group.get_dp_leader_worker_idx(r)]``): ``sleep`` =
   ``sleep_async(level=)`` (the runtime's ``rlix.sleep_level``, per call through patch 0003; the workers' own
-  ``vllm_cfg.sleep_level`` is only their default), ``wake_up`` = ``wake_up_async(tags=)``, ``abort`` via :mod:`.worker_ops` (``__ray_call__``),
-  ``memory_in_use`` from the leader's process tree (``__ray_call__``) and every TP worker's (``collective_rpc``), ``engine_rpc`` = ``RayEngineRpc(leader, "checkpoint_engine_rpc_async",
+  ``vllm_cfg.sleep_level`` is only their default), ``wake_up`` = ``wake_up_async(tags=)``, ``abort`` via
+  :mod:`.worker_ops` (``__ray_call__``), ``memory_in_use`` from the leader's process tree (``__ray_call__``) and
+  every TP worker's (``collective_rpc``), ``engine_rpc`` = ``RayEngineRpc(leader, "checkpoint_engine_rpc_async",
   "reset_prefix_cache_async")`` (NeMo RL's existing pass-through to ``collective_rpc``). Holds actor handles
   only: picklable, never a ``VllmGeneration`` (whose ``__del__`` shuts the workers down).
 * :class:`RouterShardSelector` + :class:`RouterFleetMonitor` - installed with NeMo RL's existing seam
