@@ -143,11 +143,10 @@ def fits(tenants: Tenants, gpu: int, awake: Collection[str]) -> bool:
 Host = tuple[ClusterSpec, Priority]  #: a non-GENERATION allocation on a GPU: its cluster and priority
 
 
-def sharing_problem(tenants: Tenants, gpu: int, generation: Sequence[ClusterSpec], hosts: Sequence[Host] = (), *,
-                    memory: bool = True) -> str | None:
+def sharing_problem(tenants: Tenants, gpu: int, generation: Sequence[ClusterSpec],
+                    hosts: Sequence[Host] = ()) -> str | None:
     """Why the GENERATION ranks of ``generation`` may not all be awake on ``gpu`` together, next to the
-    non-GENERATION allocations ``hosts`` (cluster, priority); None when they may. ``memory=False``: the rules only,
-    for a caller that checked the memory itself (the planner's room index)."""
+    non-GENERATION allocations ``hosts`` (cluster, priority); None when they may."""
     if len(generation) + len(hosts) < 2:
         return None  # alone on the GPU: nothing is shared
     host_pipelines: dict[str, str] = {}
@@ -160,8 +159,6 @@ def sharing_problem(tenants: Tenants, gpu: int, generation: Sequence[ClusterSpec
     pipelines = [g.pipeline_id for g in generation]
     if len(set(pipelines)) != len(pipelines):
         return f"two ranks of one pipeline on GPU {gpu}"
-    if not memory:
-        return None
     awake = [g.cluster_id for g in generation] + [h.cluster_id for h, _ in hosts]
     load = gpu_load(tenants.get(gpu, ()), awake)
     if load is None:

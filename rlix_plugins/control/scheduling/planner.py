@@ -260,9 +260,10 @@ def _coresident_fill(state: PlanState, *, starving_only: bool = False) -> None:
 
 class _Joinable:
     """Whether a rollout rank of a pipeline may wake on a GPU next to its holders by the rules alone, never beside
-    its own pipeline's training step: ``_coresidable(memory=False) and not _own_step_on`` for a GPU with room
-    (``PlanState.room`` not None: it has a holder), from each GPU's host and rollout pipelines, worked out once per
-    fill (the fill only wakes ranks: its hosts stay, its rollout pipelines only grow)."""
+    its own pipeline's training step: ``coresidence.sharing_problem``'s rules without its memory sum (the fill's
+    ``PlanState.room`` is that sum) and ``not _own_step_on``, for a GPU with room (it has a holder), from each GPU's
+    host and rollout pipelines, worked out once per fill (the fill only wakes ranks: its hosts stay, its rollout
+    pipelines only grow). Asking ``sharing_problem`` per rank and GPU built both lists again for every check."""
 
     def __init__(self, state: PlanState) -> None:
         self._state = state
@@ -609,11 +610,10 @@ def _extra(state: PlanState, spec: ClusterSpec) -> int:
 
 
 def _coresidable(state: PlanState, gpu: int, spec: ClusterSpec, leaving: Collection[str] = (), *,
-                 memory: bool = True, alone: bool = False) -> bool:
+                 alone: bool = False) -> bool:
     """Whether a rank of ``spec`` may wake on ``gpu`` next to its holders, once the ranks of ``leaving`` there sleep
     (the co-resident swap, the yield phase). An idle GPU is the gap ratio's: where no holder stays, only with
-    ``alone`` (the yield phase), and then where its figures fit. ``memory=False``: the caller's room index already
-    found room for it next to the holders (the same sum, ``PlanState.room``)."""
+    ``alone`` (the yield phase), and then where its figures fit."""
     owner = state.owner.get(gpu)
     if owner is None or gpu in state.reserved or gpu in state.snap.fenced_gpus:
         return False
@@ -622,7 +622,7 @@ def _coresidable(state: PlanState, gpu: int, spec: ClusterSpec, leaving: Collect
     generation = [clusters[c] for c in state.generation_holders(gpu) if c not in leaving]
     if not hosts and not generation:
         return alone and fits(state.tenants, gpu, [spec.cluster_id])
-    return sharing_problem(state.tenants, gpu, [*generation, spec], hosts, memory=memory) is None
+    return sharing_problem(state.tenants, gpu, [*generation, spec], hosts) is None
 
 
 def _generation_grants(state: PlanState) -> None:
