@@ -106,10 +106,11 @@ def fullest_gpu_bytes(usages: Iterable[Iterable[Sequence[int]] | None]) -> int |
     for usage in usages:
         for pid, index, used in usage or ():
             seen[(int(pid), int(index))] = int(used)
-    per_gpu: dict[int, int] = {}
-    for (_, index), used in seen.items():
-        per_gpu[index] = per_gpu.get(index, 0) + used
-    return max(per_gpu.values()) if per_gpu else None
+    procs: dict[int, list[tuple[int, int]]] = {}
+    for (pid, index), used in seen.items():
+        procs.setdefault(index, []).append((pid, used))
+    held = per_gpu_bytes(procs, {pid for pid, _ in seen})
+    return max(held.values()) if held else None
 
 
 def process_tree_gpu_bytes(root: int | None = None) -> int | None:
