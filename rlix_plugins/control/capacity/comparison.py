@@ -24,7 +24,7 @@ import json
 import pathlib
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
-from typing import TypedDict, Unpack
+from typing import TypedDict, TypeVar, Unpack
 
 from rlix_plugins.control.capacity.simulation import JobSpec, Placement, SimRun, Simulation
 from rlix_plugins.control.registration import parse_cluster_memory
@@ -35,6 +35,7 @@ __all__ = ["Comparison", "JobSpec", "SimOptions", "SimRun", "add_arguments", "be
            "run_cli"]
 
 MODES = ("rlix", "static", "sequential")
+T = TypeVar("T")
 
 
 class SimOptions(TypedDict, total=False):
@@ -256,6 +257,13 @@ def _memory(text: str) -> list[tuple[float, float]]:
     return out
 
 
+def _per_pipeline(values: Sequence[T], flag: str, i: int, n: int) -> T:
+    """Pipeline ``i``'s value of a per-pipeline comma list (a shorter list repeats; a longer one is refused)."""
+    if len(values) > n:
+        raise RlixConfigError(f"{flag} has {len(values)} values for {n} pipelines; give at most one per pipeline")
+    return values[i % len(values)]
+
+
 def _memory_of(args: argparse.Namespace, n: int) -> list[tuple[ClusterMemory, ClusterMemory] | None]:
     """Each pipeline's (rollout, training) memory figures from the flags, checked as registration checks them."""
     given = [args.gpu_gib is not None, args.rollout_gib is not None, args.train_gib is not None]
@@ -269,9 +277,7 @@ def _memory_of(args: argparse.Namespace, n: int) -> list[tuple[ClusterMemory, Cl
         pair = []
         for flag, name, values in (("--rollout-gib", "actor_infer", args.rollout_gib),
                                    ("--train-gib", "actor_train", args.train_gib)):
-            if len(values) > n:
-                raise RlixConfigError(f"{flag} has {len(values)} values for {n} pipelines; give at most one per pipeline")
-            awake, asleep = values[i % len(values)]
+            awake, asleep = _per_pipeline(values, flag, i, n)
             try:
                 pair.append(parse_cluster_memory(name, {"gpu_gib": args.gpu_gib, "awake_gib": awake,
                                                         "asleep_gib": asleep}))
@@ -287,9 +293,7 @@ def jobs_from_args(args: argparse.Namespace) -> list[JobSpec]:
         raise RlixConfigError("--pipelines, --gpus, --gpus-per-node, --max-age and --dt must be positive")
 
     def pick(values: Sequence[float], flag: str, i: int) -> float:
-        if len(values) > n:
-            raise RlixConfigError(f"{flag} has {len(values)} values for {n} pipelines; give at most one per pipeline")
-        return values[i % len(values)]  # shorter lists repeat
+        return _per_pipeline(values, flag, i, n)
 
     memory = _memory_of(args, n)
     jobs = []
