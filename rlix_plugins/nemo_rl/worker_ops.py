@@ -88,14 +88,13 @@ def _run_on_engine_loop(llm: Any, coro: Any, timeout_s: float = 30.0) -> None:
     asyncio.run_coroutine_threadsafe(coro, loop).result(timeout=timeout_s)
 
 
-def device_usage(worker: Any) -> list[list[int]] | None:
-    """[pid, NVML GPU index, bytes] of this worker's process tree (vLLM's engine core is a child process; NCCL and
+def device_usage(worker: Any) -> list[tuple[int, int, int]] | None:
+    """(pid, NVML GPU index, bytes) of this worker's process tree (vLLM's engine core is a child process; NCCL and
     vLLM pools count too), None when not measurable. Not device-wide: co-tenant pipelines on the same GPU would
     fail the post-sleep check. The fleet adds the TP workers' own readings (``rlix_device_usage``)."""
     from rlix_plugins.pipeline.gpu_memory import process_tree_gpu_usage
 
-    usage = process_tree_gpu_usage()
-    return None if usage is None else [list(u) for u in usage]
+    return process_tree_gpu_usage()
 
 
 # ---------------------------------------------------------------------------------------------- policy workers

@@ -436,14 +436,13 @@ class RlixReceiverMixin:
         self._rlix_drop(state)
         return True
 
-    def rlix_device_usage(self) -> list[list[int]] | None:
-        """[pid, NVML GPU index, bytes] of this worker's process tree (NVML; None when not measurable): the
+    def rlix_device_usage(self) -> list[tuple[int, int, int]] | None:
+        """(pid, NVML GPU index, bytes) of this worker's process tree (NVML; None when not measurable): the
         post-sleep check of a rank whose TP workers are not in its front-end's process tree (vLLM's Ray executor,
         as NeMo RL runs TP > 1) asks every worker through ``collective_rpc``."""
         from rlix_plugins.pipeline.gpu_memory import process_tree_gpu_usage
 
-        usage = process_tree_gpu_usage()
-        return None if usage is None else [list(u) for u in usage]
+        return process_tree_gpu_usage()
 
     def rlix_report_place(self) -> dict[str, Any]:
         """Where this worker runs (``transport.local_place`` of its device): the sender checks its plan against it.
