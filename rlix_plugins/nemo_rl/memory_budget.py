@@ -6,7 +6,7 @@ where their figures fit: ``control.scheduling.coresidence``). A pipeline's figur
 (:func:`pipeline_memory`):
 
 * **asleep on a GPU** (``gpu_asleep_gib``): its vLLM engine after a sleep (CUDA context and non-pool allocations:
-  :data:`ENGINE_ASLEEP_GIB`) and, on its training GPUs, its trainer after the offload (CUDA context, NCCL and
+  :func:`engine_asleep_gib`) and, on its training GPUs, its trainer after the offload (CUDA context, NCCL and
   allocator leftovers: :data:`TRAINER_OFFLOADED_GIB`);
 * **awake** (``gpu_awake_gib``): the largest of its start-up (the engine just initialised, ``gpu_memory_utilization``
   of the GPU plus its context, next to the trainer's freshly loaded policy and reference weights,
@@ -41,6 +41,10 @@ GiB: Final = 1 << 30
 #: A slept vLLM engine's device memory: 0.96 GiB measured on an H200 (weights taken by host_pull only), 1.18 GiB on an
 #: H100 once it had received weights over NCCL (a rollout rank outside its pipeline's training GPUs does).
 ENGINE_ASLEEP_GIB: Final = 1.25
+#: The same of an engine of vLLM tensor parallel > 1, on each of its GPUs: its TP communicators (NCCL's buffers,
+#: vLLM's all-reduce buffers) come on top; 2.12-2.22 GiB measured per GPU at TP 2 on H200s (a tiny model and
+#: Qwen2.5-1.5B under NeMo RL).
+ENGINE_ASLEEP_TP_GIB: Final = 2.5
 #: A trainer's device memory after its offload (2.7 GiB measured for a DTensor worker).
 TRAINER_OFFLOADED_GIB: Final = 3.0
 #: A trainer right after it loaded (fp32 policy and reference weights; 11.6 GiB measured at 1.54 B parameters).
@@ -82,6 +86,11 @@ class PipelineMemory:
     detail: str
 
 
+def engine_asleep_gib(tp: int = 1) -> float:
+    """What a slept vLLM engine of ``tp`` GPUs keeps on each of them."""
+    return ENGINE_ASLEEP_TP_GIB if tp > 1 else ENGINE_ASLEEP_GIB
+
+
 def step_gib(shape: ModelShape, train_gpus: int = 1, step_tokens: int = DEFAULT_STEP_TOKENS) -> float:
     """A training step's device memory on each of its ``train_gpus`` GPUs: the model's share (its states sharded over
     them) and the logits of one micro-batch of ``step_tokens`` tokens (every GPU computes its own)."""
@@ -91,16 +100,16 @@ def step_gib(shape: ModelShape, train_gpus: int = 1, step_tokens: int = DEFAULT_
 
 def pipeline_memory(name: str, shape: ModelShape, *, gpu_memory_gib: float, gpu_memory_utilization: float,
                     trains_here: bool = True, train_gpus: int = 1,
-                    step_tokens: int = DEFAULT_STEP_TOKENS) -> PipelineMemory:
+                    step_tokens: int = DEFAULT_STEP_TOKENS, tp: int = 1) -> PipelineMemory:
     """The memory figures of one pipeline training ``shape`` (see the module docstring). ``trains_here``: whether
     its trainer also lives on the GPU in question; ``train_gpus``: GPUs its trainer shards the states over;
-    ``step_tokens``: tokens of one training micro-batch."""
+    ``step_tokens``: tokens of one training micro-batch; ``tp``: its vLLM engines' tensor parallel size."""
     params = shape.num_parameters
     shard = params / max(train_gpus, 1)
-    engine_gib = gpu_memory_utilization * gpu_memory_gib + ENGINE_ASLEEP_GIB
+    engine_gib = gpu_memory_utilization * gpu_memory_gib + engine_asleep_gib(tp)
     step = step_gib(shape, train_gpus, step_tokens) if trains_here else 0.0
     start_gib = engine_gib + (shard * TRAINER_LOADED_BYTES_PER_PARAM / GiB if trains_here else 0.0)
-    asleep = ENGINE_ASLEEP_GIB + (TRAINER_OFFLOADED_GIB if trains_here else 0.0)
+    asleep = engine_asleep_gib(tp) + (TRAINER_OFFLOADED_GIB if trains_here else 0.0)
     awake = max(start_gib, engine_gib, step)
     trainer_host = params * TRAINER_HOST_BYTES_PER_PARAM / GiB
     host = trainer_host + PROCESSES_HOST_GIB
@@ -113,7 +122,7 @@ def pipeline_memory(name: str, shape: ModelShape, *, gpu_memory_gib: float, gpu_
 
 def cluster_memory(shape: ModelShape, *, gpu_memory_gib: float, gpu_memory_utilization: float,
                    train_gpus: int = 1, bucket_size_bytes: int = 0,
-                   step_tokens: int = DEFAULT_STEP_TOKENS) -> dict[str, dict[str, float]]:
+                   step_tokens: int = DEFAULT_STEP_TOKENS, tp: int = 1) -> dict[str, dict[str, float]]:
     """The scheduler's figures of one pipeline's clusters (``rlix.memory``; ``control.types.ClusterMemory``), GiB per
     GPU, rounded up to 0.1: its vLLM engine awake (with the two bucket-sized buffers a weight sync receives into,
     outside vLLM's share) / asleep, its trainer's step / offloaded, and the share of the GPU the pipelines may plan
@@ -126,9 +135,9 @@ def cluster_memory(shape: ModelShape, *, gpu_memory_gib: float, gpu_memory_utili
 
     gpu = math.floor(gpu_memory_gib * GPU_SHARE * 10) / 10
     return {
-        "actor_infer": {"gpu_gib": gpu, "awake_gib": up(gpu_memory_utilization * gpu_memory_gib + ENGINE_ASLEEP_GIB
+        "actor_infer": {"gpu_gib": gpu, "awake_gib": up(gpu_memory_utilization * gpu_memory_gib + engine_asleep_gib(tp)
                                                        + 2 * bucket_size_bytes / GiB),
-                        "asleep_gib": ENGINE_ASLEEP_GIB},
+                        "asleep_gib": engine_asleep_gib(tp)},
         "actor_train": {"gpu_gib": gpu, "awake_gib": up(max(trainer, TRAINER_OFFLOADED_GIB)),
                         "asleep_gib": TRAINER_OFFLOADED_GIB},
     }

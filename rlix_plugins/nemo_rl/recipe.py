@@ -256,6 +256,7 @@ def check_memory(stock: Mapping[str, Any], layouts: Sequence[PipelineLayout], *,
     if shape is None:
         return f"memory not checked: the shape of {model!r} is not known here", None
     util = float(_resolved(stock, "policy.generation.vllm_cfg.gpu_memory_utilization") or 0.9)
+    tp = int(_resolved(stock, "policy.generation.vllm_cfg.tensor_parallel_size") or 1)
     tokens = _step_tokens(stock)
     gib = gpu_memory_gib or 0.0
     by_gpu: dict[int, list[PipelineMemory]] = {}
@@ -263,7 +264,7 @@ def check_memory(stock: Mapping[str, Any], layouts: Sequence[PipelineLayout], *,
     for p in layouts:
         mem = {g: pipeline_memory(p.name, shape, gpu_memory_gib=gib, gpu_memory_utilization=util,
                                   trains_here=g in p.train_devices, train_gpus=len(p.train_devices),
-                                  step_tokens=tokens)
+                                  step_tokens=tokens, tp=tp)
                for g in p.infer_devices}
         everyone.append(mem[p.train_devices[0]])
         for g, m in mem.items():
@@ -279,7 +280,7 @@ def check_memory(stock: Mapping[str, Any], layouts: Sequence[PipelineLayout], *,
         return note, None
     figures = cluster_memory(shape, gpu_memory_gib=gpu_memory_gib, gpu_memory_utilization=util,
                              train_gpus=len(layouts[0].train_devices), bucket_size_bytes=bucket_size_for(model)[0],
-                             step_tokens=tokens)
+                             step_tokens=tokens, tp=tp)
     return f"{note}; {_coresidence_note(layouts, figures, gpu_memory_gib, util)}", figures
 
 

@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
+from typing import Final
 
 from rlix_plugins.errors import RlixConfigError
 
 SLEEP_LEVELS = (1, 2)
+#: What a slept rank of vLLM tensor parallel > 1 keeps on each of its GPUs beyond a rank of one GPU: its TP
+#: communicators (NCCL's buffers, vLLM's all-reduce buffers). TP-2 ranks kept 2.12-2.22 GiB per GPU on H200s (a tiny
+#: model and Qwen2.5-1.5B under NeMo RL) where TP-1 ranks keep 0.96-1.18 GiB.
+TP_COMMUNICATOR_BYTES: Final = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -17,11 +22,12 @@ class RuntimeConfig:
     #: vLLM sleep level for scheduler-driven shrinks: 2 drops weights and KV cache (default), 1 keeps weights
     #: in host memory (level 2's buffer restore poisoned a co-tenant's allocator on some stacks).
     sleep_level: int = 2
-    #: After a sleep, the rank's device memory on each of its GPUs must be below this (where measurable; None skips
-    #: the check). A slept engine keeps its CUDA context and what libraries loaded into it: 0.96 GiB on an H200
-    #: when it only took weights by host_pull, 1.18 GiB on an H100 once it had received them over NCCL (a 1 GiB
-    #: limit failed two healthy pipelines there); a sleep that failed keeps the weights and the KV cache, several
-    #: GiB at any real shape.
+    #: After a sleep, a rank of one GPU must hold less than this on it (where measurable; None skips the check); a
+    #: rank of TP > 1 gets :data:`TP_COMMUNICATOR_BYTES` more on each of its GPUs (:meth:`post_sleep_limit`). A
+    #: slept engine keeps its CUDA context and what libraries loaded into it: 0.96 GiB on an H200 when it only took
+    #: weights by host_pull, 1.18 GiB on an H100 once it had received them over NCCL (a 1 GiB limit failed two
+    #: healthy pipelines there); a sleep that failed keeps the weights and the KV cache, several GiB at any real
+    #: shape.
     post_sleep_max_bytes: int | None = 2 << 30
     #: Bound of every blocking GPU request (training, GENERATION).
     request_timeout_s: float = 1800.0
@@ -47,6 +53,12 @@ class RuntimeConfig:
     step_target_estimate: int = 1
     #: Verify checksums on every target after each sync (the version the trainer built).
     verify: bool = True
+
+    def post_sleep_limit(self, tp: int) -> int | None:
+        """The most a slept rank of ``tp`` GPUs may hold on one of them (None: not checked)."""
+        if self.post_sleep_max_bytes is None:
+            return None
+        return self.post_sleep_max_bytes + (TP_COMMUNICATOR_BYTES if tp > 1 else 0)
 
     def __post_init__(self) -> None:
         # Every message starts with the field's name (``load_run_config`` prefixes NeMo RL's section, ``rlix.``).

@@ -163,13 +163,14 @@ class FleetResizer:
         event = self._record(op="shrink", ranks=ranks, reason=reason, seconds=t_sleep - t0, aborted=aborted,
                              drain_s=t_drain - t_route, sleep_s=t_sleep - t_drain, level=cfg.sleep_level,
                              memory_after=after, memory_s=time.perf_counter() - t_sleep)
-        limit = cfg.post_sleep_max_bytes
-        high = {r: b for r, b in after.items() if b is not None and limit is not None and b > limit}
+        limits = {r: cfg.post_sleep_limit(len(self._fleet.devices(r))) for r in after}
+        high = {r: b for r, b in after.items() if b is not None and (lim := limits[r]) is not None and b > lim}
         if high:
             raise RlixError(
                 f"pipeline {self._pid}: dp ranks {sorted(high)} still hold {high} bytes on a GPU after sleep(level="
-                f"{cfg.sleep_level}) (limit {limit}, RuntimeConfig.post_sleep_max_bytes): the GPU is not free for "
-                "the next tenant; check enable_sleep_mode and that no request was left running"
+                f"{cfg.sleep_level}) (limit { {r: limits[r] for r in high} }: RuntimeConfig.post_sleep_max_bytes, "
+                "plus pipeline.config.TP_COMMUNICATOR_BYTES for a rank of TP > 1): the GPU is not free for the next "
+                "tenant; check enable_sleep_mode and that no request was left running"
             )
         return event
 

@@ -43,14 +43,14 @@ class Recorder:
 
 
 class RecordingFleet:
-    def __init__(self, rec: Any, num_ranks: int) -> None:
-        self.rec, self.n = rec, num_ranks
+    def __init__(self, rec: Any, num_ranks: int, tp: int = 1) -> None:
+        self.rec, self.n, self.tp = rec, num_ranks, tp
 
     def dp_ranks(self) -> list[int]:
         return list(range(self.n))
 
     def devices(self, dp_rank: int) -> list[tuple[int, int]]:
-        return [(0, dp_rank)]
+        return [(0, dp_rank * self.tp + i) for i in range(self.tp)]
 
     def engine_rpc(self, dp_rank: int) -> Any:
         return ("rpc", dp_rank)

@@ -114,17 +114,23 @@ def test_first_expand_does_not_wait_for_the_collector_to_start(control_plane: Co
     ray.kill(collector)
 
 
-@pytest.fixture
-def resizer(ray_cluster: Any) -> Any:
+def _resizer_of(tp: int) -> tuple[Any, Any, Any]:
+    """A resizer actor over two recorded ranks of ``tp`` GPUs each, its router and its recorder."""
     rec = Recorder.remote()
     router = ray.remote(RolloutRouter).options(num_cpus=0, max_concurrency=16).remote(2)
     actor = ray.remote(FleetResizer).options(num_cpus=0, max_concurrency=4).remote(
-        "test_pipe", RecordingFleet(rec, 2), RecordingWeights(rec), router, CFG)
+        "test_pipe", RecordingFleet(rec, 2, tp), RecordingWeights(rec), router, CFG)
     ray.get(rec.set.remote("cache_version", 4))
     ray.get(actor.set_publisher.remote(RecordingPublisher(rec)))
     ray.get(actor.set_versions.remote(VersionLedger(cache=4, published=3)))
-    yield actor, router, rec
-    for a in (actor, router, rec):
+    return actor, router, rec
+
+
+@pytest.fixture
+def resizer(ray_cluster: Any) -> Any:
+    parts = _resizer_of(1)
+    yield parts
+    for a in parts:
         ray.kill(a)
 
 
@@ -164,6 +170,29 @@ def test_shrink_order_and_memory_check(resizer: Any) -> None:
         ray.get(actor.resize_infer.remote([0], []), timeout=30)
     with pytest.raises(SchedulerError, match="exactly one"):
         ray.get(actor.resize_infer.remote([0], [1]), timeout=30)
+
+
+def test_shrink_memory_limit_allows_a_tp_ranks_communicators(ray_cluster: Any) -> None:
+    """A slept rank of TP 2 keeps its TP communicators on each GPU: 2.22 GiB measured under NeMo RL on an H200,
+    which the TP-1 limit (2 GiB) failed at the first shrink of both pipelines. A TP-2 rank holding that shrinks; a
+    TP-1 rank holding the same still fails, and so does a TP-2 rank that kept a 1.5B engine's weights and KV."""
+    held = 2382364672  # what each TP-2 rank of the 2026-11-29 NeMo RL run held on its fullest GPU after the sleep
+    tp2 = _resizer_of(2)
+    tp1 = _resizer_of(1)
+    try:
+        for actor, _router, rec in (tp2, tp1):
+            ray.get(actor.resize_infer.remote([], [0, 1]), timeout=30)
+            ray.get(rec.set.remote("memory_after_sleep", held))
+        ray.get(tp2[0].resize_infer.remote([1], []), timeout=30)
+        assert ray.get(tp2[0].history.remote())[-1]["memory_after"] == {1: held}
+        with pytest.raises(RlixError, match=r"still hold .*limit \{1: 2147483648\}"):
+            ray.get(tp1[0].resize_infer.remote([1], []), timeout=30)
+        ray.get(tp2[2].set.remote("memory_after_sleep", 8 << 30))
+        with pytest.raises(RlixError, match=r"still hold .*limit \{0: 3221225472\}"):
+            ray.get(tp2[0].resize_infer.remote([0], []), timeout=30)
+    finally:
+        for a in (*tp2, *tp1):
+            ray.kill(a)
 
 
 def test_watchdog_rerequests_generation_when_no_rank_is_active(control_plane: ControlPlane) -> None:
