@@ -150,8 +150,9 @@ class NemoRuntime:
     def step_metrics(self, step: int) -> dict[str, float]:
         """The ``rlix/`` figures of ``step`` (since the previous call): expands (ranks woken + synced, their
         seconds), shrinks, how many of the shrinks were preemptions by a training grant (the scheduler's trace), and
-        the vLLM workers that verified the weights they received (every TP worker of a rank counts) and the syncs
-        any worker did not verify. Reads the resize actor's history and the scheduler's trace (bounded RPCs)."""
+        the vLLM workers that verified the weights they received (every TP worker of a rank counts), the syncs
+        any worker did not verify, and the most a slept rank kept on one GPU after a shrink (GiB; 0 where nothing was
+        measured, as on CPU). Reads the resize actor's history and the scheduler's trace (bounded RPCs)."""
         history = self.rt.resize_history(self._history_seen)
         self._history_seen += len(history)
         expands = [e for e in history if e.get("op") == "expand"]
@@ -169,6 +170,8 @@ class NemoRuntime:
             "rlix/preemptions": float(len(preempted)),
             "rlix/workers_verified": float(sum(sum((e.get("verified_workers") or {}).values()) for e in syncs)),
             "rlix/syncs_unverified": float(sum(1 for e in syncs if not e.get("verified"))),
+            "rlix/asleep_gib_max": max((b / (1 << 30) for e in shrinks for b in (e.get("memory_after") or {}).values()
+                                        if b is not None), default=0.0),
         }
 
     def stop(self, error: str | None = None) -> None:
