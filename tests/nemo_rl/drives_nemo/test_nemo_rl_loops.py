@@ -56,7 +56,8 @@ def test_transfer_queue_client_handed_to_an_actor(nemo_copies: dict[str, Path], 
     probe = subprocess.run([str(nemo_python()), "-c", "; ".join(f"import {m}" for m in wanted)], capture_output=True,
                            text=True, timeout=120)
     if probe.returncode != 0:  # v0.7.0 pins TransferQueue b266d39 (not on PyPI); its own adapter fails the same way
-        pytest.skip(f"the installed TransferQueue is not the one this NeMo RL version's adapter imports ({wanted}): "
+        pytest.skip(f"the installed TransferQueue is not the one this NeMo RL version's adapter imports ({wanted}; "
+                    "v0.7.0: put TransferQueue b266d39's source on PYTHONPATH, see its series README): "
                     f"{probe.stderr.strip().splitlines()[-1] if probe.stderr.strip() else probe.returncode}")
     run = run_inside_nemo(nemo_copies["patched"], "test_rlix_transfer_queue.py", "tests/unit/algorithms",
                         tmp_path / "tq.xml", timeout_s=400, num_gpus=4)
