@@ -5,7 +5,7 @@ coordinator (which holds the resize lock around each call and signals grants aft
 
 * **shrink** ``resize_infer(remove, [])``: remove from routing → abort in-flight requests → drain → sleep
   (configured level) → measure the rank's device memory after the sleep and check it is below
-  ``RuntimeConfig.post_sleep_max_bytes`` (where measurable; recorded as ``memory_after``).
+  ``RuntimeConfig.post_sleep_limit`` of its TP size (where measurable; recorded as ``memory_after``).
 * **expand** ``resize_infer([], add)``: wake the weights → sync them from the CPU cache while the KV cache wakes
   (``WeightSource.sync(wake_tags=["kv_cache"])``: buckets →
   finalize once per target rank → verify checksums) → publish the CURRENT version (no bump) → activate routing.
