@@ -191,7 +191,7 @@ class RouterShardSelector:
             self._deferred.pending = False
             shard = self._keep(*await self.client.acquire_async())
         tried: list[int] = []
-        for _attempt in range(self.client.max_attempts):
+        for attempt in range(self.client.max_attempts):
             leader = generation.worker_group.get_dp_leader_worker_idx(shard)
             results: list[Any] = []
             try:
@@ -210,6 +210,8 @@ class RouterShardSelector:
                         yield result
                     return
             tried.append(shard)
+            if attempt + 1 == self.client.max_attempts:
+                break  # no ticket for an attempt that will not run: it would never go back (the drain waits on it)
             shard = self._keep(*await self.client.acquire_async(exclude=tried))
         raise ShardPreemptedError(shard, f"aborted by shrinks on {self.client.max_attempts} attempts (ranks {tried})")
 

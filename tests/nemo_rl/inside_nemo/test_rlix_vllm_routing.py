@@ -189,6 +189,34 @@ def test_request_aborted_by_a_shrink_is_retried_on_another_active_rank(rlix_env)
     assert stats["preempted"] == 1 and stats["active"] == [1] and sum(stats["in_flight"].values()) == 0
 
 
+class _EveryRankShrunk(_WorkerGroup):
+    """Every dispatch is aborted by a shrink of its shard, which wakes the other one (two pipelines' rollouts taking
+    turns on one GPU every few seconds, as a thrashing scheduler did on one H200)."""
+
+    def run_single_worker_single_data(self, *, method_name, worker_idx, data, greedy):
+        self.dispatched.append(worker_idx)
+        ray.get(self.router.activate.remote([1 - worker_idx]))
+        ray.get(self.router.deactivate.remote([worker_idx]))
+        return _one_result(worker_idx, True)
+
+
+def test_a_request_aborted_on_every_attempt_fails_and_leaves_no_ticket_out(rlix_env):
+    """After its last allowed attempt a request fails with the ranks it tried, and holds no ticket: the one taken
+    for an attempt that never ran was never handed back, so the next shrink's drain of that rank waited for it and
+    the scheduler failed the pipeline (16 such requests, one H200, two 1.5B pipelines)."""
+    from rlix_plugins.pipeline.protocols import ShardPreemptedError
+
+    router = _router(2, [0])
+    gen = _make_generation(2)
+    gen.worker_group = _EveryRankShrunk(2, router)
+    install_routing(gen, RouterClient(router, 2, timeout_s=30, max_attempts=2))
+    with pytest.raises(ShardPreemptedError, match=r"2 attempts \(ranks \[0, 1\]\)"):
+        _generate(gen)
+    assert gen.worker_group.dispatched == [0, 1]
+    assert ray.get(router.in_flight.remote(), timeout=30) == 0
+    ray.get(router.wait_drained.remote([0, 1], 5.0), timeout=30)  # what the next shrink waits for
+
+
 class _HoldingEngine:
     """A Ray actor serving NeMo RL's streaming ``generate_async`` call shape: the first ``hold`` requests stay in
     the engine until ``abort()`` (then end as aborted, as vLLM's abort ends them); later ones are served at once."""
