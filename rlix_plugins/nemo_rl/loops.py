@@ -11,6 +11,13 @@ loop                   publisher (after every expand)              progress for 
                        to its rollout manager itself (patch 0006)  still select for the version
 =====================  ==========================================  ===========================================
 
+Async GRPO's first step also waits for the next step's batch (NeMo RL's start-up barrier, in its main since 2026-07:
+the first step trains only once the lookahead batch is complete too, so that a resumed run cannot consume its step
+before the collector produced the next); :meth:`LoopSurface.waited_for` counts it until the trainer first asks for
+its grant (v0.7.0, without the barrier, asks at its first batch: the count is right there too). Counted as done, the
+pipeline looked idle while its trainer waited, and another pipeline took its only rollout rank (one H200, two 1.5B
+pipelines).
+
 Only async GRPO's collector is stopped at the end (the other loops' rollout side ends with the loop). Counters run
 in the progress thread of :class:`.runtime_adapter.NemoRuntime`; each call is bounded (Ray RPCs) or in-process.
 """
@@ -42,13 +49,24 @@ TQ_DEFAULT_NAMESPACE: Final = "transfer_queue"
 @dataclass(frozen=True)
 class LoopSurface:
     """``count(version)``: entries collected toward ``version`` (raw; the coordinator clamps) out of ``step_target``;
-    ``stop_collector``: what ends the rollout side at the end of the run (None: nothing)."""
+    ``stop_collector``: what ends the rollout side at the end of the run (None: nothing); ``lookahead_below``: the
+    loop's first step also waits for the next version's batch where that version is below it (async GRPO with
+    ``max_trajectory_age_steps`` > 0: ``grpo.max_num_steps``; 0: never)."""
 
     loop: str
     publisher: VersionPublisher
     count: Callable[[int], int]
     step_target: int
     stop_collector: Callable[[], None] | None
+    lookahead_below: int = 0
+
+    def waited_for(self, version: int, trainer_asked: bool) -> int:
+        """Entries of ``version`` the trainer's next step has; before the trainer first asked for a grant, no more
+        than of ``version + 1`` where the start-up barrier waits for that batch too (module docstring)."""
+        n = self.count(version)
+        if not trainer_asked and version + 1 < self.lookahead_below and n > 0:
+            n = min(n, self.count(version + 1))
+        return n
 
 
 def loop_surface(loop: str | None, master_config: Any, collector: Any, replay_buffer: Any) -> LoopSurface:
@@ -61,8 +79,10 @@ def loop_surface(loop: str | None, master_config: Any, collector: Any, replay_bu
             return int(ray_get(replay_buffer.__ray_call__.remote(worker_ops.count_intended_for, version),
                                "replay_buffer.count_intended_for", PROGRESS_RPC_TIMEOUT_S, dead="the replay buffer died"))
 
+        lookahead = int(cfg_path(master_config, "grpo.async_grpo.max_trajectory_age_steps") or 0) > 0
         return LoopSurface(loop, CollectorPublisher(collector), count_replay, target,
-                           lambda: ray.kill(collector, no_restart=True))
+                           lambda: ray.kill(collector, no_restart=True),
+                           int(cfg_path(master_config, "grpo.max_num_steps") or 0) if lookahead else 0)
     if loop == DATA_PLANE:
         group = max(1, int(cfg_path(master_config, "grpo.num_generations_per_prompt") or 1))
         namespace = cfg_path(master_config, "data_plane.rlix_namespace") or TQ_DEFAULT_NAMESPACE

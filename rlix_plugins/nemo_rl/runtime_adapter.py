@@ -37,7 +37,7 @@ from rlix_plugins.control.types import GENERATION_CLUSTER, Priority
 from rlix_plugins.errors import RlixError
 from rlix_plugins.nemo_rl.config import RlixRunConfig, cfg_path
 from rlix_plugins.nemo_rl.generation import NemoVllmFleet, install_routing
-from rlix_plugins.nemo_rl.loops import loop_surface
+from rlix_plugins.nemo_rl.loops import LoopSurface, loop_surface
 from rlix_plugins.nemo_rl.topology import grpo_loop
 from rlix_plugins.nemo_rl.weights import PolicyWeightSource
 from rlix_plugins.pipeline.publisher import CollectorPublisher
@@ -61,6 +61,7 @@ class NemoRuntime:
         self.policy: Any = None
         self.step_target = 1
         self._stop = threading.Event()
+        self._trainer_asked = threading.Event()
         self._progress: threading.Thread | None = None
         self.progress_reports: list[tuple[int, int]] = []  # (version, collected) sent
         self._master_config: Any = None
@@ -111,16 +112,16 @@ class NemoRuntime:
         self._stop_collector, self.step_target = surface.stop_collector, surface.step_target
         self.rt.attach_collector(surface.publisher)  # publishes the start version first
         self._progress = threading.Thread(target=self._report_progress,
-                                          args=(surface.count, self.rt.progress_reporter()), daemon=True,
+                                          args=(surface, self.rt.progress_reporter()), daemon=True,
                                           name=f"rlix-progress-{self.rt.pipeline_id}")
         self._progress.start()
 
-    def _report_progress(self, count: Any, reporter: Any) -> None:
+    def _report_progress(self, surface: LoopSurface, reporter: Any) -> None:
         last: tuple[int, int] | None = None
         while not self._stop.wait(_PROGRESS_PERIOD_S):
             try:
                 version = self.rt.versions.published
-                n = int(count(version))
+                n = int(surface.waited_for(version, self._trainer_asked.is_set()))
                 if last is None or (version, n) != last:
                     reporter.report(n, self.step_target, step=version, new_batch=last is None or last[0] != version)
                     self.progress_reports.append((version, n))
@@ -129,6 +130,7 @@ class NemoRuntime:
                 logger.warning("rlix progress: %s", exc)
 
     def before_training(self, step: int) -> list[int]:
+        self._trainer_asked.set()  # the start-up barrier is behind the trainer (``LoopSurface.waited_for``)
         assert self.weights is not None
         gpus = self.rt.before_training(step)
         self.weights.restore_comm_groups(self.config.runtime.sync_timeout_s)

@@ -104,6 +104,38 @@ def test_a_waiting_pipelines_rollout_takes_the_place_of_a_rank_beside_its_own_st
     _check_holders(snap, plan.allocations)
 
 
+@pytest.mark.parametrize("waiter_work", [0, 16])
+def test_a_rollout_whose_batch_is_complete_takes_no_place_and_nothing_takes_turns(waiter_work: int) -> None:
+    """One H200, two 1.5B pipelines, room for one rollout beside one step: b trains, its rollout fills b's next batch
+    beside the step, and a asks to fill its own next batch. Both batches the trainers wait for were complete, and
+    each pipeline took the place from the other on the other's "no work" (a by the swap, b back through the places
+    that yield) every 1-12 s for two minutes; each take aborts the holder's requests, 16 of them ran out of attempts.
+    Now a rollout whose own batch is complete takes no one's place; with work (16 trajectories left) a takes b's."""
+    c = two_on_one_gpu()
+    snap = snapshot(1, c, [whole_alloc(c["b_actor_train"]), gen_alloc(c["b_actor_infer"], [0])],
+                    [PendingRequest("a_actor_infer", GEN, 1)])
+    snap = replace(snap, progress={"a": Progress("a", 32, 32 - waiter_work), "b": Progress("b", 32, 32)})
+    plan = plan_cycle(snap)
+    validate_plan(snap, plan)
+    if not waiter_work:
+        assert not plan.shrinks and not plan.expands and active(plan, "b_actor_infer") == {0}
+        # the other way round (a's rollout beside b's step, b's asks): b takes nothing either
+        other = replace(snap, allocations={"b_actor_train": snap.allocations["b_actor_train"],
+                                           "a_actor_infer": gen_alloc(c["a_actor_infer"], [0])},
+                        pending=(PendingRequest("b_actor_infer", GEN, 2),))
+        plan2 = plan_cycle(other)
+        validate_plan(other, plan2)
+        assert not plan2.shrinks and not plan2.expands and active(plan2, "a_actor_infer") == {0}
+        return
+    assert [(s.cluster_id, s.reason) for s in plan.shrinks] == [("b_actor_infer", "rebalance")]
+    assert active(plan, "a_actor_infer") == {0}
+    # b's rollout asks again to fill its next batch (its own batch complete): it takes nothing back
+    after = replace(apply_plan(snap, plan), pending=(PendingRequest("b_actor_infer", GEN, 2),))
+    plan2 = plan_cycle(after)
+    validate_plan(after, plan2)
+    assert not plan2.shrinks and not plan2.expands and active(plan2, "a_actor_infer") == {0}
+
+
 @pytest.mark.parametrize("others", [False, True])
 def test_room_that_opens_during_a_step_goes_to_other_pipelines_rollouts(others: bool) -> None:
     """A rank that slept for its pipeline's step does not wake beside that step: room that opens meanwhile goes to

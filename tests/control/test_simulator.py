@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 from collections import defaultdict
+from dataclasses import replace
 
 import pytest
 
@@ -12,7 +13,7 @@ from rlix_plugins.cli import main as rlix_main
 from rlix_plugins.control.capacity.comparison import compare, rlix_placements, stock_configs
 from rlix_plugins.control.capacity.simulation import JobSpec, Placement, Simulation
 from rlix_plugins.control.capacity.timeline import occupancy_spans
-from rlix_plugins.control.types import Priority
+from rlix_plugins.control.types import ClusterMemory, Priority
 
 
 def _jobs(n: int, **kw) -> list[JobSpec]:
@@ -57,16 +58,20 @@ def test_no_starvation_with_more_pipelines_than_free_gpus() -> None:
     _assert_exclusive(run.events)
 
 
-def test_one_gpu_two_pipelines_take_turns_and_both_finish() -> None:
+@pytest.mark.parametrize("lookahead", [False, True])
+def test_one_gpu_two_pipelines_take_turns_and_both_finish(lookahead: bool) -> None:
     """The one-GPU topology (train = infer = [0] for both): each training step preempts the GPU's rollout, and
     the GPU goes back to rollout of the pipeline that waited longest, so both make progress all along (before
-    the fix, the pipeline-id order gave p0 every turn and p1 started only once p0 had finished)."""
-    jobs = _jobs(2, train_gpus=1, steps=3, step_target=64, traj_time_s=10.0, train_time_s=20.0)
+    the fix, the pipeline-id order gave p0 every turn and p1 started only once p0 had finished). With NeMo RL's
+    start-up barrier (``JobSpec.startup_lookahead``) a pipeline's first step waits for its second batch too, so
+    the first two steps of each come together; then turns alternate."""
+    jobs = [replace(j, startup_lookahead=lookahead)
+            for j in _jobs(2, train_gpus=1, steps=3, step_target=64, traj_time_s=10.0, train_time_s=20.0)]
     run = Simulation(jobs, [Placement((0,), (0,))] * 2, 1, 1, validate=True).run()
     assert run.steps == 6 and set(run.finish_s) == {"p0", "p1"}
     _assert_exclusive(run.events)
     trains = [e.pipeline_id for e in run.events if e.op == "allocate" and e.priority == Priority.ACTOR_TRAINING]
-    assert trains == ["p0", "p1"] * 3, trains  # turns: one step each, alternately
+    assert trains == (["p0", "p0", "p1", "p1", "p0", "p1"] if lookahead else ["p0", "p1"] * 3), trains
     preempted = [e.pipeline_id for e in run.events if e.op == "shrink" and "preempt" in e.detail]
     assert set(preempted) == {"p0", "p1"}  # each pipeline's training slept the GPU's rollout
 
@@ -170,3 +175,18 @@ def test_cli_memory_figures_refused_with_the_fix(tmp_path, capsys, flags, says) 
     assert says in capsys.readouterr().err
     with pytest.raises(SystemExit):
         rlix_main(["simulate", "--rollout-gib", "72.4"])  # not AWAKE/ASLEEP: argparse names the form
+
+
+@pytest.mark.parametrize(("pipelines", "rollout_gib"), [(3, 43.7), (4, 30.0)])
+def test_rollouts_whose_batches_are_complete_do_not_take_turns_on_a_gpu(pipelines: int, rollout_gib: float) -> None:
+    """Pipelines on one GPU with room for some rollouts beside a step (0.5B figures, as `rlix recipe` writes them),
+    progress as NeMo RL reports it (the batch the trainer waits for; none while it trains): a rollout whose batch
+    was complete took the place of another whose batch was complete too, which took it back the next cycle, each
+    take aborting the holder's requests. 406 and 604 rebalancing shrinks in 24 and 32 steps before the fix."""
+    mem = (ClusterMemory(133.3, rollout_gib, 1.25), ClusterMemory(133.3, 20.9, 3.0))
+    jobs = [JobSpec(f"p{i}", train_gpus=1, step_target=512, traj_time_s=30.0, seqs_per_rank=512, train_time_s=60.0,
+                    steps=8, start_s=10.0 * i, memory=mem) for i in range(pipelines)]
+    run = Simulation(jobs, [Placement((0,), (0,))] * pipelines, 1, 8, validate=True).run()
+    assert run.steps == 8 * pipelines
+    rebalances = sum(1 for e in run.events if e.op == "shrink" and e.detail.startswith("rebalance"))
+    assert rebalances <= run.steps, rebalances

@@ -33,7 +33,8 @@
 # `rlix recipe --gpu-memory-utilization UTIL`; empty: the stock recipe's share, at which a 1.5B rollout does not fit
 # next to a training step), GPUS=0 (the time-shared runs' GPUs, e.g. 0,1: `rlix recipe --gpus`; standalone uses
 # the first), SPLIT_GPUS=$GPUS (the static split's GPUs, one pipeline each; may be other GPUs than GPUS, so that
-# both run at once). Every run keeps the recipe's batch: 32 prompts x 16 generations per step.
+# both run at once), OVERRIDES= (time-shared runs: Hydra overrides for every driver, space-separated, e.g.
+# ++rlix.post_sleep_max_bytes=4294967296). Every run keeps the recipe's batch: 32 prompts x 16 generations per step.
 # Each run leaves DIR/console_<p>.log (time-stamped), DIR/logs_<p> (NeMo RL's metrics), DIR/nvml.csv (GPU busy share,
 # GPU and host memory, sampled), DIR/trace.jsonl + status.json + gpu_after.csv (time-shared runs) and DIR/report.txt.
 set -u
@@ -155,6 +156,8 @@ run_standalone() {  # one pipeline on the first of GPUS
 
 run_shared() {  # run_shared NAME N MODE (together | sequential): on GPUS, cluster.gpus_per_node from the overlays
   local name=$1 n=$2 mode=$3 dir=$ROOT/$1 cfgdir=$WORK/patched/examples/configs/rlix_$1 rc=0 pids=() p MORE=()
+  # shellcheck disable=SC2206  # OVERRIDES: space-separated Hydra overrides, one word each
+  MORE=(${OVERRIDES:-})
   # The Ray head sees only GPUS (CUDA_VISIBLE_DEVICES), as 0..k-1: the overlays name those.
   local first=${GPUS%%,*} ids
   ids=$(seq -s, 0 $(($(tr ',' '\n' <<<"$GPUS" | wc -l) - 1)))

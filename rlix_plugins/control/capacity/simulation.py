@@ -10,7 +10,8 @@ Model (one pipeline = one ``JobSpec``):
 * **Async GRPO window** (``max_age`` = NeMo RL's ``max_trajectory_age_steps``): with weights of version ``v``
   (``v`` steps trained) trajectories are produced for steps ``<= v + max_age``, as NeMo RL's trajectory
   collector does; so with ``max_age=1`` the next batch is generated while the current one waits or trains.
-* **Training** of step ``s`` starts when batch ``s`` is complete and the ACTOR_TRAINING request for the whole
+* **Training** of step ``s`` starts when batch ``s`` is complete (the first step: batch 1 too, where the start-up
+  barrier applies) and the ACTOR_TRAINING request for the whole
   ``actor_train`` mapping is granted (the planner preempts overlapping rollout ranks, but those that fit beside the
   step by ``JobSpec.memory`` stay and keep producing, the pipeline's own included); it holds the GPUs for
   ``train_time_s + sync_time_s`` (train, build the CPU cache, refresh the active ranks, publish) and releases.
@@ -18,7 +19,9 @@ Model (one pipeline = one ``JobSpec``):
   trained: no overlap of rollout and training.
 * **Initialisation**: an INITIALIZATION request for the training mapping held ``init_time_s``.
 * A pipeline keeps a GENERATION request pending whenever it has open rollout work but no active rank (the
-  "watchdog" re-request), reports progress every cycle, and asks for a planned release (shrink to zero) once its
+  "watchdog" re-request), reports progress every cycle as the NeMo RL adapter does (the trajectories of the batch
+  its trainer waits for: none while a step trains, the next step's batch too before the first step where NeMo RL's
+  start-up barrier applies, ``JobSpec.startup_lookahead``), and asks for a planned release (shrink to zero) once its
   last batch is complete.
 
 The scheduler side runs ``plan_cycle`` (and ``validate_plan``) whenever a pipeline changed state and at least
@@ -75,6 +78,9 @@ class JobSpec:
     #: memory figures of (its rollout cluster, its training cluster), as ``rlix recipe`` writes ``rlix.memory``:
     #: with them the planner lets phases share a GPU where they fit (co-residence); None: whole-GPU turns
     memory: tuple[ClusterMemory, ClusterMemory] | None = None
+    #: NeMo RL's start-up barrier (async GRPO at the pinned main, not v0.7.0): the first step trains only once the
+    #: next step's batch is complete too (where ``max_age`` > 0 and the run has a next step)
+    startup_lookahead: bool = True
 
 
 @dataclass(frozen=True)
@@ -123,6 +129,22 @@ class _Pipe:
     @property
     def total(self) -> float:
         return float(self.job.steps * self.job.step_target)
+
+    def batches_for_next_step(self) -> int:
+        """Batches complete before the trainer's next step (steps are numbered from 0): its own, and before the first
+        step also the next one where the start-up barrier asks for it."""
+        job = self.job
+        barrier = job.startup_lookahead and not job.sync and job.max_age > 0 and job.steps > 1
+        return self.steps_started + 1 + (1 if barrier and self.steps_started == 0 else 0)
+
+    def progress_remaining(self) -> int:
+        """What the NeMo RL adapter reports as left (``nemo_rl.loops``): trajectories of the batch the trainer waits
+        for, none while a step trains (the collector meanwhile fills the next batch: work, but no trainer waits on
+        it)."""
+        if self.state == "run" and self.busy_until is not None:
+            return 0
+        missing = self.batches_for_next_step() * self.job.step_target - self.collected
+        return min(max(math.ceil(missing - EPS), 0), self.job.step_target)
 
     def open_work(self) -> float:
         # NeMo RL's collector (trajectory_collector._calculate_target_weights): with weights of version v (= steps
@@ -231,7 +253,7 @@ class Simulation:
             p.steps_done += 1
             p.busy_until, changed = None, True
         training = p.busy_until is not None or p.train_cid in self.pending
-        if not training and p.steps_started < job.steps and p.collected >= (p.steps_started + 1) * job.step_target - EPS:
+        if not training and p.steps_started < job.steps and p.collected >= p.batches_for_next_step() * job.step_target - EPS:
             self._request(p.train_cid, Priority.ACTOR_TRAINING)
             changed = True
         open_work = p.open_work()
@@ -258,8 +280,7 @@ class Simulation:
         progress = {}
         for p in self.pipes:
             if p.state in ("run", "init"):
-                remaining = min(math.ceil(p.open_work() - EPS), p.job.step_target)
-                progress[p.pid] = Progress(p.pid, p.job.step_target, p.job.step_target - max(remaining, 0))
+                progress[p.pid] = Progress(p.pid, p.job.step_target, p.job.step_target - p.progress_remaining())
         snap = SchedulerSnapshot(
             gpus=self.gpus,
             gpus_per_node=self.gpus_per_node,

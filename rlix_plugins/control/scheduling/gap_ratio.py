@@ -333,10 +333,13 @@ def _free_candidate(state: PlanState, cid: str) -> int | None:
     return None
 
 
-def _has_rollout_work(state: PlanState, cid: str) -> bool:
+def has_rollout_work(state: PlanState, cid: str) -> bool:
     """Whether the pipeline of ``cid`` reported work left in its step, or has reported nothing yet (new, or back
     after a planned release). A request whose progress says "step complete" (a watchdog re-request while the
-    batch waits for training) does not count: it must not take the last rank of another idle pipeline."""
+    batch waits for training, or an async collector filling its next batch while the step trains) does not count:
+    it must not take another pipeline's rank (the gap ratio's last-rank rule, the co-resident swap, the places that
+    yield): two pipelines whose batches were complete took one GPU's only rollout place from each other every few
+    seconds, each taking on the other's "no work" (one H200, two 1.5B pipelines)."""
     progress = state.snap.progress.get(state.snap.clusters[cid].pipeline_id)
     return progress is None or progress.remaining > 0
 
@@ -384,7 +387,7 @@ def _activate_one(
         if cid not in donors_info.surplus and not shrunk:
             memo = (shape_id(spec), "floor")
     else:
-        work = _has_rollout_work(state, cid)
+        work = has_rollout_work(state, cid)
         budget = donors_info.spare_idle if work else donors_info.spare_starving
         owers = _owers(state, spec.pipeline_id)
         if owers:  # fair turns: a donor that owes this pipeline a turn gives its last rank too

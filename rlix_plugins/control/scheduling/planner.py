@@ -24,7 +24,8 @@
 4. **Co-resident fill** (``scheduling.coresidence``): rollout ranks that want GPUs wake next to a GPU's holders
    (another pipeline's training-type allocation, other pipelines' rollout ranks) where memory fits (never on a
    reserved GPU).
-5. **Co-resident swap** (anti-starvation on shared GPUs): a rollout cluster with work that still has no active rank
+5. **Co-resident swap** (anti-starvation on shared GPUs): a rollout cluster with work (its progress reports some, or
+   nothing yet: ``gap_ratio.has_rollout_work``) that still has no active rank
    takes the place of one co-resident rollout rank of a pipeline that keeps another rank awake (reason
    ``"rebalance"``). Without it a pipeline that asks last, when every GPU of its mapping already holds as many
    rollouts as memory allows, waits for a training grant to free a place: the gap ratio never gives a shared GPU
@@ -53,7 +54,7 @@ from collections.abc import Collection, Iterable
 
 from rlix_plugins.control.registration import validate_cluster_specs
 from rlix_plugins.control.scheduling.coresidence import COTENANT_PRIORITIES, fits, sharing_problem
-from rlix_plugins.control.scheduling.gap_ratio import cluster_demands, plan_gap_ratio
+from rlix_plugins.control.scheduling.gap_ratio import cluster_demands, has_rollout_work, plan_gap_ratio
 from rlix_plugins.control.scheduling.invariants import PlanInvariantError, validate_plan, validate_snapshot
 from rlix_plugins.control.scheduling.plan_state import PlanState, bundles, rank_index, shape_id
 from rlix_plugins.control.scheduling.turns import deferred, owed_gpus
@@ -439,6 +440,8 @@ def _coresident_swap(state: PlanState) -> None:
     swaps = 0
     donors = _SwapDonors(state, demands, training)
     for cid in starving:
+        if not has_rollout_work(state, cid):
+            continue  # its batch is complete: it takes no one's place (``gap_ratio.has_rollout_work``)
         spec = clusters[cid]
         shrunk = state.shrunk.get(cid, set())
         index = rank_index(spec)
@@ -545,7 +548,9 @@ def _yield_places(state: PlanState) -> None:
     never a gap-ratio donor, and the swap takes one rank at a time and never a last one), their pipelines' training
     waited for the turn they owed a third pipeline, and that pipeline's rollout fitted beside neither (simulated
     runs of three and four pipelines on one GPU made no progress; ``tests/control/test_turns.py``). Ranks without
-    work go first, then those of debtors; only ranks of the newcomer's TP size that cover its rank's GPUs exactly."""
+    work go first, then those of debtors; only ranks of the newcomer's TP size that cover its rank's GPUs exactly.
+    A newcomer whose own batch is complete (it asks to fill its next one) takes only a debtor's place: taking
+    another's on its "no work" made two such pipelines take one place from each other every few seconds."""
     if not state.tenants:
         return
     snap = state.snap
@@ -561,7 +566,8 @@ def _yield_places(state: PlanState) -> None:
         # bundle -> the ranks there that yield to this cluster, those without work first
         yielding: dict[tuple[int, ...], list[tuple[bool, str, int]]] = {}
         debtors = {c for c in state.gen_active if clusters[c].pipeline_id in owed} if owed else set()
-        for d in sorted(done | debtors):
+        # a cluster whose batch is complete takes only a debtor's place (``gap_ratio.has_rollout_work``)
+        for d in sorted(done | debtors if has_rollout_work(state, cid) else debtors):
             active = state.gen_active.get(d)
             dspec = clusters[d]
             if not active or dspec.pipeline_id == spec.pipeline_id or dspec.tp_size != spec.tp_size:

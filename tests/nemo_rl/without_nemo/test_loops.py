@@ -5,6 +5,7 @@ actor with the name, namespace and partition fields the counter reads (``transfe
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 from typing import Any
 
@@ -17,7 +18,7 @@ from rlix_plugins.nemo_rl.runtime_adapter import NemoRuntime
 from rlix_plugins.nemo_rl.topology import DATA_PLANE, SINGLE_CONTROLLER, grpo_loop
 from rlix_plugins.pipeline.publisher import CollectorPublisher, LoopPublishes
 from rlix_plugins.pipeline.versions import VersionLedger
-from tests.nemo_rl.without_nemo.standins import StandinRolloutActor, StandinTqController
+from tests.nemo_rl.without_nemo.standins import StandinReplayBuffer, StandinRolloutActor, StandinTqController
 
 
 def _config(**sections: Any) -> dict[str, Any]:
@@ -100,3 +101,42 @@ def test_nemo_runtime_chooses_by_loop_kind() -> None:
     runtime.stop()
     assert isinstance(runtime.rt.publisher, LoopPublishes)
     assert runtime.rt.stop_collector is None
+
+
+def _async_config(max_age: int, steps: int = 10) -> dict[str, Any]:
+    return _config(grpo={"num_prompts_per_step": 4, "max_num_steps": steps,
+                         "async_grpo": {"enabled": True, "max_trajectory_age_steps": max_age}})
+
+
+def test_async_grpo_first_step_waits_for_the_lookahead_batch_until_the_trainer_asks(
+        ray_cluster: dict[str, float]) -> None:
+    """NeMo RL's start-up barrier: the first step trains only once the next step's batch is complete too. Until the
+    trainer asks for its grant, the first version's batch counts no more than the next one's; once it asked (or
+    where no barrier applies: max age 0, the last step) its own batch alone counts."""
+    buffer = ray.remote(StandinReplayBuffer).options(num_cpus=0).remote()
+    ray.get(buffer.add.remote(0, 4))  # batch 0 complete, batch 1 half
+    ray.get(buffer.add.remote(1, 2))
+    try:
+        surface = loop_surface(grpo_loop(_async_config(1)), _async_config(1), None, buffer)
+        assert [surface.waited_for(0, asked) for asked in (False, True)] == [2, 4]
+        assert surface.waited_for(1, False) == 0  # a run resumed at step 1: its lookahead is batch 2 (none yet)
+        no_age = loop_surface(grpo_loop(_async_config(0)), _async_config(0), None, buffer)
+        assert no_age.waited_for(0, False) == 4
+        last = loop_surface(grpo_loop(_async_config(1, steps=1)), _async_config(1, steps=1), None, buffer)
+        assert last.waited_for(0, False) == 4
+
+        # through the progress thread of the runtime adapter, before the trainer asked
+        reports: list[tuple[int, int]] = []
+        runtime = NemoRuntime(SimpleNamespace())  # type: ignore[arg-type]
+        runtime.rt = _RecordingRuntime()
+        runtime.rt.progress_reporter = lambda: SimpleNamespace(report=lambda n, target, **k: reports.append((n, target)))
+        runtime.rt.versions = VersionLedger(published=0)
+        runtime._master_config = _async_config(1)
+        runtime.attach_collector(collector=None, replay_buffer=buffer)
+        deadline = time.monotonic() + 20
+        while not reports and time.monotonic() < deadline:
+            time.sleep(0.1)
+        runtime.stop()
+        assert reports and reports[0] == (2, 4), reports
+    finally:
+        ray.kill(buffer)

@@ -337,7 +337,9 @@ def test_other_pipeline_preempts_and_its_crash_releases_its_gpus(engines: Any, t
                                  stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         assert other.stdout is not None
         line = other.stdout.readline()  # blocks until B holds GPU 1
-        assert line.startswith("GRANTED"), line
+        while line and not line.startswith("GRANTED"):  # Ray's own lines may come first (a raylet warning did)
+            line = other.stdout.readline()
+        assert line.startswith("GRANTED"), "the other driver ended before its grant"
         other_pid = line.split()[1]
         assert ray.get(rt.rt.router.active.remote()) == [0]  # A's rank 1 was slept before B's grant returned
         assert {o["dp_rank"] for o in ray.get(collector.generate.remote(3))} == {0}
