@@ -190,7 +190,8 @@ def test_full_mode_resumed_run_progress_versions_and_logged_metrics(mock_grpo_co
         deadline = time.monotonic() + 20  # the progress thread polls once a second
         while time.monotonic() < deadline:
             prog = cp.status()["pipelines"][pid]["progress"]
-            if prog is not None and prog["step"] == START + n:
+            # (before the trainer first asked, the first step's count waited for the lookahead batch too)
+            if prog is not None and prog["step"] == START + n and prog["completed"] == prompts:
                 break
             time.sleep(0.2)
         at_train.append(([v for v, _ in REAL_RAY_GET(collector.get_versions.remote(), timeout=30)], prog))
