@@ -29,7 +29,8 @@ if [ "$#" -gt 0 ]; then
 fi
 # The whole suite: the modules that start a Ray cluster of their own (marker own_cluster) run in a second pytest
 # process, so that no long-lived driver switches between clusters.
+# --durations: the slowest tests of each process, to keep the suite within CI's time.
 rc=0
-lane -m "$markers and not own_cluster" || rc=$?
-lane -m "$markers and own_cluster" || { r=$?; [ "$rc" -ne 0 ] || rc=$r; }
+lane -m "$markers and not own_cluster" --durations=25 || rc=$?
+lane -m "$markers and own_cluster" --durations=10 || { r=$?; [ "$rc" -ne 0 ] || rc=$r; }
 exit "$rc"
