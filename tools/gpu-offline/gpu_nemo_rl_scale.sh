@@ -155,9 +155,9 @@ run_standalone() {  # one pipeline on the first of GPUS
 }
 
 run_shared() {  # run_shared NAME N MODE (together | sequential): on GPUS, cluster.gpus_per_node from the overlays
-  local name=$1 n=$2 mode=$3 dir=$ROOT/$1 cfgdir=$WORK/patched/examples/configs/rlix_$1 rc=0 pids=() p MORE=()
-  # shellcheck disable=SC2206  # OVERRIDES: space-separated Hydra overrides, one word each
-  MORE=(${OVERRIDES:-})
+  # shellcheck disable=SC2206  # MORE: the OVERRIDES (space-separated Hydra overrides), one word each
+  local name=$1 n=$2 mode=$3 dir=$ROOT/$1 cfgdir=$WORK/patched/examples/configs/rlix_$1 rc=0 pids=() p \
+    MORE=(${OVERRIDES:-})
   # The Ray head sees only GPUS (CUDA_VISIBLE_DEVICES), as 0..k-1: the overlays name those.
   local first=${GPUS%%,*} ids
   ids=$(seq -s, 0 $(($(tr ',' '\n' <<<"$GPUS" | wc -l) - 1)))

@@ -567,7 +567,8 @@ def _yield_places(state: PlanState) -> None:
         yielding: dict[tuple[int, ...], list[tuple[bool, str, int]]] = {}
         debtors = {c for c in state.gen_active if clusters[c].pipeline_id in owed} if owed else set()
         # a cluster whose batch is complete takes only a debtor's place (``gap_ratio.has_rollout_work``)
-        for d in sorted(done | debtors if has_rollout_work(state, cid) else debtors):
+        givers = (done | debtors) if has_rollout_work(state, cid) else debtors
+        for d in sorted(givers):
             active = state.gen_active.get(d)
             dspec = clusters[d]
             if not active or dspec.pipeline_id == spec.pipeline_id or dspec.tp_size != spec.tp_size:
