@@ -174,8 +174,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host-memory-gib", type=_positive_float, default=None,
                    help="memory of the host they run on (default: this machine's)")
     p.add_argument("--gpu-memory-utilization", type=_positive_float, default=None,
-                   help="the vLLM engines' share of a GPU (default: the stock recipe's); lower lets a rollout run "
-                        "next to another pipeline's training step")
+                   help="the vLLM engines' share of a GPU (default: sized to what a step's rollout keeps in flight, "
+                        "where the GPU's memory and the recipe's batch are known; else the stock recipe's); lower "
+                        "lets more phases run side by side on a GPU")
     p.add_argument("--tp", type=_positive_int, default=None,
                    help="vLLM tensor parallel size of each rollout rank (default: the stock recipe's); a rank is that "
                         "many consecutive --gpus of one node")

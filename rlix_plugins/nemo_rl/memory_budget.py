@@ -45,6 +45,18 @@ ENGINE_ASLEEP_GIB: Final = 1.25
 #: vLLM's all-reduce buffers) come on top; 2.12-2.22 GiB measured per GPU at TP 2 on H200s (a tiny model and
 #: Qwen2.5-1.5B under NeMo RL).
 ENGINE_ASLEEP_TP_GIB: Final = 2.5
+#: vLLM's working memory on each GPU of an engine beside its weights and KV cache: the profile run's activations
+#: and sampler, CUDA graphs, non-torch allocations (cuBLAS workspaces, NCCL). 0.63 GiB measured on an H200 at the
+#: Qwen2.5-1.5B shape (0.35 GiB profiled + 0.28 GiB of CUDA graphs; the engine's log: 69.9 GiB share, weights 2.98,
+#: KV cache 66.57); taken three times over, because an engine whose share does not cover it does not start. The MLP
+#: activations of a profile batch come on top (:data:`ENGINE_PROFILE_TOKENS`).
+ENGINE_WORK_GIB: Final = 2.0
+#: Tokens of vLLM's profile batch (its default ``max_num_batched_tokens`` on H100/H200-class GPUs), whose MLP
+#: activations (gate and up projections, bf16) an engine's share must hold.
+ENGINE_PROFILE_TOKENS: Final = 16384
+#: Sequences a vLLM engine runs at once unless the recipe says (its default ``max_num_seqs`` on H100/H200-class
+#: GPUs; 256 on smaller ones): more requests than that wait in its queue and need no KV cache yet.
+ENGINE_MAX_SEQS: Final = 1024
 #: A trainer's device memory after its offload (2.7 GiB measured for a DTensor worker).
 TRAINER_OFFLOADED_GIB: Final = 3.0
 #: A trainer right after it loaded (fp32 policy and reference weights; 11.6 GiB measured at 1.54 B parameters).
@@ -89,6 +101,24 @@ class PipelineMemory:
 def engine_asleep_gib(tp: int = 1) -> float:
     """What a slept vLLM engine of ``tp`` GPUs keeps on each of them."""
     return ENGINE_ASLEEP_TP_GIB if tp > 1 else ENGINE_ASLEEP_GIB
+
+
+def kv_bytes_per_token(shape: ModelShape, tp: int = 1, dtype_bytes: int = 2) -> int:
+    """KV cache bytes of one token on each GPU of an engine of ``tp`` GPUs: keys and values of every layer's KV heads
+    (split over the GPUs, or replicated where there are fewer heads than GPUs), in the model's dtype."""
+    return 2 * shape.num_hidden_layers * math.ceil(shape.num_key_value_heads / tp) * shape.head_dim * dtype_bytes
+
+
+def engine_need_gib(shape: ModelShape, *, requests: int, max_model_len: int, tp: int = 1,
+                    max_seqs: int = ENGINE_MAX_SEQS) -> float:
+    """What one vLLM engine needs on each of its ``tp`` GPUs to hold ``requests`` requests of up to ``max_model_len``
+    tokens at once (at most ``max_seqs`` run together; the rest wait in its queue): bf16 weights, their KV cache, a
+    profile batch's MLP activations and :data:`ENGINE_WORK_GIB`. More gives the engine nothing (vLLM cannot use KV
+    cache beyond the tokens of what runs); less makes requests wait for cache."""
+    weights = shape.num_parameters * 2 / tp
+    kv = min(requests, max_seqs) * max_model_len * kv_bytes_per_token(shape, tp)
+    activations = ENGINE_PROFILE_TOKENS * 2 * shape.intermediate_size * 2 / tp
+    return (weights + kv + activations) / GiB + ENGINE_WORK_GIB
 
 
 def step_gib(shape: ModelShape, train_gpus: int = 1, step_tokens: int = DEFAULT_STEP_TOKENS) -> float:

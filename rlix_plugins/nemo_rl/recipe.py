@@ -37,8 +37,10 @@ from rlix_plugins.nemo_rl.config import cfg_path, load_run_config
 from rlix_plugins.nemo_rl.memory_budget import (
     DEFAULT_STEP_TOKENS,
     PipelineMemory,
+    ENGINE_MAX_SEQS,
     check_fits,
     cluster_memory,
+    engine_need_gib,
     gpu_need_gib,
     pipeline_memory,
 )
@@ -245,6 +247,46 @@ def _step_tokens(stock: Mapping[str, Any]) -> int:
     return DEFAULT_STEP_TOKENS
 
 
+def _int_or_none(stock: Mapping[str, Any], dotted: str) -> int | None:
+    try:
+        value = _resolved(stock, dotted)
+    except RlixConfigError:
+        return None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def sized_utilization(stock: Mapping[str, Any], gpu_memory_gib: float, *, data_plane: bool = False,
+                      tp: int = 1) -> tuple[float, str] | None:
+    """The vLLM engines' share of a GPU sized to what a step's rollout keeps in flight, or None where the recipe
+    does not say plainly (model shape, batch, context length) and the stock share stays. In flight: one step's
+    batch (``num_prompts_per_step`` x ``num_generations_per_prompt``), times ``1 + max_trajectory_age_steps`` under
+    async GRPO (its collector generates that many steps ahead), each up to ``max_model_len`` tokens, at most
+    ``max_num_seqs`` at once (:func:`.memory_budget.engine_need_gib`). Never above the stock share: the stock
+    recipe's engine on a GPU of its own is the most an engine needs here."""
+    model = _resolved(stock, "policy.model_name")
+    shape = model_shape(model) if isinstance(model, str) and model else None
+    prompts = _int_or_none(stock, "grpo.num_prompts_per_step")
+    generations = _int_or_none(stock, "grpo.num_generations_per_prompt")
+    length = (_int_or_none(stock, "policy.generation.vllm_cfg.max_model_len")
+              or _int_or_none(stock, "policy.max_total_sequence_length"))
+    stock_util = float(_resolved(stock, "policy.generation.vllm_cfg.gpu_memory_utilization") or 0.9)
+    if shape is None or prompts is None or generations is None or length is None or gpu_memory_gib <= 0:
+        return None
+    loop = DATA_PLANE if data_plane and grpo_loop(stock) != SINGLE_CONTROLLER else (grpo_loop(stock) or ASYNC_GRPO)
+    ahead = (_int_or_none(stock, "grpo.async_grpo.max_trajectory_age_steps") or 0) if loop == ASYNC_GRPO else 0
+    max_seqs = (_int_or_none(stock, "policy.generation.vllm_cfg.max_num_seqs")
+                or _int_or_none(stock, "policy.generation.vllm_kwargs.max_num_seqs") or ENGINE_MAX_SEQS)
+    requests = prompts * generations * (1 + ahead)
+    need = engine_need_gib(shape, requests=requests, max_model_len=length, tp=tp, max_seqs=max_seqs)
+    util = min(math.ceil(need / gpu_memory_gib * 100 - 1e-9) / 100, stock_util)
+    batches = f"{1 + ahead} steps' batches ({prompts} x {generations} each)" if ahead else \
+        f"one step's batch ({prompts} x {generations})"
+    return util, (f"sized to the rollout in flight: {batches} of up to {length} tokens, at most "
+                  f"{min(requests, max_seqs)} at once, need {need:.1f} GiB of {gpu_memory_gib:.0f}"
+                  + (f" (the stock recipe's {stock_util:g} is the most)" if util == stock_util else "")
+                  + "; --gpu-memory-utilization sets it")
+
+
 def check_memory(stock: Mapping[str, Any], layouts: Sequence[PipelineLayout], *, gpu_memory_gib: float | None,
                  host_memory_gib: float | None) -> tuple[str, dict[str, dict[str, float]] | None]:
     """Refuse layouts whose pipelines do not fit in GPU or host memory (:mod:`.memory_budget`); returns a note on
@@ -337,9 +379,9 @@ def _rollouts_per_gpu(tenants: Sequence[Any], g: int) -> str:
     trainers = [s for s in tenants if not s.is_generation]
     beside = most([trainers[0].cluster_id], [s for s in engines if s.pipeline_id != trainers[0].pipeline_id])
     steps = most([], trainers)
-    two = [t.pipeline_id for t in trainers[:2]]
-    pair = f" ({most([t.cluster_id for t in trainers[:2]], [s for s in engines if s.pipeline_id not in two])} " \
-           "rollouts next to two)" if steps > 1 else ""
+    # any pipeline's rollout: the two steps' own ranks stay awake beside them where they fit, too
+    beside_two = most([t.cluster_id for t in trainers[:2]], engines)
+    pair = f" ({beside_two} rollout{'s' * (beside_two != 1)} next to two)" if steps > 1 else ""
     return (f"; up to {most([], engines)} rollouts of different pipelines awake on GPU {g} at once, {beside} next to a "
             "training step" + (f"; up to {steps} training steps of different pipelines side by side{pair}"
                                if steps > 1 else ""))
@@ -353,7 +395,8 @@ def make_overlays(stock: Mapping[str, Any], num_pipelines: int, gpus: Sequence[i
     lists every refusal. ``data_plane``: switch the stock recipe to NeMo RL's TransferQueue loop
     (``grpo_train_sync``). ``gpu_memory_gib`` / ``host_memory_gib``: the memory of the GPUs and the host the
     pipelines will run on (None: not checked; with the GPU's, the overlays carry the scheduler's memory figures).
-    ``gpu_memory_utilization``: the vLLM engines' share of a GPU (None: the stock recipe's). ``nodes``: machines
+    ``gpu_memory_utilization``: the vLLM engines' share of a GPU (None: sized to the rollout in flight where the
+    GPU's memory and the recipe's batch are known, :func:`sized_utilization`; else the stock recipe's). ``nodes``: machines
     the GPUs span (``gpus`` are global ids; more than one needs ``gpus_per_node``). ``tp``: vLLM's tensor parallel
     size (None: the stock recipe's)."""
     gpus = list(gpus)
@@ -362,9 +405,15 @@ def make_overlays(stock: Mapping[str, Any], num_pipelines: int, gpus: Sequence[i
             raise RlixConfigError(f"--tp {tp}: give a tensor parallel size >= 1")
         stock = _merge(dict(stock), {"policy": {"generation": {"vllm_cfg": {"tensor_parallel_size": tp}}}})
     vllm_tp = int(_resolved(stock, "policy.generation.vllm_cfg.tensor_parallel_size") or 1)
+    util_reason = "--gpu-memory-utilization: the vLLM engine's share of the GPU"
+    if gpu_memory_utilization is not None and not 0 < gpu_memory_utilization <= 1:
+        raise RlixConfigError(f"--gpu-memory-utilization {gpu_memory_utilization}: give a share in (0, 1]")
+    if gpu_memory_utilization is None and gpu_memory_gib:
+        sized = sized_utilization(stock, gpu_memory_gib, data_plane=data_plane, tp=vllm_tp)
+        stock_util = _resolved(stock, "policy.generation.vllm_cfg.gpu_memory_utilization")
+        if sized is not None and sized[0] != stock_util:  # an overlay writes only what it changes
+            gpu_memory_utilization, util_reason = sized
     if gpu_memory_utilization is not None:
-        if not 0 < gpu_memory_utilization <= 1:
-            raise RlixConfigError(f"--gpu-memory-utilization {gpu_memory_utilization}: give a share in (0, 1]")
         stock = _merge(dict(stock), {"policy": {"generation": {"vllm_cfg": {
             "gpu_memory_utilization": gpu_memory_utilization}}}})
     if nodes < 1:
@@ -386,8 +435,7 @@ def make_overlays(stock: Mapping[str, Any], num_pipelines: int, gpus: Sequence[i
     for ov in overlays:
         ov.memory = memory
         if gpu_memory_utilization is not None:
-            ov.changes["policy.generation.vllm_cfg.gpu_memory_utilization"] = (
-                gpu_memory_utilization, "--gpu-memory-utilization: the vLLM engine's share of the GPU")
+            ov.changes["policy.generation.vllm_cfg.gpu_memory_utilization"] = (gpu_memory_utilization, util_reason)
         if tp is not None:
             ov.changes["policy.generation.vllm_cfg.tensor_parallel_size"] = (
                 tp, "--tp: each rollout rank is one vLLM engine over that many GPUs (one placement group)")

@@ -456,3 +456,64 @@ def test_step_figure_covers_what_the_real_shapes_used(shape: str, measured_gib: 
     step = cluster_memory(model, gpu_memory_gib=140.0, gpu_memory_utilization=0.3,
                           step_tokens=4 * 1024)["actor_train"]["awake_gib"]
     assert measured_gib <= step <= 1.08 * measured_gib, (shape, step, measured_gib)
+
+
+def test_engine_figures_are_what_vllm_reported_at_the_real_shape() -> None:
+    """The engine's share is sized from vLLM's own accounting (benchmarks/results/h200x2-2026-11-30-cudagraph-pair/,
+    the engine's log at Qwen2.5-1.5B, share 0.5 of 139.8 GiB): KV cache 66.57 GiB for 2,492,816 tokens, weights
+    2.98 GiB, the rest (profiled activations + CUDA graphs) 0.63 GiB. The need never falls below that accounting."""
+    from rlix_plugins.nemo_rl.memory_budget import GiB, engine_need_gib, kv_bytes_per_token
+
+    model = _qwen("qwen2.5-1.5b")
+    assert abs(kv_bytes_per_token(model) - 66.57 * GiB / 2_492_816) < 0.001 * kv_bytes_per_token(model)
+    tokens = 1024 * 1024
+    measured = 2.98 + tokens * 66.57 / 2_492_816 + 0.35 + 0.28
+    need = engine_need_gib(model, requests=1024, max_model_len=1024)
+    assert measured <= need <= measured + 3.5, (need, measured)
+    # at most max_seqs run at once: the rest wait in the engine's queue and hold no KV cache
+    assert engine_need_gib(model, requests=4096, max_model_len=1024) == need
+
+
+def _stock_1p5b(tmp_path: Path, stock: Path, **grpo: Any) -> Path:
+    cfg = load_stock(stock)
+    cfg["policy"]["model_name"] = "Qwen/Qwen2.5-1.5B"
+    cfg["policy"]["generation"]["vllm_cfg"]["gpu_memory_utilization"] = 0.6  # the stock grpo_math_1B's
+    cfg["policy"].update(train_micro_batch_size=4, max_total_sequence_length=1024)
+    cfg["grpo"].update({"num_prompts_per_step": 32, "num_generations_per_prompt": 16, **grpo})
+    path = tmp_path / "stock_1p5b.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def test_engine_share_is_sized_to_the_rollout_in_flight(stock: Path, tmp_path: Path, capsys: Any) -> None:
+    """Without --gpu-memory-utilization the engines' share holds what a step's rollout keeps in flight (two batches
+    of 32 x 16 requests of up to 1,024 tokens under async GRPO with max_trajectory_age_steps 1), not the stock
+    recipe's 0.6 of the GPU (84 GiB, 2.5 M tokens of KV cache for 0.5 M needed): two 1.5B steps and a rollout then
+    fit on an H200 together. The flag still sets it; a recipe whose batch is not plain keeps the stock share."""
+    big = _stock_1p5b(tmp_path, stock)
+    common = ("--pipelines", "2", "--gpus", "0", "--gpu-memory-gib", "139.8", "--host-memory-gib", "500")
+    rc, files = _recipe(big, tmp_path / "sized", *common)
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    util = _merge(load_stock(big), load_stock(files[0]))["policy"]["generation"]["vllm_cfg"]["gpu_memory_utilization"]
+    assert util == 0.24, out
+    assert "sized to the rollout in flight: 2 steps' batches (32 x 16 each) of up to 1024 tokens" in out, out
+    assert "co-residence on" in out and "(1 rollout next to two)" in out, out
+    # one step's batch without the collector's look-ahead: the share halves its KV cache
+    one = _stock_1p5b(tmp_path, stock, async_grpo={"enabled": True, "max_trajectory_age_steps": 0})
+    rc, files = _recipe(one, tmp_path / "one", *common)
+    out = capsys.readouterr().out
+    assert rc == 0 and "one step's batch (32 x 16)" in out, out
+    assert _merge(load_stock(one), load_stock(files[0]))["policy"]["generation"]["vllm_cfg"][
+        "gpu_memory_utilization"] == 0.14
+    # the flag wins
+    rc, files = _recipe(big, tmp_path / "flag", *common, "--gpu-memory-utilization", "0.5")
+    out = capsys.readouterr().out
+    assert rc == 0 and "--gpu-memory-utilization: the vLLM engine's share" in out, out
+    assert _merge(load_stock(big), load_stock(files[0]))["policy"]["generation"]["vllm_cfg"][
+        "gpu_memory_utilization"] == 0.5
+    # the batch not plain (an interpolation rlix recipe does not follow): nothing sized, the stock share stays
+    odd = _stock_1p5b(tmp_path, stock, num_generations_per_prompt="${oc.env:GENERATIONS}")
+    rc, files = _recipe(odd, tmp_path / "odd", *common)
+    out = capsys.readouterr().out
+    assert rc == 0 and "gpu_memory_utilization" not in files[0].read_text(), out

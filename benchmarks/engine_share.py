@@ -1,0 +1,127 @@
+"""A vLLM engine at the share `rlix recipe` sizes for it vs a larger share: same rollout, same speed? (GPU only)
+
+`rlix recipe` sizes each engine's ``gpu_memory_utilization`` to what a step's rollout keeps in flight
+(``rlix_plugins.nemo_rl.recipe.sized_utilization``) so that more phases fit on a GPU beside it. This runs the
+rollout of a stock GRPO step on one engine per share, one after the other, each in a process of its own, and
+prints the KV cache each got, its start-up, and its decode throughput, as a ratio to the first share given:
+
+    python benchmarks/engine_share.py MODEL_DIR [--shares 0.5,sized] [--requests 1024] [--new-tokens 512]
+
+MODEL_DIR: a Hugging Face model directory (``tools/gpu-offline/gpu/nemo_rl_real_data.py`` writes the stock recipe's
+real shapes with random weights). ``sized``: the share ``rlix recipe`` writes for the stock ``grpo_math_1B`` batch
+(32 prompts x 16 generations, two steps in flight under async GRPO, ``max_total_sequence_length``
+``--new-tokens`` + 512). Every request decodes exactly ``--new-tokens`` tokens (``ignore_eos``), so both shares do
+the same work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+import time
+from typing import Any
+
+PROMPT_TOKENS = 64
+
+
+def sized_share(model: str, new_tokens: int, gpu_gib: float) -> float:
+    from rlix_plugins.nemo_rl.recipe import sized_utilization
+
+    stock = {"policy": {"model_name": model, "max_total_sequence_length": new_tokens + 512,
+                        "generation": {"vllm_cfg": {"gpu_memory_utilization": 0.6}}},
+             "grpo": {"num_prompts_per_step": 32, "num_generations_per_prompt": 16,
+                      "async_grpo": {"enabled": True, "max_trajectory_age_steps": 1}}}
+    sized = sized_utilization(stock, gpu_gib)
+    if sized is None:
+        raise SystemExit(f"{model}: rlix recipe cannot size an engine for it (shape unknown)")
+    print(f"sized: {sized[0]} ({sized[1]})", flush=True)
+    return sized[0]
+
+
+def one_engine(model: str, share: float, requests: int, new_tokens: int) -> dict[str, Any]:
+    """In a process of its own: start an engine at ``share``, run the rollout, report."""
+    import random
+
+    from vllm import LLM, SamplingParams
+
+    t0 = time.perf_counter()
+    llm = LLM(model=model, gpu_memory_utilization=share, max_model_len=new_tokens + 512, enforce_eager=False,
+              seed=0, enable_prefix_caching=False)
+    start_s = time.perf_counter() - t0
+    cache = llm.llm_engine.vllm_config.cache_config
+    kv_tokens = int((cache.num_gpu_blocks or 0) * cache.block_size)
+    rng = random.Random(0)
+    vocab = llm.llm_engine.model_config.get_vocab_size()
+    prompts = [{"prompt_token_ids": [rng.randrange(vocab // 100, vocab // 2) for _ in range(PROMPT_TOKENS)]}
+               for _ in range(requests)]
+    params = SamplingParams(max_tokens=new_tokens, ignore_eos=True, temperature=1.0)
+    llm.generate(prompts[:8], params, use_tqdm=False)  # warm-up
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    gen_s = time.perf_counter() - t0
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    return {"share": share, "start_s": round(start_s, 1), "kv_tokens": kv_tokens, "requests": requests,
+            "tokens": tokens, "generate_s": round(gen_s, 2), "tokens_per_s": round(tokens / gen_s)}
+
+
+def gpu_memory_gib() -> float:
+    import pynvml
+
+    pynvml.nvmlInit()
+    try:
+        return pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(0)).total / 2**30
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("model")
+    ap.add_argument("--shares", default="0.5,sized")
+    ap.add_argument("--requests", type=int, default=1024)
+    ap.add_argument("--new-tokens", type=int, default=512)
+    ap.add_argument("--timeout", type=float, default=300.0, help="seconds per engine (start-up and rollout)")
+    ap.add_argument("--one", type=float, default=None, help=argparse.SUPPRESS)  # the child: one engine at this share
+    args = ap.parse_args()
+    if args.one is not None:
+        print("RESULT " + json.dumps(one_engine(args.model, args.one, args.requests, args.new_tokens)), flush=True)
+        return 0
+    gib = gpu_memory_gib()
+    shares = [sized_share(args.model, args.new_tokens, gib) if s == "sized" else float(s)
+              for s in args.shares.split(",")]
+    need_tokens = args.requests * (args.new_tokens + 512)
+    results = []
+    for share in shares:
+        cmd = [sys.executable, __file__, args.model, "--one", str(share), "--requests", str(args.requests),
+               "--new-tokens", str(args.new_tokens)]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            print(f"share {share}: no result within {args.timeout:.0f} s", flush=True)
+            return 1
+        found = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+        if proc.returncode != 0 or not found:
+            print(f"share {share}: the engine failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}", flush=True)
+            return 1
+        r = json.loads(found[-1][len("RESULT "):])
+        if not r["kv_tokens"]:  # the engine's own log line, where its front-end does not expose the figure
+            logged = re.findall(r"KV cache size: ([\d,]+) tokens", proc.stdout + proc.stderr)
+            r["kv_tokens"] = int(logged[-1].replace(",", "")) if logged else 0
+        results.append(r)
+        print(json.dumps(r), flush=True)
+    base = results[0]
+    print(f"\nGPU {gib:.1f} GiB; the rollout: {args.requests} requests x {args.new_tokens} new tokens "
+          f"(KV for all at once: {need_tokens:,} tokens of {args.new_tokens + 512}-token requests)")
+    print(f"{'share':>6} {'GiB':>6} {'KV tokens':>11} {'holds all':>9} {'start s':>8} {'tok/s':>8} {'vs first':>8}")
+    for r in results:
+        print(f"{r['share']:>6g} {r['share'] * gib:>6.1f} {r['kv_tokens']:>11,} "
+              f"{'yes' if r['kv_tokens'] >= need_tokens else 'no':>9} {r['start_s']:>8.1f} {r['tokens_per_s']:>8,} "
+              f"{r['tokens_per_s'] / base['tokens_per_s']:>7.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
