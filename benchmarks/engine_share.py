@@ -5,13 +5,14 @@
 rollout of a stock GRPO step on one engine per share, one after the other, each in a process of its own, and
 prints the KV cache each got, its start-up, and its decode throughput, as a ratio to the first share given:
 
-    python benchmarks/engine_share.py MODEL_DIR [--shares 0.5,sized] [--requests 1024] [--new-tokens 512]
+    python benchmarks/engine_share.py MODEL_DIR [--shares 0.5,sized,sized@128/2048] [--requests 1024] [--new-tokens 512]
 
 MODEL_DIR: a Hugging Face model directory (``tools/gpu-offline/gpu/nemo_rl_real_data.py`` writes the stock recipe's
 real shapes with random weights). ``sized``: the share ``rlix recipe`` writes for the stock ``grpo_math_1B`` batch
 (32 prompts x 16 generations, two steps in flight under async GRPO, ``max_total_sequence_length``
-``--new-tokens`` + 512). Every request decodes exactly ``--new-tokens`` tokens (``ignore_eos``), so both shares do
-the same work.
+``--new-tokens`` + 512). ``SHARE@SEQS/TOKENS``: that engine with vLLM's ``max_num_seqs`` / ``max_num_batched_tokens``
+(default: what `rlix recipe` writes, 1,024 / 16,384; ``@128/2048`` is vLLM's async engine left at its defaults).
+Every request decodes exactly ``--new-tokens`` tokens (``ignore_eos``), so every engine does the same work.
 """
 
 from __future__ import annotations
@@ -41,15 +42,16 @@ def sized_share(model: str, new_tokens: int, gpu_gib: float) -> float:
     return sized[0]
 
 
-def one_engine(model: str, share: float, requests: int, new_tokens: int) -> dict[str, Any]:
-    """In a process of its own: start an engine at ``share``, run the rollout, report."""
+def one_engine(model: str, share: float, requests: int, new_tokens: int, seqs: int, tokens: int) -> dict[str, Any]:
+    """In a process of its own: start an engine at ``share`` running ``seqs`` sequences and ``tokens`` tokens a
+    step at most, run the rollout, report."""
     import random
 
     from vllm import LLM, SamplingParams
 
     t0 = time.perf_counter()
     llm = LLM(model=model, gpu_memory_utilization=share, max_model_len=new_tokens + 512, enforce_eager=False,
-              seed=0, enable_prefix_caching=False)
+              seed=0, enable_prefix_caching=False, max_num_seqs=seqs, max_num_batched_tokens=tokens)
     start_s = time.perf_counter() - t0
     cache = llm.llm_engine.vllm_config.cache_config
     kv_tokens = int((cache.num_gpu_blocks or 0) * cache.block_size)
@@ -62,19 +64,27 @@ def one_engine(model: str, share: float, requests: int, new_tokens: int) -> dict
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     gen_s = time.perf_counter() - t0
-    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    return {"share": share, "start_s": round(start_s, 1), "kv_tokens": kv_tokens, "requests": requests,
-            "tokens": tokens, "generate_s": round(gen_s, 2), "tokens_per_s": round(tokens / gen_s)}
+    decoded = sum(len(o.outputs[0].token_ids) for o in outs)
+    return {"share": share, "max_num_seqs": seqs, "max_num_batched_tokens": tokens, "start_s": round(start_s, 1), "kv_tokens": kv_tokens, "requests": requests,
+            "tokens": decoded, "generate_s": round(gen_s, 2), "tokens_per_s": round(decoded / gen_s)}
+
+
+def parse_engine(spec: str) -> tuple[str, int, int]:
+    """``SHARE[@SEQS/TOKENS]`` -> (share, max_num_seqs, max_num_batched_tokens)."""
+    from rlix_plugins.nemo_rl.memory_budget import ENGINE_MAX_SEQS, ENGINE_PROFILE_TOKENS
+
+    share, _, batch = spec.partition("@")
+    seqs, _, tokens = batch.partition("/")
+    return share, int(seqs or ENGINE_MAX_SEQS), int(tokens or ENGINE_PROFILE_TOKENS)
 
 
 def gpu_memory_gib() -> float:
-    import pynvml
+    from rlix_plugins.nemo_rl.memory_budget import local_gpu_memory_gib
 
-    pynvml.nvmlInit()
-    try:
-        return pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(0)).total / 2**30
-    finally:
-        pynvml.nvmlShutdown()
+    gib = local_gpu_memory_gib()
+    if gib is None:
+        raise SystemExit("engine_share.py measures engines on a GPU: NVML finds none on this machine")
+    return gib
 
 
 def main() -> int:
@@ -84,18 +94,23 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=1024)
     ap.add_argument("--new-tokens", type=int, default=512)
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per engine (start-up and rollout)")
-    ap.add_argument("--one", type=float, default=None, help=argparse.SUPPRESS)  # the child: one engine at this share
+    ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # the child: one engine, SHARE@SEQS/TOKENS
     args = ap.parse_args()
     if args.one is not None:
-        print("RESULT " + json.dumps(one_engine(args.model, args.one, args.requests, args.new_tokens)), flush=True)
+        share, seqs, tokens = parse_engine(args.one)
+        print("RESULT " + json.dumps(one_engine(args.model, float(share), args.requests, args.new_tokens, seqs,
+                                                tokens)), flush=True)
         return 0
     gib = gpu_memory_gib()
-    shares = [sized_share(args.model, args.new_tokens, gib) if s == "sized" else float(s)
-              for s in args.shares.split(",")]
+    engines = []
+    for spec in args.shares.split(","):
+        share, seqs, tokens = parse_engine(spec)
+        engines.append((sized_share(args.model, args.new_tokens, gib) if share == "sized" else float(share), seqs,
+                        tokens))
     need_tokens = args.requests * (args.new_tokens + 512)
     results = []
-    for share in shares:
-        cmd = [sys.executable, __file__, args.model, "--one", str(share), "--requests", str(args.requests),
+    for share, seqs, tokens in engines:
+        cmd = [sys.executable, __file__, args.model, "--one", f"{share}@{seqs}/{tokens}", "--requests", str(args.requests),
                "--new-tokens", str(args.new_tokens)]
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
@@ -115,9 +130,11 @@ def main() -> int:
     base = results[0]
     print(f"\nGPU {gib:.1f} GiB; the rollout: {args.requests} requests x {args.new_tokens} new tokens "
           f"(KV for all at once: {need_tokens:,} tokens of {args.new_tokens + 512}-token requests)")
-    print(f"{'share':>6} {'GiB':>6} {'KV tokens':>11} {'holds all':>9} {'start s':>8} {'tok/s':>8} {'vs first':>8}")
+    print(f"{'share':>6} {'GiB':>6} {'seqs/tokens':>12} {'KV tokens':>11} {'holds all':>9} {'start s':>8} "
+          f"{'tok/s':>8} {'vs first':>8}")
     for r in results:
-        print(f"{r['share']:>6g} {r['share'] * gib:>6.1f} {r['kv_tokens']:>11,} "
+        batch = f"{r['max_num_seqs']}/{r['max_num_batched_tokens']}"
+        print(f"{r['share']:>6g} {r['share'] * gib:>6.1f} {batch:>12} {r['kv_tokens']:>11,} "
               f"{'yes' if r['kv_tokens'] >= need_tokens else 'no':>9} {r['start_s']:>8.1f} {r['tokens_per_s']:>8,} "
               f"{r['tokens_per_s'] / base['tokens_per_s']:>7.2f}x")
     return 0

@@ -54,8 +54,9 @@ ENGINE_WORK_GIB: Final = 2.0
 #: Tokens of vLLM's profile batch (its default ``max_num_batched_tokens`` on H100/H200-class GPUs), whose MLP
 #: activations (gate and up projections, bf16) an engine's share must hold.
 ENGINE_PROFILE_TOKENS: Final = 16384
-#: Sequences a vLLM engine runs at once unless the recipe says (its default ``max_num_seqs`` on H100/H200-class
-#: GPUs; 256 on smaller ones): more requests than that wait in its queue and need no KV cache yet.
+#: The most sequences ``rlix recipe`` lets one engine run at once unless the recipe says (``max_num_seqs``: vLLM's
+#: synchronous engine's default on H100/H200-class GPUs; its async engine's is 128): more requests than that wait in
+#: its queue and need no KV cache yet.
 ENGINE_MAX_SEQS: Final = 1024
 #: A trainer's device memory after its offload (2.7 GiB measured for a DTensor worker).
 TRAINER_OFFLOADED_GIB: Final = 3.0

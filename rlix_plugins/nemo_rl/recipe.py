@@ -36,8 +36,9 @@ from rlix_plugins.errors import RlixConfigError
 from rlix_plugins.nemo_rl.config import cfg_path, load_run_config
 from rlix_plugins.nemo_rl.memory_budget import (
     DEFAULT_STEP_TOKENS,
-    PipelineMemory,
     ENGINE_MAX_SEQS,
+    ENGINE_PROFILE_TOKENS,
+    PipelineMemory,
     check_fits,
     cluster_memory,
     engine_need_gib,
@@ -255,34 +256,53 @@ def _int_or_none(stock: Mapping[str, Any], dotted: str) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
-def sized_utilization(stock: Mapping[str, Any], gpu_memory_gib: float, *, data_plane: bool = False,
-                      tp: int = 1) -> tuple[float, str] | None:
-    """The vLLM engines' share of a GPU sized to what a step's rollout keeps in flight, or None where the recipe
-    does not say plainly (model shape, batch, context length) and the stock share stays. In flight: one step's
-    batch (``num_prompts_per_step`` x ``num_generations_per_prompt``), times ``1 + max_trajectory_age_steps`` under
-    async GRPO (its collector generates that many steps ahead), each up to ``max_model_len`` tokens, at most
-    ``max_num_seqs`` at once (:func:`.memory_budget.engine_need_gib`). Never above the stock share: the stock
-    recipe's engine on a GPU of its own is the most an engine needs here."""
-    model = _resolved(stock, "policy.model_name")
-    shape = model_shape(model) if isinstance(model, str) and model else None
+def rollout_in_flight(stock: Mapping[str, Any], *, data_plane: bool = False) -> tuple[int, int, str] | None:
+    """(requests, tokens each at most, what they are) a step's rollout keeps in flight, or None where the recipe
+    does not say plainly: one step's batch (``num_prompts_per_step`` x ``num_generations_per_prompt``), times
+    ``1 + max_trajectory_age_steps`` under async GRPO (its collector generates that many steps ahead), each up to
+    ``max_model_len`` tokens."""
     prompts = _int_or_none(stock, "grpo.num_prompts_per_step")
     generations = _int_or_none(stock, "grpo.num_generations_per_prompt")
     length = (_int_or_none(stock, "policy.generation.vllm_cfg.max_model_len")
               or _int_or_none(stock, "policy.max_total_sequence_length"))
-    stock_util = float(_resolved(stock, "policy.generation.vllm_cfg.gpu_memory_utilization") or 0.9)
-    if shape is None or prompts is None or generations is None or length is None or gpu_memory_gib <= 0:
+    if prompts is None or generations is None or length is None:
         return None
     loop = DATA_PLANE if data_plane and grpo_loop(stock) != SINGLE_CONTROLLER else (grpo_loop(stock) or ASYNC_GRPO)
     ahead = (_int_or_none(stock, "grpo.async_grpo.max_trajectory_age_steps") or 0) if loop == ASYNC_GRPO else 0
-    max_seqs = (_int_or_none(stock, "policy.generation.vllm_cfg.max_num_seqs")
-                or _int_or_none(stock, "policy.generation.vllm_kwargs.max_num_seqs") or ENGINE_MAX_SEQS)
-    requests = prompts * generations * (1 + ahead)
-    need = engine_need_gib(shape, requests=requests, max_model_len=length, tp=tp, max_seqs=max_seqs)
-    util = min(math.ceil(need / gpu_memory_gib * 100 - 1e-9) / 100, stock_util)
     batches = f"{1 + ahead} steps' batches ({prompts} x {generations} each)" if ahead else \
         f"one step's batch ({prompts} x {generations})"
-    return util, (f"sized to the rollout in flight: {batches} of up to {length} tokens, at most "
-                  f"{min(requests, max_seqs)} at once, need {need:.1f} GiB of {gpu_memory_gib:.0f}"
+    return prompts * generations * (1 + ahead), length, f"{batches} of up to {length} tokens"
+
+
+def engine_max_seqs(stock: Mapping[str, Any], *, data_plane: bool = False) -> int:
+    """Sequences one engine runs at once: the recipe's ``vllm_kwargs.max_num_seqs``, else as many as the rollout
+    keeps in flight, at most :data:`.memory_budget.ENGINE_MAX_SEQS` (the overlay writes it: vLLM's async engine,
+    which time-sharing runs, defaults to 128)."""
+    given = _int_or_none(stock, "policy.generation.vllm_kwargs.max_num_seqs")
+    if given is not None:
+        return given
+    flight = rollout_in_flight(stock, data_plane=data_plane)
+    return min(flight[0], ENGINE_MAX_SEQS) if flight else ENGINE_MAX_SEQS
+
+
+def sized_utilization(stock: Mapping[str, Any], gpu_memory_gib: float, *, data_plane: bool = False,
+                      tp: int = 1) -> tuple[float, str] | None:
+    """The vLLM engines' share of a GPU sized to what a step's rollout keeps in flight (:func:`rollout_in_flight`,
+    at most :func:`engine_max_seqs` at once: :func:`.memory_budget.engine_need_gib`), or None where the recipe does
+    not say plainly (model shape, batch, context length) and the stock share stays. Never above the stock share:
+    the stock recipe's engine on a GPU of its own is the most an engine needs here."""
+    model = _resolved(stock, "policy.model_name")
+    shape = model_shape(model) if isinstance(model, str) and model else None
+    flight = rollout_in_flight(stock, data_plane=data_plane)
+    stock_util = float(_resolved(stock, "policy.generation.vllm_cfg.gpu_memory_utilization") or 0.9)
+    if shape is None or flight is None or gpu_memory_gib <= 0:
+        return None
+    requests, length, what = flight
+    max_seqs = engine_max_seqs(stock, data_plane=data_plane)
+    need = engine_need_gib(shape, requests=requests, max_model_len=length, tp=tp, max_seqs=max_seqs)
+    util = min(math.ceil(need / gpu_memory_gib * 100 - 1e-9) / 100, stock_util)
+    return util, (f"sized to the rollout in flight: {what}, at most {min(requests, max_seqs)} at once, need "
+                  f"{need:.1f} GiB of {gpu_memory_gib:.0f}"
                   + (f" (the stock recipe's {stock_util:g} is the most)" if util == stock_util else "")
                   + "; --gpu-memory-utilization sets it")
 
@@ -506,6 +526,14 @@ def _overlay(stock: Mapping[str, Any], p: PipelineLayout, num_pipelines: int, gp
     _set(ov, stock, "policy.generation.vllm_cfg.sleep_level", _SLEEP_LEVEL, "patch 0003; must equal rlix.sleep_level")
     _set(ov, stock, "policy.generation.vllm_kwargs.worker_cls", _WORKER_CLS,
          "the weight receiver (rlix_plugins.vllm.nemo_rl_vllm_kwargs())")
+    # vLLM's async engine defaults to 128 sequences and 2,048 tokens a step (its engine context), where the
+    # synchronous engine of a stock recipe runs 1,024 and 16,384 on H100/H200-class GPUs: a 512-request batch would
+    # decode in four waves
+    _set(ov, stock, "policy.generation.vllm_kwargs.max_num_seqs", engine_max_seqs(stock, data_plane=data_plane),
+         "the rollout in flight, at most 1,024 (the async engine's default is 128)")
+    if _int_or_none(stock, "policy.generation.vllm_kwargs.max_num_batched_tokens") is None:
+        _set(ov, stock, "policy.generation.vllm_kwargs.max_num_batched_tokens", ENGINE_PROFILE_TOKENS,
+             "what a synchronous engine runs on an H100/H200-class GPU (the async engine's default is 2,048)")
     _set(ov, stock, "cluster.gpus_per_node", gpus_per_node,
          "GPUs of the node the pipelines share" if nodes == 1 else "GPUs of each node the pipelines share")
     _set(ov, stock, "cluster.num_nodes", nodes, "nodes the pipelines share (--nodes)")

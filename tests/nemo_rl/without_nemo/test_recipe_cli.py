@@ -96,8 +96,10 @@ def test_one_gpu_overlays_are_the_one_gpu_topology(stock: Path, tmp_path: Path, 
                 assert "  # " in line, f"a changed key without its reason: {line!r}"
         cfg = load_stock(f)  # NeMo RL's inheritance, relative to the overlay
         assert cfg["policy"]["optimizer"]["eps"] == 1e-8  # read as OmegaConf reads YAML (PyYAML: the string '1e-8')
+        # the async engine's batch as large as the synchronous engine's (its defaults: 128 sequences, 2,048 tokens)
         assert cfg["policy"]["model_name"] == "tiny-child" and cfg["policy"]["generation"]["vllm_kwargs"] == {
-            "enforce_eager": True, "worker_cls": "rlix_plugins.vllm.gpu_worker.RlixGPUWorker"}
+            "enforce_eager": True, "worker_cls": "rlix_plugins.vllm.gpu_worker.RlixGPUWorker",
+            "max_num_seqs": 1024, "max_num_batched_tokens": 16384}
         run = load_run_config(cfg)
         validate_topology(cfg, run)
         assert is_one_gpu_topology(run) and run.train_devices == run.infer_devices == (0,)
@@ -499,13 +501,23 @@ def test_engine_share_is_sized_to_the_rollout_in_flight(stock: Path, tmp_path: P
     assert util == 0.24, out
     assert "sized to the rollout in flight: 2 steps' batches (32 x 16 each) of up to 1024 tokens" in out, out
     assert "co-residence on" in out and "(1 rollout next to two)" in out, out
+    kwargs = _merge(load_stock(big), load_stock(files[0]))["policy"]["generation"]["vllm_kwargs"]
+    assert kwargs["max_num_seqs"] == 1024 and kwargs["max_num_batched_tokens"] == 16384, kwargs
     # one step's batch without the collector's look-ahead: the share halves its KV cache
     one = _stock_1p5b(tmp_path, stock, async_grpo={"enabled": True, "max_trajectory_age_steps": 0})
     rc, files = _recipe(one, tmp_path / "one", *common)
     out = capsys.readouterr().out
     assert rc == 0 and "one step's batch (32 x 16)" in out, out
-    assert _merge(load_stock(one), load_stock(files[0]))["policy"]["generation"]["vllm_cfg"][
-        "gpu_memory_utilization"] == 0.14
+    merged = _merge(load_stock(one), load_stock(files[0]))["policy"]["generation"]
+    assert merged["vllm_cfg"]["gpu_memory_utilization"] == 0.14 and merged["vllm_kwargs"]["max_num_seqs"] == 512
+    # a recipe's own max_num_seqs stays, and sizes the cache: 256 at once need half the KV of 512
+    own = _stock_1p5b(tmp_path, stock, async_grpo={"enabled": True, "max_trajectory_age_steps": 0})
+    cfg = load_stock(own)
+    cfg["policy"]["generation"]["vllm_kwargs"]["max_num_seqs"] = 256
+    own.write_text(yaml.safe_dump(cfg))
+    rc, files = _recipe(own, tmp_path / "own", *common)
+    out = capsys.readouterr().out
+    assert rc == 0 and "at most 256 at once" in out and "max_num_seqs" not in files[0].read_text(), out
     # the flag wins
     rc, files = _recipe(big, tmp_path / "flag", *common, "--gpu-memory-utilization", "0.5")
     out = capsys.readouterr().out
