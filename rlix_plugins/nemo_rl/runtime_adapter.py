@@ -46,6 +46,8 @@ __all__ = ["CollectorPublisher", "NemoRuntime"]
 
 logger = logging.getLogger(__name__)
 _PROGRESS_PERIOD_S: Final = 1.0
+#: The runtime phases of a training grant after the step itself (``PipelineRuntime.timings``), reported per step.
+_GRANT_PHASES: Final = ("build_cache", "offload", "refresh_active")
 
 
 class NemoRuntime:
@@ -68,6 +70,7 @@ class NemoRuntime:
         self._stop_collector: Any = None  # per loop kind (.loops)
         self._init_held = False
         self._history_seen = 0  # resize-history events already counted into step metrics
+        self._timings_seen = 0  # runtime phase timings already counted into step metrics
         self._trace_since = time.time()
 
     def register(self, cp: Any, held: Any = None) -> Any:
@@ -153,8 +156,16 @@ class NemoRuntime:
         """The ``rlix/`` figures of ``step`` (since the previous call): expands (ranks woken + synced, their
         seconds), shrinks, how many of the shrinks were preemptions by a training grant (the scheduler's trace), and
         the vLLM workers that verified the weights they received (every TP worker of a rank counts), the syncs
-        any worker did not verify, and the most a slept rank kept on one GPU after a shrink (GiB; 0 where nothing was
-        measured, as on CPU). Reads the resize actor's history and the scheduler's trace (bounded RPCs)."""
+        any worker did not verify, the most a slept rank kept on one GPU after a shrink (GiB; 0 where nothing was
+        measured, as on CPU), and the seconds of the training grant's hand-over phases: the cache build, the offload
+        and the in-flight refresh of the awake ranks (where a grant's time goes after the step itself). Reads the
+        resize actor's history and the scheduler's trace (bounded RPCs)."""
+        timings = self.rt.timings[self._timings_seen:]
+        self._timings_seen += len(timings)
+        phases = {what: 0.0 for what in _GRANT_PHASES}
+        for _, what, _, seconds in timings:
+            if what in phases:
+                phases[what] += seconds
         history = self.rt.resize_history(self._history_seen)
         self._history_seen += len(history)
         expands = [e for e in history if e.get("op") == "expand"]
@@ -174,6 +185,7 @@ class NemoRuntime:
             "rlix/syncs_unverified": float(sum(1 for e in syncs if not e.get("verified"))),
             "rlix/asleep_gib_max": max((b / (1 << 30) for e in shrinks for b in (e.get("memory_after") or {}).values()
                                         if b is not None), default=0.0),
+            **{f"rlix/{what}_s": float(seconds) for what, seconds in phases.items()},
         }
 
     def stop(self, error: str | None = None) -> None:

