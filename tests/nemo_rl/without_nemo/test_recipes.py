@@ -102,6 +102,8 @@ def test_loops_recipes_are_what_rlix_recipe_writes(name: str, stock: str, flags:
     from rlix_plugins.nemo_rl.topology import grpo_loop
     from tests.nemo_rl._nemo_checkout import nemo_python, nemo_src
 
+    if not (nemo_src() / "examples" / "configs" / stock).exists():  # v0.7.0 has no SingleController loop
+        pytest.skip(f"this NeMo RL checkout has no examples/configs/{stock}")
     configs = tmp_path / "configs"
     shutil.copytree(nemo_src() / "examples" / "configs", configs, ignore=shutil.ignore_patterns("recipes"))
     assert rlix_main(["recipe", str(configs / stock), "--pipelines", "1", "--gpus", "0", "--out",
