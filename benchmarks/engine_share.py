@@ -5,7 +5,8 @@
 rollout of a stock GRPO step on one engine per share, one after the other, each in a process of its own, and
 prints the KV cache each got, its start-up, and its decode throughput, as a ratio to the first share given:
 
-    python benchmarks/engine_share.py MODEL_DIR [--shares 0.5,sized,sized@128/2048] [--requests 1024] [--new-tokens 512]
+    python benchmarks/engine_share.py MODEL_DIR [--shares 0.5,sized,sized@128/2048] [--requests 1024]
+        [--new-tokens 512]
 
 MODEL_DIR: a Hugging Face model directory (``tools/gpu-offline/gpu/nemo_rl_real_data.py`` writes the stock recipe's
 real shapes with random weights). ``sized``: the share ``rlix recipe`` writes for the stock ``grpo_math_1B`` batch
@@ -65,8 +66,9 @@ def one_engine(model: str, share: float, requests: int, new_tokens: int, seqs: i
     outs = llm.generate(prompts, params, use_tqdm=False)
     gen_s = time.perf_counter() - t0
     decoded = sum(len(o.outputs[0].token_ids) for o in outs)
-    return {"share": share, "max_num_seqs": seqs, "max_num_batched_tokens": tokens, "start_s": round(start_s, 1), "kv_tokens": kv_tokens, "requests": requests,
-            "tokens": decoded, "generate_s": round(gen_s, 2), "tokens_per_s": round(decoded / gen_s)}
+    return {"share": share, "max_num_seqs": seqs, "max_num_batched_tokens": tokens, "start_s": round(start_s, 1),
+            "kv_tokens": kv_tokens, "requests": requests, "tokens": decoded, "generate_s": round(gen_s, 2),
+            "tokens_per_s": round(decoded / gen_s)}
 
 
 def parse_engine(spec: str) -> tuple[str, int, int]:
@@ -110,8 +112,8 @@ def main() -> int:
     need_tokens = args.requests * (args.new_tokens + 512)
     results = []
     for share, seqs, tokens in engines:
-        cmd = [sys.executable, __file__, args.model, "--one", f"{share}@{seqs}/{tokens}", "--requests", str(args.requests),
-               "--new-tokens", str(args.new_tokens)]
+        cmd = [sys.executable, __file__, args.model, "--one", f"{share}@{seqs}/{tokens}",
+               "--requests", str(args.requests), "--new-tokens", str(args.new_tokens)]
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
         except subprocess.TimeoutExpired:

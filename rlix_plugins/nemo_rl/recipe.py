@@ -238,17 +238,14 @@ def _refusals(stock: Mapping[str, Any], gpus: Sequence[int], gpus_per_node: int,
 def _step_tokens(stock: Mapping[str, Any]) -> int:
     """Tokens of one training micro-batch (``policy.train_micro_batch_size`` x ``policy.max_total_sequence_length``),
     whose vocabulary logits a training step holds; the stock recipe's when the recipe does not say plainly."""
-    try:
-        micro = _resolved(stock, "policy.train_micro_batch_size")
-        length = _resolved(stock, "policy.max_total_sequence_length")
-    except RlixConfigError:  # an expression rlix recipe does not evaluate: size the step by the stock micro-batch
-        return DEFAULT_STEP_TOKENS
-    if isinstance(micro, int) and isinstance(length, int) and micro > 0 and length > 0:
-        return micro * length
-    return DEFAULT_STEP_TOKENS
+    micro = _int_or_none(stock, "policy.train_micro_batch_size")
+    length = _int_or_none(stock, "policy.max_total_sequence_length")
+    return micro * length if micro and length else DEFAULT_STEP_TOKENS
 
 
 def _int_or_none(stock: Mapping[str, Any], dotted: str) -> int | None:
+    """A positive int the recipe says plainly at ``dotted``; None for anything else (absent, not an int, or an
+    expression rlix recipe does not evaluate)."""
     try:
         value = _resolved(stock, dotted)
     except RlixConfigError:
@@ -416,9 +413,9 @@ def make_overlays(stock: Mapping[str, Any], num_pipelines: int, gpus: Sequence[i
     (``grpo_train_sync``). ``gpu_memory_gib`` / ``host_memory_gib``: the memory of the GPUs and the host the
     pipelines will run on (None: not checked; with the GPU's, the overlays carry the scheduler's memory figures).
     ``gpu_memory_utilization``: the vLLM engines' share of a GPU (None: sized to the rollout in flight where the
-    GPU's memory and the recipe's batch are known, :func:`sized_utilization`; else the stock recipe's). ``nodes``: machines
-    the GPUs span (``gpus`` are global ids; more than one needs ``gpus_per_node``). ``tp``: vLLM's tensor parallel
-    size (None: the stock recipe's)."""
+    GPU's memory and the recipe's batch are known, :func:`sized_utilization`; else the stock recipe's).
+    ``nodes``: machines the GPUs span (``gpus`` are global ids; more than one needs ``gpus_per_node``). ``tp``:
+    vLLM's tensor parallel size (None: the stock recipe's)."""
     gpus = list(gpus)
     if tp is not None:
         if tp < 1:
