@@ -217,9 +217,12 @@ class DemoEngine:
     def memory_in_use(self) -> int | None:
         """Device bytes this process tree holds on its fullest GPU (the engine and any TP workers are in it), per
         NVML; None on CPU or when the driver lists other PIDs. Device-wide numbers would count the co-tenant
-        pipelines' engines on the same GPU, so they are only logged (``memory_log``), never checked."""
+        pipelines' engines on the same GPU, so they are only logged (``memory_log``), never checked. The workers
+        hand torch's cached blocks back first (``rlix_device_usage``): the reading counts what the next tenant
+        cannot get."""
         from rlix_plugins.pipeline.gpu_memory import process_tree_gpu_bytes
 
+        self.rlix_rpc("rlix_device_usage", timeout_s=60.0)
         return process_tree_gpu_bytes()
 
     def _device_free(self) -> int | None:

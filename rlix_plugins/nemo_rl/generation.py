@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
+import time
 from collections import defaultdict, deque
 from collections.abc import AsyncIterator
 from typing import Any, Final
@@ -113,11 +114,16 @@ class NemoVllmFleet:
         leader's tree (the leader itself asks no GPU), so the leader alone saw none of what a TP rank kept."""
         from rlix_plugins.pipeline.gpu_memory import fullest_gpu_bytes
 
-        leaders = [self.leaders[r].__ray_call__.remote(worker_ops.device_usage) for r in dp_ranks]
-        workers = [self.leaders[r].checkpoint_engine_rpc_async.remote("rlix_device_usage") for r in dp_ranks]
-        got = _get(leaders + workers, f"memory probe on dp ranks {dp_ranks}", timeout_s)
-        n = len(dp_ranks)
-        return {r: fullest_gpu_bytes([got[i], *(got[n + i] or ())]) for i, r in enumerate(dp_ranks)}
+        # The workers first: each hands torch's cached blocks back before the leader reads its tree (the engine
+        # core with its worker, where TP is 1), so that the reading counts only what the next tenant cannot get.
+        what = f"memory probe on dp ranks {dp_ranks}"
+        deadline = time.monotonic() + timeout_s
+        workers = _get([self.leaders[r].checkpoint_engine_rpc_async.remote("rlix_device_usage") for r in dp_ranks],
+                       what, timeout_s)
+        leaders = _get([self.leaders[r].__ray_call__.remote(worker_ops.device_usage) for r in dp_ranks], what,
+                       max(deadline - time.monotonic(), 1.0))
+        return {r: fullest_gpu_bytes([lead, *(work or ())])
+                for r, lead, work in zip(dp_ranks, leaders, workers, strict=True)}
 
 
 class RouterShardSelector:

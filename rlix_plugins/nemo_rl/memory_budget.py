@@ -39,8 +39,10 @@ from rlix_plugins.nemo_rl.model_shape import ModelShape
 
 GiB: Final = 1 << 30
 #: A slept vLLM engine's device memory: 0.96 GiB measured on an H200 (weights taken by host_pull only), 1.18 GiB on an
-#: H100 once it had received weights over NCCL (a rollout rank outside its pipeline's training GPUs does).
-ENGINE_ASLEEP_GIB: Final = 1.25
+#: H100 once it had received weights over NCCL (a rollout rank outside its pipeline's training GPUs does), 1.42 GiB
+#: the most of 13 sleeps of an engine that ``rlix recipe`` sized (1,024 sequences, CUDA graphs, Qwen2.5-1.5B shape,
+#: H200; two other sleeps read 2.33 GiB before the readings handed torch's cached blocks back).
+ENGINE_ASLEEP_GIB: Final = 1.5
 #: The same of an engine of vLLM tensor parallel > 1, on each of its GPUs: its TP communicators (NCCL's buffers,
 #: vLLM's all-reduce buffers) come on top; 2.12-2.22 GiB measured per GPU at TP 2 on H200s (a tiny model and
 #: Qwen2.5-1.5B under NeMo RL).

@@ -91,9 +91,11 @@ def _run_on_engine_loop(llm: Any, coro: Any, timeout_s: float = 30.0) -> None:
 def device_usage(worker: Any) -> list[tuple[int, int, int]] | None:
     """(pid, NVML GPU index, bytes) of this worker's process tree (vLLM's engine core is a child process; NCCL and
     vLLM pools count too), None when not measurable. Not device-wide: co-tenant pipelines on the same GPU would
-    fail the post-sleep check. The fleet adds the TP workers' own readings (``rlix_device_usage``)."""
-    from rlix_plugins.pipeline.gpu_memory import process_tree_gpu_usage
+    fail the post-sleep check. The fleet adds the TP workers' own readings (``rlix_device_usage``), taken first:
+    each worker hands its cached blocks back before this tree is read (as this process does its own)."""
+    from rlix_plugins.pipeline.gpu_memory import process_tree_gpu_usage, release_cached_blocks
 
+    release_cached_blocks("vLLM front-end")
     return process_tree_gpu_usage()
 
 

@@ -11,7 +11,10 @@ The tree is the calling process and its descendants: vLLM's V1 engine core runs 
 from __future__ import annotations
 
 import contextlib
+import gc
+import logging
 import os
+import sys
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -24,10 +27,12 @@ __all__ = [
     "process_tree_gpu_bytes",
     "process_tree_gpu_usage",
     "process_tree_pids",
+    "release_cached_blocks",
     "visible_gpu_free_bytes",
 ]
 
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
 
 #: (pid, NVML GPU index, bytes): one process's memory on one GPU of its node
 Usage = tuple[int, int, int]
@@ -96,6 +101,27 @@ def process_tree_gpu_usage(root: int | None = None) -> list[Usage] | None:
                 if p.pid in tree]
 
     return _nvml_read(read)
+
+
+def release_cached_blocks(who: str) -> tuple[int, int] | None:
+    """Hand the free blocks torch's caching allocator keeps in this process back to the driver
+    (``torch.cuda.empty_cache``) and return (bytes in live tensors, bytes handed back); ``None`` where this process
+    has no CUDA context (none is created, torch is not imported). vLLM's sleep empties the cache itself; what the
+    engine frees after that (work still finishing when an abort put it to sleep) stays cached, and NVML counts it as
+    the rank's. The post-sleep readings call this first, so that they measure what the next tenant cannot get; the
+    log (``who``: the process) says what live tensors a slept process still holds, the figure to read when a
+    reading is over its limit."""
+    torch: Any = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return None
+    gc.collect()
+    reserved = torch.cuda.memory_reserved()
+    torch.cuda.empty_cache()
+    live, freed = int(torch.cuda.memory_allocated()), int(reserved - torch.cuda.memory_reserved())
+    if max(live, freed) >= 64 << 20:
+        logger.info("rlix %s: %.2f GiB in live tensors after sleep, %.2f GiB of torch's cached blocks handed back",
+                    who, live / (1 << 30), freed / (1 << 30))
+    return live, freed
 
 
 def fullest_gpu_bytes(usages: Iterable[Iterable[Sequence[int]] | None]) -> int | None:

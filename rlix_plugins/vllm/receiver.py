@@ -439,9 +439,12 @@ class RlixReceiverMixin:
     def rlix_device_usage(self) -> list[tuple[int, int, int]] | None:
         """(pid, NVML GPU index, bytes) of this worker's process tree (NVML; None when not measurable): the
         post-sleep check of a rank whose TP workers are not in its front-end's process tree (vLLM's Ray executor,
-        as NeMo RL runs TP > 1) asks every worker through ``collective_rpc``."""
-        from rlix_plugins.pipeline.gpu_memory import process_tree_gpu_usage
+        as NeMo RL runs TP > 1) asks every worker through ``collective_rpc``. Torch's cached free blocks are handed
+        back first (:func:`~rlix_plugins.pipeline.gpu_memory.release_cached_blocks`); the log says what live
+        tensors a slept worker still holds, the figure to read when a reading is over its limit."""
+        from rlix_plugins.pipeline.gpu_memory import process_tree_gpu_usage, release_cached_blocks
 
+        release_cached_blocks("vLLM worker")
         return process_tree_gpu_usage()
 
     def rlix_report_place(self) -> dict[str, Any]:
@@ -481,3 +484,4 @@ def _verify(expected: dict[str, list[int]], actual: dict[str, list[int]], contex
         verify_checksums(expected, actual, context=context)
     except WeightVerificationError as exc:
         raise carried_in_text(exc) from None
+

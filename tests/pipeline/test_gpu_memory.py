@@ -12,6 +12,7 @@ from rlix_plugins.pipeline.gpu_memory import (
     per_gpu_bytes,
     process_tree_gpu_bytes,
     process_tree_pids,
+    release_cached_blocks,
     visible_gpu_free_bytes,
 )
 
@@ -71,3 +72,38 @@ def test_free_bytes_not_measurable_without_a_gpu() -> None:
     if torch.cuda.is_available():
         pytest.skip("a GPU is present: covered by the GPU demo run")
     assert visible_gpu_free_bytes() is None
+
+
+def test_releasing_cached_blocks_never_imports_torch_or_makes_a_cuda_context() -> None:
+    """A process without torch (Ray's driver side, a router) gets None and no torch: importing it would cost seconds
+    and, on a GPU machine, a CUDA context is ~0.5 GiB on the GPU the reading is about."""
+    code = ("import sys; from rlix_plugins.pipeline.gpu_memory import release_cached_blocks as r; "
+            "print(r('test'), 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.split() == ["None", "False"], out
+
+
+def test_releasing_cached_blocks_without_a_cuda_context_measures_nothing() -> None:
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        pytest.skip("this process has a CUDA context: test_cached_blocks_go_back_to_the_driver covers it")
+    assert release_cached_blocks("test") is None
+    assert not torch.cuda.is_initialized()
+
+
+@pytest.mark.gpu
+def test_cached_blocks_go_back_to_the_driver() -> None:
+    """A freed tensor's blocks stay in torch's cache, and NVML counts them as this process's, until released: the
+    post-sleep readings release them first, so a slept engine is not charged for memory it no longer uses."""
+    import torch
+
+    held = torch.empty(512 << 20, dtype=torch.uint8, device="cuda")
+    keep = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
+    torch.cuda.synchronize()
+    before = process_tree_gpu_bytes()
+    del held
+    got = release_cached_blocks("test")
+    after = process_tree_gpu_bytes()
+    assert got is not None and got[1] >= 512 << 20 and 64 << 20 <= got[0] < 512 << 20, got
+    assert before is not None and after is not None and before - after >= 500 << 20, (before, after)
+    del keep
