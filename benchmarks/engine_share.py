@@ -13,7 +13,10 @@ real shapes with random weights). ``sized``: the share ``rlix recipe`` writes fo
 (32 prompts x 16 generations, two steps in flight under async GRPO, ``max_total_sequence_length``
 ``--new-tokens`` + 512). ``SHARE@SEQS/TOKENS``: that engine with vLLM's ``max_num_seqs`` / ``max_num_batched_tokens``
 (default: what `rlix recipe` writes, 1,024 / 16,384; ``@128/2048`` is vLLM's async engine left at its defaults).
-Every request decodes exactly ``--new-tokens`` tokens (``ignore_eos``), so every engine does the same work.
+Every request decodes exactly ``--new-tokens`` tokens (``ignore_eos``), so every engine does the same work, and asks
+the sampled token's logprob as NeMo RL does (``logprobs=0``). Each engine's GPU memory (NVML, its process tree) is
+read after start-up and at its peak during the rollout: what it holds beyond its share is what the scheduler's figure
+for an awake engine must add (a 1.5B engine of 1,024 sequences / 16,384 tokens held ~14 GiB more under NeMo RL).
 """
 
 from __future__ import annotations
@@ -47,8 +50,11 @@ def one_engine(model: str, share: float, requests: int, new_tokens: int, seqs: i
     """In a process of its own: start an engine at ``share`` running ``seqs`` sequences and ``tokens`` tokens a
     step at most, run the rollout, report."""
     import random
+    import threading
 
     from vllm import LLM, SamplingParams
+
+    from rlix_plugins.pipeline.gpu_memory import process_tree_gpu_bytes
 
     t0 = time.perf_counter()
     llm = LLM(model=model, gpu_memory_utilization=share, max_model_len=new_tokens + 512, enforce_eager=False,
@@ -60,24 +66,36 @@ def one_engine(model: str, share: float, requests: int, new_tokens: int, seqs: i
     vocab = llm.llm_engine.model_config.get_vocab_size()
     prompts = [{"prompt_token_ids": [rng.randrange(vocab // 100, vocab // 2) for _ in range(PROMPT_TOKENS)]}
                for _ in range(requests)]
-    params = SamplingParams(max_tokens=new_tokens, ignore_eos=True, temperature=1.0)
+    params = SamplingParams(max_tokens=new_tokens, ignore_eos=True, temperature=1.0, logprobs=0)
     llm.generate(prompts[:8], params, use_tqdm=False)  # warm-up
+    started = process_tree_gpu_bytes() or 0
+    peak, done = [started], threading.Event()
+
+    def sample() -> None:
+        while not done.wait(0.1):
+            peak[0] = max(peak[0], process_tree_gpu_bytes() or 0)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     gen_s = time.perf_counter() - t0
+    done.set()
+    sampler.join(timeout=5)
     decoded = sum(len(o.outputs[0].token_ids) for o in outs)
     return {"share": share, "max_num_seqs": seqs, "max_num_batched_tokens": tokens, "start_s": round(start_s, 1),
             "kv_tokens": kv_tokens, "requests": requests, "tokens": decoded, "generate_s": round(gen_s, 2),
-            "tokens_per_s": round(decoded / gen_s)}
+            "tokens_per_s": round(decoded / gen_s), "started_gib": round(started / 2**30, 2),
+            "peak_gib": round(peak[0] / 2**30, 2)}
 
 
 def parse_engine(spec: str) -> tuple[str, int, int]:
     """``SHARE[@SEQS/TOKENS]`` -> (share, max_num_seqs, max_num_batched_tokens)."""
-    from rlix_plugins.nemo_rl.memory_budget import ENGINE_MAX_SEQS, ENGINE_PROFILE_TOKENS
+    from rlix_plugins.nemo_rl.memory_budget import ENGINE_BATCH_TOKENS, ENGINE_MAX_SEQS
 
     share, _, batch = spec.partition("@")
     seqs, _, tokens = batch.partition("/")
-    return share, int(seqs or ENGINE_MAX_SEQS), int(tokens or ENGINE_PROFILE_TOKENS)
+    return share, int(seqs or ENGINE_MAX_SEQS), int(tokens or ENGINE_BATCH_TOKENS)
 
 
 def gpu_memory_gib() -> float:
@@ -133,12 +151,13 @@ def main() -> int:
     print(f"\nGPU {gib:.1f} GiB; the rollout: {args.requests} requests x {args.new_tokens} new tokens "
           f"(KV for all at once: {need_tokens:,} tokens of {args.new_tokens + 512}-token requests)")
     print(f"{'share':>6} {'GiB':>6} {'seqs/tokens':>12} {'KV tokens':>11} {'holds all':>9} {'start s':>8} "
-          f"{'tok/s':>8} {'vs first':>8}")
+          f"{'tok/s':>8} {'vs first':>8} {'held GiB':>9} {'peak GiB':>9} {'over share':>10}")
     for r in results:
         batch = f"{r['max_num_seqs']}/{r['max_num_batched_tokens']}"
         print(f"{r['share']:>6g} {r['share'] * gib:>6.1f} {batch:>12} {r['kv_tokens']:>11,} "
               f"{'yes' if r['kv_tokens'] >= need_tokens else 'no':>9} {r['start_s']:>8.1f} {r['tokens_per_s']:>8,} "
-              f"{r['tokens_per_s'] / base['tokens_per_s']:>7.2f}x")
+              f"{r['tokens_per_s'] / base['tokens_per_s']:>7.2f}x {r['started_gib']:>9.1f} {r['peak_gib']:>9.1f} "
+              f"{r['peak_gib'] - r['share'] * gib:>10.1f}")
     return 0
 
 

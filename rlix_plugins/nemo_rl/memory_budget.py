@@ -51,11 +51,23 @@ ENGINE_ASLEEP_TP_GIB: Final = 2.5
 #: and sampler, CUDA graphs, non-torch allocations (cuBLAS workspaces, NCCL). 0.63 GiB measured on an H200 at the
 #: Qwen2.5-1.5B shape (0.35 GiB profiled + 0.28 GiB of CUDA graphs; the engine's log: 69.9 GiB share, weights 2.98,
 #: KV cache 66.57); taken three times over, because an engine whose share does not cover it does not start. The MLP
-#: activations of a profile batch come on top (:data:`ENGINE_PROFILE_TOKENS`).
+#: activations of a profile batch come on top (:data:`ENGINE_BATCH_TOKENS`).
 ENGINE_WORK_GIB: Final = 2.0
-#: Tokens of vLLM's profile batch (its default ``max_num_batched_tokens`` on H100/H200-class GPUs), whose MLP
-#: activations (gate and up projections, bf16) an engine's share must hold.
-ENGINE_PROFILE_TOKENS: Final = 16384
+#: The tokens one engine step runs (``max_num_batched_tokens``) that ``rlix recipe`` writes unless the recipe says:
+#: vLLM's profile batch, whose MLP activations (gate and up projections, bf16) an engine's share must hold, and what
+#: a running engine holds beyond its share grows with it (:data:`ENGINE_RUN_BYTES_PER_TOKEN_VOCAB`). A quarter of
+#: what vLLM's synchronous engine runs on H100/H200-class GPUs (16,384, where a 1.5B engine held ~14 GiB beyond
+#: its share): decode steps, at most :data:`ENGINE_MAX_SEQS` tokens, are never cut; a batch's prefill takes four
+#: times the steps, each a quarter of the work.
+ENGINE_BATCH_TOKENS: Final = 4096
+#: What a running engine holds beyond its share (weights, KV cache and the activations vLLM profiled), in bytes per
+#: token of its step batch (``max_num_batched_tokens``) and vocabulary entry. Measured on an H200 under NeMo RL at
+#: the Qwen2.5-1.5B shape (vocabulary 151,936): 13.9 GiB at 16,384 tokens and 1,024 sequences (its end-of-run sleep
+#: freed 46.97 GiB, of which 33.04 were the sleep-mode pools; an awake engine read ~45 GiB on a 33.6 GiB share),
+#: 0.94 GiB at 2,048 tokens and 128 sequences. 6 bytes (a bf16 and an fp32 copy of logits over the batch) fits the
+#: first and over-counts the second. Both settings changed 8x together: which one the memory follows is what
+#: ``benchmarks/engine_share.py`` reads next (each engine's peak against its share).
+ENGINE_RUN_BYTES_PER_TOKEN_VOCAB: Final = 6
 #: The most sequences ``rlix recipe`` lets one engine run at once unless the recipe says (``max_num_seqs``: vLLM's
 #: synchronous engine's default on H100/H200-class GPUs; its async engine's is 128): more requests than that wait in
 #: its queue and need no KV cache yet.
@@ -106,6 +118,12 @@ def engine_asleep_gib(tp: int = 1) -> float:
     return ENGINE_ASLEEP_TP_GIB if tp > 1 else ENGINE_ASLEEP_GIB
 
 
+def engine_run_gib(shape: ModelShape, batched_tokens: int = ENGINE_BATCH_TOKENS) -> float:
+    """What a running engine holds on each GPU beyond its ``gpu_memory_utilization`` share, at ``batched_tokens``
+    tokens a step (:data:`ENGINE_RUN_BYTES_PER_TOKEN_VOCAB`)."""
+    return batched_tokens * shape.vocab_size * ENGINE_RUN_BYTES_PER_TOKEN_VOCAB / GiB
+
+
 def kv_bytes_per_token(shape: ModelShape, tp: int = 1, dtype_bytes: int = 2) -> int:
     """KV cache bytes of one token on each GPU of an engine of ``tp`` GPUs: keys and values of every layer's KV heads
     (split over the GPUs, or replicated where there are fewer heads than GPUs), in the model's dtype."""
@@ -113,14 +131,14 @@ def kv_bytes_per_token(shape: ModelShape, tp: int = 1, dtype_bytes: int = 2) -> 
 
 
 def engine_need_gib(shape: ModelShape, *, requests: int, max_model_len: int, tp: int = 1,
-                    max_seqs: int = ENGINE_MAX_SEQS) -> float:
+                    max_seqs: int = ENGINE_MAX_SEQS, batched_tokens: int = ENGINE_BATCH_TOKENS) -> float:
     """What one vLLM engine needs on each of its ``tp`` GPUs to hold ``requests`` requests of up to ``max_model_len``
     tokens at once (at most ``max_seqs`` run together; the rest wait in its queue): bf16 weights, their KV cache, a
-    profile batch's MLP activations and :data:`ENGINE_WORK_GIB`. More gives the engine nothing (vLLM cannot use KV
+    profile batch's (``batched_tokens``) MLP activations and :data:`ENGINE_WORK_GIB`. More gives the engine nothing (vLLM cannot use KV
     cache beyond the tokens of what runs); less makes requests wait for cache."""
     weights = shape.num_parameters * 2 / tp
     kv = min(requests, max_seqs) * max_model_len * kv_bytes_per_token(shape, tp)
-    activations = ENGINE_PROFILE_TOKENS * 2 * shape.intermediate_size * 2 / tp
+    activations = batched_tokens * 2 * shape.intermediate_size * 2 / tp
     return (weights + kv + activations) / GiB + ENGINE_WORK_GIB
 
 
@@ -133,13 +151,16 @@ def step_gib(shape: ModelShape, train_gpus: int = 1, step_tokens: int = DEFAULT_
 
 def pipeline_memory(name: str, shape: ModelShape, *, gpu_memory_gib: float, gpu_memory_utilization: float,
                     trains_here: bool = True, train_gpus: int = 1,
-                    step_tokens: int = DEFAULT_STEP_TOKENS, tp: int = 1) -> PipelineMemory:
+                    step_tokens: int = DEFAULT_STEP_TOKENS, tp: int = 1,
+                    engine_tokens: int = ENGINE_BATCH_TOKENS) -> PipelineMemory:
     """The memory figures of one pipeline training ``shape`` (see the module docstring). ``trains_here``: whether
     its trainer also lives on the GPU in question; ``train_gpus``: GPUs its trainer shards the states over;
-    ``step_tokens``: tokens of one training micro-batch; ``tp``: its vLLM engines' tensor parallel size."""
+    ``step_tokens``: tokens of one training micro-batch; ``tp``: its vLLM engines' tensor parallel size;
+    ``engine_tokens``: their ``max_num_batched_tokens``."""
     params = shape.num_parameters
     shard = params / max(train_gpus, 1)
-    engine_gib = gpu_memory_utilization * gpu_memory_gib + engine_asleep_gib(tp)
+    engine_gib = (gpu_memory_utilization * gpu_memory_gib + engine_asleep_gib(tp)
+                  + engine_run_gib(shape, engine_tokens))
     step = step_gib(shape, train_gpus, step_tokens) if trains_here else 0.0
     start_gib = engine_gib + (shard * TRAINER_LOADED_BYTES_PER_PARAM / GiB if trains_here else 0.0)
     asleep = engine_asleep_gib(tp) + (TRAINER_OFFLOADED_GIB if trains_here else 0.0)
@@ -147,7 +168,7 @@ def pipeline_memory(name: str, shape: ModelShape, *, gpu_memory_gib: float, gpu_
     trainer_host = params * TRAINER_HOST_BYTES_PER_PARAM / GiB
     host = trainer_host + PROCESSES_HOST_GIB
     detail = (f"{params / 1e9:.2f} B parameters: engine {engine_gib:.1f} GiB awake ({gpu_memory_utilization:g} x "
-              f"{gpu_memory_gib:.0f} GiB + context), start-up {start_gib:.1f}, training step {step:.1f}, asleep "
+              f"{gpu_memory_gib:.0f} GiB + context + its batch's logits), start-up {start_gib:.1f}, training step {step:.1f}, asleep "
               f"{asleep:.1f} GiB; host: trainer {trainer_host:.1f} (offloaded states, reference model, bucket cache) "
               f"+ processes {PROCESSES_HOST_GIB:.0f} GiB")
     return PipelineMemory(name, asleep, awake, host, detail)
@@ -155,10 +176,11 @@ def pipeline_memory(name: str, shape: ModelShape, *, gpu_memory_gib: float, gpu_
 
 def cluster_memory(shape: ModelShape, *, gpu_memory_gib: float, gpu_memory_utilization: float,
                    train_gpus: int = 1, bucket_size_bytes: int = 0,
-                   step_tokens: int = DEFAULT_STEP_TOKENS, tp: int = 1) -> dict[str, dict[str, float]]:
+                   step_tokens: int = DEFAULT_STEP_TOKENS, tp: int = 1,
+                   engine_tokens: int = ENGINE_BATCH_TOKENS) -> dict[str, dict[str, float]]:
     """The scheduler's figures of one pipeline's clusters (``rlix.memory``; ``control.types.ClusterMemory``), GiB per
-    GPU, rounded up to 0.1: its vLLM engine awake (with the two bucket-sized buffers a weight sync receives into,
-    outside vLLM's share) / asleep, its trainer's step / offloaded, and the share of the GPU the pipelines may plan
+    GPU, rounded up to 0.1: its vLLM engine awake (with what it holds beyond vLLM's share running ``engine_tokens``
+    a step, and the two bucket-sized buffers a weight sync receives into) / asleep, its trainer's step / offloaded, and the share of the GPU the pipelines may plan
     for."""
     shard = shape.num_parameters / max(train_gpus, 1)
     trainer = max(step_gib(shape, train_gpus, step_tokens), shard * TRAINER_LOADED_BYTES_PER_PARAM / GiB)
@@ -169,6 +191,7 @@ def cluster_memory(shape: ModelShape, *, gpu_memory_gib: float, gpu_memory_utili
     gpu = math.floor(gpu_memory_gib * GPU_SHARE * 10) / 10
     return {
         "actor_infer": {"gpu_gib": gpu, "awake_gib": up(gpu_memory_utilization * gpu_memory_gib + engine_asleep_gib(tp)
+                                                       + engine_run_gib(shape, engine_tokens)
                                                        + 2 * bucket_size_bytes / GiB),
                         "asleep_gib": engine_asleep_gib(tp)},
         "actor_train": {"gpu_gib": gpu, "awake_gib": up(max(trainer, TRAINER_OFFLOADED_GIB)),

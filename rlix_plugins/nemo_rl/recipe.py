@@ -36,8 +36,8 @@ from rlix_plugins.errors import RlixConfigError
 from rlix_plugins.nemo_rl.config import cfg_path, load_run_config
 from rlix_plugins.nemo_rl.memory_budget import (
     DEFAULT_STEP_TOKENS,
+    ENGINE_BATCH_TOKENS,
     ENGINE_MAX_SEQS,
-    ENGINE_PROFILE_TOKENS,
     PipelineMemory,
     check_fits,
     cluster_memory,
@@ -282,6 +282,14 @@ def engine_max_seqs(stock: Mapping[str, Any], *, data_plane: bool = False) -> in
     return min(flight[0], ENGINE_MAX_SEQS) if flight else ENGINE_MAX_SEQS
 
 
+def engine_batch_tokens(stock: Mapping[str, Any], *, data_plane: bool = False) -> int:
+    """Tokens one engine step runs: the recipe's ``vllm_kwargs.max_num_batched_tokens``, else
+    :data:`.memory_budget.ENGINE_BATCH_TOKENS` and never fewer than :func:`engine_max_seqs` (vLLM refuses a step
+    smaller than its sequences; the overlay writes it)."""
+    given = _int_or_none(stock, "policy.generation.vllm_kwargs.max_num_batched_tokens")
+    return given if given is not None else max(ENGINE_BATCH_TOKENS, engine_max_seqs(stock, data_plane=data_plane))
+
+
 def sized_utilization(stock: Mapping[str, Any], gpu_memory_gib: float, *, data_plane: bool = False,
                       tp: int = 1) -> tuple[float, str] | None:
     """The vLLM engines' share of a GPU sized to what a step's rollout keeps in flight (:func:`rollout_in_flight`,
@@ -296,7 +304,8 @@ def sized_utilization(stock: Mapping[str, Any], gpu_memory_gib: float, *, data_p
         return None
     requests, length, what = flight
     max_seqs = engine_max_seqs(stock, data_plane=data_plane)
-    need = engine_need_gib(shape, requests=requests, max_model_len=length, tp=tp, max_seqs=max_seqs)
+    need = engine_need_gib(shape, requests=requests, max_model_len=length, tp=tp, max_seqs=max_seqs,
+                           batched_tokens=engine_batch_tokens(stock, data_plane=data_plane))
     util = min(math.ceil(need / gpu_memory_gib * 100 - 1e-9) / 100, stock_util)
     return util, (f"sized to the rollout in flight: {what}, at most {min(requests, max_seqs)} at once, need "
                   f"{need:.1f} GiB of {gpu_memory_gib:.0f}"
@@ -317,13 +326,14 @@ def check_memory(stock: Mapping[str, Any], layouts: Sequence[PipelineLayout], *,
     util = float(_resolved(stock, "policy.generation.vllm_cfg.gpu_memory_utilization") or 0.9)
     tp = int(_resolved(stock, "policy.generation.vllm_cfg.tensor_parallel_size") or 1)
     tokens = _step_tokens(stock)
+    engine_tokens = engine_batch_tokens(stock)
     gib = gpu_memory_gib or 0.0
     by_gpu: dict[int, list[PipelineMemory]] = {}
     everyone = []
     for p in layouts:
         mem = {g: pipeline_memory(p.name, shape, gpu_memory_gib=gib, gpu_memory_utilization=util,
                                   trains_here=g in p.train_devices, train_gpus=len(p.train_devices),
-                                  step_tokens=tokens, tp=tp)
+                                  step_tokens=tokens, tp=tp, engine_tokens=engine_tokens)
                for g in p.infer_devices}
         everyone.append(mem[p.train_devices[0]])
         for g, m in mem.items():
@@ -339,7 +349,7 @@ def check_memory(stock: Mapping[str, Any], layouts: Sequence[PipelineLayout], *,
         return note, None
     figures = cluster_memory(shape, gpu_memory_gib=gpu_memory_gib, gpu_memory_utilization=util,
                              train_gpus=len(layouts[0].train_devices), bucket_size_bytes=bucket_size_for(model)[0],
-                             step_tokens=tokens, tp=tp)
+                             step_tokens=tokens, tp=tp, engine_tokens=engine_tokens)
     return f"{note}; {_coresidence_note(layouts, figures, gpu_memory_gib, util)}", figures
 
 
@@ -525,12 +535,15 @@ def _overlay(stock: Mapping[str, Any], p: PipelineLayout, num_pipelines: int, gp
          "the weight receiver (rlix_plugins.vllm.nemo_rl_vllm_kwargs())")
     # vLLM's async engine defaults to 128 sequences and 2,048 tokens a step (its engine context), where the
     # synchronous engine of a stock recipe runs 1,024 and 16,384 on H100/H200-class GPUs: a 512-request batch would
-    # decode in four waves
+    # decode in four waves. Its steps stay at a quarter of 16,384: what an engine holds beyond its share grows with
+    # them (~14 GiB at 16,384 for a 151,936-token vocabulary), and a decode step needs at most max_num_seqs.
     _set(ov, stock, "policy.generation.vllm_kwargs.max_num_seqs", engine_max_seqs(stock, data_plane=data_plane),
          "the rollout in flight, at most 1,024 (the async engine's default is 128)")
     if _int_or_none(stock, "policy.generation.vllm_kwargs.max_num_batched_tokens") is None:
-        _set(ov, stock, "policy.generation.vllm_kwargs.max_num_batched_tokens", ENGINE_PROFILE_TOKENS,
-             "what a synchronous engine runs on an H100/H200-class GPU (the async engine's default is 2,048)")
+        _set(ov, stock, "policy.generation.vllm_kwargs.max_num_batched_tokens",
+             engine_batch_tokens(stock, data_plane=data_plane),
+             "every decode step whole; an engine holds more beyond its share the more tokens a step runs (the async "
+             "engine's default is 2,048, the synchronous one's 16,384)")
     _set(ov, stock, "cluster.gpus_per_node", gpus_per_node,
          "GPUs of the node the pipelines share" if nodes == 1 else "GPUs of each node the pipelines share")
     _set(ov, stock, "cluster.num_nodes", nodes, "nodes the pipelines share (--nodes)")

@@ -99,7 +99,7 @@ def test_one_gpu_overlays_are_the_one_gpu_topology(stock: Path, tmp_path: Path, 
         # the async engine's batch as large as the synchronous engine's (its defaults: 128 sequences, 2,048 tokens)
         assert cfg["policy"]["model_name"] == "tiny-child" and cfg["policy"]["generation"]["vllm_kwargs"] == {
             "enforce_eager": True, "worker_cls": "rlix_plugins.vllm.gpu_worker.RlixGPUWorker",
-            "max_num_seqs": 1024, "max_num_batched_tokens": 16384}
+            "max_num_seqs": 1024, "max_num_batched_tokens": 4096}
         run = load_run_config(cfg)
         validate_topology(cfg, run)
         assert is_one_gpu_topology(run) and run.train_devices == run.infer_devices == (0,)
@@ -125,8 +125,9 @@ def test_four_pipelines_on_one_gpu_when_memory_allows(stock: Path, tmp_path: Pat
                     "--host-memory-gib", "500", "--gpu-memory-utilization", "0.3")
     out = capsys.readouterr().out
     assert rc == 0 and "up to 2 rollouts of different pipelines awake on GPU 0 at once, 2 next to a training" in out
-    # steps of the stock micro-batch (4 x 512 tokens): 16.0 GiB; two rollouts next to two steps 127.9 of 132.8 GiB
-    assert "up to 4 training steps of different pipelines side by side (2 rollouts next to two)" in out, out
+    # steps of the stock micro-batch (4 x 512 tokens): 16.0 GiB; two rollouts next to two steps need 136 GiB of 132.8
+    # since an awake engine counts what it holds beyond its share (3.5 GiB at 4,096 tokens a step)
+    assert "up to 4 training steps of different pipelines side by side (1 rollout next to two)" in out, out
     cfg["policy"]["model_name"] = "Qwen/Qwen2.5-1.5B"
     small.write_text(yaml.safe_dump(cfg))
     rc, files = _recipe(small, tmp_path / "four_big", "--pipelines", "4", "--gpus", "0", "--gpu-memory-gib", "139",
@@ -478,6 +479,25 @@ def test_engine_figures_are_what_vllm_reported_at_the_real_shape() -> None:
     assert engine_need_gib(model, requests=4096, max_model_len=1024) == need
 
 
+def test_an_awake_engine_counts_what_it_held_beyond_its_share() -> None:
+    """An engine's awake figure adds what a running engine held beyond its ``gpu_memory_utilization`` share, which
+    grows with the tokens one engine step runs (benchmarks/results/h200x2-2026-11-30-sized-pair/: 13.9 GiB at 16,384
+    tokens a step, Qwen2.5-1.5B under NeMo RL; 0.94 GiB at 2,048). The recipe's engines run 4,096: a rollout then fits
+    beside two 1.5B training steps on an H200 by these figures."""
+    from rlix_plugins.nemo_rl.memory_budget import GiB, cluster_memory, engine_run_gib
+
+    model = _qwen("qwen2.5-1.5b")
+    assert 13.9 <= engine_run_gib(model, 16384) <= 13.9 * 1.05
+    assert engine_run_gib(model, 2048) >= 0.94
+    figures = {t: cluster_memory(model, gpu_memory_gib=139.8, gpu_memory_utilization=0.24, engine_tokens=t,
+                                 bucket_size_bytes=467664896, step_tokens=4 * 1024) for t in (4096, 16384)}
+    share = 0.24 * 139.8 + 2 * 467664896 / GiB
+    assert figures[16384]["actor_infer"]["awake_gib"] >= share + 13.9
+    rollout, step, asleep = (figures[4096]["actor_infer"]["awake_gib"], figures[4096]["actor_train"]["awake_gib"],
+                             figures[4096]["actor_infer"]["asleep_gib"])
+    assert rollout + 2 * step + asleep <= figures[4096]["actor_infer"]["gpu_gib"], (rollout, step)
+
+
 def _stock_1p5b(tmp_path: Path, stock: Path, **grpo: Any) -> Path:
     cfg = load_stock(stock)
     cfg["policy"]["model_name"] = "Qwen/Qwen2.5-1.5B"
@@ -504,7 +524,7 @@ def test_engine_share_is_sized_to_the_rollout_in_flight(stock: Path, tmp_path: P
     assert "sized to the rollout in flight: 2 steps' batches (32 x 16 each) of up to 1024 tokens" in out, out
     assert "co-residence on" in out and "(1 rollout next to two)" in out, out
     kwargs = _merge(load_stock(big), load_stock(files[0]))["policy"]["generation"]["vllm_kwargs"]
-    assert kwargs["max_num_seqs"] == 1024 and kwargs["max_num_batched_tokens"] == 16384, kwargs
+    assert kwargs["max_num_seqs"] == 1024 and kwargs["max_num_batched_tokens"] == 4096, kwargs
     # one step's batch without the collector's look-ahead: the share halves its KV cache
     one = _stock_1p5b(tmp_path, stock, async_grpo={"enabled": True, "max_trajectory_age_steps": 0})
     rc, files = _recipe(one, tmp_path / "one", *common)
