@@ -170,7 +170,9 @@ class FleetResizer:
                 f"pipeline {self._pid}: dp ranks {sorted(high)} still hold {high} bytes on a GPU after sleep(level="
                 f"{cfg.sleep_level}) (limit { {r: limits[r] for r in high} }: RuntimeConfig.post_sleep_max_bytes, "
                 "plus pipeline.config.TP_COMMUNICATOR_BYTES for a rank of TP > 1): the GPU is not free for the next "
-                "tenant; check enable_sleep_mode and that no request was left running"
+                "tenant; check enable_sleep_mode and that no request was left running. The rank's workers log what "
+                "live tensors they still hold after each sleep ('in live tensors after sleep'); where that is what "
+                "the engine keeps by design, raise the limit (rlix.post_sleep_max_bytes, in bytes)"
             )
         return event
 

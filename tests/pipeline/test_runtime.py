@@ -174,21 +174,26 @@ def test_shrink_order_and_memory_check(resizer: Any) -> None:
 
 def test_shrink_memory_limit_allows_a_tp_ranks_communicators(ray_cluster: Any) -> None:
     """A slept rank of TP 2 keeps its TP communicators on each GPU: 2.22 GiB measured under NeMo RL on an H200,
-    which the TP-1 limit (2 GiB) failed at the first shrink of both pipelines. A TP-2 rank holding that shrinks; a
-    TP-1 rank holding the same still fails, and so does a TP-2 rank that kept a 1.5B engine's weights and KV."""
-    held = 2382364672  # what each TP-2 rank of the 2026-11-29 NeMo RL run held on its fullest GPU after the sleep
+    which a 2 GiB TP-1 limit failed at the first shrink of both pipelines; a healthy TP-1 engine of 1,024 sequences
+    read 2.33 GiB (2026-11-30). Both shrink; a TP-1 rank holding what a TP-2 rank may (3.5 GiB) fails, and so does a
+    TP-2 rank that kept a 1.5B engine's weights and KV cache."""
+    tp2_held = 2382364672  # what each TP-2 rank of the 2026-11-29 NeMo RL run held on its fullest GPU after the sleep
+    tp1_held = 2506096640  # what a TP-1 rank of 1,024 sequences with CUDA graphs held (2026-11-30)
     tp2 = _resizer_of(2)
     tp1 = _resizer_of(1)
     try:
-        for actor, _router, rec in (tp2, tp1):
+        for (actor, _router, rec), held in ((tp2, tp2_held), (tp1, tp1_held)):
             ray.get(actor.resize_infer.remote([], [0, 1]), timeout=30)
             ray.get(rec.set.remote("memory_after_sleep", held))
         ray.get(tp2[0].resize_infer.remote([1], []), timeout=30)
-        assert ray.get(tp2[0].history.remote())[-1]["memory_after"] == {1: held}
-        with pytest.raises(RlixError, match=r"still hold .*limit \{1: 2147483648\}"):
-            ray.get(tp1[0].resize_infer.remote([1], []), timeout=30)
+        assert ray.get(tp2[0].history.remote())[-1]["memory_after"] == {1: tp2_held}
+        ray.get(tp1[0].resize_infer.remote([1], []), timeout=30)
+        assert ray.get(tp1[0].history.remote())[-1]["memory_after"] == {1: tp1_held}
+        ray.get(tp1[2].set.remote("memory_after_sleep", 3584 << 20))
+        with pytest.raises(RlixError, match=r"still hold .*limit \{0: 3221225472\}.*post_sleep_max_bytes, in bytes"):
+            ray.get(tp1[0].resize_infer.remote([0], []), timeout=30)
         ray.get(tp2[2].set.remote("memory_after_sleep", 8 << 30))
-        with pytest.raises(RlixError, match=r"still hold .*limit \{0: 3221225472\}"):
+        with pytest.raises(RlixError, match=r"still hold .*limit \{0: 4294967296\}"):
             ray.get(tp2[0].resize_infer.remote([0], []), timeout=30)
     finally:
         for a in (*tp2, *tp1):

@@ -99,19 +99,22 @@ def nvml_figures(rows: list[dict[str, float]], t0: float, t1: float) -> dict[str
 
 def phase_busy(spans: list[Any], rows: list[dict[str, float]], t0: float, t1: float,
                gpu: int = 0) -> dict[str, dict[str, float]]:
-    """Seconds and mean NVML utilization of ``gpu`` over [t0, t1] by what held it (``timeline.occupancy_spans`` of
-    that GPU): start-up, training, rollout, both (a rollout next to a training step), no one."""
+    """Seconds, mean NVML utilization and the most memory in use of ``gpu`` over [t0, t1] by what held it
+    (``timeline.occupancy_spans`` of that GPU): start-up, training, rollout, both (a rollout next to a training
+    step), no one. The memory is the whole GPU's (the asleep tenants' share included): what the scheduler's figures
+    for that state, plus its tenants asleep, must cover."""
     names = {"init": "start-up", "rollout": "rollout"}
-    out: dict[str, list[float]] = {}
+    out: dict[str, list[tuple[float, float]]] = {}
     for r in rows:
         if not t0 <= r["time"] <= t1:
             continue
         held = Counter(names.get(s.phase, "training") for s in spans if s.start <= r["time"] <= s.end)
         # "rollout + training": a rollout next to a training step; "2 x rollout": two pipelines' rollouts
         kind = " + ".join(k if n == 1 else f"{n} x {k}" for k, n in sorted(held.items())) or "no one"
-        out.setdefault(kind, []).append(r[f"util_{gpu}"])
+        out.setdefault(kind, []).append((r[f"util_{gpu}"], r.get(f"mem_{gpu}", 0.0)))
     dt = (t1 - t0) / max(sum(len(v) for v in out.values()), 1)
-    return {k: {"seconds": round(len(v) * dt, 1), "busy": round(sum(v) / len(v) / 100, 3)} for k, v in out.items()}
+    return {k: {"seconds": round(len(v) * dt, 1), "busy": round(sum(u for u, _ in v) / len(v) / 100, 3),
+                "memory_max_gib": round(max(m for _, m in v) / 2**30, 1)} for k, v in out.items()}
 
 
 def trace_figures(path: Path, t0: float, t1: float, rows: list[dict[str, float]] | None = None) -> dict[str, Any]:
@@ -194,7 +197,8 @@ def main() -> int:
         for gpu, holders in summary.get("busy_by_holder", {}).items():
             print(f"  GPU {gpu}: allocated {summary['gpu_allocated_share_by_gpu'][gpu]:.3f}")
             for holder, f in holders.items():
-                print(f"    held by {holder}: {f['seconds']:.0f} s of the steps phase, busy {f['busy']:.3f}")
+                print(f"    held by {holder}: {f['seconds']:.0f} s of the steps phase, busy {f['busy']:.3f}, "
+                      f"GPU memory up to {f['memory_max_gib']:.1f} GiB")
     print("GPU after:", gpu_after.replace("\n", " | "))
     return 0
 
