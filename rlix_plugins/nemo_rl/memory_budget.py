@@ -74,6 +74,10 @@ ENGINE_RUN_BYTES_PER_TOKEN_VOCAB: Final = 6
 ENGINE_MAX_SEQS: Final = 1024
 #: A trainer's device memory after its offload (2.7 GiB measured for a DTensor worker).
 TRAINER_OFFLOADED_GIB: Final = 3.0
+#: A trainer that keeps its states on the GPU between steps (``rlix.offload_trainer: false``) holds its fp32 weights
+#: and both Adam moments there, per parameter of its shard, on top of :data:`TRAINER_OFFLOADED_GIB` (NeMo RL's
+#: DTensor trainer frees its gradients after each step).
+TRAINER_RESIDENT_BYTES_PER_PARAM: Final = 12
 #: A trainer right after it loaded (fp32 policy and reference weights; 11.6 GiB measured at 1.54 B parameters).
 TRAINER_LOADED_BYTES_PER_PARAM: Final = 8
 #: A training step: fp32 weights, gradients and Adam moments (16 bytes) and the activations that grow with the model,
@@ -142,6 +146,12 @@ def engine_need_gib(shape: ModelShape, *, requests: int, max_model_len: int, tp:
     return (weights + kv + activations) / GiB + ENGINE_WORK_GIB
 
 
+def trainer_idle_gib(shape: ModelShape, train_gpus: int = 1, *, resident: bool = False) -> float:
+    """What a trainer keeps on each of its GPUs between steps: after its offload, or with its states resident."""
+    shard = shape.num_parameters / max(train_gpus, 1)
+    return TRAINER_OFFLOADED_GIB + (shard * TRAINER_RESIDENT_BYTES_PER_PARAM / GiB if resident else 0.0)
+
+
 def step_gib(shape: ModelShape, train_gpus: int = 1, step_tokens: int = DEFAULT_STEP_TOKENS) -> float:
     """A training step's device memory on each of its ``train_gpus`` GPUs: the model's share (its states sharded over
     them) and the logits of one micro-batch of ``step_tokens`` tokens (every GPU computes its own)."""
@@ -152,18 +162,20 @@ def step_gib(shape: ModelShape, train_gpus: int = 1, step_tokens: int = DEFAULT_
 def pipeline_memory(name: str, shape: ModelShape, *, gpu_memory_gib: float, gpu_memory_utilization: float,
                     trains_here: bool = True, train_gpus: int = 1,
                     step_tokens: int = DEFAULT_STEP_TOKENS, tp: int = 1,
-                    engine_tokens: int = ENGINE_BATCH_TOKENS) -> PipelineMemory:
+                    engine_tokens: int = ENGINE_BATCH_TOKENS, trainer_resident: bool = False) -> PipelineMemory:
     """The memory figures of one pipeline training ``shape`` (see the module docstring). ``trains_here``: whether
     its trainer also lives on the GPU in question; ``train_gpus``: GPUs its trainer shards the states over;
     ``step_tokens``: tokens of one training micro-batch; ``tp``: its vLLM engines' tensor parallel size;
-    ``engine_tokens``: their ``max_num_batched_tokens``."""
+    ``engine_tokens``: their ``max_num_batched_tokens``; ``trainer_resident``: its trainer keeps its states on the
+    GPU between steps."""
     params = shape.num_parameters
     shard = params / max(train_gpus, 1)
     engine_gib = (gpu_memory_utilization * gpu_memory_gib + engine_asleep_gib(tp)
                   + engine_run_gib(shape, engine_tokens))
     step = step_gib(shape, train_gpus, step_tokens) if trains_here else 0.0
     start_gib = engine_gib + (shard * TRAINER_LOADED_BYTES_PER_PARAM / GiB if trains_here else 0.0)
-    asleep = engine_asleep_gib(tp) + (TRAINER_OFFLOADED_GIB if trains_here else 0.0)
+    asleep = engine_asleep_gib(tp) + (trainer_idle_gib(shape, train_gpus, resident=trainer_resident)
+                                      if trains_here else 0.0)
     awake = max(start_gib, engine_gib, step)
     trainer_host = params * TRAINER_HOST_BYTES_PER_PARAM / GiB
     host = trainer_host + PROCESSES_HOST_GIB
@@ -177,13 +189,16 @@ def pipeline_memory(name: str, shape: ModelShape, *, gpu_memory_gib: float, gpu_
 def cluster_memory(shape: ModelShape, *, gpu_memory_gib: float, gpu_memory_utilization: float,
                    train_gpus: int = 1, bucket_size_bytes: int = 0,
                    step_tokens: int = DEFAULT_STEP_TOKENS, tp: int = 1,
-                   engine_tokens: int = ENGINE_BATCH_TOKENS) -> dict[str, dict[str, float]]:
+                   engine_tokens: int = ENGINE_BATCH_TOKENS,
+                   trainer_resident: bool = False) -> dict[str, dict[str, float]]:
     """The scheduler's figures of one pipeline's clusters (``rlix.memory``; ``control.types.ClusterMemory``), GiB per
     GPU, rounded up to 0.1: its vLLM engine awake (with what it holds beyond vLLM's share running ``engine_tokens``
-    a step, and the two bucket-sized buffers a weight sync receives into) / asleep, its trainer's step / offloaded, and the share of the GPU the pipelines may plan
-    for."""
+    a step, and the two bucket-sized buffers a weight sync receives into) / asleep, its trainer's step / between
+    steps (offloaded, or ``trainer_resident``: its states kept on the GPU), and the share of the GPU the pipelines
+    may plan for."""
     shard = shape.num_parameters / max(train_gpus, 1)
     trainer = max(step_gib(shape, train_gpus, step_tokens), shard * TRAINER_LOADED_BYTES_PER_PARAM / GiB)
+    idle = trainer_idle_gib(shape, train_gpus, resident=trainer_resident)
 
     def up(x: float) -> float:
         return math.ceil(x * 10 - 1e-9) / 10
@@ -194,8 +209,7 @@ def cluster_memory(shape: ModelShape, *, gpu_memory_gib: float, gpu_memory_utili
                                                        + engine_run_gib(shape, engine_tokens)
                                                        + 2 * bucket_size_bytes / GiB),
                         "asleep_gib": engine_asleep_gib(tp)},
-        "actor_train": {"gpu_gib": gpu, "awake_gib": up(max(trainer, TRAINER_OFFLOADED_GIB)),
-                        "asleep_gib": TRAINER_OFFLOADED_GIB},
+        "actor_train": {"gpu_gib": gpu, "awake_gib": up(max(trainer, idle)), "asleep_gib": up(idle)},
     }
 
 

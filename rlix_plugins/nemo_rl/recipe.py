@@ -327,13 +327,15 @@ def check_memory(stock: Mapping[str, Any], layouts: Sequence[PipelineLayout], *,
     tp = int(_resolved(stock, "policy.generation.vllm_cfg.tensor_parallel_size") or 1)
     tokens = _step_tokens(stock)
     engine_tokens = engine_batch_tokens(stock)
+    resident = _resolved(stock, "rlix.offload_trainer") is False
     gib = gpu_memory_gib or 0.0
     by_gpu: dict[int, list[PipelineMemory]] = {}
     everyone = []
     for p in layouts:
         mem = {g: pipeline_memory(p.name, shape, gpu_memory_gib=gib, gpu_memory_utilization=util,
                                   trains_here=g in p.train_devices, train_gpus=len(p.train_devices),
-                                  step_tokens=tokens, tp=tp, engine_tokens=engine_tokens)
+                                  step_tokens=tokens, tp=tp, engine_tokens=engine_tokens,
+                                  trainer_resident=resident)
                for g in p.infer_devices}
         everyone.append(mem[p.train_devices[0]])
         for g, m in mem.items():
@@ -349,7 +351,7 @@ def check_memory(stock: Mapping[str, Any], layouts: Sequence[PipelineLayout], *,
         return note, None
     figures = cluster_memory(shape, gpu_memory_gib=gpu_memory_gib, gpu_memory_utilization=util,
                              train_gpus=len(layouts[0].train_devices), bucket_size_bytes=bucket_size_for(model)[0],
-                             step_tokens=tokens, tp=tp, engine_tokens=engine_tokens)
+                             step_tokens=tokens, tp=tp, engine_tokens=engine_tokens, trainer_resident=resident)
     return f"{note}; {_coresidence_note(layouts, figures, gpu_memory_gib, util)}", figures
 
 
@@ -417,7 +419,8 @@ def _rollouts_per_gpu(tenants: Sequence[Any], g: int) -> str:
 def make_overlays(stock: Mapping[str, Any], num_pipelines: int, gpus: Sequence[int],
                   gpus_per_node: int | None = None, data_plane: bool = False, *,
                   gpu_memory_gib: float | None = None, host_memory_gib: float | None = None,
-                  gpu_memory_utilization: float | None = None, nodes: int = 1, tp: int | None = None) -> list[Overlay]:
+                  gpu_memory_utilization: float | None = None, nodes: int = 1, tp: int | None = None,
+                  trainer_offload: bool = True) -> list[Overlay]:
     """The overlay of each pipeline, validated by the start-up checks and the memory budget; ``RlixConfigError``
     lists every refusal. ``data_plane``: switch the stock recipe to NeMo RL's TransferQueue loop
     (``grpo_train_sync``). ``gpu_memory_gib`` / ``host_memory_gib``: the memory of the GPUs and the host the
@@ -425,8 +428,11 @@ def make_overlays(stock: Mapping[str, Any], num_pipelines: int, gpus: Sequence[i
     ``gpu_memory_utilization``: the vLLM engines' share of a GPU (None: sized to the rollout in flight where the
     GPU's memory and the recipe's batch are known, :func:`sized_utilization`; else the stock recipe's).
     ``nodes``: machines the GPUs span (``gpus`` are global ids; more than one needs ``gpus_per_node``). ``tp``:
-    vLLM's tensor parallel size (None: the stock recipe's)."""
+    vLLM's tensor parallel size (None: the stock recipe's). ``trainer_offload`` False: the trainers keep their
+    states on the GPU between steps (``rlix.offload_trainer``), and the memory figures count them there."""
     gpus = list(gpus)
+    if not trainer_offload:  # read back by check_memory (the figures) and written by the overlay
+        stock = _merge(dict(stock), {"rlix": {"offload_trainer": False}})
     if tp is not None:
         if tp < 1:
             raise RlixConfigError(f"--tp {tp}: give a tensor parallel size >= 1")
@@ -463,6 +469,10 @@ def make_overlays(stock: Mapping[str, Any], num_pipelines: int, gpus: Sequence[i
         ov.memory = memory
         if gpu_memory_utilization is not None:
             ov.changes["policy.generation.vllm_cfg.gpu_memory_utilization"] = (gpu_memory_utilization, util_reason)
+        if not trainer_offload:
+            ov.changes["rlix.offload_trainer"] = (
+                False, "--no-trainer-offload: weights and optimizer states stay on the GPU between steps (no "
+                "offload and onload in each training grant; they hold GPU memory while the pipeline rolls out)")
         if tp is not None:
             ov.changes["policy.generation.vllm_cfg.tensor_parallel_size"] = (
                 tp, "--tp: each rollout rank is one vLLM engine over that many GPUs (one placement group)")
@@ -602,12 +612,13 @@ def write_overlays(stock_path: str | os.PathLike[str], out_dir: str | os.PathLik
                    data_plane: bool = False, *, gpu_memory_gib: float | None = None,
                    host_memory_gib: float | None = None,
                    gpu_memory_utilization: float | None = None, nodes: int = 1,
-                   tp: int | None = None) -> list[tuple[Path, Overlay]]:
+                   tp: int | None = None, trainer_offload: bool = True) -> list[tuple[Path, Overlay]]:
     """Validate, then write ``<out>/<stock stem>_rlix_<name>.yaml`` per pipeline (``defaults:`` relative to out)."""
     stock_path, out = Path(stock_path).resolve(), Path(out_dir)
     overlays = make_overlays(load_stock(stock_path), num_pipelines, gpus, gpus_per_node, data_plane,
                              gpu_memory_gib=gpu_memory_gib, host_memory_gib=host_memory_gib,
-                             gpu_memory_utilization=gpu_memory_utilization, nodes=nodes, tp=tp)
+                             gpu_memory_utilization=gpu_memory_utilization, nodes=nodes, tp=tp,
+                             trainer_offload=trainer_offload)
     out.mkdir(parents=True, exist_ok=True)
     defaults = os.path.relpath(stock_path, out.resolve())
     written = []
@@ -621,7 +632,7 @@ def write_overlays(stock_path: str | os.PathLike[str], out_dir: str | os.PathLik
 def run_cli(stock: str, out: str, num_pipelines: int, gpus: Sequence[int], gpus_per_node: int | None,
             data_plane: bool = False, gpu_memory_gib: float | None = None,
             host_memory_gib: float | None = None, gpu_memory_utilization: float | None = None,
-            nodes: int = 1, tp: int | None = None) -> int:
+            nodes: int = 1, tp: int | None = None, *, trainer_offload: bool = True) -> int:
     """``rlix recipe``. Memory figures not given default to this machine's when it has a GPU (it is then taken to be
     where the pipelines run); on a machine without one, only what is given is checked."""
     from rlix_plugins.nemo_rl.memory_budget import local_gpu_memory_gib, local_host_memory_gib
@@ -632,7 +643,8 @@ def run_cli(stock: str, out: str, num_pipelines: int, gpus: Sequence[int], gpus_
         host_memory_gib = host_memory_gib if host_memory_gib is not None else local_host_memory_gib()
     written = write_overlays(stock, out, num_pipelines, gpus, gpus_per_node, data_plane,
                              gpu_memory_gib=gpu_memory_gib, host_memory_gib=host_memory_gib,
-                             gpu_memory_utilization=gpu_memory_utilization, nodes=nodes, tp=tp)
+                             gpu_memory_utilization=gpu_memory_utilization, nodes=nodes, tp=tp,
+                             trainer_offload=trainer_offload)
     for path, ov in written:
         print(f"{path}: pipeline {ov.pipeline.name}, train {list(ov.pipeline.train_devices)}, "
               f"infer {list(ov.pipeline.infer_devices)}")

@@ -106,6 +106,9 @@ class NemoRuntime:
 
     def _offload(self) -> None:
         assert self.weights is not None
+        if not self.config.offload_trainer:  # the states stay; the step's freed blocks go back to the driver
+            self.weights.release_cached_blocks(self.config.runtime.sync_timeout_s)
+            return
         self.policy.offload_after_refit()
         self.weights.mark_offloaded(True)
         self.weights.release_comm_groups(self.config.runtime.sync_timeout_s)

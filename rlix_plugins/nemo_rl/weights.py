@@ -72,6 +72,12 @@ class PolicyWeightSource:
     def mark_offloaded(self, offloaded: bool, timeout_s: float = 60.0) -> None:
         self._on_every_worker(worker_ops.mark_offloaded, "mark_offloaded", timeout_s, offloaded)
 
+    def release_cached_blocks(self, timeout_s: float) -> None:
+        """Every worker hands its allocator's free blocks back to the driver: what a step leaves cached (its
+        activations) goes to the GPU's other tenants while the weights and optimizer states stay
+        (``rlix.offload_trainer: false``)."""
+        self._on_every_worker(worker_ops.release_cached_blocks, "release the trainer's cached blocks", timeout_s)
+
     def release_comm_groups(self, timeout_s: float) -> None:
         """After the offload: free the trainer's communication groups where they can come back (module docstring)."""
         if self.trainer == "megatron":

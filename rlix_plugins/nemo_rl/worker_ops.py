@@ -95,7 +95,7 @@ def device_usage(worker: Any) -> list[tuple[int, int, int]] | None:
     each worker hands its cached blocks back before this tree is read (as this process does its own)."""
     from rlix_plugins.pipeline.gpu_memory import process_tree_gpu_usage, release_cached_blocks
 
-    release_cached_blocks("vLLM front-end")
+    release_cached_blocks("vLLM front-end after sleep")
     return process_tree_gpu_usage()
 
 
@@ -163,6 +163,14 @@ def build_cache(worker: Any, trainer: Trainer, version: int, bucket_size_bytes: 
     with _hf_weights(worker, trainer) as weights:
         built = cache.build(version, weights, timeout_s=timeout_s)
     return None if built is None else int(built)
+
+
+def release_cached_blocks(worker: Any) -> None:
+    """A training worker keeps its states on the GPU between steps (``rlix.offload_trainer: false``): what the step
+    left in torch's cache goes back to the driver (the offload's ``empty_cache`` without the offload)."""
+    from rlix_plugins.pipeline.gpu_memory import release_cached_blocks as release
+
+    release("trainer after its step")
 
 
 def mark_offloaded(worker: Any, offloaded: bool) -> None:

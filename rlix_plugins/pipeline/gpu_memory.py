@@ -109,7 +109,7 @@ def release_cached_blocks(who: str) -> tuple[int, int] | None:
     has no CUDA context (none is created, torch is not imported). vLLM's sleep empties the cache itself; what the
     engine frees after that (work still finishing when an abort put it to sleep) stays cached, and NVML counts it as
     the rank's. The post-sleep readings call this first, so that they measure what the next tenant cannot get; the
-    log (``who``: the process) says what live tensors a slept process still holds, the figure to read when a
+    log (``who``: the process and when) says what live tensors a slept process still holds, the figure to read when a
     reading is over its limit."""
     torch: Any = sys.modules.get("torch")
     if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
@@ -119,7 +119,7 @@ def release_cached_blocks(who: str) -> tuple[int, int] | None:
     torch.cuda.empty_cache()
     live, freed = int(torch.cuda.memory_allocated()), int(reserved - torch.cuda.memory_reserved())
     if max(live, freed) >= 64 << 20:
-        logger.info("rlix %s: %.2f GiB in live tensors after sleep, %.2f GiB of torch's cached blocks handed back",
+        logger.info("rlix %s: %.2f GiB in live tensors, %.2f GiB of torch's cached blocks handed back",
                     who, live / (1 << 30), freed / (1 << 30))
     return live, freed
 

@@ -171,7 +171,7 @@ class FleetResizer:
                 f"{cfg.sleep_level}) (limit { {r: limits[r] for r in high} }: RuntimeConfig.post_sleep_max_bytes, "
                 "plus pipeline.config.TP_COMMUNICATOR_BYTES for a rank of TP > 1): the GPU is not free for the next "
                 "tenant; check enable_sleep_mode and that no request was left running. The rank's workers log what "
-                "live tensors they still hold after each sleep ('in live tensors after sleep'); where that is what "
+                "live tensors they still hold after each sleep ('after sleep: ... in live tensors'); where that is what "
                 "the engine keeps by design, raise the limit (rlix.post_sleep_max_bytes, in bytes)"
             )
         return event

@@ -444,7 +444,7 @@ class RlixReceiverMixin:
         tensors a slept worker still holds, the figure to read when a reading is over its limit."""
         from rlix_plugins.pipeline.gpu_memory import process_tree_gpu_usage, release_cached_blocks
 
-        release_cached_blocks("vLLM worker")
+        release_cached_blocks("vLLM worker after sleep")
         return process_tree_gpu_usage()
 
     def rlix_report_place(self) -> dict[str, Any]:

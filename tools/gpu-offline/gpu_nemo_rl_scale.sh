@@ -34,7 +34,8 @@
 # at the 1.5B shape on an H200), GPUS=0 (the time-shared runs' GPUs, e.g. 0,1: `rlix recipe --gpus`; standalone uses
 # the first), SPLIT_GPUS=$GPUS (the static split's GPUs, one pipeline each; may be other GPUs than GPUS, so that
 # both run at once), OVERRIDES= (time-shared runs: Hydra overrides for every driver, space-separated, e.g.
-# ++rlix.post_sleep_max_bytes=4294967296). Every run keeps the recipe's batch: 32 prompts x 16 generations per step.
+# ++rlix.post_sleep_max_bytes=4294967296), RECIPE_FLAGS= (time-shared runs: more `rlix recipe` flags, e.g.
+# --no-trainer-offload). Every run keeps the recipe's batch: 32 prompts x 16 generations per step.
 # Each run leaves DIR/console_<p>.log (time-stamped), DIR/logs_<p> (NeMo RL's metrics), DIR/nvml.csv (GPU busy share,
 # GPU and host memory, sampled), DIR/trace.jsonl + status.json + gpu_after.csv (time-shared runs) and DIR/report.txt.
 set -u
@@ -162,8 +163,9 @@ run_shared() {  # run_shared NAME N MODE (together | sequential): on GPUS, clust
   local first=${GPUS%%,*} ids
   ids=$(seq -s, 0 $(($(tr ',' '\n' <<<"$GPUS" | wc -l) - 1)))
   fresh_dir "$dir"
+  # shellcheck disable=SC2086  # RECIPE_FLAGS: one word each
   python3 -m rlix_plugins.cli recipe "$STOCK" --pipelines "$n" --gpus "$ids" --out "$cfgdir" \
-    ${UTIL:+--gpu-memory-utilization "$UTIL"} ${TP:+--tp "$TP"} >"$dir/recipe.log" 2>&1 ||
+    ${UTIL:+--gpu-memory-utilization "$UTIL"} ${TP:+--tp "$TP"} ${RECIPE_FLAGS:-} >"$dir/recipe.log" 2>&1 ||
     { cat "$dir/recipe.log"; finish "$dir" recipe; return 1; }
   ray_head "$dir" $([ "$first" -eq 0 ] && echo 0 || echo $((3 + first))) "$GPUS"
   export RAY_ADDRESS

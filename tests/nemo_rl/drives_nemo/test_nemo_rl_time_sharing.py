@@ -26,6 +26,7 @@ EXPECTED = {
     "test_time_sharing_hook_order_with_real_control_plane",
     "test_full_mode_resumed_run_progress_versions_and_logged_metrics",
     "test_full_mode_own_rollout_keeps_generating_beside_its_step",
+    "test_full_mode_trainer_kept_on_the_gpu_is_never_offloaded",
 }
 
 

@@ -283,3 +283,36 @@ def test_full_mode_own_rollout_keeps_generating_beside_its_step(mock_grpo_compon
     assert len(refreshes) == NUM_STEPS and all(e["ranks"] == [0] and e["verified"] for e in refreshes), refreshes
     versions = sorted({v for v, _ in REAL_RAY_GET(collector.get_versions.remote(), timeout=30)})
     assert versions == list(range(NUM_STEPS + 1)), versions
+
+
+#: the same GPU with the trainer's states kept there between steps (``rlix recipe --no-trainer-offload``)
+RESIDENT = {**OWN_BESIDE, "offload_trainer": False,
+            "memory": {**OWN_BESIDE["memory"],
+                       "actor_train": {"gpu_gib": 100, "awake_gib": 35, "asleep_gib": 20}}}
+
+
+def test_full_mode_trainer_kept_on_the_gpu_is_never_offloaded(mock_grpo_components, tmp_path, monkeypatch):
+    """``rlix.offload_trainer: false`` through the patched loop and the real hooks: NeMo RL's ``offload_after_refit``
+    never runs (no offload, no onload in any training grant), and each step still builds the cache, publishes and
+    refreshes the awake rank with verified weights, its hook events in the same order."""
+    monkeypatch.setenv("RLIX_CONTROL_PLANE", "rlix")
+    _, full = _full_mode(mock_grpo_components, tmp_path, RESIDENT, steps=NUM_STEPS, start=0)
+    trainer, collector = full.trainer, full.collector
+    capture = HookCapture()
+    events, refits = [], []
+    record_policy(full.policy, events, lambda: None,
+                  on_train=lambda n: REAL_RAY_GET(trainer.train.remote(100 + n + 1), timeout=60))
+    with capture:
+        run_async_grpo(mock_grpo_components, full.generation, full.collector_handle, refits, replay_buffer=full.replay)
+
+    hooks = capture.impl
+    assert type(hooks.runtime).__name__ == "NemoRuntime", "not in full mode: the stand-in worker groups were not seen"
+    assert not [e for e in events if e[0] == "offload_after_refit"], events
+    assert [e[0] for e in events].count("train") == NUM_STEPS
+    step_events = ("train_granted", "weights_on_gpu", "offloaded", "published", "train_released")
+    for step in range(NUM_STEPS):
+        assert [h.name for h in hooks.history if h.step == step and h.name in step_events] == list(step_events)
+    refreshes = [e for e in hooks.runtime.rt.resize_history() if e["op"] == "refresh"]
+    assert len(refreshes) == NUM_STEPS and all(e["verified"] for e in refreshes), refreshes
+    versions = sorted({v for v, _ in REAL_RAY_GET(collector.get_versions.remote(), timeout=30)})
+    assert versions == list(range(NUM_STEPS + 1)), versions

@@ -498,6 +498,32 @@ def test_an_awake_engine_counts_what_it_held_beyond_its_share() -> None:
     assert rollout + 2 * step + asleep <= figures[4096]["actor_infer"]["gpu_gib"], (rollout, step)
 
 
+def test_no_trainer_offload_keeps_the_states_on_the_gpu_in_the_figures(stock: Path, tmp_path: Path,
+                                                                      capsys: Any) -> None:
+    """``--no-trainer-offload``: the overlay turns the offload off (``rlix.offload_trainer: false``) and the
+    scheduler's figure of a trainer between steps holds its fp32 weights and Adam moments (12 bytes a parameter: 17.2
+    GiB at 1.54 B) over the offloaded trainer's 3 GiB; at the 1.5B shape a rollout still fits beside two steps."""
+    big = _stock_1p5b(tmp_path, stock)
+    common = ("--pipelines", "2", "--gpus", "0", "--gpu-memory-gib", "139.8", "--host-memory-gib", "500")
+    figures = {}
+    for name, extra in (("offloaded", ()), ("resident", ("--no-trainer-offload",))):
+        rc, files = _recipe(big, tmp_path / name, *common, *extra)
+        out = capsys.readouterr().out
+        assert rc == 0 and "(1 rollout next to two)" in out, out
+        merged = _merge(load_stock(big), load_stock(files[0]))
+        assert load_run_config(merged).offload_trainer is (name == "offloaded")
+        figures[name] = merged["rlix"]["memory"]["actor_train"]
+    assert figures["offloaded"]["asleep_gib"] == 3.0
+    assert figures["resident"]["asleep_gib"] == 20.3 and figures["resident"]["awake_gib"] == figures["offloaded"][
+        "awake_gib"], figures
+
+
+def test_offload_trainer_must_be_a_bool() -> None:
+    base = {"grpo": {"async_grpo": {"enabled": True}, "num_prompts_per_step": 8}}
+    with pytest.raises(RlixConfigError, match=r"rlix\.offload_trainer='no' must be true or false"):
+        load_run_config({**base, "rlix": {"train_devices": [0], "infer_devices": [0], "offload_trainer": "no"}})
+
+
 def _stock_1p5b(tmp_path: Path, stock: Path, **grpo: Any) -> Path:
     cfg = load_stock(stock)
     cfg["policy"]["model_name"] = "Qwen/Qwen2.5-1.5B"
