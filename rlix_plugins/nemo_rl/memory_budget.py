@@ -41,7 +41,8 @@ GiB: Final = 1 << 30
 #: A slept vLLM engine's device memory: 0.96 GiB measured on an H200 (weights taken by host_pull only), 1.18 GiB on an
 #: H100 once it had received weights over NCCL (a rollout rank outside its pipeline's training GPUs does), 1.42 GiB
 #: the most of 13 sleeps of an engine that ``rlix recipe`` sized (1,024 sequences, CUDA graphs, Qwen2.5-1.5B shape,
-#: H200; two other sleeps read 2.33 GiB before the readings handed torch's cached blocks back).
+#: H200). Two other sleeps read 2.33 GiB; readings since hand torch's cached blocks back first and log the live
+#: tensors, which says whether that was cache or live memory.
 ENGINE_ASLEEP_GIB: Final = 1.5
 #: The same of an engine of vLLM tensor parallel > 1, on each of its GPUs: its TP communicators (NCCL's buffers,
 #: vLLM's all-reduce buffers) come on top; 2.12-2.22 GiB measured per GPU at TP 2 on H200s (a tiny model and
@@ -138,8 +139,8 @@ def engine_need_gib(shape: ModelShape, *, requests: int, max_model_len: int, tp:
                     max_seqs: int = ENGINE_MAX_SEQS, batched_tokens: int = ENGINE_BATCH_TOKENS) -> float:
     """What one vLLM engine needs on each of its ``tp`` GPUs to hold ``requests`` requests of up to ``max_model_len``
     tokens at once (at most ``max_seqs`` run together; the rest wait in its queue): bf16 weights, their KV cache, a
-    profile batch's (``batched_tokens``) MLP activations and :data:`ENGINE_WORK_GIB`. More gives the engine nothing (vLLM cannot use KV
-    cache beyond the tokens of what runs); less makes requests wait for cache."""
+    profile batch's (``batched_tokens``) MLP activations and :data:`ENGINE_WORK_GIB`. More gives the engine nothing
+    (vLLM cannot use KV cache beyond the tokens of what runs); less makes requests wait for cache."""
     weights = shape.num_parameters * 2 / tp
     kv = min(requests, max_seqs) * max_model_len * kv_bytes_per_token(shape, tp)
     activations = batched_tokens * 2 * shape.intermediate_size * 2 / tp
@@ -180,9 +181,9 @@ def pipeline_memory(name: str, shape: ModelShape, *, gpu_memory_gib: float, gpu_
     trainer_host = params * TRAINER_HOST_BYTES_PER_PARAM / GiB
     host = trainer_host + PROCESSES_HOST_GIB
     detail = (f"{params / 1e9:.2f} B parameters: engine {engine_gib:.1f} GiB awake ({gpu_memory_utilization:g} x "
-              f"{gpu_memory_gib:.0f} GiB + context + its batch's logits), start-up {start_gib:.1f}, training step {step:.1f}, asleep "
-              f"{asleep:.1f} GiB; host: trainer {trainer_host:.1f} (offloaded states, reference model, bucket cache) "
-              f"+ processes {PROCESSES_HOST_GIB:.0f} GiB")
+              f"{gpu_memory_gib:.0f} GiB + context + what it holds beyond its share), start-up {start_gib:.1f}, "
+              f"training step {step:.1f}, asleep {asleep:.1f} GiB; host: trainer {trainer_host:.1f} (offloaded "
+              f"states, reference model, bucket cache) + processes {PROCESSES_HOST_GIB:.0f} GiB")
     return PipelineMemory(name, asleep, awake, host, detail)
 
 
