@@ -42,3 +42,19 @@ def test_a_cluster_on_gpus_2_3_reads_its_trace_against_those_gpus(tmp_path: Path
     assert "GPU allocated 1.000 of the steps phase" in out, out
     assert "  GPU 2: allocated 1.000" in out and "  GPU 3: allocated 1.000" in out, out
     assert "held by rollout + training: 150 s of the steps phase" in out, out
+
+
+def test_a_pair_against_one_pipeline_alone(tmp_path: Path) -> None:
+    """``--alone DIR``: together vs one after another (derived from one pipeline alone: N in a row make its
+    steps/hour) and the ceiling min(N, 1 / its busy share), for the stored sized pair of 2026-11-30."""
+    sized = RESULTS / "h200x2-2026-11-30-sized-pair"
+    for f in (sized / "shared2").iterdir():
+        if f.suffix == ".gz":
+            with gzip.open(f, "rb") as src, open(tmp_path / f.stem, "wb") as dst:
+                shutil.copyfileobj(src, dst)
+    out = subprocess.run([sys.executable, "tools/gpu-offline/gpu/nemo_rl_shared_report.py", str(tmp_path),
+                          "--alone", str(sized / "shared1")], capture_output=True, text=True, timeout=120,
+                         check=True, cwd=RESULTS.parents[1]).stdout
+    assert "steps 16; step phase 652.3 s -> 88 steps/h" in out, out
+    assert ("together / one after another 1.55x over the steps phase, 1.75x over the whole run" in out
+            and "ceiling min(2, 1 / 0.372) = 2.00x: 0.77 of it" in out), out

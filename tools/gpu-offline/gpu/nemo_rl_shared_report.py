@@ -139,8 +139,29 @@ def trace_figures(path: Path, t0: float, t1: float, rows: list[dict[str, float]]
     return out
 
 
+def against_alone(summary: dict[str, Any], alone: dict[str, Any], pipelines: int) -> str:
+    """Together vs the same pipelines one after another, from one pipeline alone (its ``summary.json``): N identical
+    pipelines in a row make the alone run's steps/hour, so the ratio is the two rates'; next to the ceiling that one
+    pipeline's idle time allows (1 / its busy share), and never above N."""
+    busy = alone["nvml"]["gpu_busy_share_steps_phase"]
+    ceiling = min(float(pipelines), 1 / busy)
+    phase = summary["steps_per_hour_step_phase"] / alone["steps_per_hour_step_phase"]
+    whole = summary["steps_per_hour_wall"] / alone["steps_per_hour_wall"]
+    return (f"against one pipeline alone ({alone['steps_per_hour_step_phase']:.0f} steps/h over its steps phase, busy "
+            f"{busy:.3f}): together / one after another {phase:.2f}x over the steps phase, {whole:.2f}x over the "
+            f"whole run (one after another derived from the alone run); ceiling min({pipelines}, 1 / {busy:.3f}) = "
+            f"{ceiling:.2f}x: {phase / ceiling:.2f} of it")
+
+
 def main() -> int:
-    d = Path(sys.argv[1])
+    import argparse
+
+    ap = argparse.ArgumentParser(description="Summarise one GPU run's directory (report.txt's lines).")
+    ap.add_argument("dir", type=Path)
+    ap.add_argument("--alone", type=Path, default=None,
+                    help="one pipeline alone's run directory (its summary.json): print together vs one after another")
+    args = ap.parse_args()
+    d = args.dir
     runs = {p.stem.removeprefix("console_"): console(p) for p in sorted(d.glob("console_*.log"))}
     for p, r in runs.items():
         r["rlix_metrics"] = rlix_metrics(d / f"logs_{p}")
@@ -199,6 +220,8 @@ def main() -> int:
             for holder, f in holders.items():
                 print(f"    held by {holder}: {f['seconds']:.0f} s of the steps phase, busy {f['busy']:.3f}, "
                       f"GPU memory up to {f['memory_max_gib']:.1f} GiB")
+    if args.alone is not None and "steps_per_hour_wall" in summary:
+        print(against_alone(summary, json.loads((args.alone / "summary.json").read_text()), len(runs)))
     print("GPU after:", gpu_after.replace("\n", " | "))
     return 0
 
