@@ -15,7 +15,6 @@ from __future__ import annotations
 import glob
 import json
 import re
-import sys
 from collections import Counter
 from pathlib import Path
 from typing import Any
