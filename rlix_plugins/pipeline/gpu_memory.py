@@ -107,7 +107,7 @@ def release_cached_blocks(who: str) -> tuple[int, int] | None:
     """Hand the free blocks torch's caching allocator keeps in this process back to the driver
     (``torch.cuda.empty_cache``) and return (bytes in live tensors, bytes handed back); ``None`` where this process
     has no CUDA context (none is created, torch is not imported). vLLM's sleep empties the cache itself; what the
-    engine frees after that (work still finishing when an abort put it to sleep) stays cached, and NVML counts it as
+    engine frees after that (work still finishing when an abort put it to sleep) can stay cached, and NVML counts it as
     the rank's. The post-sleep readings call this first, so that they measure what the next tenant cannot get; the
     log (``who``: the process and when) says what live tensors a slept process still holds, the figure to read when a
     reading is over its limit."""
