@@ -12,8 +12,9 @@
 # the static split use SPLIT_GPUS). Each Ray cluster gets its own ports, so runs on one machine never meet.
 # RUN: standalone          the stock grpo_math_1B.yaml (synchronous, colocated), unpatched then patched + variable unset
 #      shared<N>           N pipelines from `rlix recipe ... --pipelines N --gpus 0`, all at once, one control plane
-#      shared<N>:F[:G]     the same with its own FAULT F (driver, engine or none) and GPUs G (dots: 2.3), so that two
-#                          fault runs go at once: shared2:driver:0.1+shared2:engine:2.3
+#      shared<N>:F[:G[:X]] the same with its own FAULT F (driver, engine or none), GPUs G (dots: 2.3) and `rlix
+#                          recipe` flag --X, so that two runs go at once: shared2:driver:0.1+shared2:engine:2.3, or
+#                          shared2:none:0+shared2:none:1:no-trainer-offload
 #      sequential<N>       the same N drivers one after another (the baseline)
 #      split<N>            the static split: the stock recipe, unpatched, one driver per GPU of SPLIT_GPUS, all at once
 #      transport           benchmarks/transport.py on SPLIT_GPUS (per-sync NCCL broadcast vs raw, group set-up)
@@ -202,14 +203,16 @@ run_shared() {  # run_shared NAME N MODE (together | sequential): on GPUS, clust
   finish "$dir" $rc
 }
 
-run_shared_with() {  # shared<N>:FAULT[:GPUS]: a shared run with its own FAULT (none: no fault) and GPUs (dots: 2.3),
-  # e.g. `shared2:driver:0.1+shared2:engine:2.3` (both faults at once, on their own GPUs and Ray clusters)
-  local spec=$1 suffix=$2 name fault gpus
-  IFS=: read -r name fault gpus <<<"$spec"
-  local FAULT=${fault/none/} GPUS=${gpus:-$GPUS} STEPS=$STEPS
+run_shared_with() {  # shared<N>:FAULT[:GPUS[:FLAG]]: a shared run with its own FAULT (none: no fault), GPUs (dots:
+  # 2.3) and one more `rlix recipe` flag (its name without the dashes), e.g. `shared2:driver:0.1+shared2:engine:2.3`
+  # (both faults at once, on their own GPUs and Ray clusters) or `shared2:none:0+shared2:none:1:no-trainer-offload`
+  # (the same pair with and without the trainers' offload, side by side)
+  local spec=$1 suffix=$2 name fault gpus flag
+  IFS=: read -r name fault gpus flag <<<"$spec"
+  local FAULT=${fault/none/} GPUS=${gpus:-$GPUS} STEPS=$STEPS RECIPE_FLAGS="${RECIPE_FLAGS:-}${flag:+ --$flag}"
   GPUS=${GPUS//./,}
   [ -n "$FAULT" ] && STEPS=${FAULT_STEPS:-$STEPS} && shape_vars  # a fault run may be shorter than the runs beside it
-  run_shared "$name-${fault}${gpus:+-g${gpus//./}}$suffix" "${name#shared}" together
+  run_shared "$name-${fault}${gpus:+-g${gpus//./}}${flag:+-$flag}$suffix" "${name#shared}" together
 }
 
 fault_watch() {  # fault_watch DIR: the FAULT of pipeline b (see the settings above), then `rlix status`
