@@ -218,12 +218,13 @@ class DemoEngine:
         """Device bytes this process tree holds on its fullest GPU (the engine and any TP workers are in it), per
         NVML; None on CPU or when the driver lists other PIDs. Device-wide numbers would count the co-tenant
         pipelines' engines on the same GPU, so they are only logged (``memory_log``), never checked. The workers
-        hand torch's cached blocks back first (``rlix_device_usage``): the reading counts what the next tenant
-        cannot get."""
-        from rlix_plugins.pipeline.gpu_memory import process_tree_gpu_bytes
+        read first (``rlix_device_usage``: each hands torch's cached blocks back, then reads its own tree), so the
+        reading counts what the next tenant cannot get; their readings and this tree's join per process, as the
+        NeMo RL fleet joins them."""
+        from rlix_plugins.pipeline.gpu_memory import fullest_gpu_bytes, process_tree_gpu_usage
 
-        self.rlix_rpc("rlix_device_usage", timeout_s=60.0)
-        return process_tree_gpu_bytes()
+        workers = self.rlix_rpc("rlix_device_usage", timeout_s=60.0)
+        return fullest_gpu_bytes([process_tree_gpu_usage(), *workers])
 
     def _device_free(self) -> int | None:
         from rlix_plugins.pipeline.gpu_memory import visible_gpu_free_bytes
