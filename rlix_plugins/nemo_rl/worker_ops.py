@@ -93,10 +93,9 @@ def device_usage(worker: Any) -> list[tuple[int, int, int]] | None:
     vLLM pools count too), None when not measurable. Not device-wide: co-tenant pipelines on the same GPU would
     fail the post-sleep check. The fleet adds the TP workers' own readings (``rlix_device_usage``), taken first:
     each worker hands its cached blocks back before this tree is read (as this process does its own)."""
-    from rlix_plugins.pipeline.gpu_memory import process_tree_gpu_usage, release_cached_blocks
+    from rlix_plugins.pipeline.gpu_memory import settled_usage
 
-    release_cached_blocks("vLLM front-end after sleep")
-    return process_tree_gpu_usage()
+    return settled_usage("vLLM front-end after sleep")
 
 
 # ---------------------------------------------------------------------------------------------- policy workers

@@ -28,6 +28,7 @@ __all__ = [
     "process_tree_gpu_usage",
     "process_tree_pids",
     "release_cached_blocks",
+    "settled_usage",
     "visible_gpu_free_bytes",
 ]
 
@@ -122,6 +123,13 @@ def release_cached_blocks(who: str) -> tuple[int, int] | None:
         logger.info("rlix %s: %.2f GiB in live tensors, %.2f GiB of torch's cached blocks handed back",
                     who, live / (1 << 30), freed / (1 << 30))
     return live, freed
+
+
+def settled_usage(who: str) -> list[Usage] | None:
+    """:func:`process_tree_gpu_usage` of this process after :func:`release_cached_blocks`: what a slept process's
+    tree holds that the next tenant cannot get (the post-sleep readings of a vLLM worker and its front-end)."""
+    release_cached_blocks(who)
+    return process_tree_gpu_usage()
 
 
 def fullest_gpu_bytes(usages: Iterable[Iterable[Sequence[int]] | None]) -> int | None:

@@ -442,10 +442,9 @@ class RlixReceiverMixin:
         as NeMo RL runs TP > 1) asks every worker through ``collective_rpc``. Torch's cached free blocks are handed
         back first (:func:`~rlix_plugins.pipeline.gpu_memory.release_cached_blocks`); the log says what live
         tensors a slept worker still holds, the figure to read when a reading is over its limit."""
-        from rlix_plugins.pipeline.gpu_memory import process_tree_gpu_usage, release_cached_blocks
+        from rlix_plugins.pipeline.gpu_memory import settled_usage
 
-        release_cached_blocks("vLLM worker after sleep")
-        return process_tree_gpu_usage()
+        return settled_usage("vLLM worker after sleep")
 
     def rlix_report_place(self) -> dict[str, Any]:
         """Where this worker runs (``transport.local_place`` of its device): the sender checks its plan against it.
