@@ -97,7 +97,7 @@ def arena_round(module: Any, optimizer: Any, arena: list[Any]) -> tuple[float, f
     for dst, src in zip(host, live, strict=True):
         dst.copy_(src, non_blocking=True)
     torch.cuda.synchronize()
-    for p, h in zip(params, host, strict=True):
+    for p, h in zip(params, host[:len(params)], strict=True):
         p.data = h
     for (s, k), h in zip(moments, host[len(params):], strict=True):
         s[k] = h
