@@ -58,3 +58,23 @@ def test_a_pair_against_one_pipeline_alone(tmp_path: Path) -> None:
     assert "steps 16; step phase 652.3 s -> 88 steps/h" in out, out
     assert ("together / one after another 1.55x over the steps phase, 1.75x over the whole run" in out
             and "ceiling min(2, 1 / 0.372) = 2.00x: 0.77 of it" in out), out
+
+
+def test_each_gpu_process_peak_is_read_from_the_samplers_procs_file(tmp_path: Path) -> None:
+    """``nvml_procs.csv`` (the sampler's per-process readings) gives each GPU process's peak and the title it ran
+    under (not an idle Ray worker's), and is not read as a run's NVML samples: the stored run's figures stand."""
+    t0 = 1795707300.0  # inside the stored run's steps phase
+    rows = ["time,gpu,pid,bytes,name",
+            f"{t0},0,11,{2**30},ray::IDLE",
+            f"{t0 + 1},0,11,{40 * 2**30},ray::VllmAsyncGenerationWorker.generate",
+            f"{t0 + 2},0,11,{38 * 2**30},ray::VllmAsyncGenerationWorker.generate",
+            f"{t0 + 1},0,12,{45 * 2**30},ray::DTensorPolicyWorker.train",
+            f"{t0 + 2},0,12,{3 * 2**30},ray::DTensorPolicyWorker.offload_after_refit"]
+    (tmp_path / "nvml_procs.csv").write_text("\n".join(rows) + "\n")
+    out = _report(RUN, tmp_path)
+    assert "steps 16; step phase 898.8 s -> 64 steps/h" in out and "GPU busy 0.618 of the steps phase" in out, out
+    lines = out[out.index("nvml_procs: each GPU process's peak"):].splitlines()
+    assert lines[1].startswith("  GPU 0 pid 12: 45.00 GiB at ") and lines[1].endswith(
+        "(ray::DTensorPolicyWorker.train)"), lines
+    assert lines[2].startswith("  GPU 0 pid 11: 40.00 GiB at ") and lines[2].endswith(
+        "(ray::VllmAsyncGenerationWorker.generate)"), lines

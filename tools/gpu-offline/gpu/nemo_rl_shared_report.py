@@ -2,7 +2,8 @@
 
 Reads DIR/console_<p>.log (one per driver, lines prefixed with a UNIX time), the rlix metrics NeMo RL's logger wrote
 to tensorboard (DIR/logs_<p>/**/events.*: ``train/rlix/*``), and when present DIR/status.json, DIR/gpu_after.csv,
-DIR/trace.jsonl (the scheduler's trace) and DIR/nvml*.csv (tools/gpu-offline/gpu/nvml_sampler.py); writes DIR/summary.json
+DIR/trace.jsonl (the scheduler's trace) and DIR/nvml*.csv (tools/gpu-offline/gpu/nvml_sampler.py: its per-process
+``*_procs.csv`` gives each GPU process's peak); writes DIR/summary.json
 plus a few lines: steps per pipeline, the steps phase (first step started -> last step's reward logged) and the
 whole run, steps/hour over each, GPU busy share over the steps phase (NVML samples) and allocated share (trace),
 GPU and host memory peaks, fairness (trace), the rlix figures, the GPU memory left after the drivers ended.
@@ -76,6 +77,26 @@ def samples(path: Path) -> list[dict[str, float]]:
     head = lines[0].split(",")
     return [dict(zip(head, map(float, line.split(",")), strict=True)) for line in lines[1:] if line.count(",") ==
             len(head) - 1]
+
+
+def process_peaks(path: Path) -> list[dict[str, Any]]:
+    """Each GPU process's largest reading in an nvml_sampler ``*_procs.csv`` (GPU, pid, GiB, when, and the title it
+    carried most often other than an idle Ray worker's), largest first per GPU."""
+    peaks: dict[tuple[int, int], dict[str, Any]] = {}
+    titles: dict[tuple[int, int], Counter[str]] = {}
+    for line in path.read_text().splitlines()[1:]:
+        parts = line.split(",", 4)
+        if len(parts) != 5:
+            continue
+        t, gpu, pid, used, name = float(parts[0]), int(parts[1]), int(parts[2]), int(parts[3]), parts[4]
+        key = (gpu, pid)
+        titles.setdefault(key, Counter())[name] += name != "ray::IDLE"
+        if key not in peaks or used > peaks[key]["bytes"]:
+            peaks[key] = {"gpu": gpu, "pid": pid, "bytes": used, "time": t}
+    for key, peak in peaks.items():
+        peak["gib"] = round(peak.pop("bytes") / 2**30, 2)
+        peak["name"] = titles[key].most_common(1)[0][0]
+    return sorted(peaks.values(), key=lambda p: (p["gpu"], -p["gib"]))
 
 
 def sampled_gpus(rows: list[dict[str, float]]) -> list[int]:
@@ -177,6 +198,9 @@ def main() -> int:
         summary.update(step_phase_s=t1 - t0, wall_s=wall, steps_per_hour_step_phase=steps * 3600 / (t1 - t0),
                        steps_per_hour_wall=steps * 3600 / wall)
         for csv in sorted(d.glob("nvml*.csv")):
+            if csv.stem.endswith("_procs"):
+                summary[csv.stem] = process_peaks(csv)
+                continue
             rows = samples(csv)
             if len(runs) == 1 or csv.stem == "nvml":
                 summary[csv.stem] = nvml_figures(rows, t0, t1)
@@ -204,7 +228,7 @@ def main() -> int:
     if "step_phase_s" in summary:
         print(f"steps {steps}; step phase {summary['step_phase_s']:.1f} s -> {summary['steps_per_hour_step_phase']:.0f}"
               f" steps/h; wall {summary['wall_s']:.1f} s -> {summary['steps_per_hour_wall']:.0f} steps/h")
-    for key in sorted(k for k in summary if k.startswith("nvml")):
+    for key in sorted(k for k in summary if k.startswith("nvml") and not k.endswith("_procs")):
         f = summary[key]
         per_gpu = ", ".join(f"GPU {g} {b:.3f}" for g, b in f["gpu_busy_share_by_gpu"].items())
         print(f"{key}: GPU busy {f['gpu_busy_share_steps_phase']:.3f} of the steps phase ({per_gpu}; {f['samples']} "
@@ -219,6 +243,11 @@ def main() -> int:
             for holder, f in holders.items():
                 print(f"    held by {holder}: {f['seconds']:.0f} s of the steps phase, busy {f['busy']:.3f}, "
                       f"GPU memory up to {f['memory_max_gib']:.1f} GiB")
+    for key in sorted(k for k in summary if k.endswith("_procs")):
+        print(f"{key}: each GPU process's peak (NVML)")
+        for p in summary[key]:
+            when = f" at {p['time'] - t0:+.0f} s of the steps phase" if "step_phase_s" in summary else ""
+            print(f"  GPU {p['gpu']} pid {p['pid']}: {p['gib']:.2f} GiB{when} ({p['name']})")
     if args.alone is not None and "steps_per_hour_wall" in summary:
         print(against_alone(summary, json.loads((args.alone / "summary.json").read_text()), len(runs)))
     print("GPU after:", gpu_after.replace("\n", " | "))
