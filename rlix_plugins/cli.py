@@ -58,7 +58,7 @@ def _cmd_recipe(args: argparse.Namespace) -> int:
 
     return run_cli(args.stock, args.out, args.pipelines, args.gpus, args.gpus_per_node, args.data_plane,
                    args.gpu_memory_gib, args.host_memory_gib, args.gpu_memory_utilization, args.nodes, args.tp,
-                   trainer_offload=not args.no_trainer_offload)
+                   trainer_offload=args.trainer_offload)
 
 
 def _gpu_ids(text: str) -> list[int]:
@@ -181,9 +181,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tp", type=_positive_int, default=None,
                    help="vLLM tensor parallel size of each rollout rank (default: the stock recipe's); a rank is that "
                         "many consecutive --gpus of one node")
-    p.add_argument("--no-trainer-offload", action="store_true",
-                   help="keep each trainer's weights and optimizer states on its GPU between steps (no offload to "
-                        "host memory after every step; the memory figures count them while it rolls out)")
+    offload = p.add_mutually_exclusive_group()
+    offload.add_argument("--no-trainer-offload", dest="trainer_offload", action="store_false", default=None,
+                         help="keep each trainer's weights and optimizer states on its GPU between steps (no offload "
+                              "to host memory after every step; the memory figures count them while it rolls out). "
+                              "Default: kept where the figures fit them beside as many rollouts and steps as "
+                              "offloaded ones")
+    offload.add_argument("--trainer-offload", dest="trainer_offload", action="store_true", default=None,
+                         help="move each trainer's weights and optimizer states to host memory after every step")
 
     p = add("patch", _cmd_patch, "Apply, check or revert the pinned NeMo RL patch series; drift: what of it no "
             "longer fits a checkout (hunks that need fuzz or conflict, changed NeMo RL signatures).")

@@ -60,7 +60,8 @@ class RlixRunConfig:
     #: After each step the trainer's weights and optimizer states go to host memory (NeMo RL's
     #: ``offload_after_refit``: 9-15 s of every training grant at the Qwen2.5-1.5B shape on an H200). False: they
     #: stay on the GPU and only the allocator's free blocks are handed back; the GPU then keeps the trainer's states
-    #: while the pipeline rolls out (``rlix recipe --no-trainer-offload`` writes it with the memory figures to match).
+    #: while the pipeline rolls out (``rlix recipe`` writes False, with the memory figures to match, where they fit
+    #: the states there at no cost to what runs together; ``--trainer-offload`` / ``--no-trainer-offload`` decide).
     offload_trainer: bool = True
 
     def registration(self) -> dict[str, Any]:

@@ -355,72 +355,136 @@ def check_memory(stock: Mapping[str, Any], layouts: Sequence[PipelineLayout], *,
     return f"{note}; {_coresidence_note(layouts, figures, gpu_memory_gib, util)}", figures
 
 
+def _tenants(layouts: Sequence[PipelineLayout], figures: Mapping[str, Mapping[str, float]]) -> list[Any]:
+    """Every pipeline's cluster specs with the figures, as the scheduler registers them."""
+    from rlix_plugins.control.registration import parse_cluster_memory, pipeline_clusters
+
+    return [replace(s, memory=parse_cluster_memory(s.name, figures[s.name]))
+            for p in layouts for s in pipeline_clusters(p.name, p.train_devices, p.infer_devices).values()]
+
+
+@dataclass(frozen=True)
+class _Places:
+    """What the scheduler's own rule (``control.scheduling.coresidence``) lets run together on one training GPU."""
+
+    need: float  #: GiB of the fullest rollout-next-to-a-step pairing
+    cap: float  #: GiB the pipelines may plan for there
+    rollouts: int  #: rollouts of different pipelines awake at once
+    beside_step: int  #: of other pipelines' rollouts, awake next to one training step
+    steps: int  #: training steps of different pipelines side by side
+    beside_two: int  #: rollouts of any pipeline next to two steps
+
+    @property
+    def coresident(self) -> bool:
+        return self.need <= self.cap
+
+
+def _places(layouts: Sequence[PipelineLayout], figures: Mapping[str, Mapping[str, float]]) -> dict[int, _Places]:
+    """Per GPU that holds both a training step and a rollout: what fits on it together."""
+    from rlix_plugins.control.scheduling.coresidence import gpu_load
+
+    specs = _tenants(layouts, figures)
+    out: dict[int, _Places] = {}
+    for g in sorted({g for p in layouts for g in p.train_devices}):
+        tenants = [s for s in specs if g in s.device_mapping]
+        engines = [s for s in tenants if s.is_generation]
+        trainers = [s for s in tenants if not s.is_generation]
+        loads = [load for host in trainers for guest in engines
+                 if (load := gpu_load(tenants, (host.cluster_id, guest.cluster_id))) is not None]
+        if not loads:
+            continue
+
+        def most(awake: list[str], guests: list[Any], tenants: list[Any] = tenants) -> int:
+            k = 0
+            while k < len(guests) and (load := gpu_load(tenants, [*awake, *(s.cluster_id for s in guests[:k + 1])])) \
+                    is not None and load[0] <= load[1]:
+                k += 1
+            return k
+
+        need, cap = max(loads)
+        beside = most([trainers[0].cluster_id], [s for s in engines if s.pipeline_id != trainers[0].pipeline_id])
+        # any pipeline's rollout: the two steps' own ranks stay awake beside them where they fit, too
+        out[g] = _Places(need, cap, most([], engines), beside, most([], trainers),
+                         most([t.cluster_id for t in trainers[:2]], engines))
+    return out
+
+
 def _coresidence_note(layouts: Sequence[PipelineLayout], figures: Mapping[str, Mapping[str, float]],
                       gpu_memory_gib: float, util: float) -> str:
     """Whether a rollout fits next to a training step (another pipeline's, or its own pipeline's where one
-    pipeline trains and rolls out on a GPU) on the fullest GPU, by the scheduler's own rule
-    (``control.scheduling.coresidence``), and the utilisation that would make it fit when it does not."""
-    from rlix_plugins.control.registration import parse_cluster_memory, pipeline_clusters
-    from rlix_plugins.control.scheduling.coresidence import gpu_load
-
-    specs = [replace(s, memory=parse_cluster_memory(s.name, figures[s.name]))
-             for p in layouts for s in pipeline_clusters(p.name, p.train_devices, p.infer_devices).values()]
-    worst: tuple[float, float, int] | None = None
-    for g in sorted({g for p in layouts for g in p.train_devices}):
-        tenants = [s for s in specs if g in s.device_mapping]
-        for host in (s for s in tenants if not s.is_generation):
-            for guest in (s for s in tenants if s.is_generation):
-                load = gpu_load(tenants, (host.cluster_id, guest.cluster_id))
-                if load is not None and (worst is None or load[0] > worst[0]):
-                    worst = (load[0], load[1], g)
-    if worst is None:
+    pipeline trains and rolls out on a GPU) on the fullest GPU, by the scheduler's own rule, how many of each fit
+    together there, and the utilisation that would make a rollout fit next to a step when it does not."""
+    places = _places(layouts, figures)
+    if not places:
         return "co-residence: no GPU holds both a training step and a rollout"
-    need, cap, g = worst
+    g = max(places, key=lambda k: places[k].need)
+    at = places[g]
     engine, train = figures["actor_infer"]["awake_gib"], figures["actor_train"]["awake_gib"]
-    if need <= cap:
+    if at.coresident:
+        engines = sum(1 for s in _tenants(layouts, figures) if g in s.device_mapping and s.is_generation)
+        counts = "" if engines < 2 else (
+            f"; up to {at.rollouts} rollouts of different pipelines awake on GPU {g} at once, {at.beside_step} next "
+            "to a training step" + (f"; up to {at.steps} training steps of different pipelines side by side "
+                                     f"({at.beside_two} rollout{'s' * (at.beside_two != 1)} next to two)"
+                                     if at.steps > 1 else ""))
         return (f"co-residence on: a rollout ({engine:.1f} GiB) keeps generating next to a training step "
-                f"({train:.1f} GiB), its own pipeline's or another's, where both fit ({need:.1f} of {cap:.1f} GiB on "
-                f"GPU {g})" + _rollouts_per_gpu([s for s in specs if g in s.device_mapping], g))
-    fit = math.floor((util - (need - cap) / gpu_memory_gib) * 20) / 20
+                f"({train:.1f} GiB), its own pipeline's or another's, where both fit ({at.need:.1f} of {at.cap:.1f} "
+                f"GiB on GPU {g})" + counts)
+    fit = math.floor((util - (at.need - at.cap) / gpu_memory_gib) * 20) / 20
     return (f"co-residence off: a rollout ({engine:.1f} GiB) next to a training step ({train:.1f} GiB) needs "
-            f"{need:.1f} of {cap:.1f} GiB on GPU {g}; turns on a GPU are exclusive (a rollout sleeps while a step "
-            "runs there)"
+            f"{at.need:.1f} of {at.cap:.1f} GiB on GPU {g}; turns on a GPU are exclusive (a rollout sleeps while a "
+            "step runs there)"
             + (f" (--gpu-memory-utilization {fit:g} would let them run together)" if fit >= 0.1 else ""))
 
 
-def _rollouts_per_gpu(tenants: Sequence[Any], g: int) -> str:
-    """How many rollouts of different pipelines fit awake on GPU ``g`` together, alone and next to a training step,
-    and how many training steps side by side (the scheduler wakes as many as fit: ``control.scheduling.coresidence``);
-    empty with one rollout tenant."""
-    from rlix_plugins.control.scheduling.coresidence import gpu_load
+def _keep_trainers(stock: Mapping[str, Any], layouts: Sequence[PipelineLayout], *, gpu_memory_gib: float | None,
+                   host_memory_gib: float | None, data_plane: bool) -> tuple[bool, str]:
+    """Whether the trainers keep their states on the GPU between steps, and why (empty: nothing to say, where the
+    memory note already says the figures are not checked). They do where the memory figures fit them there and the
+    scheduler can still run as many rollouts and steps together on every GPU as with the states offloaded: a kept
+    trainer saves each training grant its offload and onload (11-17 s and ~3 s at the Qwen2.5-1.5B shape on an
+    H200), while a rollout or step that no longer fits beside another costs whole phases of overlap. Only async
+    GRPO's DTensor trainer is kept by default: the path the patched-loop tests and the GPU runs took."""
+    how = "(--no-trainer-offload keeps them anyway)"
+    if not gpu_memory_gib or not layouts:
+        return False, ""
+    if data_plane or grpo_loop(stock) == SINGLE_CONTROLLER or _resolved(stock, "policy.megatron_cfg.enabled"):
+        return False, ("trainers offload their states to host memory between steps: keeping them on the GPU is "
+                       f"the default for async GRPO's DTensor trainer only {how}")
+    _, offloaded = check_memory(stock, layouts, gpu_memory_gib=gpu_memory_gib, host_memory_gib=host_memory_gib)
+    if offloaded is None:
+        return False, ""
+    kept_stock = _merge(dict(stock), {"rlix": {"offload_trainer": False}})
+    try:
+        _, kept = check_memory(kept_stock, layouts, gpu_memory_gib=gpu_memory_gib, host_memory_gib=host_memory_gib)
+    except RlixConfigError as exc:
+        return False, f"trainers offload their states to host memory between steps: kept on the GPU, {exc} {how}"
+    assert kept is not None
+    before, after = _places(layouts, offloaded), _places(layouts, kept)
+    lost = [f"GPU {g}: {_fits(before[g])} -> {_fits(after.get(g))}" for g in before
+            if _fits(after.get(g)) != _fits(before[g])]
+    if lost:
+        return False, ("trainers offload their states to host memory between steps: kept on the GPU "
+                       f"({kept['actor_train']['asleep_gib']:.1f} GiB each between steps instead of "
+                       f"{offloaded['actor_train']['asleep_gib']:.1f}), fewer phases would fit together ("
+                       + "; ".join(lost) + f") {how}")
+    return True, (f"kept on the GPU: the memory figures fit the trainers' states there "
+                  f"({kept['actor_train']['asleep_gib']:.1f} GiB each between steps) beside as many rollouts and "
+                  "steps as offloaded ones (--trainer-offload offloads them)")
 
-    engines = [s for s in tenants if s.is_generation]
-    if len(engines) < 2:
-        return ""
 
-    def most(awake: list[str], guests: list[Any]) -> int:
-        k = 0
-        while k < len(guests) and (load := gpu_load(tenants, [*awake, *(s.cluster_id for s in guests[:k + 1])])) \
-                is not None and load[0] <= load[1]:
-            k += 1
-        return k
-
-    trainers = [s for s in tenants if not s.is_generation]
-    beside = most([trainers[0].cluster_id], [s for s in engines if s.pipeline_id != trainers[0].pipeline_id])
-    steps = most([], trainers)
-    # any pipeline's rollout: the two steps' own ranks stay awake beside them where they fit, too
-    beside_two = most([t.cluster_id for t in trainers[:2]], engines)
-    pair = f" ({beside_two} rollout{'s' * (beside_two != 1)} next to two)" if steps > 1 else ""
-    return (f"; up to {most([], engines)} rollouts of different pipelines awake on GPU {g} at once, {beside} next to a "
-            "training step" + (f"; up to {steps} training steps of different pipelines side by side{pair}"
-                               if steps > 1 else ""))
+def _fits(p: _Places | None) -> str:
+    if p is None or not p.coresident:
+        return "no rollout next to a training step"
+    return (f"rollouts at once {p.rollouts}, next to a step {p.beside_step}, steps side by side {p.steps}, "
+            f"rollouts next to two steps {p.beside_two}")
 
 
 def make_overlays(stock: Mapping[str, Any], num_pipelines: int, gpus: Sequence[int],
                   gpus_per_node: int | None = None, data_plane: bool = False, *,
                   gpu_memory_gib: float | None = None, host_memory_gib: float | None = None,
                   gpu_memory_utilization: float | None = None, nodes: int = 1, tp: int | None = None,
-                  trainer_offload: bool = True) -> list[Overlay]:
+                  trainer_offload: bool | None = None) -> list[Overlay]:
     """The overlay of each pipeline, validated by the start-up checks and the memory budget; ``RlixConfigError``
     lists every refusal. ``data_plane``: switch the stock recipe to NeMo RL's TransferQueue loop
     (``grpo_train_sync``). ``gpu_memory_gib`` / ``host_memory_gib``: the memory of the GPUs and the host the
@@ -429,10 +493,13 @@ def make_overlays(stock: Mapping[str, Any], num_pipelines: int, gpus: Sequence[i
     GPU's memory and the recipe's batch are known, :func:`sized_utilization`; else the stock recipe's).
     ``nodes``: machines the GPUs span (``gpus`` are global ids; more than one needs ``gpus_per_node``). ``tp``:
     vLLM's tensor parallel size (None: the stock recipe's). ``trainer_offload`` False: the trainers keep their
-    states on the GPU between steps (``rlix.offload_trainer``), and the memory figures count them there."""
+    states on the GPU between steps (``rlix.offload_trainer``), and the memory figures count them there; True:
+    they offload them to host memory after every step; None: kept on the GPU where the figures fit them there at
+    no cost to what runs together (:func:`_keep_trainers`), else offloaded."""
     gpus = list(gpus)
-    if not trainer_offload:  # read back by check_memory (the figures) and written by the overlay
-        stock = _merge(dict(stock), {"rlix": {"offload_trainer": False}})
+    stock_says = _resolved(stock, "rlix.offload_trainer")
+    if trainer_offload is None and isinstance(stock_says, bool):
+        trainer_offload = stock_says  # the recipe's own choice stands
     if tp is not None:
         if tp < 1:
             raise RlixConfigError(f"--tp {tp}: give a tensor parallel size >= 1")
@@ -463,16 +530,26 @@ def make_overlays(stock: Mapping[str, Any], num_pipelines: int, gpus: Sequence[i
         layouts = layout(num_pipelines, gpus, trainer_size, vllm_tp)
     except RlixConfigError as exc:
         raise RlixConfigError(f"cannot time-share this recipe ({how}): {exc}") from None
+    offload_reason = "--trainer-offload" if trainer_offload else "--no-trainer-offload"
+    if trainer_offload is None:
+        keep, offload_reason = _keep_trainers(stock, layouts, gpu_memory_gib=gpu_memory_gib,
+                                              host_memory_gib=host_memory_gib, data_plane=data_plane)
+        trainer_offload = not keep
+    # read back by check_memory (the figures) and written by the overlay where it differs from the recipe's
+    stock = _merge(dict(stock), {"rlix": {"offload_trainer": trainer_offload}})
     memory, figures = check_memory(stock, layouts, gpu_memory_gib=gpu_memory_gib, host_memory_gib=host_memory_gib)
     overlays = [_overlay(stock, p, num_pipelines, per_node, data_plane, nodes) for p in layouts]
     for ov in overlays:
         ov.memory = memory
         if gpu_memory_utilization is not None:
             ov.changes["policy.generation.vllm_cfg.gpu_memory_utilization"] = (gpu_memory_utilization, util_reason)
-        if not trainer_offload:
-            ov.changes["rlix.offload_trainer"] = (
-                False, "--no-trainer-offload: weights and optimizer states stay on the GPU between steps (no "
-                "offload and onload in each training grant; they hold GPU memory while the pipeline rolls out)")
+        if trainer_offload != (stock_says if isinstance(stock_says, bool) else True):
+            ov.changes["rlix.offload_trainer"] = (trainer_offload, f"{offload_reason}: " + (
+                "weights and optimizer states go to host memory after every step and come back before the next"
+                if trainer_offload else "weights and optimizer states stay on the GPU between steps (no offload and "
+                "onload in each training grant; they hold GPU memory while the pipeline rolls out)"))
+        elif trainer_offload and offload_reason and not offload_reason.startswith("--"):
+            ov.notes.append(offload_reason)
         if tp is not None:
             ov.changes["policy.generation.vllm_cfg.tensor_parallel_size"] = (
                 tp, "--tp: each rollout rank is one vLLM engine over that many GPUs (one placement group)")
@@ -612,7 +689,7 @@ def write_overlays(stock_path: str | os.PathLike[str], out_dir: str | os.PathLik
                    data_plane: bool = False, *, gpu_memory_gib: float | None = None,
                    host_memory_gib: float | None = None,
                    gpu_memory_utilization: float | None = None, nodes: int = 1,
-                   tp: int | None = None, trainer_offload: bool = True) -> list[tuple[Path, Overlay]]:
+                   tp: int | None = None, trainer_offload: bool | None = None) -> list[tuple[Path, Overlay]]:
     """Validate, then write ``<out>/<stock stem>_rlix_<name>.yaml`` per pipeline (``defaults:`` relative to out)."""
     stock_path, out = Path(stock_path).resolve(), Path(out_dir)
     overlays = make_overlays(load_stock(stock_path), num_pipelines, gpus, gpus_per_node, data_plane,
@@ -632,7 +709,7 @@ def write_overlays(stock_path: str | os.PathLike[str], out_dir: str | os.PathLik
 def run_cli(stock: str, out: str, num_pipelines: int, gpus: Sequence[int], gpus_per_node: int | None,
             data_plane: bool = False, gpu_memory_gib: float | None = None,
             host_memory_gib: float | None = None, gpu_memory_utilization: float | None = None,
-            nodes: int = 1, tp: int | None = None, *, trainer_offload: bool = True) -> int:
+            nodes: int = 1, tp: int | None = None, *, trainer_offload: bool | None = None) -> int:
     """``rlix recipe``. Memory figures not given default to this machine's when it has a GPU (it is then taken to be
     where the pipelines run); on a machine without one, only what is given is checked."""
     from rlix_plugins.nemo_rl.memory_budget import local_gpu_memory_gib, local_host_memory_gib

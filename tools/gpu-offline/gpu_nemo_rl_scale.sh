@@ -14,7 +14,7 @@
 #      shared<N>           N pipelines from `rlix recipe ... --pipelines N --gpus 0`, all at once, one control plane
 #      shared<N>:F[:G[:X]] the same with its own FAULT F (driver, engine or none), GPUs G (dots: 2.3) and `rlix
 #                          recipe` flag --X, so that two runs go at once: shared2:driver:0.1+shared2:engine:2.3, or
-#                          shared2:none:0+shared2:none:1:no-trainer-offload
+#                          shared2:none:0:trainer-offload+shared2:none:1
 #      sequential<N>       the same N drivers one after another (the baseline)
 #      split<N>            the static split: the stock recipe, unpatched, one driver per GPU of SPLIT_GPUS, all at once
 #      transport           benchmarks/transport.py on SPLIT_GPUS (per-sync NCCL broadcast vs raw, group set-up)
@@ -205,7 +205,7 @@ run_shared() {  # run_shared NAME N MODE (together | sequential): on GPUS, clust
 
 run_shared_with() {  # shared<N>:FAULT[:GPUS[:FLAG]]: a shared run with its own FAULT (none: no fault), GPUs (dots:
   # 2.3) and one more `rlix recipe` flag (its name without the dashes), e.g. `shared2:driver:0.1+shared2:engine:2.3`
-  # (both faults at once, on their own GPUs and Ray clusters) or `shared2:none:0+shared2:none:1:no-trainer-offload`
+  # (both faults at once, on their own GPUs and Ray clusters) or `shared2:none:0:trainer-offload+shared2:none:1`
   # (the same pair with and without the trainers' offload, side by side)
   local spec=$1 suffix=$2 name fault gpus flag
   IFS=: read -r name fault gpus flag <<<"$spec"

@@ -153,7 +153,9 @@ def test_memory_figures_let_the_scheduler_run_a_rollout_next_to_a_training_step(
     cfg["policy"].update(train_micro_batch_size=4, max_total_sequence_length=1024)
     big = tmp_path / "big.yaml"
     big.write_text(yaml.safe_dump(cfg))
-    common = ("--pipelines", "2", "--gpus", "0", "--gpu-memory-gib", "140.4", "--host-memory-gib", "500")
+    # the trainers offloaded between steps, as when these figures were measured
+    common = ("--pipelines", "2", "--gpus", "0", "--gpu-memory-gib", "140.4", "--host-memory-gib", "500",
+              "--trainer-offload")
     rc, files = _recipe(big, tmp_path / "stock_util", *common)
     out = capsys.readouterr().out
     assert rc == 0 and "co-residence off" in out and "--gpu-memory-utilization 0.55 would let them" in out, out
@@ -498,24 +500,58 @@ def test_an_awake_engine_counts_what_it_held_beyond_its_share() -> None:
     assert rollout + 2 * step + asleep <= figures[4096]["actor_infer"]["gpu_gib"], (rollout, step)
 
 
-def test_no_trainer_offload_keeps_the_states_on_the_gpu_in_the_figures(stock: Path, tmp_path: Path,
-                                                                      capsys: Any) -> None:
-    """``--no-trainer-offload``: the overlay turns the offload off (``rlix.offload_trainer: false``) and the
-    scheduler's figure of a trainer between steps holds its fp32 weights and Adam moments (12 bytes a parameter: 17.2
-    GiB at 1.54 B) over the offloaded trainer's 3 GiB; at the 1.5B shape a rollout still fits beside two steps."""
+def test_trainers_keep_their_states_on_the_gpu_where_that_costs_no_overlap(stock: Path, tmp_path: Path,
+                                                                          capsys: Any,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """By default a trainer keeps its fp32 weights and Adam moments on its GPU between steps (``rlix.offload_trainer:
+    false``; the scheduler's figure of an idle trainer: 12 bytes a parameter over the offloaded 3 GiB, 20.3 GiB at
+    1.54 B) where the figures still fit as many rollouts and steps together as with the states offloaded: at the
+    1.5B shape two pipelines on an H200 keep theirs (a rollout still fits beside two steps), four would lose the
+    rollout next to a step and offload, and say why. ``--trainer-offload`` / ``--no-trainer-offload`` decide it,
+    and so does the recipe's own ``rlix.offload_trainer``; without the GPU's memory, or in another loop than async
+    GRPO, the trainers offload."""
     big = _stock_1p5b(tmp_path, stock)
-    common = ("--pipelines", "2", "--gpus", "0", "--gpu-memory-gib", "139.8", "--host-memory-gib", "500")
-    figures = {}
-    for name, extra in (("offloaded", ()), ("resident", ("--no-trainer-offload",))):
+    common = ("--gpus", "0", "--gpu-memory-gib", "139.8", "--host-memory-gib", "500")
+    figures, notes = {}, {}
+    for name, extra in (("default", ("--pipelines", "2")), ("offloaded", ("--pipelines", "2", "--trainer-offload")),
+                        ("resident", ("--pipelines", "2", "--no-trainer-offload")), ("four", ("--pipelines", "4"))):
         rc, files = _recipe(big, tmp_path / name, *common, *extra)
-        out = capsys.readouterr().out
-        assert rc == 0 and "(1 rollout next to two)" in out, out
+        notes[name] = out = capsys.readouterr().out
+        assert rc == 0, out
         merged = _merge(load_stock(big), load_stock(files[0]))
-        assert load_run_config(merged).offload_trainer is (name == "offloaded")
-        figures[name] = merged["rlix"]["memory"]["actor_train"]
-    assert figures["offloaded"]["asleep_gib"] == 3.0
-    assert figures["resident"]["asleep_gib"] == 20.3 and figures["resident"]["awake_gib"] == figures["offloaded"][
-        "awake_gib"], figures
+        figures[name] = (load_run_config(merged).offload_trainer, merged["rlix"]["memory"]["actor_train"])
+    assert figures["offloaded"] == (True, {"gpu_gib": 132.8, "awake_gib": 44.4, "asleep_gib": 3.0}), figures
+    assert figures["resident"] == figures["default"] == (False, {"gpu_gib": 132.8, "awake_gib": 44.4,
+                                                                 "asleep_gib": 20.3}), figures
+    assert "(1 rollout next to two)" in notes["default"] and "kept on the GPU: the memory figures fit" in notes[
+        "default"], notes["default"]
+    assert "--no-trainer-offload: weights and optimizer states stay" in notes["resident"]
+    assert "rlix.offload_trainer" not in notes["offloaded"]  # the recipe's default, nothing written
+    assert figures["four"][0] is True and ("note: trainers offload their states to host memory between steps: kept "
+                                           "on the GPU (20.3 GiB each between steps instead of 3.0), fewer phases "
+                                           "would fit together (GPU 0: rollouts at once 3, next to a step 1") in \
+        notes["four"] and "-> no rollout next to a training step) (--no-trainer-offload keeps them" in notes["four"]
+    # the recipe's own setting stands, and is not written again
+    cfg = load_stock(big)
+    cfg["rlix"] = {"offload_trainer": True}
+    own = tmp_path / "own.yaml"
+    own.write_text(yaml.safe_dump(cfg))
+    rc, files = _recipe(own, tmp_path / "own", *common, "--pipelines", "2")
+    out = capsys.readouterr().out
+    merged = _merge(load_stock(own), load_stock(files[0]))
+    assert rc == 0 and load_run_config(merged).offload_trainer is True and "offload_trainer" not in out, out
+    assert merged["rlix"]["memory"]["actor_train"]["asleep_gib"] == 3.0
+    # without the GPU's memory nothing can be checked: offloaded (as on a machine without a GPU)
+    monkeypatch.setattr("rlix_plugins.nemo_rl.memory_budget.local_gpu_memory_gib", lambda: None)
+    rc, files = _recipe(big, tmp_path / "unknown", "--pipelines", "2", "--gpus", "0", "--host-memory-gib", "500")
+    out = capsys.readouterr().out
+    assert rc == 0 and load_run_config(_merge(load_stock(big), load_stock(files[0]))).offload_trainer is True
+    assert "offload_trainer" not in out and "GPU memory not checked (pass --gpu-memory-gib)" in out, out
+    # the TransferQueue loop (and the SingleController's, and Megatron trainers) offload: kept is async GRPO's path
+    rc, files = _recipe(big, tmp_path / "data_plane", *common, "--pipelines", "2", "--data-plane")
+    out = capsys.readouterr().out
+    assert rc == 0 and load_run_config(_merge(load_stock(big), load_stock(files[0]))).offload_trainer is True
+    assert "keeping them on the GPU is the default for async GRPO's DTensor trainer only" in out, out
 
 
 def test_offload_trainer_must_be_a_bool() -> None:
