@@ -136,6 +136,27 @@ def test_a_rollout_whose_batch_is_complete_takes_no_place_and_nothing_takes_turn
     assert not plan2.shrinks and not plan2.expands and active(plan2, "a_actor_infer") == {0}
 
 
+def test_a_rank_is_not_woken_beside_its_own_pipelines_step_in_a_place_another_rollout_yields() -> None:
+    """Both pipelines' steps side by side on one GPU with room for one rollout next to them, held by b's rank (its
+    batch complete); a has work and no rank. Woken there, a's rank would wait for its weights until a's step ended
+    (its trainer sends them after the step: 19.6 s on an H200, the place idle meanwhile, while b's rank had been
+    generating), so the place stays b's until a's step ends; then a takes it."""
+    c = two_on_one_gpu(infer_awake=25.0, train_awake=30.0)  # two steps + one rollout: 30 + 30 + 25 + 1 = 86 of 100
+    snap = snapshot(1, c, [whole_alloc(c["a_actor_train"]), whole_alloc(c["b_actor_train"]),
+                           gen_alloc(c["b_actor_infer"], [0])], [PendingRequest("a_actor_infer", GEN, 1)])
+    snap = replace(snap, progress={"a": Progress("a", 32, 16), "b": Progress("b", 32, 32)})
+    plan = plan_cycle(snap)
+    validate_plan(snap, plan)
+    assert not plan.shrinks and not plan.expands and active(plan, "b_actor_infer") == {0}, plan
+    # a's step ends: a's rank wakes (beside b's step, next to b's rank: 30 + 25 + 25 + 3 = 83 of 100)
+    after = replace(snap, allocations={k: v for k, v in snap.allocations.items() if k != "a_actor_train"})
+    plan = plan_cycle(after)
+    validate_plan(after, plan)
+    assert [(e.cluster_id, e.dp_ranks) for e in plan.expands] == [("a_actor_infer", (0,))], plan
+    assert active(plan, "a_actor_infer") == {0}
+    _check_holders(after, plan.allocations)
+
+
 @pytest.mark.parametrize("others", [False, True])
 def test_room_that_opens_during_a_step_goes_to_other_pipelines_rollouts(others: bool) -> None:
     """A rank that slept for its pipeline's step does not wake beside that step: room that opens meanwhile goes to

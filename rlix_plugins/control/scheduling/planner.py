@@ -550,7 +550,10 @@ def _yield_places(state: PlanState) -> None:
     runs of three and four pipelines on one GPU made no progress; ``tests/control/test_turns.py``). Ranks without
     work go first, then those of debtors; only ranks of the newcomer's TP size that cover its rank's GPUs exactly.
     A newcomer whose own batch is complete (it asks to fill its next one) takes only a debtor's place: taking
-    another's on its "no work" made two such pipelines take one place from each other every few seconds."""
+    another's on its "no work" made two such pipelines take one place from each other every few seconds. Never a
+    place beside the newcomer's own pipeline's training step (as the fill and the swap): a woken rank first
+    receives its pipeline's weights, which its trainer sends only once that step has ended, so it would hold the
+    place idle through the step (19.6 s on an H200, while the rank it displaced had been generating)."""
     if not state.tenants:
         return
     snap = state.snap
@@ -583,7 +586,7 @@ def _yield_places(state: PlanState) -> None:
         index, mine, shrunk = rank_index(spec), bundles(spec), state.shrunk.get(cid, set())
         for bundle in sorted(yielding, key=lambda b: index.get(b[0], len(mine))):
             r = index.get(bundle[0])
-            if r is None or r in shrunk or mine[r] != bundle:
+            if r is None or r in shrunk or mine[r] != bundle or any(_own_step_on(state, g, spec) for g in bundle):
                 continue
             cands = sorted(yielding[bundle])
             k = next((k for k in range(1, len(cands) + 1)
