@@ -225,11 +225,15 @@ def _time_decision(snap: SchedulerSnapshot) -> tuple[float, float]:
 
 
 def _steady_snapshot(clusters: dict[str, ClusterSpec], gpus: int, rnd: random.Random) -> SchedulerSnapshot:
-    """A converged state (re-planned three times) whose progress then moved a little: what the scheduler re-plans
-    in steady state."""
+    """A converged state (re-planned until a plan changes nothing; a decision wakes at most
+    ``plan_state.MAX_WAKES`` ranks, so a random snapshot takes several) whose progress then moved a little: what the
+    scheduler re-plans in steady state."""
     snap = random_snapshot(clusters, gpus, rnd)
-    for _ in range(3):
-        snap = replace(snap, allocations=plan_cycle(snap).allocations, pending=())
+    for _ in range(64):
+        plan = plan_cycle(snap)
+        snap = replace(snap, allocations=plan.allocations, pending=())
+        if not (plan.shrinks or plan.expands):
+            break
     progress = {k: replace(v, completed=min(v.step_target, v.completed + rnd.randint(0, 64)))
                 for k, v in snap.progress.items()}
     return replace(snap, progress=progress)

@@ -233,6 +233,8 @@ def _coresident_fill(state: PlanState, *, starving_only: bool = False) -> None:
     joinable = _Joinable(state)
     floor = min((_extra(state, clusters[c]) for c in order), default=0)
     for cid in order:
+        if state.wakes_left <= 0:
+            return
         spec = clusters[cid]
         pid = spec.pipeline_id
         active = state.gen_active.get(cid, set())
@@ -249,6 +251,8 @@ def _coresident_fill(state: PlanState, *, starving_only: bool = False) -> None:
         for r in ranks:  # (plain loops, not all() over generators: ~10,000 ranks a decision at 2,048 GPUs)
             if r in active or r in shrunk:
                 continue
+            if state.wakes_left <= 0:
+                return
             bundle = theirs[r]
             for g in bundle:
                 left = room(g)
@@ -376,7 +380,7 @@ def _coresident_swap(state: PlanState) -> None:
     fits next to the holders that stay (``coresidence.sharing_problem``). The donor with the most awake ranks gives,
     ties to the lowest demand. The newcomer's rank is co-resident, so no gap ratio takes it back; it leaves like
     any other rank (preemption, release)."""
-    if not state.tenants:
+    if not state.tenants or state.wakes_left <= 0:
         return
     snap = state.snap
     clusters = snap.clusters
@@ -440,6 +444,8 @@ def _coresident_swap(state: PlanState) -> None:
     swaps = 0
     donors = _SwapDonors(state, demands, training)
     for cid in starving:
+        if state.wakes_left <= 0:
+            return
         if not has_rollout_work(state, cid):
             continue  # its batch is complete: it takes no one's place (``gap_ratio.has_rollout_work``)
         spec = clusters[cid]
