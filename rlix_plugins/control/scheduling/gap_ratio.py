@@ -52,7 +52,7 @@ from rlix_plugins.control.scheduling.plan_state import (
 from rlix_plugins.control.types import PendingRequest, Priority, Progress, SchedulerSnapshot
 
 #: Caps per cycle. An activation (a donor search, its shrinks and a wake) costs ~0.1 ms at 2,048 GPUs without
-#: memory figures and 0.4-0.65 ms with them, so one decision activates at most 32 ranks (~20 ms); the scheduler runs
+#: memory figures and 0.4-1.3 ms with them, so one decision activates at most 32 ranks (13-43 ms); the scheduler runs
 #: the next cycle at once after one that changed something, and those activate the rest (a random busy pool of 256
 #: pipelines asked ~500 activations of one decision: 50-110 ms).
 MAX_ITERATIONS = 10_000
