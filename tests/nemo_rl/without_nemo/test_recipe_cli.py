@@ -541,6 +541,13 @@ def test_trainers_keep_their_states_on_the_gpu_where_that_costs_no_overlap(stock
     merged = _merge(load_stock(own), load_stock(files[0]))
     assert rc == 0 and load_run_config(merged).offload_trainer is True and "offload_trainer" not in out, out
     assert merged["rlix"]["memory"]["actor_train"]["asleep_gib"] == 3.0
+    # ... unless a flag says otherwise: the overlay then writes it, and the figures follow
+    rc, files = _recipe(own, tmp_path / "own_kept", *common, "--pipelines", "2", "--no-trainer-offload")
+    out = capsys.readouterr().out
+    merged = _merge(load_stock(own), load_stock(files[0]))
+    assert rc == 0 and load_run_config(merged).offload_trainer is False, out
+    assert "rlix.offload_trainer = false  # --no-trainer-offload" in out, out
+    assert merged["rlix"]["memory"]["actor_train"]["asleep_gib"] == 20.3
     # without the GPU's memory nothing can be checked: offloaded (as on a machine without a GPU)
     monkeypatch.setattr("rlix_plugins.nemo_rl.memory_budget.local_gpu_memory_gib", lambda: None)
     rc, files = _recipe(big, tmp_path / "unknown", "--pipelines", "2", "--gpus", "0", "--host-memory-gib", "500")
