@@ -369,6 +369,7 @@ class _Places:
 
     need: float  #: GiB of the fullest rollout-next-to-a-step pairing
     cap: float  #: GiB the pipelines may plan for there
+    engines: int  #: rollout clusters mapped there
     rollouts: int  #: rollouts of different pipelines awake at once
     beside_step: int  #: of other pipelines' rollouts, awake next to one training step
     steps: int  #: training steps of different pipelines side by side
@@ -377,6 +378,11 @@ class _Places:
     @property
     def coresident(self) -> bool:
         return self.need <= self.cap
+
+    @property
+    def together(self) -> tuple[int, int, int, int] | None:
+        """What runs together there (None: no rollout next to a training step)."""
+        return (self.rollouts, self.beside_step, self.steps, self.beside_two) if self.coresident else None
 
 
 def _places(layouts: Sequence[PipelineLayout], figures: Mapping[str, Mapping[str, float]]) -> dict[int, _Places]:
@@ -404,7 +410,7 @@ def _places(layouts: Sequence[PipelineLayout], figures: Mapping[str, Mapping[str
         need, cap = max(loads)
         beside = most([trainers[0].cluster_id], [s for s in engines if s.pipeline_id != trainers[0].pipeline_id])
         # any pipeline's rollout: the two steps' own ranks stay awake beside them where they fit, too
-        out[g] = _Places(need, cap, most([], engines), beside, most([], trainers),
+        out[g] = _Places(need, cap, len(engines), most([], engines), beside, most([], trainers),
                          most([t.cluster_id for t in trainers[:2]], engines))
     return out
 
@@ -421,8 +427,7 @@ def _coresidence_note(layouts: Sequence[PipelineLayout], figures: Mapping[str, M
     at = places[g]
     engine, train = figures["actor_infer"]["awake_gib"], figures["actor_train"]["awake_gib"]
     if at.coresident:
-        engines = sum(1 for s in _tenants(layouts, figures) if g in s.device_mapping and s.is_generation)
-        counts = "" if engines < 2 else (
+        counts = "" if at.engines < 2 else (
             f"; up to {at.rollouts} rollouts of different pipelines awake on GPU {g} at once, {at.beside_step} next "
             "to a training step" + (f"; up to {at.steps} training steps of different pipelines side by side "
                                      f"({at.beside_two} rollout{'s' * (at.beside_two != 1)} next to two)"
@@ -462,7 +467,7 @@ def _keep_trainers(stock: Mapping[str, Any], layouts: Sequence[PipelineLayout], 
     assert kept is not None
     before, after = _places(layouts, offloaded), _places(layouts, kept)
     lost = [f"GPU {g}: {_fits(before[g])} -> {_fits(after.get(g))}" for g in before
-            if _fits(after.get(g)) != _fits(before[g])]
+            if (after[g].together if g in after else None) != before[g].together]
     if lost:
         return False, ("trainers offload their states to host memory between steps: kept on the GPU "
                        f"({kept['actor_train']['asleep_gib']:.1f} GiB each between steps instead of "
@@ -474,10 +479,12 @@ def _keep_trainers(stock: Mapping[str, Any], layouts: Sequence[PipelineLayout], 
 
 
 def _fits(p: _Places | None) -> str:
-    if p is None or not p.coresident:
+    together = None if p is None else p.together
+    if together is None:
         return "no rollout next to a training step"
-    return (f"rollouts at once {p.rollouts}, next to a step {p.beside_step}, steps side by side {p.steps}, "
-            f"rollouts next to two steps {p.beside_two}")
+    rollouts, beside, steps, beside_two = together
+    return (f"rollouts at once {rollouts}, next to a step {beside}, steps side by side {steps}, rollouts next to two "
+            f"steps {beside_two}")
 
 
 def make_overlays(stock: Mapping[str, Any], num_pipelines: int, gpus: Sequence[int],
@@ -530,10 +537,10 @@ def make_overlays(stock: Mapping[str, Any], num_pipelines: int, gpus: Sequence[i
         layouts = layout(num_pipelines, gpus, trainer_size, vllm_tp)
     except RlixConfigError as exc:
         raise RlixConfigError(f"cannot time-share this recipe ({how}): {exc}") from None
-    offload_reason = "--trainer-offload" if trainer_offload else "--no-trainer-offload"
+    chosen = ""  # why rlix chose, when no flag or recipe key did
     if trainer_offload is None:
-        keep, offload_reason = _keep_trainers(stock, layouts, gpu_memory_gib=gpu_memory_gib,
-                                              host_memory_gib=host_memory_gib, data_plane=data_plane)
+        keep, chosen = _keep_trainers(stock, layouts, gpu_memory_gib=gpu_memory_gib,
+                                      host_memory_gib=host_memory_gib, data_plane=data_plane)
         trainer_offload = not keep
     # read back by check_memory (the figures) and written by the overlay where it differs from the recipe's
     stock = _merge(dict(stock), {"rlix": {"offload_trainer": trainer_offload}})
@@ -544,12 +551,13 @@ def make_overlays(stock: Mapping[str, Any], num_pipelines: int, gpus: Sequence[i
         if gpu_memory_utilization is not None:
             ov.changes["policy.generation.vllm_cfg.gpu_memory_utilization"] = (gpu_memory_utilization, util_reason)
         if trainer_offload != (stock_says if isinstance(stock_says, bool) else True):
-            ov.changes["rlix.offload_trainer"] = (trainer_offload, f"{offload_reason}: " + (
+            why = chosen or ("--trainer-offload" if trainer_offload else "--no-trainer-offload")
+            ov.changes["rlix.offload_trainer"] = (trainer_offload, f"{why}: " + (
                 "weights and optimizer states go to host memory after every step and come back before the next"
                 if trainer_offload else "weights and optimizer states stay on the GPU between steps (no offload and "
                 "onload in each training grant; they hold GPU memory while the pipeline rolls out)"))
-        elif trainer_offload and offload_reason and not offload_reason.startswith("--"):
-            ov.notes.append(offload_reason)
+        elif trainer_offload and chosen:
+            ov.notes.append(chosen)
         if tp is not None:
             ov.changes["policy.generation.vllm_cfg.tensor_parallel_size"] = (
                 tp, "--tp: each rollout rank is one vLLM engine over that many GPUs (one placement group)")
