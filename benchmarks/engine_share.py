@@ -14,7 +14,10 @@ real shapes with random weights). ``sized``: the share ``rlix recipe`` writes fo
 ``--new-tokens`` + 512). ``SHARE@SEQS/TOKENS``: that engine with vLLM's ``max_num_seqs`` / ``max_num_batched_tokens``
 (default: what `rlix recipe` writes, 1,024 / 4,096; ``@128/2048`` is vLLM's async engine left at its defaults).
 Every request decodes exactly ``--new-tokens`` tokens (``ignore_eos``), so every engine does the same work, and asks
-the sampled token's logprob as NeMo RL does (``logprobs=0``), unless the spec ends in ``:nolp``. Each engine's GPU memory (NVML, its process tree) is
+the sampled token's logprob as NeMo RL does (``logprobs=0``). Suffixes change how (they combine, e.g. ``sized:flat:notext``):
+``:nolp`` asks no logprobs; ``:flat`` returns them flat (``flat_logprobs``: a few lists per request instead of a dict
+and an object per token); ``:notext`` turns detokenization off (``detokenize=False``: no text, and no decoded text
+of each logprob's token, which vLLM's front-end otherwise makes per request and token). Each engine's GPU memory (NVML, its process tree) is
 read after start-up and at its peak during the rollout: what it holds beyond its share is what the scheduler's figure
 for an awake engine must add (a 1.5B engine of 1,024 sequences / 16,384 tokens held ~14 GiB more under NeMo RL).
 """
@@ -46,10 +49,13 @@ def sized_share(model: str, new_tokens: int, gpu_gib: float) -> float:
     return sized[0]
 
 
+SAMPLING_FLAGS = ("nolp", "flat", "notext")
+
+
 def one_engine(model: str, share: float, requests: int, new_tokens: int, seqs: int, tokens: int,
-               logprobs: bool = True) -> dict[str, Any]:
+               flags: tuple[str, ...] = ()) -> dict[str, Any]:
     """In a process of its own: start an engine at ``share`` running ``seqs`` sequences and ``tokens`` tokens a
-    step at most, run the rollout (asking each sampled token's logprob, or not), report."""
+    step at most, run the rollout (asking each sampled token's logprob as ``flags`` say), report."""
     import random
     import threading
 
@@ -67,7 +73,9 @@ def one_engine(model: str, share: float, requests: int, new_tokens: int, seqs: i
     vocab = llm.llm_engine.model_config.get_vocab_size()
     prompts = [{"prompt_token_ids": [rng.randrange(vocab // 100, vocab // 2) for _ in range(PROMPT_TOKENS)]}
                for _ in range(requests)]
-    params = SamplingParams(max_tokens=new_tokens, ignore_eos=True, temperature=1.0, logprobs=0 if logprobs else None)
+    params = SamplingParams(max_tokens=new_tokens, ignore_eos=True, temperature=1.0,
+                            logprobs=None if "nolp" in flags else 0, flat_logprobs="flat" in flags,
+                            detokenize="notext" not in flags)
     llm.generate(prompts[:8], params, use_tqdm=False)  # warm-up
     started = process_tree_gpu_bytes() or 0
     peak, done = [started], threading.Event()
@@ -84,23 +92,25 @@ def one_engine(model: str, share: float, requests: int, new_tokens: int, seqs: i
     done.set()
     sampler.join(timeout=5)
     decoded = sum(len(o.outputs[0].token_ids) for o in outs)
-    return {"share": share, "max_num_seqs": seqs, "max_num_batched_tokens": tokens, "logprobs": logprobs,
+    return {"share": share, "max_num_seqs": seqs, "max_num_batched_tokens": tokens, "flags": list(flags),
             "start_s": round(start_s, 1),
             "kv_tokens": kv_tokens, "requests": requests, "tokens": decoded, "generate_s": round(gen_s, 2),
             "tokens_per_s": round(decoded / gen_s), "started_gib": round(started / 2**30, 2),
             "peak_gib": round(peak[0] / 2**30, 2)}
 
 
-def parse_engine(spec: str) -> tuple[str, int, int, bool]:
-    """``SHARE[@SEQS/TOKENS][:nolp]`` -> (share, max_num_seqs, max_num_batched_tokens, logprobs asked)."""
+def parse_engine(spec: str) -> tuple[str, int, int, tuple[str, ...]]:
+    """``SHARE[@SEQS/TOKENS][:FLAG...]`` -> (share, max_num_seqs, max_num_batched_tokens, sampling flags)."""
     from rlix_plugins.nemo_rl.memory_budget import ENGINE_BATCH_TOKENS, ENGINE_MAX_SEQS
 
-    spec, _, flag = spec.partition(":")
-    if flag not in ("", "nolp"):
-        raise SystemExit(f"--shares {spec}:{flag}: the only suffix is ':nolp' (no logprobs asked)")
+    spec, *flags = spec.split(":")
+    unknown = [f for f in flags if f not in SAMPLING_FLAGS]
+    if unknown:
+        raise SystemExit(f"--shares {spec}:{':'.join(flags)}: unknown suffix {unknown[0]!r}; the suffixes are "
+                         + ", ".join(f"':{f}'" for f in SAMPLING_FLAGS))
     share, _, batch = spec.partition("@")
     seqs, _, tokens = batch.partition("/")
-    return share, int(seqs or ENGINE_MAX_SEQS), int(tokens or ENGINE_BATCH_TOKENS), flag != "nolp"
+    return share, int(seqs or ENGINE_MAX_SEQS), int(tokens or ENGINE_BATCH_TOKENS), tuple(flags)
 
 
 def gpu_memory_gib() -> float:
@@ -122,20 +132,20 @@ def main() -> int:
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # the child: one engine, SHARE@SEQS/TOKENS
     args = ap.parse_args()
     if args.one is not None:
-        share, seqs, tokens, logprobs = parse_engine(args.one)
+        share, seqs, tokens, flags = parse_engine(args.one)
         print("RESULT " + json.dumps(one_engine(args.model, float(share), args.requests, args.new_tokens, seqs,
-                                                tokens, logprobs)), flush=True)
+                                                tokens, flags)), flush=True)
         return 0
     gib = gpu_memory_gib()
     engines = []
     for spec in args.shares.split(","):
-        share, seqs, tokens, logprobs = parse_engine(spec)
+        share, seqs, tokens, flags = parse_engine(spec)
         engines.append((sized_share(args.model, args.new_tokens, gib) if share == "sized" else float(share), seqs,
-                        tokens, logprobs))
+                        tokens, flags))
     need_tokens = args.requests * (args.new_tokens + 512)
     results = []
-    for share, seqs, tokens, logprobs in engines:
-        cmd = [sys.executable, __file__, args.model, "--one", f"{share}@{seqs}/{tokens}" + ("" if logprobs else ":nolp"),
+    for share, seqs, tokens, flags in engines:
+        cmd = [sys.executable, __file__, args.model, "--one", ":".join((f"{share}@{seqs}/{tokens}", *flags)),
                "--requests", str(args.requests), "--new-tokens", str(args.new_tokens)]
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
@@ -155,11 +165,11 @@ def main() -> int:
     base = results[0]
     print(f"\nGPU {gib:.1f} GiB; the rollout: {args.requests} requests x {args.new_tokens} new tokens "
           f"(KV for all at once: {need_tokens:,} tokens of {args.new_tokens + 512}-token requests)")
-    print(f"{'share':>6} {'GiB':>6} {'seqs/tokens':>17} {'KV tokens':>11} {'holds all':>9} {'start s':>8} "
+    print(f"{'share':>6} {'GiB':>6} {'seqs/tokens':>24} {'KV tokens':>11} {'holds all':>9} {'start s':>8} "
           f"{'tok/s':>8} {'vs first':>8} {'held GiB':>9} {'peak GiB':>9} {'over share':>10}")
     for r in results:
-        batch = f"{r['max_num_seqs']}/{r['max_num_batched_tokens']}" + ("" if r.get("logprobs", True) else " nolp")
-        print(f"{r['share']:>6g} {r['share'] * gib:>6.1f} {batch:>17} {r['kv_tokens']:>11,} "
+        batch = " ".join((f"{r['max_num_seqs']}/{r['max_num_batched_tokens']}", *r["flags"]))
+        print(f"{r['share']:>6g} {r['share'] * gib:>6.1f} {batch:>24} {r['kv_tokens']:>11,} "
               f"{'yes' if r['kv_tokens'] >= need_tokens else 'no':>9} {r['start_s']:>8.1f} {r['tokens_per_s']:>8,} "
               f"{r['tokens_per_s'] / base['tokens_per_s']:>7.2f}x {r['started_gib']:>9.1f} {r['peak_gib']:>9.1f} "
               f"{r['peak_gib'] - r['share'] * gib:>10.1f}")

@@ -626,6 +626,12 @@ def _overlay(stock: Mapping[str, Any], p: PipelineLayout, num_pipelines: int, gp
              "the nodes rlix.infer_devices spans")
     _set(ov, stock, "policy.generation.vllm_cfg.async_engine", True, "per-request routing over the active DP ranks")
     _set(ov, stock, "policy.generation.vllm_cfg.sleep_level", _SLEEP_LEVEL, "patch 0003; must equal rlix.sleep_level")
+    # vLLM's front-end decodes every sampled token and, for the logprob NeMo RL asks, that token again with
+    # checks, per request and step: at 1,024 sequences it held a 1.5B engine to 0.58x the decode rate of one
+    # that decodes nothing. NeMo RL's rollouts read token ids and logprobs only.
+    if _resolved(stock, "policy.generation.vllm_cfg.detokenize") is None:  # the recipe's own choice stands
+        _set(ov, stock, "policy.generation.vllm_cfg.detokenize", False,
+             "patch 0003: token ids and logprobs only where no stop string needs the text (1.7x the decode rate)")
     _set(ov, stock, "policy.generation.vllm_kwargs.worker_cls", _WORKER_CLS,
          "the weight receiver (rlix_plugins.vllm.nemo_rl_vllm_kwargs())")
     # vLLM's async engine defaults to 128 sequences and 2,048 tokens a step (its engine context), where the

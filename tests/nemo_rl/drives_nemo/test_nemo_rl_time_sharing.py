@@ -51,6 +51,7 @@ ROUTING_EXPECTED = {
     "test_a_request_aborted_on_every_attempt_fails_and_leaves_no_ticket_out",
     "test_without_the_variable_the_seam_is_inert",
     "test_fleet_sleep_passes_the_configured_level_to_the_real_worker",
+    "test_token_only_requests_where_no_stop_string_needs_text",
 }
 
 
@@ -59,7 +60,7 @@ def test_router_selector_on_the_real_vllm_generation(nemo_copies: dict[str, Path
     """Our fleet selector + router on NeMo RL's real VllmGeneration (patched; built like its shard-selection tests):
     routing over active ranks only, the collector's pickled copy, blocking when none is active, retry of a request
     a shrink aborted (patch 0004), a drain that needs no executor thread, tickets of cancelled requests and of requests out of attempts back, no retry with the variable unset; our fleet's sleep level reaching NeMo RL's
-    real (patched) sleep_async per call (patch 0003)."""
+    real (patched) sleep_async per call, and token-only requests from its real generate_async (patch 0003)."""
     patched = nemo_copies["patched"]
     dst = patched / "tests" / "unit" / "models" / "generation" / ROUTING.name
     shutil.copyfile(ROUTING, dst)

@@ -385,3 +385,86 @@ def test_fleet_sleep_passes_the_configured_level_to_the_real_worker():
     finally:
         ray.kill(default)
         ray.kill(configured)
+
+
+class _SamplingParams:
+    """Stands in for vLLM's ``SamplingParams`` (not installable here): keeps the keywords, with vLLM's own rule that
+    stop strings need detokenization (its ``_verify_args``)."""
+
+    def __init__(self, **kwargs):
+        if kwargs.get("stop") and not kwargs.get("detokenize", True):
+            raise ValueError("stop strings are only supported when detokenize is True")
+        self.kwargs = kwargs
+
+
+class _Logprob:
+    def __init__(self, logprob):
+        self.logprob = logprob
+
+
+class _Completion:
+    def __init__(self, token_ids, text):
+        self.token_ids = token_ids
+        self.text = text
+        self.logprobs = [{t: _Logprob(-0.5 * (i + 1))} for i, t in enumerate(token_ids)]
+        self.finish_reason = "length"
+
+
+class _Request:
+    def __init__(self, completion):
+        self.outputs = [completion]
+
+
+class _TokenOnlyAsyncLLM:
+    """Stands in for vLLM's ``AsyncLLM``: answers every request with three tokens and their logprobs, and text only
+    where the request asked for it (as vLLM does); records each request's keywords."""
+
+    def __init__(self):
+        self.asked = []
+
+    async def generate(self, prompt, sampling_params, request_id):
+        self.asked.append(sampling_params.kwargs)
+        text = "abc" if sampling_params.kwargs.get("detokenize", True) else ""
+        yield _Request(_Completion([7, 8, 9], text))
+
+
+def _generating_worker(**vllm_cfg):
+    from nemo_rl.models.generation.vllm.vllm_worker_async import VllmAsyncGenerationWorkerImpl
+
+    worker = object.__new__(VllmAsyncGenerationWorkerImpl)  # NeMo RL's worker; its engine start skipped
+    worker.cfg = {"vllm_cfg": {"async_engine": True, "max_model_len": 64, **vllm_cfg}, "_pad_token_id": 0,
+                  "max_new_tokens": 3, "temperature": 1.0, "top_p": 1.0, "top_k": None, "stop_token_ids": None,
+                  "stop_strings": None}
+    worker.llm = _TokenOnlyAsyncLLM()
+    worker.SamplingParams = _SamplingParams
+    worker.routed_experts_dtype = torch.int16
+    return worker
+
+
+def _generate_async(worker, stop_strings=None):
+    data = _sample()
+    if stop_strings is not None:
+        data["stop_strings"] = [stop_strings]
+
+    async def run():
+        return [item async for item in worker.generate_async(data)]
+
+    [(_, out)] = asyncio.run(run())
+    return out
+
+
+def test_token_only_requests_where_no_stop_string_needs_text():
+    """``vllm_cfg.detokenize: false`` (what ``rlix recipe`` writes; patch 0003): NeMo RL's real ``generate_async``
+    asks vLLM for no text where the request has no stop strings, and still returns the tokens and their logprobs;
+    a request with stop strings keeps its text (vLLM needs it to match them); without the key nothing changes."""
+    worker = _generating_worker(detokenize=False)
+    out = _generate_async(worker)
+    assert worker.llm.asked[-1]["detokenize"] is False
+    assert out["output_ids"].tolist() == [[1, 2, 7, 8, 9]]
+    assert out["logprobs"].tolist() == [[0.0, 0.0, -0.5, -1.0, -1.5]]
+    _generate_async(worker, stop_strings=["</answer>"])
+    assert worker.llm.asked[-1]["detokenize"] is True and worker.llm.asked[-1]["stop"] == ["</answer>"]
+
+    standalone = _generating_worker()
+    assert _generate_async(standalone)["logprobs"].tolist() == out["logprobs"].tolist()
+    assert standalone.llm.asked[-1]["detokenize"] is True

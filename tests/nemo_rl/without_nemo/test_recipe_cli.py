@@ -620,3 +620,20 @@ def test_engine_share_is_sized_to_the_rollout_in_flight(stock: Path, tmp_path: P
     rc, files = _recipe(odd, tmp_path / "odd", *common)
     out = capsys.readouterr().out
     assert rc == 0 and "gpu_memory_utilization" not in files[0].read_text(), out
+
+
+def test_rollouts_ask_vllm_for_tokens_only_unless_the_recipe_says(stock: Path, tmp_path: Path) -> None:
+    """The overlays turn vLLM's detokenization off (patch 0003 keeps it for requests with stop strings): NeMo RL's
+    rollouts read token ids and logprobs, and decoding each token and its logprob's token held a 1.5B engine to
+    0.58x its decode rate at 1,024 sequences. A recipe that sets ``vllm_cfg.detokenize`` keeps its own value."""
+    rc, files = _recipe(stock, tmp_path / "out", "--pipelines", "2", "--gpus", "0")
+    assert rc == 0
+    assert "patch 0003: token ids and logprobs only" in files[0].read_text()
+    assert load_stock(files[0])["policy"]["generation"]["vllm_cfg"]["detokenize"] is False
+    own = load_stock(stock)
+    own["policy"]["generation"]["vllm_cfg"]["detokenize"] = True
+    path = tmp_path / "own.yaml"
+    path.write_text(yaml.safe_dump(own))
+    rc, files = _recipe(path, tmp_path / "own", "--pipelines", "2", "--gpus", "0")
+    assert rc == 0 and "detokenize" not in files[0].read_text()
+    assert load_stock(files[0])["policy"]["generation"]["vllm_cfg"]["detokenize"] is True

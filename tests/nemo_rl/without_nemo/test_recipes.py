@@ -25,7 +25,8 @@ ALLOWED = {
     "defaults", "grpo.async_grpo.enabled", "loss_fn.use_importance_sampling_correction",
     "policy.generation.colocated.enabled", "policy.generation.colocated.resources.gpus_per_node",
     "policy.generation.colocated.resources.num_nodes", "policy.generation.vllm_cfg.async_engine",
-    "policy.generation.vllm_cfg.sleep_level", "policy.generation.vllm_kwargs.worker_cls", "cluster.gpus_per_node",
+    "policy.generation.vllm_cfg.sleep_level", "policy.generation.vllm_cfg.detokenize",
+    "policy.generation.vllm_kwargs.worker_cls", "cluster.gpus_per_node",
 }
 
 
