@@ -17,7 +17,9 @@ Every request decodes exactly ``--new-tokens`` tokens (``ignore_eos``), so every
 the sampled token's logprob as NeMo RL does (``logprobs=0``). Suffixes change how (they combine, e.g. ``sized:flat:notext``):
 ``:nolp`` asks no logprobs; ``:flat`` returns them flat (``flat_logprobs``: a few lists per request instead of a dict
 and an object per token); ``:notext`` turns detokenization off (``detokenize=False``: no text, and no decoded text
-of each logprob's token, which vLLM's front-end otherwise makes per request and token). Each engine's GPU memory (NVML, its process tree) is
+of each logprob's token, which vLLM's front-end otherwise makes per request and token). Two more set the engine up
+as NeMo RL's time-shared ranks run: ``:eager`` (no CUDA graphs, ``enforce_eager``) and ``:sleep`` (sleep mode on, and
+a sleep and a wake after the warm-up, before the rollout). Each engine's GPU memory (NVML, its process tree) is
 read after start-up and at its peak during the rollout: what it holds beyond its share is what the scheduler's figure
 for an awake engine must add (a 1.5B engine of 1,024 sequences / 16,384 tokens held ~14 GiB more under NeMo RL).
 """
@@ -49,7 +51,7 @@ def sized_share(model: str, new_tokens: int, gpu_gib: float) -> float:
     return sized[0]
 
 
-SAMPLING_FLAGS = ("nolp", "flat", "notext")
+FLAGS = ("nolp", "flat", "notext", "eager", "sleep")
 
 
 def one_engine(model: str, share: float, requests: int, new_tokens: int, seqs: int, tokens: int,
@@ -64,8 +66,9 @@ def one_engine(model: str, share: float, requests: int, new_tokens: int, seqs: i
     from rlix_plugins.pipeline.gpu_memory import process_tree_gpu_bytes
 
     t0 = time.perf_counter()
-    llm = LLM(model=model, gpu_memory_utilization=share, max_model_len=new_tokens + 512, enforce_eager=False,
-              seed=0, enable_prefix_caching=False, max_num_seqs=seqs, max_num_batched_tokens=tokens)
+    llm = LLM(model=model, gpu_memory_utilization=share, max_model_len=new_tokens + 512, enforce_eager="eager" in flags,
+              seed=0, enable_prefix_caching=False, max_num_seqs=seqs, max_num_batched_tokens=tokens,
+              enable_sleep_mode="sleep" in flags)
     start_s = time.perf_counter() - t0
     cache = llm.llm_engine.vllm_config.cache_config
     kv_tokens = int((cache.num_gpu_blocks or 0) * cache.block_size)
@@ -77,6 +80,9 @@ def one_engine(model: str, share: float, requests: int, new_tokens: int, seqs: i
                             logprobs=None if "nolp" in flags else 0, flat_logprobs="flat" in flags,
                             detokenize="notext" not in flags)
     llm.generate(prompts[:8], params, use_tqdm=False)  # warm-up
+    if "sleep" in flags:  # level 1 keeps the weights (level 2, as time-sharing runs, would need them reloaded)
+        llm.sleep(level=1)
+        llm.wake_up()
     started = process_tree_gpu_bytes() or 0
     peak, done = [started], threading.Event()
 
@@ -104,10 +110,10 @@ def parse_engine(spec: str) -> tuple[str, int, int, tuple[str, ...]]:
     from rlix_plugins.nemo_rl.memory_budget import ENGINE_BATCH_TOKENS, ENGINE_MAX_SEQS
 
     spec, *flags = spec.split(":")
-    unknown = [f for f in flags if f not in SAMPLING_FLAGS]
+    unknown = [f for f in flags if f not in FLAGS]
     if unknown:
         raise SystemExit(f"--shares {spec}:{':'.join(flags)}: unknown suffix {unknown[0]!r}; the suffixes are "
-                         + ", ".join(f"':{f}'" for f in SAMPLING_FLAGS))
+                         + ", ".join(f"':{f}'" for f in FLAGS))
     share, _, batch = spec.partition("@")
     seqs, _, tokens = batch.partition("/")
     return share, int(seqs or ENGINE_MAX_SEQS), int(tokens or ENGINE_BATCH_TOKENS), tuple(flags)
