@@ -56,19 +56,22 @@ ENGINE_ASLEEP_TP_GIB: Final = 2.5
 ENGINE_WORK_GIB: Final = 2.0
 #: The tokens one engine step runs (``max_num_batched_tokens``) that ``rlix recipe`` writes unless the recipe says:
 #: vLLM's profile batch, whose MLP activations (gate and up projections, bf16) an engine's share must hold, and what
-#: a running engine holds beyond its share grows with it (:data:`ENGINE_RUN_BYTES_PER_TOKEN_VOCAB`). A quarter of
+#: a running engine holds beyond its share grows a little with it (:data:`ENGINE_RUN_BYTES_PER_TOKEN_VOCAB`). A quarter of
 #: what vLLM's synchronous engine runs on H100/H200-class GPUs (16,384, where a 1.5B engine held ~14 GiB beyond
 #: its share): decode steps, at most :data:`ENGINE_MAX_SEQS` tokens, are never cut; a batch's prefill takes four
 #: times the steps, each a quarter of the work.
 ENGINE_BATCH_TOKENS: Final = 4096
 #: What a running engine holds beyond its share (weights, KV cache and the activations vLLM profiled), in bytes per
-#: token of its step batch (``max_num_batched_tokens``) and vocabulary entry. Measured on an H200 under NeMo RL at
-#: the Qwen2.5-1.5B shape (vocabulary 151,936): 13.9 GiB at 16,384 tokens and 1,024 sequences (its end-of-run sleep
-#: freed 46.97 GiB, of which 33.04 were the sleep-mode pools; an awake engine read ~45 GiB on a 33.6 GiB share),
-#: 0.94 GiB at 2,048 tokens and 128 sequences. 6 bytes (a bf16 and an fp32 copy of logits over the batch) fits the
-#: first and over-counts the second. Both settings changed 8x together: which one the memory follows is what
-#: ``benchmarks/engine_share.py`` reads next (each engine's peak against its share).
-ENGINE_RUN_BYTES_PER_TOKEN_VOCAB: Final = 6
+#: vocabulary entry of each sequence it may run at once (``max_num_seqs``) and of each token of its step batch
+#: (``max_num_batched_tokens``). Measured on an H200 under NeMo RL at the Qwen2.5-1.5B shape (vocabulary 151,936),
+#: as the awake engine process's GPU memory beyond its share, less its context and the two sync buffers the figure
+#: counts apart: 9.2 GiB at 1,024 sequences / 4,096 tokens (45.1 GiB on a 33.6 GiB share from its first rollout on,
+#: eager), 13.9 GiB at 1,024 / 16,384 (its sleep freed that much beyond the sleep-mode pools; CUDA graphs), 0.94 GiB
+#: at 128 / 2,048. A lone engine of 1,024 / 4,096 with CUDA graphs and no sleep held 1.8 GiB beyond its share
+#: (``benchmarks/engine_share.py``), so the growth comes with time-sharing's engines, not with the batch alone; it
+#: follows the sequences far more than the tokens (4x the tokens added 4.7 GiB). 52 and 3 bytes cover all three.
+ENGINE_RUN_BYTES_PER_SEQ_VOCAB: Final = 52
+ENGINE_RUN_BYTES_PER_TOKEN_VOCAB: Final = 3
 #: The most sequences ``rlix recipe`` lets one engine run at once unless the recipe says (``max_num_seqs``: vLLM's
 #: synchronous engine's default on H100/H200-class GPUs; its async engine's is 128): more requests than that wait in
 #: its queue and need no KV cache yet.
@@ -123,10 +126,12 @@ def engine_asleep_gib(tp: int = 1) -> float:
     return ENGINE_ASLEEP_TP_GIB if tp > 1 else ENGINE_ASLEEP_GIB
 
 
-def engine_run_gib(shape: ModelShape, batched_tokens: int = ENGINE_BATCH_TOKENS) -> float:
-    """What a running engine holds on each GPU beyond its ``gpu_memory_utilization`` share, at ``batched_tokens``
-    tokens a step (:data:`ENGINE_RUN_BYTES_PER_TOKEN_VOCAB`)."""
-    return batched_tokens * shape.vocab_size * ENGINE_RUN_BYTES_PER_TOKEN_VOCAB / GiB
+def engine_run_gib(shape: ModelShape, batched_tokens: int = ENGINE_BATCH_TOKENS,
+                   max_seqs: int = ENGINE_MAX_SEQS) -> float:
+    """What a running engine holds on each GPU beyond its ``gpu_memory_utilization`` share, running up to
+    ``max_seqs`` sequences and ``batched_tokens`` tokens a step (:data:`ENGINE_RUN_BYTES_PER_SEQ_VOCAB`)."""
+    return (max_seqs * ENGINE_RUN_BYTES_PER_SEQ_VOCAB
+            + batched_tokens * ENGINE_RUN_BYTES_PER_TOKEN_VOCAB) * shape.vocab_size / GiB
 
 
 def kv_bytes_per_token(shape: ModelShape, tp: int = 1, dtype_bytes: int = 2) -> int:
@@ -163,16 +168,18 @@ def step_gib(shape: ModelShape, train_gpus: int = 1, step_tokens: int = DEFAULT_
 def pipeline_memory(name: str, shape: ModelShape, *, gpu_memory_gib: float, gpu_memory_utilization: float,
                     trains_here: bool = True, train_gpus: int = 1,
                     step_tokens: int = DEFAULT_STEP_TOKENS, tp: int = 1,
-                    engine_tokens: int = ENGINE_BATCH_TOKENS, trainer_resident: bool = False) -> PipelineMemory:
+                    engine_tokens: int = ENGINE_BATCH_TOKENS, engine_seqs: int = ENGINE_MAX_SEQS,
+                    trainer_resident: bool = False) -> PipelineMemory:
     """The memory figures of one pipeline training ``shape`` (see the module docstring). ``trains_here``: whether
     its trainer also lives on the GPU in question; ``train_gpus``: GPUs its trainer shards the states over;
     ``step_tokens``: tokens of one training micro-batch; ``tp``: its vLLM engines' tensor parallel size;
-    ``engine_tokens``: their ``max_num_batched_tokens``; ``trainer_resident``: its trainer keeps its states on the
+    ``engine_tokens`` / ``engine_seqs``: their ``max_num_batched_tokens`` / ``max_num_seqs``;
+    ``trainer_resident``: its trainer keeps its states on the
     GPU between steps."""
     params = shape.num_parameters
     shard = params / max(train_gpus, 1)
     engine_gib = (gpu_memory_utilization * gpu_memory_gib + engine_asleep_gib(tp)
-                  + engine_run_gib(shape, engine_tokens))
+                  + engine_run_gib(shape, engine_tokens, engine_seqs))
     step = step_gib(shape, train_gpus, step_tokens) if trains_here else 0.0
     start_gib = engine_gib + (shard * TRAINER_LOADED_BYTES_PER_PARAM / GiB if trains_here else 0.0)
     asleep = engine_asleep_gib(tp) + (trainer_idle_gib(shape, train_gpus, resident=trainer_resident)
@@ -190,11 +197,11 @@ def pipeline_memory(name: str, shape: ModelShape, *, gpu_memory_gib: float, gpu_
 def cluster_memory(shape: ModelShape, *, gpu_memory_gib: float, gpu_memory_utilization: float,
                    train_gpus: int = 1, bucket_size_bytes: int = 0,
                    step_tokens: int = DEFAULT_STEP_TOKENS, tp: int = 1,
-                   engine_tokens: int = ENGINE_BATCH_TOKENS,
+                   engine_tokens: int = ENGINE_BATCH_TOKENS, engine_seqs: int = ENGINE_MAX_SEQS,
                    trainer_resident: bool = False) -> dict[str, dict[str, float]]:
     """The scheduler's figures of one pipeline's clusters (``rlix.memory``; ``control.types.ClusterMemory``), GiB per
-    GPU, rounded up to 0.1: its vLLM engine awake (with what it holds beyond vLLM's share running ``engine_tokens``
-    a step, and the two bucket-sized buffers a weight sync receives into) / asleep, its trainer's step / between
+    GPU, rounded up to 0.1: its vLLM engine awake (with what it holds beyond vLLM's share running ``engine_seqs``
+    sequences and ``engine_tokens`` tokens a step, and the two bucket-sized buffers a weight sync receives into) / asleep, its trainer's step / between
     steps (offloaded, or ``trainer_resident``: its states kept on the GPU), and the share of the GPU the pipelines
     may plan for."""
     shard = shape.num_parameters / max(train_gpus, 1)
@@ -207,7 +214,7 @@ def cluster_memory(shape: ModelShape, *, gpu_memory_gib: float, gpu_memory_utili
     gpu = math.floor(gpu_memory_gib * GPU_SHARE * 10) / 10
     return {
         "actor_infer": {"gpu_gib": gpu, "awake_gib": up(gpu_memory_utilization * gpu_memory_gib + engine_asleep_gib(tp)
-                                                       + engine_run_gib(shape, engine_tokens)
+                                                       + engine_run_gib(shape, engine_tokens, engine_seqs)
                                                        + 2 * bucket_size_bytes / GiB),
                         "asleep_gib": engine_asleep_gib(tp)},
         "actor_train": {"gpu_gib": gpu, "awake_gib": up(max(trainer, idle)), "asleep_gib": up(idle)},

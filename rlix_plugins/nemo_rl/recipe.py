@@ -326,7 +326,7 @@ def check_memory(stock: Mapping[str, Any], layouts: Sequence[PipelineLayout], *,
     util = float(_resolved(stock, "policy.generation.vllm_cfg.gpu_memory_utilization") or 0.9)
     tp = int(_resolved(stock, "policy.generation.vllm_cfg.tensor_parallel_size") or 1)
     tokens = _step_tokens(stock)
-    engine_tokens = engine_batch_tokens(stock)
+    engine_tokens, engine_seqs = engine_batch_tokens(stock), engine_max_seqs(stock)
     resident = _resolved(stock, "rlix.offload_trainer") is False
     gib = gpu_memory_gib or 0.0
     by_gpu: dict[int, list[PipelineMemory]] = {}
@@ -334,7 +334,7 @@ def check_memory(stock: Mapping[str, Any], layouts: Sequence[PipelineLayout], *,
     for p in layouts:
         mem = {g: pipeline_memory(p.name, shape, gpu_memory_gib=gib, gpu_memory_utilization=util,
                                   trains_here=g in p.train_devices, train_gpus=len(p.train_devices),
-                                  step_tokens=tokens, tp=tp, engine_tokens=engine_tokens,
+                                  step_tokens=tokens, tp=tp, engine_tokens=engine_tokens, engine_seqs=engine_seqs,
                                   trainer_resident=resident)
                for g in p.infer_devices}
         everyone.append(mem[p.train_devices[0]])
@@ -351,7 +351,8 @@ def check_memory(stock: Mapping[str, Any], layouts: Sequence[PipelineLayout], *,
         return note, None
     figures = cluster_memory(shape, gpu_memory_gib=gpu_memory_gib, gpu_memory_utilization=util,
                              train_gpus=len(layouts[0].train_devices), bucket_size_bytes=bucket_size_for(model)[0],
-                             step_tokens=tokens, tp=tp, engine_tokens=engine_tokens, trainer_resident=resident)
+                             step_tokens=tokens, tp=tp, engine_tokens=engine_tokens, engine_seqs=engine_seqs,
+                             trainer_resident=resident)
     return f"{note}; {_coresidence_note(layouts, figures, gpu_memory_gib, util)}", figures
 
 
@@ -636,15 +637,15 @@ def _overlay(stock: Mapping[str, Any], p: PipelineLayout, num_pipelines: int, gp
          "the weight receiver (rlix_plugins.vllm.nemo_rl_vllm_kwargs())")
     # vLLM's async engine defaults to 128 sequences and 2,048 tokens a step (its engine context), where the
     # synchronous engine of a stock recipe runs 1,024 and 16,384 on H100/H200-class GPUs: a 512-request batch would
-    # decode in four waves. Its steps stay at a quarter of 16,384: what an engine holds beyond its share grows with
-    # them (~14 GiB at 16,384 for a 151,936-token vocabulary), and a decode step needs at most max_num_seqs.
+    # decode in four waves. Its steps stay at a quarter of 16,384: a decode step needs at most max_num_seqs, one
+    # engine decoded as fast at either, and the profile batch's activations in its share are a quarter.
     _set(ov, stock, "policy.generation.vllm_kwargs.max_num_seqs", engine_max_seqs(stock, data_plane=data_plane),
          "the rollout in flight, at most 1,024 (the async engine's default is 128)")
     if _int_or_none(stock, "policy.generation.vllm_kwargs.max_num_batched_tokens") is None:
         _set(ov, stock, "policy.generation.vllm_kwargs.max_num_batched_tokens",
              engine_batch_tokens(stock, data_plane=data_plane),
-             "every decode step whole; an engine holds more beyond its share the more tokens a step runs (the async "
-             "engine's default is 2,048, the synchronous one's 16,384)")
+             "every decode step whole, as fast as 16,384 (the async engine's default is 2,048, the synchronous "
+             "one's 16,384)")
     _set(ov, stock, "cluster.gpus_per_node", gpus_per_node,
          "GPUs of the node the pipelines share" if nodes == 1 else "GPUs of each node the pipelines share")
     _set(ov, stock, "cluster.num_nodes", nodes, "nodes the pipelines share (--nodes)")
