@@ -56,10 +56,9 @@ ENGINE_ASLEEP_TP_GIB: Final = 2.5
 ENGINE_WORK_GIB: Final = 2.0
 #: The tokens one engine step runs (``max_num_batched_tokens``) that ``rlix recipe`` writes unless the recipe says:
 #: vLLM's profile batch, whose MLP activations (gate and up projections, bf16) an engine's share must hold, and what
-#: a running engine holds beyond its share grows a little with it (:data:`ENGINE_RUN_BYTES_PER_TOKEN_VOCAB`). A quarter of
-#: what vLLM's synchronous engine runs on H100/H200-class GPUs (16,384, where a 1.5B engine held ~14 GiB beyond
-#: its share): decode steps, at most :data:`ENGINE_MAX_SEQS` tokens, are never cut; a batch's prefill takes four
-#: times the steps, each a quarter of the work.
+#: a running engine holds beyond its share grows a little with it (:data:`ENGINE_RUN_BYTES_PER_TOKEN_VOCAB`). A
+#: quarter of what vLLM's synchronous engine runs on H100/H200-class GPUs (16,384): decode steps, at most
+#: :data:`ENGINE_MAX_SEQS` tokens, are never cut, and a 1.5B engine decoded a step's rollout as fast at either.
 ENGINE_BATCH_TOKENS: Final = 4096
 #: What a running engine holds beyond its share (weights, KV cache and the activations vLLM profiled), in bytes per
 #: vocabulary entry of each sequence it may run at once (``max_num_seqs``) and of each token of its step batch
