@@ -173,8 +173,7 @@ def pipeline_memory(name: str, shape: ModelShape, *, gpu_memory_gib: float, gpu_
     its trainer also lives on the GPU in question; ``train_gpus``: GPUs its trainer shards the states over;
     ``step_tokens``: tokens of one training micro-batch; ``tp``: its vLLM engines' tensor parallel size;
     ``engine_tokens`` / ``engine_seqs``: their ``max_num_batched_tokens`` / ``max_num_seqs``;
-    ``trainer_resident``: its trainer keeps its states on the
-    GPU between steps."""
+    ``trainer_resident``: its trainer keeps its states on the GPU between steps."""
     params = shape.num_parameters
     shard = params / max(train_gpus, 1)
     engine_gib = (gpu_memory_utilization * gpu_memory_gib + engine_asleep_gib(tp)
@@ -200,9 +199,9 @@ def cluster_memory(shape: ModelShape, *, gpu_memory_gib: float, gpu_memory_utili
                    trainer_resident: bool = False) -> dict[str, dict[str, float]]:
     """The scheduler's figures of one pipeline's clusters (``rlix.memory``; ``control.types.ClusterMemory``), GiB per
     GPU, rounded up to 0.1: its vLLM engine awake (with what it holds beyond vLLM's share running ``engine_seqs``
-    sequences and ``engine_tokens`` tokens a step, and the two bucket-sized buffers a weight sync receives into) / asleep, its trainer's step / between
-    steps (offloaded, or ``trainer_resident``: its states kept on the GPU), and the share of the GPU the pipelines
-    may plan for."""
+    sequences and ``engine_tokens`` tokens a step, and the two bucket-sized buffers a weight sync receives into) /
+    asleep, its trainer's step / between steps (offloaded, or ``trainer_resident``: its states kept on the GPU), and
+    the share of the GPU the pipelines may plan for."""
     shard = shape.num_parameters / max(train_gpus, 1)
     trainer = max(step_gib(shape, train_gpus, step_tokens), shard * TRAINER_LOADED_BYTES_PER_PARAM / GiB)
     idle = trainer_idle_gib(shape, train_gpus, resident=trainer_resident)
