@@ -314,11 +314,12 @@ def sized_utilization(stock: Mapping[str, Any], gpu_memory_gib: float, *, data_p
 
 
 def check_memory(stock: Mapping[str, Any], layouts: Sequence[PipelineLayout], *, gpu_memory_gib: float | None,
-                 host_memory_gib: float | None) -> tuple[str, dict[str, dict[str, float]] | None]:
+                 host_memory_gib: float | None, data_plane: bool = False) -> tuple[str, dict[str, dict[str, float]] | None]:
     """Refuse layouts whose pipelines do not fit in GPU or host memory (:mod:`.memory_budget`); returns a note on
     what was checked and, when the GPU's memory is known, the scheduler's figures of each pipeline's clusters
     (``rlix.memory``, the same for every pipeline of the layout). The model's shape comes from ``policy.model_name``
-    (:func:`.model_shape.model_shape`)."""
+    (:func:`.model_shape.model_shape`). ``data_plane``: the engines' batch of the TransferQueue loop, as the overlay
+    writes it."""
     model = _resolved(stock, "policy.model_name")
     shape = model_shape(model) if isinstance(model, str) and model else None
     if shape is None:
@@ -326,7 +327,8 @@ def check_memory(stock: Mapping[str, Any], layouts: Sequence[PipelineLayout], *,
     util = float(_resolved(stock, "policy.generation.vllm_cfg.gpu_memory_utilization") or 0.9)
     tp = int(_resolved(stock, "policy.generation.vllm_cfg.tensor_parallel_size") or 1)
     tokens = _step_tokens(stock)
-    engine_tokens, engine_seqs = engine_batch_tokens(stock), engine_max_seqs(stock)
+    engine_tokens = engine_batch_tokens(stock, data_plane=data_plane)
+    engine_seqs = engine_max_seqs(stock, data_plane=data_plane)
     resident = _resolved(stock, "rlix.offload_trainer") is False
     gib = gpu_memory_gib or 0.0
     by_gpu: dict[int, list[PipelineMemory]] = {}
@@ -545,7 +547,8 @@ def make_overlays(stock: Mapping[str, Any], num_pipelines: int, gpus: Sequence[i
         trainer_offload = not keep
     # read back by check_memory (the figures) and written by the overlay where it differs from the recipe's
     stock = _merge(dict(stock), {"rlix": {"offload_trainer": trainer_offload}})
-    memory, figures = check_memory(stock, layouts, gpu_memory_gib=gpu_memory_gib, host_memory_gib=host_memory_gib)
+    memory, figures = check_memory(stock, layouts, gpu_memory_gib=gpu_memory_gib, host_memory_gib=host_memory_gib,
+                                   data_plane=data_plane)
     overlays = [_overlay(stock, p, num_pipelines, per_node, data_plane, nodes) for p in layouts]
     for ov in overlays:
         ov.memory = memory

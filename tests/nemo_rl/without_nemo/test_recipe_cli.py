@@ -639,3 +639,24 @@ def test_rollouts_ask_vllm_for_tokens_only_unless_the_recipe_says(stock: Path, t
     rc, files = _recipe(path, tmp_path / "own", "--pipelines", "2", "--gpus", "0")
     assert rc == 0 and "detokenize" not in files[0].read_text()
     assert load_stock(files[0])["policy"]["generation"]["vllm_cfg"]["detokenize"] is True
+
+
+def test_the_figures_count_the_engine_batch_the_overlay_writes(stock: Path, tmp_path: Path) -> None:
+    """The TransferQueue loop keeps one step's batch in flight (512 requests of the stock 1.5B recipe, not async
+    GRPO's two): its engines run 512 sequences, and their awake figure counts those, not 1,024."""
+    from rlix_plugins.nemo_rl.memory_budget import cluster_memory
+    from rlix_plugins.nemo_rl.model_shape import model_shape
+
+    big = _stock_1p5b(tmp_path, stock)
+    rc, files = _recipe(big, tmp_path / "dp", "--pipelines", "2", "--gpus", "0", "--gpu-memory-gib", "139.8",
+                        "--host-memory-gib", "500", "--data-plane")
+    assert rc == 0
+    merged = _merge(load_stock(big), load_stock(files[0]))
+    kwargs, util = merged["policy"]["generation"]["vllm_kwargs"], merged["policy"]["generation"]["vllm_cfg"]
+    assert kwargs["max_num_seqs"] == 512
+    shape = model_shape("Qwen/Qwen2.5-1.5B")
+    assert shape is not None
+    want = cluster_memory(shape, gpu_memory_gib=139.8, gpu_memory_utilization=util["gpu_memory_utilization"],
+                          bucket_size_bytes=merged["rlix"]["bucket_size_bytes"], step_tokens=4 * 1024,
+                          engine_tokens=kwargs["max_num_batched_tokens"], engine_seqs=512)
+    assert merged["rlix"]["memory"]["actor_infer"] == want["actor_infer"], (merged["rlix"]["memory"], want)
