@@ -133,6 +133,14 @@ def engine_run_gib(shape: ModelShape, batched_tokens: int = ENGINE_BATCH_TOKENS,
             + batched_tokens * ENGINE_RUN_BYTES_PER_TOKEN_VOCAB) * shape.vocab_size / GiB
 
 
+def engine_awake_gib(shape: ModelShape, *, gpu_memory_gib: float, gpu_memory_utilization: float, tp: int = 1,
+                     engine_tokens: int = ENGINE_BATCH_TOKENS, engine_seqs: int = ENGINE_MAX_SEQS) -> float:
+    """An awake engine on each of its GPUs: its share, its context (what it keeps asleep) and what it holds beyond
+    its share running ``engine_seqs`` sequences and ``engine_tokens`` tokens a step."""
+    return (gpu_memory_utilization * gpu_memory_gib + engine_asleep_gib(tp)
+            + engine_run_gib(shape, engine_tokens, engine_seqs))
+
+
 def kv_bytes_per_token(shape: ModelShape, tp: int = 1, dtype_bytes: int = 2) -> int:
     """KV cache bytes of one token on each GPU of an engine of ``tp`` GPUs: keys and values of every layer's KV heads
     (split over the GPUs, or replicated where there are fewer heads than GPUs), in the model's dtype."""
@@ -176,8 +184,8 @@ def pipeline_memory(name: str, shape: ModelShape, *, gpu_memory_gib: float, gpu_
     ``trainer_resident``: its trainer keeps its states on the GPU between steps."""
     params = shape.num_parameters
     shard = params / max(train_gpus, 1)
-    engine_gib = (gpu_memory_utilization * gpu_memory_gib + engine_asleep_gib(tp)
-                  + engine_run_gib(shape, engine_tokens, engine_seqs))
+    engine_gib = engine_awake_gib(shape, gpu_memory_gib=gpu_memory_gib, gpu_memory_utilization=gpu_memory_utilization,
+                                  tp=tp, engine_tokens=engine_tokens, engine_seqs=engine_seqs)
     step = step_gib(shape, train_gpus, step_tokens) if trains_here else 0.0
     start_gib = engine_gib + (shard * TRAINER_LOADED_BYTES_PER_PARAM / GiB if trains_here else 0.0)
     asleep = engine_asleep_gib(tp) + (trainer_idle_gib(shape, train_gpus, resident=trainer_resident)
@@ -210,10 +218,10 @@ def cluster_memory(shape: ModelShape, *, gpu_memory_gib: float, gpu_memory_utili
         return math.ceil(x * 10 - 1e-9) / 10
 
     gpu = math.floor(gpu_memory_gib * GPU_SHARE * 10) / 10
+    engine = engine_awake_gib(shape, gpu_memory_gib=gpu_memory_gib, gpu_memory_utilization=gpu_memory_utilization,
+                              tp=tp, engine_tokens=engine_tokens, engine_seqs=engine_seqs)
     return {
-        "actor_infer": {"gpu_gib": gpu, "awake_gib": up(gpu_memory_utilization * gpu_memory_gib + engine_asleep_gib(tp)
-                                                       + engine_run_gib(shape, engine_tokens, engine_seqs)
-                                                       + 2 * bucket_size_bytes / GiB),
+        "actor_infer": {"gpu_gib": gpu, "awake_gib": up(engine + 2 * bucket_size_bytes / GiB),
                         "asleep_gib": engine_asleep_gib(tp)},
         "actor_train": {"gpu_gib": gpu, "awake_gib": up(max(trainer, idle)), "asleep_gib": up(idle)},
     }
