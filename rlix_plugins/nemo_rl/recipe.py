@@ -470,7 +470,7 @@ def _keep_trainers(stock: Mapping[str, Any], layouts: Sequence[PipelineLayout], 
     assert kept is not None
     before, after = _places(layouts, offloaded), _places(layouts, kept)
     lost = [f"GPU {g}: {_fits(before[g])} -> {_fits(after.get(g))}" for g in before
-            if (after[g].together if g in after else None) != before[g].together]
+            if _together(after.get(g)) != before[g].together]
     if lost:
         return False, ("trainers offload their states to host memory between steps: kept on the GPU "
                        f"({kept['actor_train']['asleep_gib']:.1f} GiB each between steps instead of "
@@ -481,8 +481,12 @@ def _keep_trainers(stock: Mapping[str, Any], layouts: Sequence[PipelineLayout], 
                   "steps as offloaded ones (--trainer-offload offloads them)")
 
 
+def _together(p: _Places | None) -> tuple[int, int, int, int] | None:
+    return None if p is None else p.together
+
+
 def _fits(p: _Places | None) -> str:
-    together = None if p is None else p.together
+    together = _together(p)
     if together is None:
         return "no rollout next to a training step"
     rollouts, beside, steps, beside_two = together
