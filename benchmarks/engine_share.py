@@ -106,7 +106,7 @@ def one_engine(model: str, share: float, requests: int, new_tokens: int, seqs: i
 
 
 def parse_engine(spec: str) -> tuple[str, int, int, tuple[str, ...]]:
-    """``SHARE[@SEQS/TOKENS][:FLAG...]`` -> (share, max_num_seqs, max_num_batched_tokens, sampling flags)."""
+    """``SHARE[@SEQS/TOKENS][:FLAG...]`` -> (share, max_num_seqs, max_num_batched_tokens, flags: :data:`FLAGS`)."""
     from rlix_plugins.nemo_rl.memory_budget import ENGINE_BATCH_TOKENS, ENGINE_MAX_SEQS
 
     spec, *flags = spec.split(":")
