@@ -68,8 +68,11 @@ ENGINE_BATCH_TOKENS: Final = 4096
 #: eager), 13.9 GiB at 1,024 / 16,384 (its sleep freed that much beyond the sleep-mode pools; CUDA graphs), 0.94 GiB
 #: at 128 / 2,048. A lone engine of 1,024 / 4,096 with CUDA graphs and no sleep held 1.8 GiB beyond its share
 #: (``benchmarks/engine_share.py``), so the growth comes with time-sharing's engines, not with the batch alone; it
-#: follows the sequences far more than the tokens (4x the tokens added 4.7 GiB). 52 and 3 bytes cover all three.
-ENGINE_RUN_BYTES_PER_SEQ_VOCAB: Final = 52
+#: follows the sequences far more than the tokens (4x the tokens added 4.7 GiB). With CUDA graphs the engines of a
+#: pair held 46.1 and 46.5 GiB at 1,024 / 4,096 (one alone 45.7), 1.1 GiB over what 52 bytes planned; a lone engine
+#: grew 6.4 GiB at its first rollout with sleep mode on (graphs or eager) and none without it, so the growth is sleep
+#: mode's. 61 and 3 bytes cover every measurement.
+ENGINE_RUN_BYTES_PER_SEQ_VOCAB: Final = 61
 ENGINE_RUN_BYTES_PER_TOKEN_VOCAB: Final = 3
 #: The most sequences ``rlix recipe`` lets one engine run at once unless the recipe says (``max_num_seqs``: vLLM's
 #: synchronous engine's default on H100/H200-class GPUs; its async engine's is 128): more requests than that wait in

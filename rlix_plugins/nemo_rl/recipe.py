@@ -485,6 +485,70 @@ def _together(p: _Places | None) -> tuple[int, int, int, int] | None:
     return None if p is None else p.together
 
 
+def _more(a: tuple[int, int, int, int] | None, b: tuple[int, int, int, int] | None) -> bool:
+    """Whether ``a`` lets more run together than ``b`` (as much of everything, more of something)."""
+    return a is not None and (b is None or (a != b and all(x >= y for x, y in zip(a, b, strict=True))))
+
+
+def _with_seqs(stock: Mapping[str, Any], seqs: int) -> dict[str, Any]:
+    return _merge(dict(stock), {"policy": {"generation": {"vllm_kwargs": {"max_num_seqs": seqs}}}})
+
+
+def _with_util(stock: Mapping[str, Any], util: float) -> dict[str, Any]:
+    return _merge(dict(stock), {"policy": {"generation": {"vllm_cfg": {"gpu_memory_utilization": util}}}})
+
+
+def _one_batch_at_once(stock: Mapping[str, Any], layouts: Sequence[PipelineLayout], *,
+                       gpu_memory_gib: float | None, host_memory_gib: float | None, data_plane: bool,
+                       gpu_memory_utilization: float | None,
+                       trainer_offload: bool | None) -> tuple[int, str] | None:
+    """(``max_num_seqs``, why) where engines that run one step's batch at once, not the whole rollout async GRPO
+    keeps in flight (its look-ahead step's too), let more phases run together on some GPU and fewer on none; None
+    to keep :func:`engine_max_seqs`. A smaller engine costs only the look-ahead's concurrency (its requests wait in
+    the engine's queue): a 1.5B pair on an H200 whose rollouts could not run beside both training steps spent 30-45
+    s of each step waiting for its batch, where a pipeline alone waited 0.4 s. Judged with the trainers as the
+    flag or the recipe says, else offloaded (:func:`_keep_trainers` decides that afterwards)."""
+    flight = rollout_in_flight(stock, data_plane=data_plane)
+    if (not gpu_memory_gib or flight is None or len(layouts) < 2
+            or _int_or_none(stock, "policy.generation.vllm_kwargs.max_num_seqs") is not None):
+        return None
+    batch = (_int_or_none(stock, "grpo.num_prompts_per_step") or 0) * (
+        _int_or_none(stock, "grpo.num_generations_per_prompt") or 0)
+    full = engine_max_seqs(stock, data_plane=data_plane)
+    if batch >= full:
+        return None
+    tp = int(_resolved(stock, "policy.generation.vllm_cfg.tensor_parallel_size") or 1)
+    offload = True if trainer_offload is None else trainer_offload
+
+    def places(seqs: int) -> dict[int, _Places] | None:
+        at = _merge(_with_seqs(stock, seqs), {"rlix": {"offload_trainer": offload}})
+        sized = sized_utilization(at, gpu_memory_gib, data_plane=data_plane, tp=tp)
+        util = gpu_memory_utilization if gpu_memory_utilization is not None else sized[0] if sized else None
+        if util is not None:
+            at = _with_util(at, util)
+        try:
+            _, figures = check_memory(at, layouts, gpu_memory_gib=gpu_memory_gib, host_memory_gib=host_memory_gib,
+                                      data_plane=data_plane)
+        except RlixConfigError:
+            return None  # does not fit at all
+        return _places(layouts, figures) if figures is not None else None
+
+    before, after = places(full), places(batch)
+    if after is None:
+        return None
+    if before is None:
+        return batch, (f"one step's batch at once ({batch} sequences), not the {full} async GRPO keeps in flight: "
+                       "the pipelines fit only so (the look-ahead step's requests wait in the engine's queue)")
+    gained = [g for g in after if _more(_together(after[g]), _together(before.get(g)))]
+    lost = [g for g in before if _more(_together(before[g]), _together(after.get(g)))]
+    if not gained or lost:
+        return None
+    return batch, (f"one step's batch at once ({batch} sequences), not the {full} async GRPO keeps in flight: "
+                   "the smaller engine lets more run together ("
+                   + "; ".join(f"GPU {g}: {_fits(before.get(g))} -> {_fits(after[g])}" for g in gained)
+                   + "); the look-ahead step's requests wait in the engine's queue")
+
+
 def _fits(p: _Places | None) -> str:
     together = _together(p)
     if together is None:
@@ -504,7 +568,8 @@ def make_overlays(stock: Mapping[str, Any], num_pipelines: int, gpus: Sequence[i
     (``grpo_train_sync``). ``gpu_memory_gib`` / ``host_memory_gib``: the memory of the GPUs and the host the
     pipelines will run on (None: not checked; with the GPU's, the overlays carry the scheduler's memory figures).
     ``gpu_memory_utilization``: the vLLM engines' share of a GPU (None: sized to the rollout in flight where the
-    GPU's memory and the recipe's batch are known, :func:`sized_utilization`; else the stock recipe's).
+    GPU's memory and the recipe's batch are known, :func:`sized_utilization`, for engines of one step's batch where
+    that lets more run together, :func:`_one_batch_at_once`; else the stock recipe's).
     ``nodes``: machines the GPUs span (``gpus`` are global ids; more than one needs ``gpus_per_node``). ``tp``:
     vLLM's tensor parallel size (None: the stock recipe's). ``trainer_offload`` False: the trainers keep their
     states on the GPU between steps (``rlix.offload_trainer``), and the memory figures count them there; True:
@@ -522,14 +587,6 @@ def make_overlays(stock: Mapping[str, Any], num_pipelines: int, gpus: Sequence[i
     util_reason = "--gpu-memory-utilization: the vLLM engine's share of the GPU"
     if gpu_memory_utilization is not None and not 0 < gpu_memory_utilization <= 1:
         raise RlixConfigError(f"--gpu-memory-utilization {gpu_memory_utilization}: give a share in (0, 1]")
-    if gpu_memory_utilization is None and gpu_memory_gib:
-        sized = sized_utilization(stock, gpu_memory_gib, data_plane=data_plane, tp=vllm_tp)
-        stock_util = _resolved(stock, "policy.generation.vllm_cfg.gpu_memory_utilization")
-        if sized is not None and sized[0] != stock_util:  # an overlay writes only what it changes
-            gpu_memory_utilization, util_reason = sized
-    if gpu_memory_utilization is not None:
-        stock = _merge(dict(stock), {"policy": {"generation": {"vllm_cfg": {
-            "gpu_memory_utilization": gpu_memory_utilization}}}})
     if nodes < 1:
         raise RlixConfigError(f"--nodes {nodes}: need at least 1")
     if nodes > 1 and not gpus_per_node:
@@ -544,6 +601,18 @@ def make_overlays(stock: Mapping[str, Any], num_pipelines: int, gpus: Sequence[i
         layouts = layout(num_pipelines, gpus, trainer_size, vllm_tp)
     except RlixConfigError as exc:
         raise RlixConfigError(f"cannot time-share this recipe ({how}): {exc}") from None
+    seqs = _one_batch_at_once(stock, layouts, gpu_memory_gib=gpu_memory_gib, host_memory_gib=host_memory_gib,
+                              data_plane=data_plane, gpu_memory_utilization=gpu_memory_utilization,
+                              trainer_offload=trainer_offload)
+    if seqs is not None:  # read back by the sizing and the figures below, written by the overlay
+        stock = _with_seqs(stock, seqs[0])
+    if gpu_memory_utilization is None and gpu_memory_gib:
+        sized = sized_utilization(stock, gpu_memory_gib, data_plane=data_plane, tp=vllm_tp)
+        stock_util = _resolved(stock, "policy.generation.vllm_cfg.gpu_memory_utilization")
+        if sized is not None and sized[0] != stock_util:  # an overlay writes only what it changes
+            gpu_memory_utilization, util_reason = sized
+    if gpu_memory_utilization is not None:
+        stock = _with_util(stock, gpu_memory_utilization)
     chosen = ""  # why rlix chose, when no flag or recipe key did
     if trainer_offload is None:
         keep, chosen = _keep_trainers(stock, layouts, gpu_memory_gib=gpu_memory_gib,
@@ -566,6 +635,8 @@ def make_overlays(stock: Mapping[str, Any], num_pipelines: int, gpus: Sequence[i
                 "onload in each training grant; they hold GPU memory while the pipeline rolls out)"))
         elif trainer_offload and chosen:
             ov.notes.append(chosen)
+        if seqs is not None:
+            ov.changes["policy.generation.vllm_kwargs.max_num_seqs"] = seqs
         if tp is not None:
             ov.changes["policy.generation.vllm_cfg.tensor_parallel_size"] = (
                 tp, "--tp: each rollout rank is one vLLM engine over that many GPUs (one placement group)")
