@@ -661,6 +661,12 @@ def test_engines_run_one_step_batch_at_once_where_that_fits_a_rollout_beside_two
     merged, text, out = run(path, "own", "--pipelines", "2")
     assert merged["policy"]["generation"]["vllm_kwargs"]["max_num_seqs"] == 1024 and "max_num_seqs" not in text
     assert "(0 rollouts next to two)" in out, out
+    # a 60 GiB GPU: the pair fits only with the smaller engines (the whole rollout in flight is refused)
+    rc, files = _recipe(big, tmp_path / "small", "--pipelines", "2", "--gpus", "0", "--gpu-memory-gib", "60",
+                        "--host-memory-gib", "500")
+    out = capsys.readouterr().out
+    assert rc == 0 and "max_num_seqs: 512  # one step's batch at once (512 sequences), not the 1024 async GRPO keeps " \
+        "in flight: the pipelines fit only so" in files[0].read_text(), out
     # two H200s' worth of memory: the whole rollout fits beside two steps already, nothing to gain
     rc, files = _recipe(big, tmp_path / "roomy", "--pipelines", "2", "--gpus", "0", "--gpu-memory-gib", "280",
                         "--host-memory-gib", "500")
