@@ -19,7 +19,9 @@ the sampled token's logprob as NeMo RL does (``logprobs=0``). Suffixes change ho
 and an object per token); ``:notext`` turns detokenization off (``detokenize=False``: no text, and no decoded text
 of each logprob's token, which vLLM's front-end otherwise makes per request and token). Two more set the engine up
 as NeMo RL's time-shared ranks run: ``:eager`` (no CUDA graphs, ``enforce_eager``) and ``:sleep`` (sleep mode on, and
-a sleep and a wake after the warm-up, before the rollout). Each engine's GPU memory (NVML, its process tree) is
+a sleep and a wake after the warm-up, before the rollout); ``:expandable`` runs the engine with torch's expandable
+segments (``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``; vLLM turns them off inside its sleep-mode pools only),
+to tell fragmentation from memory in use: a sleep-mode engine grew 6.4 GiB at its first rollout, one without none. Each engine's GPU memory (NVML, its process tree) is
 read after start-up and at its peak during the rollout: what it holds beyond its share is what the scheduler's figure
 for an awake engine must add (a 1.5B engine of 1,024 sequences / 16,384 tokens held ~14 GiB more under NeMo RL).
 """
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import subprocess
 import sys
@@ -51,7 +54,7 @@ def sized_share(model: str, new_tokens: int, gpu_gib: float) -> float:
     return sized[0]
 
 
-FLAGS = ("nolp", "flat", "notext", "eager", "sleep")
+FLAGS = ("nolp", "flat", "notext", "eager", "sleep", "expandable")
 
 
 def one_engine(model: str, share: float, requests: int, new_tokens: int, seqs: int, tokens: int,
@@ -139,6 +142,8 @@ def main() -> int:
     args = ap.parse_args()
     if args.one is not None:
         share, seqs, tokens, flags = parse_engine(args.one)
+        if "expandable" in flags:  # before torch starts, here and in vLLM's engine process (it inherits it)
+            os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
         print("RESULT " + json.dumps(one_engine(args.model, float(share), args.requests, args.new_tokens, seqs,
                                                 tokens, flags)), flush=True)
         return 0
