@@ -392,8 +392,8 @@ def _run(pipelines: int, gpus: int, steps: int, nodes: int, tp: int, out_dir: Pa
         with _quiet_stdout():
             model = build_tiny_qwen2(out_dir / "models" / f"p{i}", seed=i)
         specs.append(PipelineSpec(
-            name=f"p{i}", index=i, model_dir=str(model), train_devices=(home_gpu(i, pipelines, gpus),), infer_devices=tuple(range(gpus)),
-            infer_tp=tp,
+            name=f"p{i}", index=i, model_dir=str(model), train_devices=(home_gpu(i, pipelines, gpus),),
+            infer_devices=tuple(range(gpus)), infer_tp=tp,
             steps=steps, prompts_per_step=prompts_per_step, group_size=group_size, max_tokens=max_tokens,
             on_gpu=on_gpu, seed=i, gpu_memory_utilization=min(0.9 / (2 * pipelines), 0.3),
             runtime=runtime))

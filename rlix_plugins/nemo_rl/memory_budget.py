@@ -71,7 +71,7 @@ ENGINE_BATCH_TOKENS: Final = 4096
 #: follows the sequences far more than the tokens (4x the tokens added 4.7 GiB). With CUDA graphs the engines of a
 #: pair held 46.1 and 46.5 GiB at 1,024 / 4,096 (one alone 45.7), 1.1 GiB over what 52 bytes planned; a lone engine
 #: grew 6.4 GiB at its first rollout with sleep mode on (graphs or eager) and none without it, so the growth is sleep
-#: mode's. 61 and 3 bytes cover every measurement.
+#: mode's (``benchmarks/results/h200x2-2026-11-30-kept-token-only-pair/``). 61 and 3 bytes cover every measurement.
 ENGINE_RUN_BYTES_PER_SEQ_VOCAB: Final = 61
 ENGINE_RUN_BYTES_PER_TOKEN_VOCAB: Final = 3
 #: The most sequences ``rlix recipe`` lets one engine run at once unless the recipe says (``max_num_seqs``: vLLM's
