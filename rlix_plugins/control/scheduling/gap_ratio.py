@@ -443,9 +443,10 @@ def _activate_one(
                 if len(seen) > MAX_CANDIDATES and best is not None:
                     capped = done = True
                     break
-                # g0 is in the candidate: where nobody may give it (the donor's rank there is a co-resident guest,
-                # or was woken this cycle) the candidate is invalid, as the walk below would find (it has no other
-                # effect). With memory figures most are: ~99% of 137,000 candidates over 12 pool decisions.
+                # g0 is in the candidate: where nobody may give it and it is not an unreserved idle GPU (a
+                # co-resident guest's, a fenced or non-generation holder's, a rank woken this cycle), the candidate
+                # is invalid, as the walk below would find first thing there (the walk has no other effect). With
+                # memory figures most are: ~99% of 137,000 candidates over 12 converging pool decisions.
                 if holder_of(g0) is None and (g0 not in free or g0 in reserved):
                     continue
                 # The donor ranks this candidate would shrink (a bundle holds few GPUs: a list), and the lowest
