@@ -469,7 +469,7 @@ def _keep_trainers(stock: Mapping[str, Any], layouts: Sequence[PipelineLayout], 
         return False, f"trainers offload their states to host memory between steps: kept on the GPU, {exc} {how}"
     assert kept is not None
     before, after = _places(layouts, offloaded), _places(layouts, kept)
-    lost = [f"GPU {g}: {_fits(before[g])} -> {_fits(after.get(g))}" for g in before
+    lost = [_shift(g, before, after) for g in before
             if _together(after.get(g)) != before[g].together]
     if lost:
         return False, ("trainers offload their states to host memory between steps: kept on the GPU "
@@ -500,8 +500,8 @@ def _with_util(stock: Mapping[str, Any], util: float) -> dict[str, Any]:
 
 def _one_batch_at_once(stock: Mapping[str, Any], layouts: Sequence[PipelineLayout], *,
                        gpu_memory_gib: float | None, host_memory_gib: float | None, data_plane: bool,
-                       gpu_memory_utilization: float | None,
-                       trainer_offload: bool | None) -> tuple[int, str] | None:
+                       gpu_memory_utilization: float | None, trainer_offload: bool | None,
+                       tp: int) -> tuple[int, str] | None:
     """(``max_num_seqs``, why) where engines that run one step's batch at once, not the whole rollout async GRPO
     keeps in flight (its look-ahead step's too), let more phases run together on some GPU and fewer on none; None
     to keep :func:`engine_max_seqs`. A smaller engine costs only the look-ahead's concurrency (its requests wait in
@@ -517,7 +517,6 @@ def _one_batch_at_once(stock: Mapping[str, Any], layouts: Sequence[PipelineLayou
     full = engine_max_seqs(stock, data_plane=data_plane)
     if batch >= full:
         return None
-    tp = int(_resolved(stock, "policy.generation.vllm_cfg.tensor_parallel_size") or 1)
     offload = True if trainer_offload is None else trainer_offload
 
     def places(seqs: int) -> dict[int, _Places] | None:
@@ -545,8 +544,13 @@ def _one_batch_at_once(stock: Mapping[str, Any], layouts: Sequence[PipelineLayou
         return None
     return batch, (f"one step's batch at once ({batch} sequences), not the {full} async GRPO keeps in flight: "
                    "the smaller engine lets more run together ("
-                   + "; ".join(f"GPU {g}: {_fits(before.get(g))} -> {_fits(after[g])}" for g in gained)
+                   + "; ".join(_shift(g, before, after) for g in gained)
                    + "); the look-ahead step's requests wait in the engine's queue")
+
+
+def _shift(g: int, before: Mapping[int, _Places], after: Mapping[int, _Places]) -> str:
+    """What runs together on GPU ``g`` before -> after (for the notes)."""
+    return f"GPU {g}: {_fits(before.get(g))} -> {_fits(after.get(g))}"
 
 
 def _fits(p: _Places | None) -> str:
@@ -603,7 +607,7 @@ def make_overlays(stock: Mapping[str, Any], num_pipelines: int, gpus: Sequence[i
         raise RlixConfigError(f"cannot time-share this recipe ({how}): {exc}") from None
     seqs = _one_batch_at_once(stock, layouts, gpu_memory_gib=gpu_memory_gib, host_memory_gib=host_memory_gib,
                               data_plane=data_plane, gpu_memory_utilization=gpu_memory_utilization,
-                              trainer_offload=trainer_offload)
+                              trainer_offload=trainer_offload, tp=vllm_tp)
     if seqs is not None:  # read back by the sizing and the figures below, written by the overlay
         stock = _with_seqs(stock, seqs[0])
     if gpu_memory_utilization is None and gpu_memory_gib:
