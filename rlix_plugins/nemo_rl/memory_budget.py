@@ -72,12 +72,21 @@ ENGINE_BATCH_TOKENS: Final = 4096
 #: pair held 46.1 and 46.5 GiB at 1,024 / 4,096 (one alone 45.7), 1.1 GiB over what 52 bytes planned; a lone engine
 #: grew 6.4 GiB at its first rollout with sleep mode on (graphs or eager) and none without it, so the growth is sleep
 #: mode's (``benchmarks/results/h200x2-2026-11-30-kept-token-only-pair/``). 61 and 3 bytes cover every measurement.
+#: At 512 / 4,096 the engines of a pair held 22.0 GiB on a 19.7 GiB share (2.4 beyond it; 6.2 figured), and a lone
+#: engine of 1,024 with torch's expandable segments grew 0.9 GiB instead of 6.4: the growth is the allocator's
+#: fragmentation, not a cost per sequence, so the figure is high below 1,024 (kept: it errs on the side that fits).
 ENGINE_RUN_BYTES_PER_SEQ_VOCAB: Final = 61
 ENGINE_RUN_BYTES_PER_TOKEN_VOCAB: Final = 3
 #: The most sequences ``rlix recipe`` lets one engine run at once unless the recipe says (``max_num_seqs``: vLLM's
 #: synchronous engine's default on H100/H200-class GPUs; its async engine's is 128): more requests than that wait in
 #: its queue and need no KV cache yet.
 ENGINE_MAX_SEQS: Final = 1024
+#: The fewest sequences ``rlix recipe`` lets an engine run at once where a smaller engine lets more phases share a
+#: GPU (``recipe._engine_seqs``). Measured on an H200 at the Qwen2.5-1.5B shape, one engine decoding a two-step
+#: rollout (1,024 requests x 512 tokens, token-only, CUDA graphs, sleep mode): 512 at once 25,303 tokens/s, 1,024
+#: at once 17,932 (0.71x, same run: the sampler's work over the vocabulary grows with the sequences of each step),
+#: 256 at once 20,435 (~0.81x of 512, another machine). Fewer were not measured.
+ENGINE_MIN_SEQS: Final = 256
 #: A trainer's device memory after its offload (2.7 GiB measured for a DTensor worker).
 TRAINER_OFFLOADED_GIB: Final = 3.0
 #: A trainer that keeps its states on the GPU between steps (``rlix.offload_trainer: false``) holds its fp32 weights

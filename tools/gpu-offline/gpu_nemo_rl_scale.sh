@@ -32,7 +32,7 @@
 # (reverse it to pair with an earlier run), TP= (time-shared runs: `rlix recipe --tp TP`, vLLM tensor-parallel rollout
 # ranks of TP GPUs; empty: the stock recipe's 1), UTIL= (time-shared runs:
 # `rlix recipe --gpu-memory-utilization UTIL`; empty: the share `rlix recipe` sizes to the rollout in flight, 0.24
-# at the 1.5B shape on an H200 for one pipeline, 0.14 for a pair on one GPU), GPUS=0 (the time-shared runs' GPUs, e.g. 0,1: `rlix recipe --gpus`; standalone uses
+# at the 1.5B shape on an H200 for one pipeline, 0.09 for a pair on one GPU), GPUS=0 (the time-shared runs' GPUs, e.g. 0,1: `rlix recipe --gpus`; standalone uses
 # the first), SPLIT_GPUS=$GPUS (the static split's GPUs, one pipeline each; may be other GPUs than GPUS, so that
 # both run at once), OVERRIDES= (time-shared runs: Hydra overrides for every driver, space-separated, e.g.
 # ++rlix.post_sleep_max_bytes=4294967296), RECIPE_FLAGS= (time-shared runs: more `rlix recipe` flags, e.g.

@@ -507,8 +507,8 @@ def test_trainers_keep_their_states_on_the_gpu_where_that_costs_no_overlap(stock
     """By default a trainer keeps its fp32 weights and Adam moments on its GPU between steps (``rlix.offload_trainer:
     false``; the scheduler's figure of an idle trainer: 12 bytes a parameter over the offloaded 3 GiB, 20.3 GiB at
     1.54 B) where the figures still fit as many rollouts and steps together as with the states offloaded: at the
-    1.5B shape two pipelines on an H200 keep theirs (a rollout still fits beside two steps), four would lose the
-    rollout next to a step and offload, and say why. ``--trainer-offload`` / ``--no-trainer-offload`` decide it,
+    1.5B shape two pipelines on an H200 keep theirs (both rollouts still fit beside two steps), four would fit
+    fewer phases together (half the rollouts at once, one step at a time) and offload, and say why. ``--trainer-offload`` / ``--no-trainer-offload`` decide it,
     and so does the recipe's own ``rlix.offload_trainer``; without the GPU's memory, or in another loop than async
     GRPO, the trainers offload."""
     big = _stock_1p5b(tmp_path, stock)
@@ -524,14 +524,15 @@ def test_trainers_keep_their_states_on_the_gpu_where_that_costs_no_overlap(stock
     assert figures["offloaded"] == (True, {"gpu_gib": 132.8, "awake_gib": 44.4, "asleep_gib": 3.0}), figures
     assert figures["resident"] == figures["default"] == (False, {"gpu_gib": 132.8, "awake_gib": 44.4,
                                                                  "asleep_gib": 20.3}), figures
-    assert "(1 rollout next to two)" in notes["default"] and "kept on the GPU: the memory figures fit" in notes[
+    assert "(2 rollouts next to two)" in notes["default"] and "kept on the GPU: the memory figures fit" in notes[
         "default"], notes["default"]
     assert "--no-trainer-offload: weights and optimizer states stay" in notes["resident"]
     assert "rlix.offload_trainer" not in notes["offloaded"]  # the recipe's default, nothing written
     assert figures["four"][0] is True and ("note: trainers offload their states to host memory between steps: kept "
                                            "on the GPU (20.3 GiB each between steps instead of 3.0), fewer phases "
-                                           "would fit together (GPU 0: rollouts at once 4, next to a step 2") in \
-        notes["four"] and "-> no rollout next to a training step) (--no-trainer-offload keeps them" in notes["four"]
+                                           "would fit together (GPU 0: rollouts at once 4, next to a step 3") in \
+        notes["four"] and "-> rollouts at once 2, next to a step 1, steps side by side 1, rollouts next to two steps 0) " \
+        "(--no-trainer-offload keeps them" in notes["four"]
     # the recipe's own setting stands, and is not written again
     cfg = load_stock(big)
     cfg["rlix"] = {"offload_trainer": True}
@@ -625,14 +626,16 @@ def test_engine_share_is_sized_to_the_rollout_in_flight(stock: Path, tmp_path: P
     assert rc == 0 and "gpu_memory_utilization" not in files[0].read_text(), out
 
 
-def test_engines_run_one_step_batch_at_once_where_that_fits_a_rollout_beside_two_steps(
+def test_engines_run_fewer_sequences_at_once_where_that_fits_rollouts_beside_two_steps(
         stock: Path, tmp_path: Path, capsys: Any) -> None:
     """Two 1.5B pipelines on an H200 whose engines hold async GRPO's whole rollout in flight (1,024 sequences, 46.6
     GiB awake) cannot roll out beside both training steps (2 x 44.4 + 46.6 + a slept engine > 132.8 GiB): on the
     GPU each step then waited 30-45 s for its batch (benchmarks/results/h200x2-2026-11-30-kept-token-only-pair/).
-    Engines of one step's batch (512 sequences: half the KV cache, half the sampler's buffers) fit one rollout beside
-    two steps, so ``rlix recipe`` writes 512 and a share sized to it, and says why. One pipeline alone, a recipe's
-    own ``max_num_seqs``, and a GPU where the smaller engine gains nothing keep the whole rollout in flight."""
+    Engines of one step's batch (512 sequences) fit one rollout beside two steps, and that pipeline ran as fast as
+    one alone while the other still waited 21-33 s (../h200x2-2026-11-30-one-batch-pair/); engines of half a
+    step's batch (256) fit both. ``rlix recipe`` halves while that lets more run together, writes the share sized
+    to it, and says why. One pipeline alone, a recipe's own ``max_num_seqs``, and a GPU where a smaller engine gains
+    nothing keep the whole rollout in flight."""
     big = _stock_1p5b(tmp_path, stock)
     common = ("--gpus", "0", "--gpu-memory-gib", "139.8", "--host-memory-gib", "500")
 
@@ -644,14 +647,14 @@ def test_engines_run_one_step_batch_at_once_where_that_fits_a_rollout_beside_two
 
     merged, text, out = run(big, "pair", "--pipelines", "2")
     gen = merged["policy"]["generation"]
-    assert gen["vllm_kwargs"]["max_num_seqs"] == 512 and gen["vllm_cfg"]["gpu_memory_utilization"] == 0.14, out
-    assert merged["rlix"]["memory"]["actor_infer"]["awake_gib"] == 28.2, merged["rlix"]["memory"]
+    assert gen["vllm_kwargs"]["max_num_seqs"] == 256 and gen["vllm_cfg"]["gpu_memory_utilization"] == 0.09, out
+    assert merged["rlix"]["memory"]["actor_infer"]["awake_gib"] == 19.0, merged["rlix"]["memory"]
     assert merged["rlix"]["offload_trainer"] is False, out
-    assert ("max_num_seqs: 512  # one step's batch at once (512 sequences), not the 1024 async GRPO keeps in flight: "
-            "the smaller engine lets more run together (GPU 0: rollouts at once 2, next to a step 1, steps side by "
-            "side 2, rollouts next to two steps 0 -> rollouts at once 2, next to a step 1, steps side by side 2, "
-            "rollouts next to two steps 1)") in text, text
-    assert "at most 512 at once, need 19.0 GiB" in out and "(1 rollout next to two)" in out, out
+    assert ("max_num_seqs: 256  # half of one step's batch at once (256 sequences), not all 1024 the rollout keeps "
+            "in flight: the smaller engine lets more run together (GPU 0: rollouts at once 2, next to a step 1, "
+            "steps side by side 2, rollouts next to two steps 0 -> rollouts at once 2, next to a step 1, steps side "
+            "by side 2, rollouts next to two steps 2)") in text, text
+    assert "at most 256 at once, need 12.0 GiB" in out and "(2 rollouts next to two)" in out, out
     merged, _, _ = run(big, "alone", "--pipelines", "1")
     assert merged["policy"]["generation"]["vllm_kwargs"]["max_num_seqs"] == 1024
     own = load_stock(big)
@@ -665,8 +668,8 @@ def test_engines_run_one_step_batch_at_once_where_that_fits_a_rollout_beside_two
     rc, files = _recipe(big, tmp_path / "small", "--pipelines", "2", "--gpus", "0", "--gpu-memory-gib", "60",
                         "--host-memory-gib", "500")
     out = capsys.readouterr().out
-    assert rc == 0 and "max_num_seqs: 512  # one step's batch at once (512 sequences), not the 1024 async GRPO keeps " \
-        "in flight: the pipelines fit only so" in files[0].read_text(), out
+    assert rc == 0 and "max_num_seqs: 512  # one step's batch at once (512 sequences), not all 1024 the rollout " \
+        "keeps in flight: the pipelines fit only so" in files[0].read_text(), out
     # two H200s' worth of memory: the whole rollout fits beside two steps already, nothing to gain
     rc, files = _recipe(big, tmp_path / "roomy", "--pipelines", "2", "--gpus", "0", "--gpu-memory-gib", "280",
                         "--host-memory-gib", "500")
@@ -693,7 +696,8 @@ def test_rollouts_ask_vllm_for_tokens_only_unless_the_recipe_says(stock: Path, t
 
 def test_the_figures_count_the_engine_batch_the_overlay_writes(stock: Path, tmp_path: Path) -> None:
     """The TransferQueue loop keeps one step's batch in flight (512 requests of the stock 1.5B recipe, not async
-    GRPO's two): its engines run 512 sequences, and their awake figure counts those, not 1,024."""
+    GRPO's two): its engines run at most those at once (a pair on an H200: 256, which lets more share the GPU), and
+    their awake figure counts what they run, not 1,024."""
     from rlix_plugins.nemo_rl.memory_budget import cluster_memory
     from rlix_plugins.nemo_rl.model_shape import model_shape
 
@@ -703,10 +707,10 @@ def test_the_figures_count_the_engine_batch_the_overlay_writes(stock: Path, tmp_
     assert rc == 0
     merged = _merge(load_stock(big), load_stock(files[0]))
     kwargs, util = merged["policy"]["generation"]["vllm_kwargs"], merged["policy"]["generation"]["vllm_cfg"]
-    assert kwargs["max_num_seqs"] == 512
+    assert kwargs["max_num_seqs"] == 256
     shape = model_shape("Qwen/Qwen2.5-1.5B")
     assert shape is not None
     want = cluster_memory(shape, gpu_memory_gib=139.8, gpu_memory_utilization=util["gpu_memory_utilization"],
                           bucket_size_bytes=merged["rlix"]["bucket_size_bytes"], step_tokens=4 * 1024,
-                          engine_tokens=kwargs["max_num_batched_tokens"], engine_seqs=512)
+                          engine_tokens=kwargs["max_num_batched_tokens"], engine_seqs=256)
     assert merged["rlix"]["memory"]["actor_infer"] == want["actor_infer"], (merged["rlix"]["memory"], want)
