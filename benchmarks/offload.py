@@ -1,16 +1,19 @@
-"""The trainer's offload at a real model shape: NeMo RL's pageable copies vs an exact-size pinned arena (GPU only).
+"""The trainer's offload at a real model shape: NeMo RL's pageable copies vs rlix's state arena (GPU only).
 
-After every training step a time-shared DTensor trainer moves its fp32 weights and Adam moments to host memory and
-back before its next step (``offload_after_refit``, then ``prepare_for_training``): 9-15 s of every training grant
-at the Qwen2.5-1.5B shape on an H200 (``rlix/offload_s``). NeMo RL copies with ``to("cpu")`` into fresh pageable
-memory each time. The alternative measured here keeps one host buffer of exactly the states' size, pinned once
-(``cudaHostRegister``; torch's pinned caching allocator would round each block up to a power of two, up to 1.9x the
-host memory at the Qwen2.5 shapes, printed below), and copies into views of it by DMA. Both run in one process on
-the same tensors (the shape's parameters in fp32 and an AdamW step's two moments each), and the ratio is printed:
+After every training step a time-shared DTensor trainer that cannot keep its states on the GPU moves its fp32
+weights and Adam moments to host memory and back before its next step: 9-15 s of every training grant at the
+Qwen2.5-1.5B shape on an H200 (``rlix/offload_s``). NeMo RL copies with ``to("cpu")`` into fresh pageable memory
+each time (``offload_after_refit``, then ``prepare_for_training``). rlix's offload
+(``rlix_plugins.nemo_rl.state_arena.offload_to_arena``, what the runtime runs on every DTensor worker) keeps one
+host buffer of exactly the states' size, page-locked once (torch's pinned caching allocator would round each block
+up to a power of two, up to 1.9x the host memory at the Qwen2.5 shapes, printed below), copies into views of it by
+DMA and leaves the parameters there; NeMo RL's own onload then reads pinned memory. Both run in one process on the
+same FSDP2 module (the shape's parameters in fp32, sharded by ``fully_shard`` over one rank, and an AdamW step's
+two moments each), every round checks the values came back, and the ratio is printed:
 
     python benchmarks/offload.py [--model Qwen/Qwen2.5-1.5B] [--rounds 2]
 
-The arena's first round includes pinning it; the rounds after it are what every later step would cost.
+The arena's first round includes making and page-locking it; the rounds after it are what every later step costs.
 """
 
 from __future__ import annotations
@@ -23,91 +26,87 @@ from typing import Any
 
 
 def build(model: str) -> tuple[Any, Any, list[int]]:
-    """The shape's parameters in fp32 on the GPU and an AdamW with both moments (one step); the tensors' bytes."""
+    """The shape's parameters in fp32 on the GPU, sharded by FSDP2 (one rank, NCCL), and an AdamW with both moments
+    (one step); the tensors' bytes."""
+    import socket
+
     import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
 
     from rlix_plugins.nemo_rl.model_shape import model_shape
 
     shape = model_shape(model)
     if shape is None:
         raise SystemExit(f"{model}: shape unknown here (a Hugging Face id rlix knows, or a directory with config.json)")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     module = torch.nn.ParameterList(
         [torch.nn.Parameter(torch.zeros(s, dtype=torch.float32, device="cuda")) for _, s in shape.tensor_shapes()])
+    fully_shard(module, mesh=init_device_mesh("cuda", (1,)))
     optimizer = torch.optim.AdamW(module.parameters(), lr=1e-5)
     for p in module.parameters():
-        p.grad = torch.zeros_like(p)
+        p.grad = torch.ones_like(p)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return module, optimizer, [p.numel() * 4 for p in module.parameters()] * 3
 
 
-def stock_round(module: Any, optimizer: Any) -> tuple[float, float]:
-    """NeMo RL's ``move_to_device`` and ``move_optimizer_to_device`` (DTensor workers, the pinned commit), each way."""
+def fingerprint(module: Any, optimizer: Any) -> float:
+    """A sum over every parameter shard and moment: the values a round must bring back."""
+    from torch.distributed.tensor import DTensor
+
+    tensors = list(module.parameters()) + [v for st in optimizer.state.values() for k, v in st.items() if k != "step"]
+    return sum(float((t.to_local() if isinstance(t, DTensor) else t).detach().double().sum()) for t in tensors)
+
+
+def onload(module: Any, optimizer: Any) -> None:
+    """NeMo RL's ``prepare_for_training`` (DTensor workers, the pinned commit): ``model.to("cuda")``, then every
+    optimizer state ``.to("cuda")``."""
     import torch
 
-    def move(device: str) -> None:
-        module.to(device)
-        for state in optimizer.state.values():
-            for k, v in state.items():
-                if isinstance(v, torch.Tensor):
-                    state[k] = v.to(device)
-        torch.cuda.synchronize()
+    module.to("cuda")
+    for state in optimizer.state.values():
+        for k, v in state.items():
+            if isinstance(v, torch.Tensor):
+                state[k] = v.to("cuda")
+    torch.cuda.synchronize()
+
+
+def stock_round(module: Any, optimizer: Any) -> tuple[float, float]:
+    """NeMo RL's ``move_to_device`` and ``move_optimizer_to_device`` to the CPU, then its onload."""
+    import torch
 
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    move("cpu")
+    module.to("cpu")
+    for state in optimizer.state.values():
+        for k, v in state.items():
+            if isinstance(v, torch.Tensor):
+                state[k] = v.to("cpu")
+    torch.cuda.synchronize()
     t1 = time.perf_counter()
-    move("cuda")
+    onload(module, optimizer)
     return t1 - t0, time.perf_counter() - t1
 
 
-class Arena:
-    """One pageable host buffer of exactly ``total`` bytes, registered with CUDA once (page-locked, DMA-able)."""
-
-    def __init__(self, total: int) -> None:
-        import torch
-
-        self.buffer = torch.empty(total, dtype=torch.uint8)
-        err = torch.cuda.cudart().cudaHostRegister(self.buffer.data_ptr(), total, 0)
-        if int(err) != 0:
-            raise SystemExit(f"cudaHostRegister of {total / 1e9:.1f} GB failed: {err}")
-
-    def views(self, like: list[Any]) -> list[Any]:
-        out, offset = [], 0
-        for t in like:
-            n = t.numel() * t.element_size()
-            out.append(self.buffer[offset:offset + n].view(t.dtype).view(t.shape))
-            offset += n
-        return out
-
-
-def arena_round(module: Any, optimizer: Any, arena: list[Any]) -> tuple[float, float]:
-    """The same tensors through the arena: device -> arena views, free the device copies; then back to new ones."""
+def arena_round(module: Any, optimizer: Any, keep: list[Any]) -> tuple[float, float]:
+    """rlix's offload into the arena (kept across rounds), then NeMo RL's onload."""
     import torch
 
-    params = list(module.parameters())
-    moments = [(s, k) for s in optimizer.state.values() for k, v in s.items() if isinstance(v, torch.Tensor)
-               and v.is_cuda]
+    from rlix_plugins.nemo_rl.state_arena import offload_to_arena
+
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    live = [p.data for p in params] + [s[k] for s, k in moments]
-    if not arena:
-        arena.append(Arena(sum(t.numel() * t.element_size() for t in live)))
-    host = arena[0].views(live)
-    for dst, src in zip(host, live, strict=True):
-        dst.copy_(src, non_blocking=True)
-    torch.cuda.synchronize()
-    for p, h in zip(params, host[:len(params)], strict=True):
-        p.data = h
-    for (s, k), h in zip(moments, host[len(params):], strict=True):
-        s[k] = h
-    del live
+    arena, moved = offload_to_arena(module, optimizer, keep[0] if keep else None)
+    keep[:] = [arena]
+    if moved.repadded:
+        print(f"  {moved.repadded} parameters re-padded by FSDP2 outside the arena")
     t1 = time.perf_counter()
-    for p in params:
-        p.data = p.data.to("cuda", non_blocking=True)
-    for s, k in moments:
-        s[k] = s[k].to("cuda", non_blocking=True)
-    torch.cuda.synchronize()
+    onload(module, optimizer)
     return t1 - t0, time.perf_counter() - t1
 
 
@@ -124,8 +123,15 @@ def main() -> int:
     gb = sum(sizes) / 1e9
     rounded = sum(1 << (n - 1).bit_length() for n in sizes) / 1e9
     keep: list[Any] = []
-    rows = {"stock": [stock_round(module, optimizer) for _ in range(args.rounds)],
-            "arena": [arena_round(module, optimizer, keep) for _ in range(args.rounds)]}
+    want = fingerprint(module, optimizer)
+    rows: dict[str, list[tuple[float, float]]] = {"stock": [], "arena": []}
+    for path, run in (("stock", lambda: stock_round(module, optimizer)),
+                      ("arena", lambda: arena_round(module, optimizer, keep))):
+        for _ in range(args.rounds):
+            rows[path].append(run())
+            got = fingerprint(module, optimizer)
+            if got != want:
+                raise SystemExit(f"{path}: the states came back changed ({got} != {want})")
     print(f"{args.model}: {gb:.1f} GB of fp32 weights and Adam moments (torch's pinned caching allocator would pin "
           f"{rounded:.1f} GB: {rounded / gb:.2f}x)")
     print(f"{'round':>5} {'path':>6} {'offload s':>10} {'GB/s':>6} {'onload s':>9} {'GB/s':>6}")

@@ -4,7 +4,8 @@
 * fleet: :class:`.generation.NemoVllmFleet` over ``VllmGeneration``'s DP leaders; routing installed on the
   generation object with ``attach_fleet_health`` BEFORE the collector pickles it (:func:`.generation.install_routing`);
 * weights: :class:`.weights.PolicyWeightSource` (cache inside the Megatron or DTensor workers, per the config);
-* offload (``after_training``): ``policy.offload_after_refit()`` → workers marked offloaded (a later cache build is
+* offload (``after_training``): DTensor workers move their states into their page-locked arenas
+  (:mod:`.state_arena`), else ``policy.offload_after_refit()`` → workers marked offloaded (a later cache build is
   refused: it would read empty storage) → the trainer's communication groups released (Megatron: NCCL groups
   destroyed inside every training worker; DTensor: FSDP2's stay, see :mod:`.weights`); ``before_training``
   restores them after the grant, before NeMo RL's ``prepare_for_lp_inference``;
@@ -109,7 +110,8 @@ class NemoRuntime:
         if not self.config.offload_trainer:  # the states stay; the step's freed blocks go back to the driver
             self.weights.release_cached_blocks(self.config.runtime.sync_timeout_s)
             return
-        self.policy.offload_after_refit()
+        if self.weights.offload_to_arena(self.config.runtime.sync_timeout_s) is None:
+            self.policy.offload_after_refit()
         self.weights.mark_offloaded(True)
         self.weights.release_comm_groups(self.config.runtime.sync_timeout_s)
 

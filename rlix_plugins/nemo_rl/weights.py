@@ -72,6 +72,17 @@ class PolicyWeightSource:
     def mark_offloaded(self, offloaded: bool, timeout_s: float = 60.0) -> None:
         self._on_every_worker(worker_ops.mark_offloaded, "mark_offloaded", timeout_s, offloaded)
 
+    def offload_to_arena(self, timeout_s: float) -> list[dict[str, Any]] | None:
+        """Every DTensor worker moves its weights and optimizer states into its page-locked arena
+        (:func:`worker_ops.offload_to_arena`); returns what each moved, or None where any worker could not (then
+        NeMo RL's offload must run: it moves what is still on the device and leaves what is in an arena, already
+        host memory, where it is)."""
+        if self.trainer != "dtensor":
+            return None
+        done = self._on_every_worker(worker_ops.offload_to_arena, "offload the trainer's states into the arena",
+                                     timeout_s)
+        return None if any(d is None for d in done) else done
+
     def release_cached_blocks(self, timeout_s: float) -> None:
         """Every worker hands its allocator's free blocks back to the driver: what a step leaves cached (its
         activations) goes to the GPU's other tenants while the weights and optimizer states stay

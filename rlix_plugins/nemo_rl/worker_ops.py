@@ -33,6 +33,7 @@ __all__ = [
     "mark_offloaded",
     "megatron_destroy_nccl",
     "megatron_rebuild_nccl",
+    "offload_to_arena",
     "sync_from_cache",
     "vllm_abort_all",
 ]
@@ -174,6 +175,29 @@ def release_cached_blocks(worker: Any) -> None:
 
 def mark_offloaded(worker: Any, offloaded: bool) -> None:
     worker._rlix_offloaded = bool(offloaded)
+
+
+def offload_to_arena(worker: Any) -> dict[str, Any] | None:
+    """A DTensor worker's offload with its weights and optimizer states in the worker's exact-size page-locked
+    arena (:mod:`.state_arena`; NeMo RL's onload then reads pinned memory), and the rest of NeMo RL's
+    ``offload_after_refit``: buffers to the CPU, eval mode, the freed blocks back to the driver. None, with nothing
+    changed, where it does not apply (no optimizer, NeMo RL's own ``cpu_offload``, a model not sharded by FSDP2,
+    page-locking refused): the caller then runs NeMo RL's offload."""
+    import logging
+
+    from rlix_plugins.nemo_rl.state_arena import offload_to_arena as offload
+
+    model, optimizer = getattr(worker, "model", None), getattr(worker, "optimizer", None)
+    if model is None or optimizer is None or getattr(worker, "cpu_offload", False):
+        return None
+    try:
+        worker._rlix_arena, moved = offload(model, optimizer, getattr(worker, "_rlix_arena", None))
+    except RuntimeError as exc:  # raised before anything moved
+        logging.getLogger(__name__).warning("rlix: NeMo RL's offload instead of the state arena: %s", exc)
+        return None
+    model.eval()
+    return {"bytes": moved.bytes, "tensors": moved.tensors, "new_arena": moved.new_arena,
+            "repadded": moved.repadded, "seconds": moved.seconds}
 
 
 def sync_from_cache(worker: Any, targets: dict[int, tuple[Any, list[tuple[int, int]]]],

@@ -98,9 +98,11 @@ class FsdpRankActor(DTensorWorkerShape):
 
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
         super().__init__(rank, shard_tiny_qwen2(model_dir), torch.bfloat16)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-3)  # NeMo RL's, states made at step 1
 
     def train_step(self) -> float:
-        """One forward/backward/SGD step through FSDP2's all-gathers and reduce-scatters (its process groups)."""
+        """One forward/backward/AdamW step through FSDP2's all-gathers and reduce-scatters (its process groups);
+        the gradients freed afterwards, as NeMo RL's ``train()`` ends."""
         import torch
 
         self.model.train()
@@ -108,9 +110,30 @@ class FsdpRankActor(DTensorWorkerShape):
         with torch.autocast("cpu", dtype=self.dtype):  # as NeMo RL's train() (on "cuda")
             loss = self.model(input_ids=ids, labels=ids).loss
         loss.backward()
-        torch.optim.SGD(self.model.parameters(), lr=1e-3).step()
-        self.model.zero_grad()
+        self.optimizer.step()
+        self.optimizer.zero_grad()
         return float(loss)
+
+    def states(self) -> dict[str, Any]:
+        """This rank's shards (clones) of every parameter and optimizer state, whether each lies in the rank's state
+        arena, the arena's identity and the model's train/eval mode."""
+        from torch.distributed.tensor import DTensor
+
+        def local(t: Any) -> Any:
+            return t._local_tensor if isinstance(t, DTensor) else t
+
+        arena = getattr(self, "_rlix_arena", None)
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        out = {f"param:{n}": local(p).detach().clone() for n, p in self.model.named_parameters()}
+        out.update({f"state:{names[id(p)]}:{k}": local(v).clone() for p, st in self.optimizer.state.items()
+                    for k, v in st.items()})
+        held = {} if arena is None else {n: arena.holds(p) for n, p in self.model.named_parameters()}
+        held.update({} if arena is None else {f"{names[id(p)]}:{k}": arena.holds(v)
+                                               for p, st in self.optimizer.state.items() for k, v in st.items()
+                                               if k != "step"})
+        uneven = [n for n, p in self.model.named_parameters() if p.shape[0] % WORLD]
+        return {"tensors": out, "held": held, "arena": id(arena) if arena is not None else None,
+                "training": self.model.training, "uneven": uneven}
 
     def load_weights(self, model_dir: str) -> None:
         """Replace the sharded weights with ``model_dir``'s (NeMo RL's loader: ``set_model_state_dict``)."""

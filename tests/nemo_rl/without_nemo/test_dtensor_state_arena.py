@@ -1,0 +1,97 @@
+"""A DTensor trainer's offload into its state arena on CPU: 2 FSDP2 ranks (gloo) as Ray actors with a real AdamW,
+reached with ``__ray_call__`` through :class:`PolicyWeightSource` as the runtime's offload reaches NeMo RL's policy
+workers. A second pair of ranks on the same weights never offloads: the reference.
+
+On CPU the arena is host memory that is not page-locked (no CUDA); what is checked is what the GPU path relies on:
+every parameter shard and Adam moment ends up in the arena with its values, FSDP2 trains on from there exactly as the
+reference does, and the next offload reuses the arena.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import ray
+import torch
+
+from rlix_plugins.nemo_rl.weights import PolicyWeightSource
+from tests.nemo_rl.without_nemo.dtensor_ranks import BUCKET_BYTES, WORLD, FsdpRankActor, free_port
+
+ENV = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from rlix_plugins.demo.tiny_model import build_tiny_qwen2
+
+    return build_tiny_qwen2(tmp_path_factory.mktemp("m") / "tiny", seed=0)
+
+
+def _ranks(model_dir: Path) -> list[Any]:
+    port = free_port()
+    cls = ray.remote(num_cpus=0)(FsdpRankActor).options(runtime_env={"env_vars": ENV})
+    return [cls.remote(r, port, str(model_dir)) for r in range(WORLD)]
+
+
+@pytest.fixture(scope="module")
+def groups(ray_cluster: dict[str, float], model_dir: Path) -> Iterator[tuple[list[Any], list[Any]]]:
+    """(offloaded, reference): two gloo groups of FSDP2 ranks on the same weights."""
+    offloaded, reference = _ranks(model_dir), _ranks(model_dir)
+    ray.get([a.__ray_ready__.remote() for a in offloaded + reference], timeout=300)
+    yield offloaded, reference
+    for a in offloaded + reference:
+        ray.kill(a)
+
+
+def _step(ranks: list[Any]) -> float:
+    losses = ray.get([r.train_step.remote() for r in ranks], timeout=120)
+    assert losses[0] == losses[1]
+    return float(losses[0])
+
+
+def _states(ranks: list[Any]) -> list[dict[str, Any]]:
+    return ray.get([r.states.remote() for r in ranks], timeout=60)  # type: ignore[no-any-return]
+
+
+def _same(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
+    assert a.keys() == b.keys()
+    return [k for k in a if not torch.equal(a[k], b[k])]
+
+
+def test_a_dtensor_trainer_offloads_into_its_arena_and_trains_on_as_before(
+        groups: tuple[list[Any], list[Any]]) -> None:
+    offloaded, reference = groups
+    assert _step(offloaded) == _step(reference)  # Adam's moments exist from here on
+    source = PolicyWeightSource(offloaded, (0, 0), BUCKET_BYTES, "dtensor")
+    before = _states(offloaded)
+
+    reports = source.offload_to_arena(60.0)
+    assert reports is not None and len(reports) == WORLD, reports
+    after = _states(offloaded)
+    for rank, (b, a, report) in enumerate(zip(before, after, reports, strict=True)):
+        assert not _same(b["tensors"], a["tensors"]), rank  # nothing changed on the way
+        outside = [n for n, held in a["held"].items() if not held]
+        # only the shards FSDP2 re-pads (uneven over the ranks) stay outside; the tiny model has none
+        assert outside == a["uneven"] == [] and report["repadded"] == 0, (outside, report)
+        assert report["new_arena"] and report["bytes"] > 0 and not a["training"], report
+        # every shard and moment counted once: the tied embedding is one parameter
+        assert report["tensors"] == len(a["tensors"]), (report, sorted(a["tensors"]))
+
+    # FSDP2 trains on from the arena exactly as the ranks that never offloaded
+    assert _step(offloaded) == _step(reference)
+    for got, want in zip(_states(offloaded), _states(reference), strict=True):
+        assert not _same(got["tensors"], want["tensors"])
+
+    # the next offload reuses the arena
+    again = source.offload_to_arena(60.0)
+    assert again is not None and not any(r["new_arena"] for r in again), again
+    assert [s["arena"] for s in _states(offloaded)] == [s["arena"] for s in after]
+    assert _step(offloaded) == _step(reference)
+
+
+def test_a_megatron_trainer_is_left_to_nemo_rls_offload(groups: tuple[list[Any], list[Any]]) -> None:
+    """The arena is the DTensor path: for Megatron the runtime runs NeMo RL's own offload (None: nothing moved)."""
+    assert PolicyWeightSource(groups[1], (0, 0), BUCKET_BYTES, "megatron").offload_to_arena(60.0) is None
