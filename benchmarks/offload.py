@@ -63,33 +63,29 @@ def fingerprint(module: Any, optimizer: Any) -> float:
     return sum(float((t.to_local() if isinstance(t, DTensor) else t).detach().double().sum()) for t in tensors)
 
 
-def onload(module: Any, optimizer: Any) -> None:
-    """NeMo RL's ``prepare_for_training`` (DTensor workers, the pinned commit): ``model.to("cuda")``, then every
-    optimizer state ``.to("cuda")``."""
+def move(module: Any, optimizer: Any, device: str) -> None:
+    """NeMo RL's ``move_to_device`` and ``move_optimizer_to_device`` (DTensor workers, the pinned commit):
+    ``model.to(device)``, then every optimizer state ``.to(device)``; to the CPU in ``offload_after_refit``, back in
+    ``prepare_for_training``."""
     import torch
 
-    module.to("cuda")
+    module.to(device)
     for state in optimizer.state.values():
         for k, v in state.items():
             if isinstance(v, torch.Tensor):
-                state[k] = v.to("cuda")
+                state[k] = v.to(device)
     torch.cuda.synchronize()
 
 
 def stock_round(module: Any, optimizer: Any) -> tuple[float, float]:
-    """NeMo RL's ``move_to_device`` and ``move_optimizer_to_device`` to the CPU, then its onload."""
+    """NeMo RL's offload, then its onload."""
     import torch
 
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    module.to("cpu")
-    for state in optimizer.state.values():
-        for k, v in state.items():
-            if isinstance(v, torch.Tensor):
-                state[k] = v.to("cpu")
-    torch.cuda.synchronize()
+    move(module, optimizer, "cpu")
     t1 = time.perf_counter()
-    onload(module, optimizer)
+    move(module, optimizer, "cuda")
     return t1 - t0, time.perf_counter() - t1
 
 
@@ -106,7 +102,7 @@ def arena_round(module: Any, optimizer: Any, keep: list[Any]) -> tuple[float, fl
     if moved.repadded:
         print(f"  {moved.repadded} parameters re-padded by FSDP2 outside the arena")
     t1 = time.perf_counter()
-    onload(module, optimizer)
+    move(module, optimizer, "cuda")
     return t1 - t0, time.perf_counter() - t1
 
 
