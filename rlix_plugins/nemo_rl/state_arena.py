@@ -83,9 +83,10 @@ class StateArena:
         return self.buffer[offset:offset + n].view(dtype).view(shape)
 
     def holds(self, t: Any) -> bool:
-        """Whether ``t``'s (local) data lies in this arena."""
-        ptr, start = _local(t).data_ptr(), self.buffer.data_ptr()
-        return start <= ptr < start + self.buffer.numel()
+        """Whether ``t``'s (local) data lies in this arena (an empty shard, which has no data, counts as held)."""
+        local = _local(t)
+        ptr, start = local.data_ptr(), self.buffer.data_ptr()
+        return local.numel() == 0 or start <= ptr < start + self.buffer.numel()
 
     def close(self) -> None:
         if self.registered:

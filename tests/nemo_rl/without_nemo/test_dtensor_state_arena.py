@@ -95,3 +95,50 @@ def test_a_dtensor_trainer_offloads_into_its_arena_and_trains_on_as_before(
 def test_a_megatron_trainer_is_left_to_nemo_rls_offload(groups: tuple[list[Any], list[Any]]) -> None:
     """The arena is the DTensor path: for Megatron the runtime runs NeMo RL's own offload (None: nothing moved)."""
     assert PolicyWeightSource(groups[1], (0, 0), BUCKET_BYTES, "megatron").offload_to_arena(60.0) is None
+
+
+def _uneven_rank(rank: int, port: int, out: str) -> None:
+    """One of two gloo ranks: an FSDP2 model whose dim-0 sizes are odd (FSDP2 pads every shard), offloaded into the
+    arena after an AdamW step, then trained on beside a twin that never offloads."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from rlix_plugins.nemo_rl.state_arena import offload_to_arena
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+
+    def twin() -> tuple[Any, Any]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+        fully_shard(model, mesh=init_device_mesh("cpu", (2,)))
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    def step(model: Any, optimizer: Any) -> float:
+        loss = model(torch.linspace(-1, 1, 24).view(4, 6)).pow(2).sum()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return float(loss.detach())
+
+    (model, opt), (ref, ref_opt) = twin(), twin()
+    losses = [(step(model, opt), step(ref, ref_opt))]
+    _, moved = offload_to_arena(model, opt, None)
+    losses += [(step(model, opt), step(ref, ref_opt)) for _ in range(2)]
+    same = all(torch.equal(p.to_local(), q.to_local())
+               for p, q in zip(model.parameters(), ref.parameters(), strict=True))
+    torch.save({"losses": losses, "repadded": moved.repadded, "same": same}, f"{out}/rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_shards_fsdp2_pads_are_counted_and_stay_correct(tmp_path: Path) -> None:
+    """FSDP2 pads a dim-0 shard that does not divide evenly over the ranks and re-pads such a shard into memory of
+    its own when ``_apply`` hands it another tensor: those parameters stay outside the arena (counted in
+    ``repadded``), and the model still trains on exactly as a twin that never offloaded."""
+    import torch.multiprocessing as mp
+
+    mp.start_processes(_uneven_rank, args=(free_port(), str(tmp_path)), nprocs=2, start_method="spawn", join=True)
+    for rank, padded in ((0, 0), (1, 4)):  # rank 0 holds 3 of 5 rows and 2 of 3 (full shards), rank 1 2 and 1
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        assert got["repadded"] == padded and got["same"], got  # two weights and two biases of odd rows
+        assert all(a == b for a, b in got["losses"]), got
