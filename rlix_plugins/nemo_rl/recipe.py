@@ -377,7 +377,8 @@ class _Places:
     rollouts: int  #: rollouts of different pipelines awake at once
     beside_step: int  #: of other pipelines' rollouts, awake next to one training step
     steps: int  #: training steps of different pipelines side by side
-    beside_two: int  #: rollouts of any pipeline next to two steps
+    beside_two: int  #: rollouts of any pipeline next to two steps (next to the step where one pipeline trains here)
+    trainers: int = 2  #: pipelines that train here
 
     @property
     def coresident(self) -> bool:
@@ -415,7 +416,7 @@ def _places(layouts: Sequence[PipelineLayout], figures: Mapping[str, Mapping[str
         beside = most([trainers[0].cluster_id], [s for s in engines if s.pipeline_id != trainers[0].pipeline_id])
         # any pipeline's rollout: the two steps' own ranks stay awake beside them where they fit, too
         out[g] = _Places(need, cap, len(engines), most([], engines), beside, most([], trainers),
-                         most([t.cluster_id for t in trainers[:2]], engines))
+                         most([t.cluster_id for t in trainers[:2]], engines), len(trainers))
     return out
 
 
@@ -571,8 +572,10 @@ def _fits(p: _Places | None) -> str:
     if together is None:
         return "no rollout next to a training step"
     rollouts, beside, steps, beside_two = together
-    return (f"rollouts at once {rollouts}, next to a step {beside}, steps side by side {steps}, rollouts next to two "
-            f"steps {beside_two}")
+    assert p is not None
+    return (f"rollouts at once {rollouts}, next to a step {beside}, steps side by side {steps}, "
+            + (f"rollouts next to two steps {beside_two}" if p.trainers > 1
+               else f"rollouts of any pipeline next to its step {beside_two}"))
 
 
 def make_overlays(stock: Mapping[str, Any], num_pipelines: int, gpus: Sequence[int],

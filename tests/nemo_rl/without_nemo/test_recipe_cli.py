@@ -655,6 +655,15 @@ def test_engines_run_fewer_sequences_at_once_where_that_fits_rollouts_beside_two
             "steps side by side 2, rollouts next to two steps 0 -> rollouts at once 2, next to a step 1, steps side "
             "by side 2, rollouts next to two steps 2)") in text, text
     assert "at most 256 at once, need 12.0 GiB" in out and "(2 rollouts next to two)" in out, out
+    # a pair over two GPUs trains one step on each: 512 fits both rollouts beside each home GPU's step, 1,024 one
+    rc, files = _recipe(big, tmp_path / "two_gpus", "--pipelines", "2", "--gpus", "0,1", "--gpu-memory-gib", "139.8",
+                        "--host-memory-gib", "500")
+    text = files[0].read_text()
+    assert rc == 0 and ("max_num_seqs: 512  # one step's batch at once (512 sequences), not all 1024 the rollout "
+                        "keeps in flight: the smaller engine lets more run together (GPU 0: rollouts at once 2, next "
+                        "to a step 1, steps side by side 1, rollouts of any pipeline next to its step 1 -> rollouts at "
+                        "once 2, next to a step 1, steps side by side 1, rollouts of any pipeline next to its step 2; "
+                        "GPU 1:") in text, (capsys.readouterr().out, text)
     merged, _, _ = run(big, "alone", "--pipelines", "1")
     assert merged["policy"]["generation"]["vllm_kwargs"]["max_num_seqs"] == 1024
     own = load_stock(big)
