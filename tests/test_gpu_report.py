@@ -78,3 +78,12 @@ def test_each_gpu_process_peak_is_read_from_the_samplers_procs_file(tmp_path: Pa
         "(ray::DTensorPolicyWorker.train)"), lines
     assert lines[2].startswith("  GPU 0 pid 11: 40.00 GiB at ") and lines[2].endswith(
         "(ray::VllmAsyncGenerationWorker.generate)"), lines
+
+
+def test_each_pipelines_waits_for_its_batch_are_read_from_nemo_rls_step_timing(tmp_path: Path) -> None:
+    """The pair of 2026-11-30 at engines of one step's batch: one rollout fitted beside both training steps and
+    pipeline a's rank kept that place, so b waited 21-33 s for its batch in five steps while a waited ~0.4 s. The
+    turn metric cannot see it (b never waited for a grant); NeMo RL's ``exposed_generation`` does."""
+    out = _report(RESULTS / "h200x2-2026-11-30-one-batch-pair/shared2", tmp_path)
+    assert "waits for its batch (NeMo RL's 'exposed_generation') [0.3, 0.5, 0.4, 0.4, 0.4, 0.5, 0.5, 0.4] s" in out
+    assert "waits for its batch (NeMo RL's 'exposed_generation') [0.4, 0.5, 32.9, 21.2, 24.3, 22.8, 28.8, 0.5] s" in out

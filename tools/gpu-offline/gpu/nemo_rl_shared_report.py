@@ -27,6 +27,8 @@ STAMP = re.compile(r"^(\d+\.\d+) ")
 SC_METRICS = re.compile(r"^(\d+\.\d+) .*step_metrics=\{.*'reward': ([-\d.e]+|nan)")
 SC_STEP = re.compile(r"^(\d+\.\d+) .*train step (\d+)/(\d+)\s+trainer_v=")
 STEP_TIME = re.compile(r"^(\d+\.\d+) .*Total step time: ([\d.]+)s")
+# NeMo RL's step timing: the seconds a step waited for its batch (async GRPO: the rollout not ready when training could start)
+BATCH_WAIT = re.compile(r"^(\d+\.\d+) .*\bexposed_generation: ([\d.]+)s")
 
 
 def console(path: Path) -> dict[str, Any]:
@@ -34,6 +36,7 @@ def console(path: Path) -> dict[str, Any]:
     rewards: list[float] = []
     reward_times: list[tuple[float, float]] = []
     step_times: list[float] = []
+    batch_waits: list[float] = []
     sc_steps = 0
     first = last = None
     for line in path.read_text(errors="replace").splitlines():
@@ -52,8 +55,10 @@ def console(path: Path) -> dict[str, Any]:
             sc_steps += 1
         elif s := STEP_TIME.match(line):
             step_times.append(float(s.group(2)))
+        elif s := BATCH_WAIT.match(line):
+            batch_waits.append(float(s.group(2)))
     return {"started": first, "ended": last, "step_starts": steps, "rewards": rewards, "reward_times": reward_times,
-            "step_times_s": step_times, "steps_done": max(len(rewards), sc_steps)}
+            "step_times_s": step_times, "batch_waits_s": batch_waits, "steps_done": max(len(rewards), sc_steps)}
 
 
 def rlix_metrics(logdir: Path) -> dict[str, list[float]]:
@@ -223,6 +228,8 @@ def main() -> int:
         m = r["rlix_metrics"]
         print(f"pipeline {p}: {r['steps_done']} steps, rewards {r['rewards']}, step times (NeMo RL's 'Total step "
               f"time') {[round(t, 1) for t in r['step_times_s']]} s")
+        if r["batch_waits_s"]:
+            print(f"  waits for its batch (NeMo RL's 'exposed_generation') {[round(t, 1) for t in r['batch_waits_s']]} s")
         for tag in sorted(m):
             print(f"  {tag}: {[round(v, 3) for v in m[tag]]}")
     if "step_phase_s" in summary:
