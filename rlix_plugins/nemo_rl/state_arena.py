@@ -15,7 +15,8 @@ its sharded data at what ``fn`` returns (``FSDPParam.reset_sharded_param``). ``f
 waited for once, because FSDP2 re-pads an uneven dim-0 shard by reading it on the CPU as soon as ``_apply`` returns
 (that shard then lives in memory of FSDP2's own, copied once more: correct, counted in ``repadded``). A parameter
 tied to another (Qwen's embedding and LM head) is one object and gets one slot. Gradients (NeMo RL frees them after
-each step) and buffers go with ``.to("cpu")`` as NeMo RL's offload moves them.
+each step) go with ``.to("cpu")`` and buffers are swapped in place (the same objects), as NeMo RL's offload moves
+them.
 
 The layout is fixed at the first offload; an offload whose tensors differ from it (another optimizer state, a new
 shape) replaces the arena.
@@ -170,6 +171,9 @@ def offload_to_arena(model: Any, optimizer: Any, arena: StateArena | None) -> tu
         return made[id(t)]
 
     with torch.no_grad():
+        for b in model.buffers():  # as NeMo RL's move_buffer_to_device: the same objects, their data on the CPU
+            if not b.is_cpu:
+                torch.utils.swap_tensors(b, b.to("cpu"))
         model._apply(fn)
         for p, state in optimizer.state.items():
             for k, v in list(state.items()):

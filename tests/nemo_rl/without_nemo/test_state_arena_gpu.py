@@ -19,6 +19,7 @@ def _twin(seed: int) -> tuple[Any, Any]:
 
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU(), torch.nn.Linear(512, 256)).cuda()
+    model.register_buffer("scale", torch.ones(256, device="cuda"))  # as a rotary embedding's inv_freq
     for layer in (model[0], model[2]):
         fully_shard(layer, mesh=init_device_mesh("cuda", (1,)))
     fully_shard(model, mesh=init_device_mesh("cuda", (1,)))
@@ -36,7 +37,10 @@ def _step(model: Any, optimizer: Any) -> float:
 
 
 def _onload(model: Any, optimizer: Any) -> None:
-    """NeMo RL's ``prepare_for_training`` (DTensor workers): ``model.to("cuda")``, every state ``.to("cuda")``."""
+    """NeMo RL's ``prepare_for_training`` (DTensor workers): buffers swapped to the GPU, ``model.to("cuda")``, every
+    optimizer state ``.to("cuda")``."""
+    for b in model.buffers():
+        torch.utils.swap_tensors(b, b.to("cuda"))
     model.to("cuda")
     for state in optimizer.state.values():
         for k, v in state.items():
@@ -61,7 +65,9 @@ def test_states_offload_into_the_page_locked_arena_and_train_on_after_nemo_rls_o
     torch.cuda.synchronize()
     held = torch.cuda.memory_allocated()
 
+    buffer = model.scale
     arena, moved = offload_to_arena(model, optimizer, None)
+    assert model.scale is buffer and buffer.is_cpu  # the same object, as NeMo RL's offload leaves it
     assert arena.registered and arena.buffer.is_pinned() and moved.new_arena and moved.repadded == 0
     states = [v for st in optimizer.state.values() for k, v in st.items() if k != "step"]
     for t in [*model.parameters(), *states]:
