@@ -94,6 +94,21 @@ def test_driver_dead_before_its_coordinator_was_ever_probed_is_reaped(control_pl
     _still_serving(cp, b)
 
 
+def test_driver_dead_before_it_asked_for_gpus_is_reaped_too(control_plane: client.ControlPlane) -> None:
+    """A driver killed between its registration and its first request (the demo's deadline at start-up) holds
+    nothing and never had a coordinator under its name: after twice the grace it is failed, not left registered
+    for ever; a live pipeline beside it is untouched."""
+    cp = control_plane
+    pid = cp.allocate_pipeline_id()
+    client.call(cp.orchestrator.register_pipeline.remote(pid, {"actor_train": 1, "actor_infer": 1},
+                                                         {"actor_train": [0], "actor_infer": [0, 1]}), "register")
+    client.call(cp.orchestrator.admit_pipeline.remote(pid), "admit")
+    b, _ = make_pipeline(cp, train=[0], infer=[0, 1])
+    wait_for(lambda: pid not in cp.status()["pipelines"], timeout_s=30, what="the coordinator-less pipeline failed")
+    assert "fail" in _ops(cp, pid) and "fail" not in _ops(cp, b.pipeline_id)
+    _still_serving(cp, b)
+
+
 def test_failed_expand_fails_only_that_pipeline(control_plane: client.ControlPlane) -> None:
     """A GENERATION request whose expand raises gets PipelineUnregisteredError; the other pipeline is served."""
     cp = control_plane

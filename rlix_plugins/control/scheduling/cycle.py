@@ -539,8 +539,11 @@ class SchedulerCycle:
         reports that the driver stopped renewing its lease (a driver that hangs or was stopped while it holds GPUs).
 
         A coordinator is found by name once and its handle kept; a driver that dies before that lookup takes its
-        (driver-owned) coordinator with it, so "no such actor" for a pipeline that holds GPUs or waits for them,
-        and registered longer than the grace below, means its driver is gone: fail it, or its GPUs never return.
+        (driver-owned) coordinator with it, so "no such actor" for a pipeline registered longer than the grace below
+        means its driver is gone: fail it where it holds GPUs or waits for them, or its GPUs never return; and where
+        it holds nothing after twice the grace too (a driver killed between its registration and its first request,
+        the demo's deadline at start-up), or its registration stays for ever. ``client.register_pipeline`` creates
+        the coordinator and waits for it to answer before it returns, so a live pipeline has one within seconds.
         """
         self._check_init_holds()
         await self._check_fences()
@@ -550,9 +553,13 @@ class SchedulerCycle:
             try:
                 probes[pid] = self._coordinator(pid).ping.remote()
             except SchedulerError:
-                if time.time() - pipe.registered_at > grace_s and self._holds_resources(pid):
+                age = time.time() - pipe.registered_at
+                if age > grace_s and self._holds_resources(pid):
                     self._fail(pid, f"no coordinator actor {coordinator_name(pid)!r} {grace_s:.0f} s after "
                                     "registration while holding or awaiting GPUs (its driver exited?)")
+                elif age > 2 * grace_s:
+                    self._fail(pid, f"no coordinator actor {coordinator_name(pid)!r} {2 * grace_s:.0f} s after "
+                                    "registration (its driver exited before it asked for GPUs?)")
                 continue
         if not probes:
             return
