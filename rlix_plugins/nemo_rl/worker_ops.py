@@ -192,7 +192,8 @@ def offload_to_arena(worker: Any) -> dict[str, Any] | None:
         return None
     try:
         worker._rlix_arena, moved = offload(model, optimizer, getattr(worker, "_rlix_arena", None))
-    except RuntimeError as exc:  # raised before anything moved
+    except RuntimeError as exc:  # a refusal (not FSDP2, page-locking refused) comes before anything moved; after a
+        # later error NeMo RL's offload moves what is still on the device and leaves what is in the arena
         logging.getLogger(__name__).warning("rlix: NeMo RL's offload instead of the state arena: %s", exc)
         return None
     model.eval()
