@@ -7,7 +7,9 @@ on the GPU. Here the same tensors go by DMA into views of one host buffer of exa
 (``cudaHostRegister``; torch's pinned caching allocator rounds every block up to a power of two: 1.26x the host
 memory at 1.5B, 1.9x at 0.5B and 7B), and the parameters and optimizer states are left pointing at those views,
 as NeMo RL's own offload leaves them pointing at CPU tensors. NeMo RL's onload then runs unchanged and reads pinned
-memory. ``benchmarks/offload.py`` measured the same copies at 0.35 s each way (52-54 GB/s).
+memory. On an H200 at the 1.5B shape (18.5 GB of states) ``benchmarks/offload.py`` measured 0.51 s out and 0.44-0.48 s
+back (36-42 GB/s) against NeMo RL's 10.1-10.7 s and 2.7-2.8 s; the first offload, which makes and page-locks the
+arena, 5.5 s.
 
 How the parameters move: ``model._apply(fn)``, the path ``model.to`` takes, so that FSDP2's ``_apply`` re-points
 its sharded data at what ``fn`` returns (``FSDPParam.reset_sharded_param``). ``fn`` builds the CPU DTensor itself:
@@ -106,7 +108,9 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 def _tensors(model: Any, optimizer: Any) -> list[tuple[Any, Any]]:
     """(key, tensor) of every parameter (each object once: tied parameters are one) and every optimizer state
-    tensor on its parameter's device (not Adam's step count, which torch keeps on the CPU)."""
+    tensor of its parameter's shape (Adam's moments). Not the step count: torch makes it on the CPU and NeMo RL's
+    onload moves it to the GPU, so a layout that followed its device changed between the first offload and the
+    second (on an H200 each pipeline built and page-locked a second arena at its second step: 7.2-9.2 s)."""
     import torch
 
     out: list[tuple[Any, Any]] = []
@@ -119,7 +123,7 @@ def _tensors(model: Any, optimizer: Any) -> list[tuple[Any, Any]]:
         if name is None:
             continue
         for k, v in state.items():
-            if isinstance(v, torch.Tensor) and _local(v).device == _local(p).device:
+            if isinstance(v, torch.Tensor) and _local(v).shape == _local(p).shape:
                 out.append((("state", name, k), v))
     return out
 
@@ -178,7 +182,11 @@ def offload_to_arena(model: Any, optimizer: Any, arena: StateArena | None) -> tu
         for p, state in optimizer.state.items():
             for k, v in list(state.items()):
                 name = by_id.get(id(p))
-                if name is None or ("state", name[1], k) not in arena.slots or not isinstance(v, torch.Tensor):
+                if not isinstance(v, torch.Tensor) or name is None:
+                    continue
+                if ("state", name[1], k) not in arena.slots:  # the step count: as NeMo RL's offload moves it
+                    if not v.is_cpu:
+                        state[k] = v.to("cpu")
                     continue
                 view = arena.view(("state", name[1], k))
                 state[k] = DTensor(view, v._spec, requires_grad=False) if isinstance(v, DTensor) else view

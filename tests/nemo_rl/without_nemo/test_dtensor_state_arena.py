@@ -77,8 +77,10 @@ def test_a_dtensor_trainer_offloads_into_its_arena_and_trains_on_as_before(
         # only the shards FSDP2 re-pads (uneven over the ranks) stay outside; the tiny model has none
         assert outside == a["uneven"] == [] and report["repadded"] == 0, (outside, report)
         assert report["new_arena"] and report["bytes"] > 0 and not a["training"], report
-        # every shard and moment counted once: the tied embedding is one parameter
-        assert report["tensors"] == len(a["tensors"]), (report, sorted(a["tensors"]))
+        # every shard and moment counted once (the tied embedding is one parameter); Adam's step count takes no
+        # slot: NeMo RL's onload moves it to the GPU, and a layout that followed it changed at the second offload
+        slotted = [k for k in a["tensors"] if not k.endswith(":step")]
+        assert len(slotted) < len(a["tensors"]) and report["tensors"] == len(slotted), (report, sorted(a["tensors"]))
 
     # FSDP2 trains on from the arena exactly as the ranks that never offloaded
     assert _step(offloaded) == _step(reference)
