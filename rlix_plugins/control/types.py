@@ -195,6 +195,10 @@ class SchedulerSnapshot:
     #: cluster's coordinator is busy: none of its ranks is shrunk (preempted, rebalanced, released) and no GENERATION
     #: request of it is granted until the expand returns (the return starts a cycle).
     expanding: dict[str, frozenset[int]] = field(default_factory=dict)
+    #: Generation clusters -> when a training-type grant last put one of their ranks to sleep (a logical clock:
+    #: larger = more recent; absent: never). Where not every rollout rank fits beside a grant, the ranks slept most
+    #: recently stay first, so the ranks that must sleep take turns (``planner._preemptions``).
+    rollout_slept_at: dict[str, int] = field(default_factory=dict)
 
     @property
     def idle_gpus(self) -> frozenset[int]:

@@ -424,6 +424,36 @@ def test_rollout_runs_next_to_another_pipelines_training_when_memory_fits(contro
     a.release_gpus("actor_train", step=0)
 
 
+#: Engines 30 GiB awake, trainers 35 GiB per step, of 100 GiB: two rollouts fit beside one step only when one of
+#: three pipelines' rollouts sleeps (30 + 30 + 35 + 1 + 3 x 3 = 105 GiB with both awake).
+_TWO_OF_THREE = {"actor_infer": {"gpu_gib": 100, "awake_gib": 30, "asleep_gib": 1},
+                 "actor_train": {"gpu_gib": 100, "awake_gib": 35, "asleep_gib": 3}}
+
+
+def test_the_rollouts_that_sleep_beside_steps_take_turns(control_plane: client.ControlPlane) -> None:
+    """Three pipelines on GPU 3 through the real scheduler: A and B roll out, C's steps have room beside them for one
+    of the two. The rank kept at C's second step is the one put to sleep at its first: the ranks that sleep take
+    turns. In a fixed order, two of four 0.5B pipelines on one H200 slept through every step and waited 22-35 s for
+    each batch while the other two waited 0.4 s."""
+    cp = control_plane
+    a, _ = make_pipeline(cp, train=[3], infer=[3], memory=_TWO_OF_THREE)
+    b, _ = make_pipeline(cp, train=[3], infer=[3], memory=_TWO_OF_THREE)
+    c, _ = make_pipeline(cp, train=[3], infer=[3], memory=_TWO_OF_THREE)
+    rollouts = {a.cluster_id("actor_infer"), b.cluster_id("actor_infer")}
+    assert a.request_gpus("actor_infer", GEN, step_target_estimate=8, timeout_s=10) == [3]
+    assert b.request_gpus("actor_infer", GEN, step_target_estimate=8, timeout_s=10) == [3]
+    slept = []
+    for step in range(2):
+        assert c.request_gpus("actor_train", Priority.ACTOR_TRAINING, step=step, timeout_s=10) == [3]
+        awake = {cid for cid in rollouts if active_gpus(cp, cid)}
+        assert len(awake) == 1, f"step {step}: awake beside C's step {awake}"
+        slept.append(next(iter(rollouts - awake)))
+        c.release_gpus("actor_train", step=step)
+        wait_for(lambda: all(active_gpus(cp, cid) for cid in rollouts), what="both rollouts awake again")
+    assert slept[0] != slept[1], f"the same rank slept beside both of C's steps: {slept}"
+    assert not cp.status()["invariant_violations"]
+
+
 def test_a_pipelines_own_rollout_keeps_generating_beside_its_step(control_plane: client.ControlPlane) -> None:
     """A pipeline alone on GPU 3 through the real scheduler: its training grant leaves its own rank awake where the
     figures fit (60 + 35 = 95 of 100 GiB), so async GRPO makes the next batch during the step; with figures that do

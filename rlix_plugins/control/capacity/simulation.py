@@ -198,6 +198,7 @@ class Simulation:
         self.seq = 0
         self.waiting_since: dict[str, int] = {}
         self.clock = itertools.count()
+        self.slept_at: dict[str, int] = {}  # generation cluster -> when a grant last preempted a rank of it
         self.turns = TurnLedger(fair_turn_steps)
         self.now = 0.0
         self.release_grace_s = release_grace_s
@@ -296,7 +297,7 @@ class Simulation:
         owed = self.turns.owed(self.clusters)
         grace = frozenset(g for g, (until, pid) in self.grace.items() if until > self.now + EPS and pid not in owed)
         return replace(snap, generation_waiting_since=dict(self.waiting_since), turns_owed=owed,
-                       release_grace_gpus=grace)
+                       release_grace_gpus=grace, rollout_slept_at=dict(self.slept_at))
 
     def _execute(self, t: float, plan: CyclePlan) -> None:
         """Shrinks -> expands -> commit -> grants and releases, like the scheduler actor."""
@@ -306,6 +307,8 @@ class Simulation:
                 self.warm_until.pop((op.cluster_id, r), None)
             gpus = tuple(sorted(spec.gpus_of(op.dp_ranks)))
             self._trace(t, op.cluster_id, "shrink", gpus, int(Priority.GENERATION), f"{op.reason} ranks={list(op.dp_ranks)}")
+            if op.reason == "preempt":  # as the scheduler does
+                self.slept_at[op.cluster_id] = next(self.clock)
         for eop in plan.expands:
             spec = self.clusters[eop.cluster_id]
             for r in eop.dp_ranks:

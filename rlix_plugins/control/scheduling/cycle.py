@@ -108,6 +108,7 @@ class SchedulerCycle:
         self._gen_open: dict[str, tuple[int, int | None]] = {}
         self._standing_seq: dict[str, int] = {}
         self._gen_waiting: dict[str, int] = {}  # generation cluster -> when it started waiting for a rank (turns)
+        self._slept_at: dict[str, int] = {}  # generation cluster -> when a grant last preempted a rank of it
         self._turns = TurnLedger(self._cfg.fair_turn_steps)  # steps done and open waits (fair turns)
         self._planned: dict[str, list[asyncio.Future[list[int]]]] = {}
         self._grace: dict[int, tuple[float, str]] = {}  # GPU -> (monotonic end of its grace window, releasing pipeline)
@@ -177,6 +178,7 @@ class SchedulerCycle:
         self._progress_seq.pop(pipeline_id, None)
         for cid in pipe.clusters:
             self._close_gen(cid)
+            self._slept_at.pop(cid, None)
         self._coordinators.pop(pipeline_id, None)
         self._end_grace(pipeline_id)  # nobody is coming back for those GPUs
         self._turns.forget(pipeline_id)
@@ -244,7 +246,8 @@ class SchedulerCycle:
             else:  # its pipeline left while the ranks wake: nobody takes those GPUs until the expand returns
                 fenced |= t.gpus
         return replace(snap, generation_waiting_since=dict(self._gen_waiting), turns_owed=owed,
-                       release_grace_gpus=grace - fenced, fenced_gpus=fenced, expanding=expanding)
+                       release_grace_gpus=grace - fenced, fenced_gpus=fenced, expanding=expanding,
+                       rollout_slept_at=dict(self._slept_at))
 
     def _start_grace(self, gpus: frozenset[int], pipeline_id: str) -> None:
         if self._cfg.release_grace_s > 0:
@@ -370,6 +373,9 @@ class SchedulerCycle:
                 self._fail(pid, reason)
             return
         self._trace_shrinks(snapshot, plan, shrinks)
+        for op in plan.shrinks:  # the ranks that sleep beside a grant take turns (``rollout_slept_at``)
+            if op.reason == "preempt":
+                self._slept_at[op.cluster_id] = next(self._seq)
         removed = self._removed_in_cycle or set()
         alive = {cid for p in self._pipelines.values() for cid in p.clusters}
         # Nothing awaits from here on: the commit, the signals and the launches are one atomic step.

@@ -167,12 +167,16 @@ def _preemptions(state: PlanState, spec: ClusterSpec, priority: Priority,
     clusters = state.snap.clusters
     kept: dict[int, list[ClusterSpec]] = {}
     victims: list[tuple[str, int]] = []
-    # Where not every co-tenant fits, other pipelines' ranks stay before the grantee's own (its step is progress
-    # already; theirs is what the step holds up), then the pipelines with the fewest awake ranks: kept in cluster-id
-    # order, the same pipeline lost its rank to every training step on three GPUs and stepped 132 s instead of 75
-    # (DESIGN §9).
-    def keep_order(c: str) -> tuple[bool, int, str]:
-        return clusters[c].pipeline_id == spec.pipeline_id, len(state.gen_active.get(c, ())), c
+    # Where not every co-tenant fits, the pipelines with the fewest awake ranks stay first (kept in cluster-id
+    # order, the same pipeline lost its rank to every training step on three GPUs and stepped 132 s instead of 75),
+    # then the ranks a grant put to sleep most recently (kept in a fixed order, two of four 0.5B pipelines on one
+    # H200 slept through every step of theirs and waited 22-35 s for each batch while the other two waited 0.4 s),
+    # then other pipelines' ranks before the grantee's own (its step is progress already; theirs is what the step
+    # holds up). DESIGN §9.
+    slept = state.snap.rollout_slept_at
+
+    def keep_order(c: str) -> tuple[int, int, bool, str]:
+        return (len(state.gen_active.get(c, ())), -slept.get(c, -1), clusters[c].pipeline_id == spec.pipeline_id, c)
 
     for g in sorted(need):
         for gen_cid in sorted(state.generation_holders(g), key=keep_order):
