@@ -110,7 +110,7 @@ def _tensors(model: Any, optimizer: Any) -> list[tuple[Any, Any]]:
     """(key, tensor) of every parameter (each object once: tied parameters are one) and every optimizer state
     tensor of its parameter's shape (Adam's moments). Not the step count: torch makes it on the CPU and NeMo RL's
     onload moves it to the GPU, so a layout that followed its device changed between the first offload and the
-    second (on an H200 each pipeline built and page-locked a second arena at its second step: 7.2-9.2 s)."""
+    second (on an H200 each pipeline built and page-locked a second arena at its second step: 7.9-9.2 s)."""
     import torch
 
     out: list[tuple[Any, Any]] = []
