@@ -38,7 +38,7 @@ from rlix_plugins.control.capacity.fairness import Fairness, fairness
 from rlix_plugins.control.registration import pipeline_clusters, validate_spec
 from rlix_plugins.control.scheduling.config import SchedulerConfig
 from rlix_plugins.control.scheduling.gap_ratio import note_generation_waits
-from rlix_plugins.control.scheduling.planner import plan_cycle, validate_plan
+from rlix_plugins.control.scheduling.planner import note_preemptions, plan_cycle, validate_plan
 from rlix_plugins.control.scheduling.turns import FAIR_TURN_STEPS, TurnLedger
 from rlix_plugins.control.types import (
     Allocation,
@@ -307,14 +307,13 @@ class Simulation:
                 self.warm_until.pop((op.cluster_id, r), None)
             gpus = tuple(sorted(spec.gpus_of(op.dp_ranks)))
             self._trace(t, op.cluster_id, "shrink", gpus, int(Priority.GENERATION), f"{op.reason} ranks={list(op.dp_ranks)}")
-            if op.reason == "preempt":  # as the scheduler does
-                self.slept_at[op.cluster_id] = next(self.clock)
         for eop in plan.expands:
             spec = self.clusters[eop.cluster_id]
             for r in eop.dp_ranks:
                 self.warm_until[(eop.cluster_id, r)] = t + self.by_cluster[eop.cluster_id].job.expand_time_s
             gpus = tuple(sorted(spec.gpus_of(eop.dp_ranks)))
             self._trace(t, eop.cluster_id, "expand", gpus, int(Priority.GENERATION), f"ranks={list(eop.dp_ranks)}")
+        note_preemptions(self.slept_at, plan, self.clock)  # as the scheduler does
         self.allocations = dict(plan.allocations)
         for g in plan.grants:
             self.pending.pop(g.cluster_id, None)

@@ -373,9 +373,7 @@ class SchedulerCycle:
                 self._fail(pid, reason)
             return
         self._trace_shrinks(snapshot, plan, shrinks)
-        for op in plan.shrinks:  # the ranks that sleep beside a grant take turns (``rollout_slept_at``)
-            if op.reason == "preempt":
-                self._slept_at[op.cluster_id] = next(self._seq)
+        planner.note_preemptions(self._slept_at, plan, self._seq)  # the ranks that sleep beside grants take turns
         removed = self._removed_in_cycle or set()
         alive = {cid for p in self._pipelines.values() for cid in p.clusters}
         # Nothing awaits from here on: the commit, the signals and the launches are one atomic step.

@@ -49,7 +49,7 @@ returns). ``validate_plan`` (re-exported here) checks a plan against its snapsho
 from __future__ import annotations
 
 import bisect
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Iterator
 
 from rlix_plugins.control.registration import validate_cluster_specs
 from rlix_plugins.control.scheduling.coresidence import COTENANT_PRIORITIES, fits, sharing_problem
@@ -61,6 +61,7 @@ from rlix_plugins.control.types import Allocation, ClusterSpec, CyclePlan, Grant
 
 __all__ = [
     "PlanInvariantError",
+    "note_preemptions",
     "plan_cycle",
     "validate_cluster_specs",
     "validate_plan",
@@ -193,6 +194,15 @@ def _preemptions(state: PlanState, spec: ClusterSpec, priority: Priority,
             else:
                 victims.append((gen_cid, rank))
     return victims
+
+
+def note_preemptions(slept_at: dict[str, int], plan: CyclePlan, clock: Iterator[int]) -> None:
+    """Record in ``slept_at`` (cluster id -> logical time) the clusters whose ranks ``plan``'s training grants put
+    to sleep. The scheduler and the simulator call this for every plan they carry out and pass a copy as
+    ``snapshot.rollout_slept_at``, which ``_preemptions`` reads."""
+    for op in plan.shrinks:
+        if op.reason == "preempt":
+            slept_at[op.cluster_id] = next(clock)
 
 
 def _may_stay(state: PlanState, spec: ClusterSpec, rank: int, host: ClusterSpec, priority: Priority,
