@@ -57,7 +57,7 @@ def test_a_pair_against_one_pipeline_alone(tmp_path: Path) -> None:
                          check=True, cwd=RESULTS.parents[1]).stdout
     assert "steps 16; step phase 652.3 s -> 88 steps/h" in out, out
     assert ("together / one after another 1.55x over the steps phase, 1.75x over the whole run" in out
-            and "ceiling min(2, 1 / 0.372) = 2.00x: 0.77 of it" in out), out
+            and "ceiling min(2, 1 / 0.372) = 2.00x: 0.77 of it\n" in out), out  # capped at N: no split
 
 
 def test_each_gpu_process_peak_is_read_from_the_samplers_procs_file(tmp_path: Path) -> None:
@@ -87,3 +87,20 @@ def test_each_pipelines_waits_for_its_batch_are_read_from_nemo_rls_step_timing(t
     out = _report(RESULTS / "h200x2-2026-11-30-one-batch-pair/shared2", tmp_path)
     assert "waits for its batch (NeMo RL's 'exposed_generation') [0.3, 0.5, 0.4, 0.4, 0.4, 0.5, 0.5, 0.4] s" in out
     assert "waits for its batch (NeMo RL's 'exposed_generation') [0.4, 0.5, 32.9, 21.2, 24.3, 22.8, 28.8, 0.5] s" in out
+
+
+def test_four_on_one_gpu_against_one_alone_split_what_is_left_of_the_ceiling(tmp_path: Path) -> None:
+    """Where the ceiling is 1 / busy alone (below N) on one GPU, the fraction reached is the busy share together times
+    a step's GPU-busy seconds alone over together: for the stored four 0.5B pipelines of 2026-12-01, 0.952 x 12.4 /
+    13.3 = 0.89."""
+    turns = RESULTS / "h200-2026-12-01-four-turns"
+    for f in (turns / "shared4-0.5b").iterdir():
+        if f.suffix == ".gz":
+            with gzip.open(f, "rb") as src, open(tmp_path / f.stem, "wb") as dst:
+                shutil.copyfileobj(src, dst)
+    out = subprocess.run([sys.executable, "tools/gpu-offline/gpu/nemo_rl_shared_report.py", str(tmp_path),
+                          "--alone", str(turns / "alone-0.5b")], capture_output=True, text=True, timeout=120,
+                         check=True, cwd=RESULTS.parents[1]).stdout
+    assert "steps 32; step phase 446.4 s -> 258 steps/h" in out, out
+    assert ("ceiling min(4, 1 / 0.491) = 2.04x: 0.89 of it = busy together 0.952 x GPU-busy s a step alone / "
+            "together 12.4 / 13.3") in out, out

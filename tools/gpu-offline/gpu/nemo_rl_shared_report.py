@@ -167,15 +167,27 @@ def trace_figures(path: Path, t0: float, t1: float, rows: list[dict[str, float]]
 def against_alone(summary: dict[str, Any], alone: dict[str, Any], pipelines: int) -> str:
     """Together vs the same pipelines one after another, from one pipeline alone (its ``summary.json``): N identical
     pipelines in a row make the alone run's steps/hour, so the ratio is the two rates'; next to the ceiling that one
-    pipeline's idle time allows (1 / its busy share), and never above N."""
+    pipeline's idle time allows (1 / its busy share), and never above N.
+
+    Where that ceiling is 1 / busy and the pipelines share one GPU, the fraction of it reached splits exactly into
+    the busy share together (the idle time left) times the GPU-busy seconds a step costs alone over what it costs
+    together (how much slower a step's kernels run among the others'): the line says both."""
     busy = alone["nvml"]["gpu_busy_share_steps_phase"]
     ceiling = min(float(pipelines), 1 / busy)
-    phase = summary["steps_per_hour_step_phase"] / alone["steps_per_hour_step_phase"]
+    rate_alone, rate = alone["steps_per_hour_step_phase"], summary["steps_per_hour_step_phase"]
+    phase = rate / rate_alone
     whole = summary["steps_per_hour_wall"] / alone["steps_per_hour_wall"]
-    return (f"against one pipeline alone ({alone['steps_per_hour_step_phase']:.0f} steps/h over its steps phase, busy "
+    line = (f"against one pipeline alone ({rate_alone:.0f} steps/h over its steps phase, busy "
             f"{busy:.3f}): together / one after another {phase:.2f}x over the steps phase, {whole:.2f}x over the "
             f"whole run (one after another derived from the alone run); ceiling min({pipelines}, 1 / {busy:.3f}) = "
             f"{ceiling:.2f}x: {phase / ceiling:.2f} of it")
+    nvml = summary.get("nvml") or {}
+    if 1 / busy < pipelines and len(nvml.get("gpu_busy_share_by_gpu") or {}) == 1:
+        busy_together = nvml["gpu_busy_share_steps_phase"]
+        cost_alone, cost = busy * 3600 / rate_alone, busy_together * 3600 / rate
+        line += (f" = busy together {busy_together:.3f} x GPU-busy s a step alone / together {cost_alone:.1f} / "
+                 f"{cost:.1f}")
+    return line
 
 
 def main() -> int:
