@@ -13,14 +13,16 @@ RESULTS = Path(__file__).resolve().parents[1] / "benchmarks/results"
 RUN = RESULTS / "h200-2026-11-26-real-scale/shared2-coresident"
 
 
-def _report(run: Path, tmp_path: Path) -> str:
+def _report(run: Path, tmp_path: Path, alone: Path | None = None) -> str:
+    """The report over a stored run's files (and, with ``alone``, against that one-pipeline run's summary.json)."""
     for f in run.iterdir():
         if f.suffix == ".gz":
             with gzip.open(f, "rb") as src, open(tmp_path / f.stem, "wb") as dst:
                 shutil.copyfileobj(src, dst)
         elif f.name in ("summary.json", "status.json", "gpu_after.csv"):
             shutil.copy(f, tmp_path / f.name)
-    return subprocess.run([sys.executable, "tools/gpu-offline/gpu/nemo_rl_shared_report.py", str(tmp_path)],
+    args = ["--alone", str(alone)] if alone else []
+    return subprocess.run([sys.executable, "tools/gpu-offline/gpu/nemo_rl_shared_report.py", str(tmp_path), *args],
                           capture_output=True, text=True, timeout=120, check=True, cwd=RESULTS.parents[1]).stdout
 
 
@@ -48,13 +50,7 @@ def test_a_pair_against_one_pipeline_alone(tmp_path: Path) -> None:
     """``--alone DIR``: together vs one after another (derived from one pipeline alone: N in a row make its
     steps/hour) and the ceiling min(N, 1 / its busy share), for the stored sized pair of 2026-11-30."""
     sized = RESULTS / "h200x2-2026-11-30-sized-pair"
-    for f in (sized / "shared2").iterdir():
-        if f.suffix == ".gz":
-            with gzip.open(f, "rb") as src, open(tmp_path / f.stem, "wb") as dst:
-                shutil.copyfileobj(src, dst)
-    out = subprocess.run([sys.executable, "tools/gpu-offline/gpu/nemo_rl_shared_report.py", str(tmp_path),
-                          "--alone", str(sized / "shared1")], capture_output=True, text=True, timeout=120,
-                         check=True, cwd=RESULTS.parents[1]).stdout
+    out = _report(sized / "shared2", tmp_path, alone=sized / "shared1")
     assert "steps 16; step phase 652.3 s -> 88 steps/h" in out, out
     assert ("together / one after another 1.55x over the steps phase, 1.75x over the whole run" in out
             and "ceiling min(2, 1 / 0.372) = 2.00x: 0.77 of it\n" in out), out  # capped at N: no split
@@ -94,13 +90,7 @@ def test_four_on_one_gpu_against_one_alone_split_what_is_left_of_the_ceiling(tmp
     a step's GPU-busy seconds alone over together: for the stored four 0.5B pipelines of 2026-12-01, 0.952 x 12.4 /
     13.3 = 0.89."""
     turns = RESULTS / "h200-2026-12-01-four-turns"
-    for f in (turns / "shared4-0.5b").iterdir():
-        if f.suffix == ".gz":
-            with gzip.open(f, "rb") as src, open(tmp_path / f.stem, "wb") as dst:
-                shutil.copyfileobj(src, dst)
-    out = subprocess.run([sys.executable, "tools/gpu-offline/gpu/nemo_rl_shared_report.py", str(tmp_path),
-                          "--alone", str(turns / "alone-0.5b")], capture_output=True, text=True, timeout=120,
-                         check=True, cwd=RESULTS.parents[1]).stdout
+    out = _report(turns / "shared4-0.5b", tmp_path, alone=turns / "alone-0.5b")
     assert "steps 32; step phase 446.4 s -> 258 steps/h" in out, out
     assert ("ceiling min(4, 1 / 0.491) = 2.04x: 0.89 of it = busy together 0.952 x GPU-busy s a step alone / "
             "together 12.4 / 13.3") in out, out
