@@ -53,7 +53,8 @@ def test_a_pair_against_one_pipeline_alone(tmp_path: Path) -> None:
     out = _report(sized / "shared2", tmp_path, alone=sized / "shared1")
     assert "steps 16; step phase 652.3 s -> 88 steps/h" in out, out
     assert ("together / one after another 1.55x over the steps phase, 1.75x over the whole run" in out
-            and "ceiling min(2, 1 / 0.372) = 2.00x: 0.77 of it\n" in out), out  # capped at N: no split
+            and "ceiling min(2, 1 / 0.372) = 2.00x: 0.77 of it; while every pipeline ran 1.64x: 0.82 of it\n"
+            in out), out  # the ceiling capped at N: no split into busy share and cost per step
 
 
 def test_each_gpu_process_peak_is_read_from_the_samplers_procs_file(tmp_path: Path) -> None:
@@ -88,9 +89,12 @@ def test_each_pipelines_waits_for_its_batch_are_read_from_nemo_rls_step_timing(t
 def test_four_on_one_gpu_against_one_alone_split_what_is_left_of_the_ceiling(tmp_path: Path) -> None:
     """Where the ceiling is 1 / busy alone (below N) on one GPU, the fraction reached is the busy share together times
     a step's GPU-busy seconds alone over together: for the stored four 0.5B pipelines of 2026-12-01, 0.952 x 12.4 /
-    13.3 = 0.89."""
+    13.3 = 0.89; and the same while all four still ran (one finished 58 s before the last)."""
     turns = RESULTS / "h200-2026-12-01-four-turns"
     out = _report(turns / "shared4-0.5b", tmp_path, alone=turns / "alone-0.5b")
     assert "steps 32; step phase 446.4 s -> 258 steps/h" in out, out
     assert ("ceiling min(4, 1 / 0.491) = 2.04x: 0.89 of it = busy together 0.952 x GPU-busy s a step alone / "
-            "together 12.4 / 13.3") in out, out
+            "together 12.4 / 13.3; while every pipeline ran 1.92x: 0.94 of it") in out, out
+    # b ended first (388.2 s into the steps phase); the three steps then in progress count by their time passed
+    assert ("while every pipeline ran (the first 388.2 s of the steps phase): 29.6 steps (one in progress by its "
+            "time passed) -> 274 steps/h, GPU busy 0.983") in out, out

@@ -164,6 +164,23 @@ def trace_figures(path: Path, t0: float, t1: float, rows: list[dict[str, float]]
     return out
 
 
+def all_running(runs: dict[str, dict[str, Any]], t0: float, t_end: float,
+                rows: list[dict[str, float]]) -> dict[str, float]:
+    """The steps phase while every pipeline still runs, [t0, the first pipeline's last step]: the steps done in it,
+    a step in progress at its end counted by the share of its time that had passed, their rate and the GPU busy
+    share. A run of a few steps each ends with pipelines that finish at different times, the last alone on the GPU;
+    this is the figure of the time they all share it."""
+    done = 0.0
+    for r in runs.values():
+        starts: dict[int, float] = {}
+        for t, step in r.get("step_starts", ()):
+            starts[int(step)] = min(t, starts.get(int(step), t))
+        for (_, start), end in zip(sorted(starts.items()), r.get("step_ends", ()), strict=False):
+            done += 1.0 if end <= t_end else max(t_end - start, 0.0) / (end - start)
+    return {"seconds": t_end - t0, "steps": done, "steps_per_hour": done * 3600 / (t_end - t0),
+            "gpu_busy_share": nvml_figures(rows, t0, t_end)["gpu_busy_share_steps_phase"]}
+
+
 def against_alone(summary: dict[str, Any], alone: dict[str, Any], pipelines: int) -> str:
     """Together vs the same pipelines one after another, from one pipeline alone (its ``summary.json``): N identical
     pipelines in a row make the alone run's steps/hour, so the ratio is the two rates'; next to the ceiling that one
@@ -187,6 +204,9 @@ def against_alone(summary: dict[str, Any], alone: dict[str, Any], pipelines: int
         cost_alone, cost = busy * 3600 / rate_alone, busy_together * 3600 / rate
         line += (f" = busy together {busy_together:.3f} x GPU-busy s a step alone / together {cost_alone:.1f} / "
                  f"{cost:.1f}")
+    if "all_running" in summary:
+        every = summary["all_running"]["steps_per_hour"] / rate_alone
+        line += f"; while every pipeline ran {every:.2f}x: {every / ceiling:.2f} of it"
     return line
 
 
@@ -202,7 +222,7 @@ def main() -> int:
     runs = {p.stem.removeprefix("console_"): console(p) for p in sorted(d.glob("console_*.log"))}
     for p, r in runs.items():
         r["rlix_metrics"] = rlix_metrics(d / f"logs_{p}")
-        reward_times = [t for t, _ in r.pop("reward_times", [])]
+        r["step_ends"] = reward_times = [t for t, _ in r.pop("reward_times", [])]
         r["steps_phase"] = [r["step_starts"][0][0], reward_times[-1]] if r["step_starts"] and reward_times else None
     phases = [r["steps_phase"] for r in runs.values() if r["steps_phase"]]
     begun = [r["started"] for r in runs.values() if r["started"]]
@@ -225,6 +245,8 @@ def main() -> int:
                 own = runs.get(csv.stem.removeprefix("nvml_"), {}).get("steps_phase")
                 if own:
                     summary[csv.stem] = nvml_figures(rows, own[0], own[1])
+        if len(phases) > 1 and (d / "nvml.csv").exists():
+            summary["all_running"] = all_running(runs, t0, min(p[1] for p in phases), samples(d / "nvml.csv"))
         if (d / "trace.jsonl").exists():
             shared_rows = samples(d / "nvml.csv") if (d / "nvml.csv").exists() else None
             summary.update(trace_figures(d / "trace.jsonl", t0, t1, shared_rows))
@@ -247,6 +269,10 @@ def main() -> int:
     if "step_phase_s" in summary:
         print(f"steps {steps}; step phase {summary['step_phase_s']:.1f} s -> {summary['steps_per_hour_step_phase']:.0f}"
               f" steps/h; wall {summary['wall_s']:.1f} s -> {summary['steps_per_hour_wall']:.0f} steps/h")
+    if "all_running" in summary:
+        a = summary["all_running"]
+        print(f"while every pipeline ran (the first {a['seconds']:.1f} s of the steps phase): {a['steps']:.1f} steps "
+              f"(one in progress by its time passed) -> {a['steps_per_hour']:.0f} steps/h, GPU busy {a['gpu_busy_share']:.3f}")
     for key in sorted(k for k in summary if k.startswith("nvml") and not k.endswith("_procs")):
         f = summary[key]
         per_gpu = ", ".join(f"GPU {g} {b:.3f}" for g, b in f["gpu_busy_share_by_gpu"].items())
