@@ -96,5 +96,5 @@ def test_four_on_one_gpu_against_one_alone_split_what_is_left_of_the_ceiling(tmp
     assert ("ceiling min(4, 1 / 0.491) = 2.04x: 0.89 of it = busy together 0.952 x GPU-busy s a step alone / "
             "together 12.4 / 13.3; while every pipeline ran 1.92x: 0.94 of it") in out, out
     # b ended first (388.2 s into the steps phase); the three steps then in progress count by their time passed
-    assert ("while every pipeline ran (the first 388.2 s of the steps phase): 29.6 steps (one in progress by its "
+    assert ("while every pipeline ran (the first 388.2 s of the steps phase): 29.6 steps (those in progress at its end by their "
             "time passed) -> 274 steps/h, GPU busy 0.983") in out, out

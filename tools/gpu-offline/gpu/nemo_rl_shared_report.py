@@ -166,9 +166,9 @@ def trace_figures(path: Path, t0: float, t1: float, rows: list[dict[str, float]]
 
 def all_running(runs: dict[str, dict[str, Any]], t0: float, t_end: float,
                 rows: list[dict[str, float]]) -> dict[str, float]:
-    """The steps phase while every pipeline still runs, [t0, the first pipeline's last step]: the steps done in it,
-    a step in progress at its end counted by the share of its time that had passed, their rate and the GPU busy
-    share. A run of a few steps each ends with pipelines that finish at different times, the last alone on the GPU;
+    """The steps phase while every pipeline still runs, from t0 to the end of the first pipeline's last step: the
+    steps done in it, a step in progress at its end counted by the share of its time that had passed, their rate
+    and the GPU busy share. A run of a few steps each ends with pipelines that finish at different times, the last alone on the GPU;
     this is the figure of the time they all share it."""
     done = 0.0
     for r in runs.values():
@@ -245,8 +245,10 @@ def main() -> int:
                 own = runs.get(csv.stem.removeprefix("nvml_"), {}).get("steps_phase")
                 if own:
                     summary[csv.stem] = nvml_figures(rows, own[0], own[1])
-        if len(phases) > 1 and (d / "nvml.csv").exists():
-            summary["all_running"] = all_running(runs, t0, min(p[1] for p in phases), samples(d / "nvml.csv"))
+        first_end = min(p[1] for p in phases)
+        if len(phases) > 1 and max(p[0] for p in phases) < first_end and (d / "nvml.csv").exists():
+            # (pipelines at once: one after another, the first ends before the next begins)
+            summary["all_running"] = all_running(runs, t0, first_end, samples(d / "nvml.csv"))
         if (d / "trace.jsonl").exists():
             shared_rows = samples(d / "nvml.csv") if (d / "nvml.csv").exists() else None
             summary.update(trace_figures(d / "trace.jsonl", t0, t1, shared_rows))
@@ -272,7 +274,8 @@ def main() -> int:
     if "all_running" in summary:
         a = summary["all_running"]
         print(f"while every pipeline ran (the first {a['seconds']:.1f} s of the steps phase): {a['steps']:.1f} steps "
-              f"(one in progress by its time passed) -> {a['steps_per_hour']:.0f} steps/h, GPU busy {a['gpu_busy_share']:.3f}")
+              f"(those in progress at its end by their time passed) -> {a['steps_per_hour']:.0f} steps/h, "
+              f"GPU busy {a['gpu_busy_share']:.3f}")
     for key in sorted(k for k in summary if k.startswith("nvml") and not k.endswith("_procs")):
         f = summary[key]
         per_gpu = ", ".join(f"GPU {g} {b:.3f}" for g, b in f["gpu_busy_share_by_gpu"].items())
