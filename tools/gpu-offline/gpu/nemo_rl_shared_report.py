@@ -245,12 +245,12 @@ def main() -> int:
                 own = runs.get(csv.stem.removeprefix("nvml_"), {}).get("steps_phase")
                 if own:
                     summary[csv.stem] = nvml_figures(rows, own[0], own[1])
+        shared_rows = samples(d / "nvml.csv") if (d / "nvml.csv").exists() else None
         first_end = min(p[1] for p in phases)
-        if len(phases) > 1 and max(p[0] for p in phases) < first_end and (d / "nvml.csv").exists():
+        if len(phases) > 1 and max(p[0] for p in phases) < first_end and shared_rows is not None:
             # (pipelines at once: one after another, the first ends before the next begins)
-            summary["all_running"] = all_running(runs, t0, first_end, samples(d / "nvml.csv"))
+            summary["all_running"] = all_running(runs, t0, first_end, shared_rows)
         if (d / "trace.jsonl").exists():
-            shared_rows = samples(d / "nvml.csv") if (d / "nvml.csv").exists() else None
             summary.update(trace_figures(d / "trace.jsonl", t0, t1, shared_rows))
     gpu_after = (d / "gpu_after.csv").read_text() if (d / "gpu_after.csv").exists() else ""
     summary["gpu_after"] = gpu_after
