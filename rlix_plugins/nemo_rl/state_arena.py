@@ -7,9 +7,9 @@ on the GPU. Here the same tensors go by DMA into views of one host buffer of exa
 (``cudaHostRegister``; torch's pinned caching allocator rounds every block up to a power of two: 1.26x the host
 memory at 1.5B, 1.9x at 0.5B and 7B), and the parameters and optimizer states are left pointing at those views,
 as NeMo RL's own offload leaves them pointing at CPU tensors. NeMo RL's onload then runs unchanged and reads pinned
-memory. On an H200 at the 1.5B shape (18.5 GB of states) ``benchmarks/offload.py`` measured 0.51 s out and 0.44-0.48 s
-back (36-42 GB/s) against NeMo RL's 10.1-10.7 s and 2.7-2.8 s; the first offload, which makes and page-locks the
-arena, 5.5 s.
+memory. On two H200 machines at the 1.5B shape (18.5 GB of states) ``benchmarks/offload.py`` measured 0.44-0.52 s
+out and 0.42-0.48 s back (36-44 GB/s) against NeMo RL's 8.2-10.7 s and 2.2-2.8 s; the first offload, which makes and
+page-locks the arena, 4.7-5.5 s.
 
 How the parameters move: ``model._apply(fn)``, the path ``model.to`` takes, so that FSDP2's ``_apply`` re-points
 its sharded data at what ``fn`` returns (``FSDPParam.reset_sharded_param``). ``fn`` builds the CPU DTensor itself:
